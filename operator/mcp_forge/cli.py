@@ -1,0 +1,277 @@
+"""The `mcp-forge` command line. A thin adapter: it parses, calls the core, and prints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import yaml
+
+from . import __version__, resource
+from .errors import ForgeError
+
+T = TypeVar("T")
+log = logging.getLogger("mcp_forge")
+
+
+def _run(coro: Awaitable[T]) -> T:
+    try:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    except ForgeError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+
+
+def _read(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        click.echo(f"error: cannot read {path}: {exc.strerror}", err=True)
+        sys.exit(1)
+
+
+def _local() -> Any:
+    from .local import LocalRuntime
+
+    return LocalRuntime()
+
+
+@click.group()
+@click.version_option(__version__, prog_name="mcp-forge")
+@click.option(
+    "--log-level",
+    default="warning",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+def main(log_level: str) -> None:
+    """Safe, stateful Python sessions for AI agents."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@main.command()
+@click.option("-f", "--filename", required=True, help="KernelSession YAML file, or - for stdin.")
+@click.option(
+    "--target", type=click.Choice(["kubernetes", "podman"]), default="kubernetes", show_default=True
+)
+def render(filename: str, target: str) -> None:
+    """Print the manifests a KernelSession becomes."""
+    from .connection import ConnectionInfo, new_key
+    from .render import HostPaths, render_kubernetes, render_podman
+    from .settings import Settings
+
+    try:
+        bodies = resource.parse_documents(_read(filename))
+    except ForgeError as exc:
+        click.echo(f"error: {filename}: {exc}", err=True)
+        sys.exit(1)
+    out: list[dict[str, Any]] = []
+    for body in bodies:
+        session = resource.load(body)
+        if target == "kubernetes":
+            out += render_kubernetes(session, ConnectionInfo("tcp", "", new_key()))
+        else:
+            base = Settings.from_env().state_dir / "k" / session.name
+            shared = str(
+                base.parent.parent
+                / "shared"
+                / session.namespace
+                / (session.spec.shared_group or "-")
+            )
+            paths = HostPaths(str(base / "run"), str(base / "workspace"), shared)
+            out += render_podman(session, paths)
+    click.echo(yaml.safe_dump_all(out, sort_keys=False), nl=False)
+
+
+@main.command()
+@click.option("-f", "--filename", required=True, help="KernelSession YAML file, or - for stdin.")
+@click.option(
+    "--wait/--no-wait", default=True, show_default=True, help="Wait until the kernel answers."
+)
+def apply(filename: str, wait: bool) -> None:
+    """Create or update KernelSessions (local mode)."""
+    try:
+        bodies = resource.parse_documents(_read(filename))
+    except ForgeError as exc:
+        click.echo(f"error: {filename}: {exc}", err=True)
+        sys.exit(1)
+
+    async def go() -> None:
+        rt = _local()
+        for body in bodies:
+            done = await rt.apply(body, wait=wait)
+            phase = done.session.status.get("phase", "")
+            click.echo(
+                f"kernelsession/{done.session.name} {done.action} ({phase}, {done.seconds:.1f}s)"
+            )
+
+    _run(go())
+
+
+def _age(ts: str | None) -> str:
+    if not ts:
+        return "-"
+    from .local import parse_time
+
+    s = int(time.time() - parse_time(ts))
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s // n}{unit}"
+    return f"{s}s"
+
+
+@main.command()
+@click.argument("name", required=False)
+@click.option("-n", "--namespace", default=None)
+@click.option("-o", "--output", type=click.Choice(["table", "yaml", "json"]), default="table")
+def get(name: str | None, namespace: str | None, output: str) -> None:
+    """Show KernelSessions, with their status checked against Podman."""
+
+    async def go() -> list[dict[str, Any]]:
+        rt = _local()
+        sessions = (
+            [await rt.get(name, namespace or "default")] if name else await rt.list(namespace)
+        )
+        return [(await rt.refresh(s)).body for s in sessions]
+
+    bodies = _run(go())
+    if output == "yaml":
+        click.echo(
+            yaml.safe_dump(bodies[0] if name else {"items": bodies}, sort_keys=False), nl=False
+        )
+    elif output == "json":
+        click.echo(json.dumps(bodies[0] if name else {"items": bodies}, indent=2))
+    else:
+        rows = [("NAME", "PHASE", "RESTARTS", "LAST ACTIVITY", "AGE")]
+        for b in bodies:
+            st = b.get("status", {})
+            rows.append(
+                (
+                    b["metadata"]["name"],
+                    st.get("phase", "-"),
+                    str(st.get("restarts", 0)),
+                    _age(st.get("lastActivity")),
+                    _age(b["metadata"].get("creationTimestamp")),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        for r in rows:
+            click.echo("   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+@main.command()
+@click.argument("name")
+@click.option("-n", "--namespace", default="default")
+def delete(name: str, namespace: str) -> None:
+    """Delete a KernelSession, its pod and its files (local mode)."""
+    _run(_local().delete(name, namespace))
+    click.echo(f"kernelsession/{name} deleted")
+
+
+@main.command("exec")
+@click.argument("name")
+@click.option("-c", "--code", help="Code to run; without it, read from stdin.")
+@click.option("-n", "--namespace", default="default")
+@click.option("--timeout", type=float, default=None, help="Seconds before the code is interrupted.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+def exec_(
+    name: str, code: str | None, namespace: str, timeout: float | None, as_json: bool
+) -> None:
+    """Run code in a session's kernel; variables persist between calls."""
+    from .gateway import Gateway
+
+    source = code if code is not None else sys.stdin.read()
+
+    async def go() -> Any:
+        gw = Gateway(_local())
+        try:
+            return await gw.execute(name, source, timeout=timeout, namespace=namespace)
+        finally:
+            await gw.close()
+
+    result = _run(go())
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+        if result.result is not None:
+            click.echo(result.result["data"].get("text/plain", ""))
+        for d in result.displays:
+            kinds = ", ".join(d["data"])
+            click.echo(f"[display: {kinds}]")
+        if result.error is not None:
+            click.echo("\n".join(result.error.traceback), err=True)
+        if result.message:
+            click.echo(f"[{result.status}] {result.message}", err=True)
+    sys.exit(0 if result.status == "ok" else 1)
+
+
+@main.group()
+def image() -> None:
+    """The kernel image."""
+
+
+@image.command("build")
+@click.option(
+    "--variant",
+    type=click.Choice(["minimal", "default", "all"]),
+    default="default",
+    show_default=True,
+)
+@click.option("--force", is_flag=True, help="Rebuild even if the image is up to date.")
+def image_build(variant: str, force: bool) -> None:
+    """Build localhost/mcp-forge-kernel from Debian packages and wheels (no registry needed)."""
+    from .image import VARIANTS, build_image
+
+    def progress(line: str) -> None:
+        click.echo(line, err=True)
+
+    async def go() -> None:
+        for v in VARIANTS if variant == "all" else (variant,):
+            res = await build_image(v, force=force, progress=progress)
+            state = "built" if res.built else "up to date"
+            click.echo(f"{res.ref} {state} ({res.seconds:.1f}s)")
+
+    _run(go())
+
+
+@main.command()
+def doctor() -> None:
+    """Check this host for local mode and print exactly what to fix."""
+    from .doctor import run_checks
+
+    ok = _run(run_checks(lambda line: click.echo(line)))
+    sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.option("--cull-interval", type=float, default=10.0, show_default=True)
+def gateway(cull_interval: float) -> None:
+    """Run the gateway in local mode: keep session status true, restart dead kernels, cull idle ones."""
+    from .supervisor import supervise
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await supervise(
+            _local(), stop, interval=cull_interval, say=lambda m: click.echo(m, err=True)
+        )
+
+    _run(go())

@@ -1,0 +1,68 @@
+"""How a kernel is reached: fixed ports, a per-session key, and the transport.
+
+Each kernel has its own pod, so the five Jupyter channels use fixed numbers; nothing is
+allocated and nothing can conflict. On Kubernetes they are TCP ports behind a Service.
+Locally they are Unix sockets (ZMQ `ipc`) in a directory shared only between the host
+and that one pod, whose network is `none`: no other kernel, and no host user but root,
+can reach them.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+PORTS: dict[str, int] = {
+    "shell": 5555,
+    "iopub": 5556,
+    "stdin": 5557,
+    "control": 5558,
+    "hb": 5559,
+}
+
+RUN_DIR_IN_POD = "/run/mcp-forge"
+CONNECTION_FILE_IN_POD = f"{RUN_DIR_IN_POD}/connection.json"
+IPC_PREFIX_IN_POD = f"{RUN_DIR_IN_POD}/kernel"
+# ZMQ ipc endpoints are Unix socket paths: at most 107 bytes on Linux.
+IPC_PATH_MAX = 100
+
+Transport = Literal["tcp", "ipc"]
+
+
+def new_key() -> str:
+    """A fresh HMAC key, unique per session (256 bits)."""
+    return secrets.token_hex(32)
+
+
+@dataclass(frozen=True)
+class ConnectionInfo:
+    transport: Transport
+    host: str  # IP or DNS name for tcp; socket path prefix for ipc
+    key: str
+
+    def kernel_side(self) -> ConnectionInfo:
+        """The info as the kernel binds it inside its pod."""
+        if self.transport == "ipc":
+            return replace(self, host=IPC_PREFIX_IN_POD)
+        return replace(self, host="0.0.0.0")
+
+    def to_jupyter(self) -> dict[str, Any]:
+        """The connection-file dictionary jupyter-client and ipykernel understand."""
+        info: dict[str, Any] = {f"{name}_port": port for name, port in PORTS.items()}
+        info.update(
+            transport=self.transport,
+            ip=self.host,
+            key=self.key,
+            signature_scheme="hmac-sha256",
+            kernel_name="python3",
+        )
+        return info
+
+    def to_file(self) -> str:
+        return json.dumps(self.kernel_side().to_jupyter(), indent=2, sort_keys=True)
+
+    def public(self) -> dict[str, Any]:
+        """What may be shown in status: everything but the key."""
+        return {"transport": self.transport, "host": self.host, "ports": dict(PORTS)}

@@ -1,0 +1,58 @@
+"""The errors MCP-Forge raises, as one small tree.
+
+    ForgeError                      every error of ours; str() is a message for a person
+    ├── InvalidSession              a KernelSession that breaks the schema or a rule (names the field)
+    ├── InvalidRequest              bad input to an operation: empty code, negative timeout, bad path
+    ├── SessionNotFound             no KernelSession of that name
+    ├── SessionNotReady             it exists, but its kernel cannot take work now
+    ├── KernelProtocolError         the kernel sent something we refuse (too large, malformed)
+    ├── ImageError                  the kernel image is missing or could not be built
+    └── PodmanError                 a podman command failed (carries its stderr)
+
+Errors of the *user's code* are never exceptions: they are data in the execution
+result (status "error", "timeout", "died", ...).
+"""
+
+from __future__ import annotations
+
+
+class ForgeError(Exception):
+    """Base of every MCP-Forge error."""
+
+
+class InvalidSession(ForgeError):
+    """A KernelSession that does not validate; the message names the field."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+class InvalidRequest(ForgeError):
+    """Bad input to an operation."""
+
+
+class SessionNotFound(ForgeError):
+    """No KernelSession with that name."""
+
+
+class SessionNotReady(ForgeError):
+    """The session exists but its kernel is not available."""
+
+
+class KernelProtocolError(ForgeError):
+    """The kernel sent something we refuse to accept."""
+
+
+class ImageError(ForgeError):
+    """The kernel image is missing or could not be built."""
+
+
+class PodmanError(ForgeError):
+    """A podman command failed."""
+
+    def __init__(self, args: list[str], returncode: int, stderr: str) -> None:
+        cmd = " ".join(args)
+        super().__init__(f"podman {cmd!s} failed ({returncode}): {stderr.strip()[-2000:]}")
+        self.returncode = returncode
+        self.stderr = stderr

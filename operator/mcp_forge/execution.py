@@ -1,0 +1,211 @@
+"""Folding Jupyter messages into an execution result. Pure: no I/O.
+
+A Collector is fed the IOPub and shell messages whose parent is one request
+(the caller matches ``parent_header.msg_id``) and builds the result: streams,
+the execute_result and every display_data as mime bundles, the error with its
+traceback stripped of ANSI codes. Text beyond the budget is cut with a marker;
+the whole of it is kept (up to a cap) so the caller can save it to a file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Status = Literal["ok", "error", "timeout", "interrupted", "died"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+TEXT_MIMES = ("text/plain", "text/markdown", "text/html", "text/latex", "application/json")
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    ename: str
+    evalue: str
+    traceback: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ename": self.ename, "evalue": self.evalue, "traceback": list(self.traceback)}
+
+
+@dataclass(frozen=True)
+class ExecutionResult:
+    """What one execute call did. User-code errors are data here, not exceptions."""
+
+    status: Status
+    stdout: str = ""
+    stderr: str = ""
+    result: dict[str, Any] | None = None  # the execute_result mime bundle
+    displays: tuple[dict[str, Any], ...] = ()  # every display_data mime bundle, in order
+    error: ErrorInfo | None = None
+    execution_count: int | None = None
+    duration: float = 0.0
+    truncated: bool = False
+    full_output_path: str | None = None  # in the workspace, when truncated
+    state_lost: bool = False  # the kernel was restarted: variables are gone
+    message: str = ""  # a plain explanation for timeout / interrupted / died
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "result": self.result,
+            "displays": list(self.displays),
+            "error": self.error.to_dict() if self.error else None,
+            "execution_count": self.execution_count,
+            "duration": round(self.duration, 6),
+            "truncated": self.truncated,
+            "full_output_path": self.full_output_path,
+            "state_lost": self.state_lost,
+            "message": self.message,
+        }
+
+
+def _truncation_marker(dropped: int) -> str:
+    return f"\n[... output truncated: {dropped} more characters ...]\n"
+
+
+@dataclass
+class Collector:
+    """Builds an ExecutionResult from the messages of one request."""
+
+    msg_id: str
+    budget: int
+    spool_max: int
+    stdout: list[str] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    displays: list[dict[str, Any]] = field(default_factory=list)
+    error: ErrorInfo | None = None
+    execution_count: int | None = None
+    reply_status: str | None = None
+    idle: bool = False
+    used: int = 0  # text characters kept so far
+    dropped: int = 0  # text characters cut
+    spool: list[str] = field(default_factory=list)  # the whole text, in arrival order
+    spooled: int = 0
+
+    @property
+    def done(self) -> bool:
+        """The kernel is idle for this request and has replied on shell."""
+        return self.idle and self.reply_status is not None
+
+    def _keep(self, text: str) -> str:
+        """Account `text` against the budget; return the part that may be kept."""
+        if self.spooled < self.spool_max:
+            piece = text[: self.spool_max - self.spooled]
+            self.spool.append(piece)
+            self.spooled += len(piece)
+        room = max(self.budget - self.used, 0)
+        kept = text[:room]
+        self.used += len(kept)
+        self.dropped += len(text) - len(kept)
+        return kept
+
+    def _bundle(self, content: dict[str, Any], label: str) -> dict[str, Any]:
+        data = content.get("data")
+        data = dict(data) if isinstance(data, dict) else {}
+        for mime in TEXT_MIMES:
+            value = data.get(mime)
+            if isinstance(value, str):
+                self.spool_note(f"[{label} {mime}]\n")
+                data[mime] = self._keep(value)
+        return {"data": data, "metadata": content.get("metadata") or {}}
+
+    def spool_note(self, text: str) -> None:
+        if self.spooled < self.spool_max:
+            self.spool.append(text)
+            self.spooled += len(text)
+
+    def feed(self, msg: dict[str, Any]) -> None:
+        """Take one message whose parent is this request (IOPub or the shell reply)."""
+        kind = msg.get("msg_type") or msg.get("header", {}).get("msg_type")
+        content = msg.get("content") or {}
+        if kind == "stream":
+            text = content.get("text")
+            if isinstance(text, str):
+                (self.stderr if content.get("name") == "stderr" else self.stdout).append(
+                    self._keep(text)
+                )
+        elif kind == "execute_result":
+            self.result = self._bundle(content, "result")
+            count = content.get("execution_count")
+            if isinstance(count, int):
+                self.execution_count = count
+        elif kind == "display_data":
+            self.displays.append(self._bundle(content, "display"))
+        elif kind == "update_display_data":
+            self.displays.append(self._bundle(content, "display update"))
+        elif kind == "clear_output":
+            pass  # outputs already returned stay in the record
+        elif kind == "error":
+            self.error = _error(content)
+            self.spool_note("\n".join(self.error.traceback) + "\n")
+        elif kind == "status":
+            if content.get("execution_state") == "idle":
+                self.idle = True
+        elif kind == "execute_reply":
+            status = content.get("status")
+            self.reply_status = status if isinstance(status, str) else "error"
+            count = content.get("execution_count")
+            if isinstance(count, int):
+                self.execution_count = count
+            if self.reply_status == "error" and self.error is None:
+                self.error = _error(content)
+
+    def finish(
+        self,
+        status: Status | None = None,
+        *,
+        duration: float,
+        message: str = "",
+        state_lost: bool = False,
+    ) -> ExecutionResult:
+        if status is None:
+            if self.reply_status == "ok":
+                status = "ok"
+            elif self.error is not None and self.error.ename == "KeyboardInterrupt":
+                status = "interrupted"
+            else:
+                status = "error"
+        stdout = "".join(self.stdout)
+        stderr = "".join(self.stderr)
+        truncated = self.dropped > 0
+        if truncated:
+            marker = _truncation_marker(self.dropped)
+            if stderr and not stdout:
+                stderr += marker
+            else:
+                stdout += marker
+        return ExecutionResult(
+            status=status,
+            stdout=stdout,
+            stderr=stderr,
+            result=self.result,
+            displays=tuple(self.displays),
+            error=self.error,
+            execution_count=self.execution_count,
+            duration=duration,
+            truncated=truncated,
+            state_lost=state_lost,
+            message=message,
+        )
+
+    def full_text(self) -> str:
+        return "".join(self.spool)
+
+
+def _error(content: dict[str, Any]) -> ErrorInfo:
+    tb = content.get("traceback")
+    lines = tuple(strip_ansi(str(line)) for line in tb) if isinstance(tb, list) else ()
+    return ErrorInfo(
+        ename=str(content.get("ename", "Error")),
+        evalue=strip_ansi(str(content.get("evalue", ""))),
+        traceback=lines,
+    )

@@ -1,0 +1,250 @@
+"""The renderer: a KernelSession becomes the manifests that run it. Pure: no I/O.
+
+One function per target, both built from the same pod template, so the security
+profile lives in one place:
+
+* ``kubernetes``: Secret (connection file with the key), Service (the five ZMQ ports),
+  NetworkPolicy (ingress from the gateway only; egress per spec), Pod. Valid for
+  ``kubectl apply``.
+* ``podman``: the Pod alone, as ``podman kube play`` runs it. Podman ignores Services and
+  NetworkPolicies, and 4.3.1 crashes on secret volumes, so the connection file and the
+  workspace are host directories (written by local mode) and the pod has no network:
+  the kernel's channels are Unix sockets in its run directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .connection import CONNECTION_FILE_IN_POD, PORTS, RUN_DIR_IN_POD, ConnectionInfo
+from .resource import API_VERSION, KIND, KernelSession
+
+Target = Literal["kubernetes", "podman"]
+TARGETS: tuple[Target, ...] = ("kubernetes", "podman")
+
+KERNEL_UID = 1000
+CONTAINER = "kernel"
+WORKSPACE = "/workspace"
+SHARED = "/shared"
+MANAGED_BY = "mcp-forge"
+LABEL_SESSION = "mcpforge.dev/session"
+LABEL_NAMESPACE = "mcpforge.dev/namespace"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+GATEWAY_SELECTOR = {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "gateway"}
+KERNEL_ARGS = ["python", "-m", "ipykernel_launcher", "-f", CONNECTION_FILE_IN_POD]
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """Host directories that local mode mounts into the pod."""
+
+    run: str
+    workspace: str
+    shared: str | None = None
+
+
+def child_name(session: KernelSession) -> str:
+    """Name of the Pod, Service and NetworkPolicy on Kubernetes."""
+    return f"ks-{session.name}"
+
+
+def secret_name(session: KernelSession) -> str:
+    return f"ks-{session.name}-conn"
+
+
+def podman_pod_name(namespace: str, name: str) -> str:
+    """Podman pods have no namespaces, so the name carries it."""
+    return f"mcpforge-{namespace}-{name}"
+
+
+def labels(session: KernelSession) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "mcp-forge",
+        LABEL_COMPONENT: "kernel",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        LABEL_SESSION: session.name,
+        LABEL_NAMESPACE: session.namespace,
+    }
+
+
+def _owner(session: KernelSession) -> list[dict[str, Any]]:
+    if not session.uid:
+        return []
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": session.name,
+            "uid": session.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+
+
+def _metadata(session: KernelSession, name: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": session.namespace, "labels": labels(session)}
+    owners = _owner(session)
+    if owners:
+        meta["ownerReferences"] = owners
+    return meta
+
+
+def _cpu(session: KernelSession) -> str:
+    return f"{session.spec.cpu_milli}m"
+
+
+def _container(session: KernelSession, target: Target) -> dict[str, Any]:
+    spec = session.spec
+    env = [
+        {"name": "HOME", "value": WORKSPACE},
+        {"name": "IPYTHONDIR", "value": "/tmp/ipython"},
+        {"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+        {"name": "MCPFORGE_SESSION", "value": session.name},
+    ]
+    env += [{"name": e.name, "value": e.value} for e in spec.env]
+    mounts = [
+        {"name": "run", "mountPath": RUN_DIR_IN_POD, "readOnly": target == "kubernetes"},
+        {"name": "workspace", "mountPath": WORKSPACE},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if spec.shared_group:
+        mounts.append({"name": "shared", "mountPath": SHARED})
+    limits = {"memory": spec.memory, "cpu": _cpu(session)}
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "args": list(KERNEL_ARGS),
+        "workingDir": WORKSPACE,
+        "env": env,
+        "resources": {"limits": dict(limits), "requests": dict(limits)},
+        "securityContext": {
+            "runAsUser": KERNEL_UID,
+            "runAsGroup": KERNEL_UID,
+            "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": mounts,
+    }
+    if target == "kubernetes":
+        container["ports"] = [
+            {"name": name, "containerPort": port, "protocol": "TCP"} for name, port in PORTS.items()
+        ]
+    return container
+
+
+def _pod(session: KernelSession, target: Target, volumes: list[dict[str, Any]]) -> dict[str, Any]:
+    spec = session.spec
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # kernel death is seen and handled by us, then recreated
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 5,
+        "securityContext": {
+            "runAsUser": KERNEL_UID,
+            "runAsGroup": KERNEL_UID,
+            "runAsNonRoot": True,
+            "fsGroup": KERNEL_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_container(session, target)],
+        "volumes": volumes,
+    }
+    if target == "kubernetes":
+        meta = _metadata(session, child_name(session))
+        pod_spec["hostname"] = "kernel"
+    else:
+        meta = {
+            "name": podman_pod_name(session.namespace, session.name),
+            "labels": labels(session),
+            "annotations": {f"io.podman.annotations.pids-limit/{CONTAINER}": str(spec.pids)},
+        }
+        pod_spec["hostname"] = "kernel"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def render_kubernetes(session: KernelSession, connection: ConnectionInfo) -> list[dict[str, Any]]:
+    """Secret, Service, NetworkPolicy and Pod for a cluster."""
+    spec = session.spec
+    name = child_name(session)
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(session, secret_name(session)),
+        "type": "Opaque",
+        "stringData": {"connection.json": connection.to_file()},
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(session, name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {LABEL_SESSION: session.name, LABEL_COMPONENT: "kernel"},
+            "ports": [
+                {"name": p, "port": n, "targetPort": n, "protocol": "TCP"} for p, n in PORTS.items()
+            ],
+        },
+    }
+    egress: list[dict[str, Any]] = [{}] if spec.egress == "All" else []
+    policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(session, name),
+        "spec": {
+            "podSelector": {
+                "matchLabels": {LABEL_SESSION: session.name, LABEL_COMPONENT: "kernel"}
+            },
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": dict(GATEWAY_SELECTOR)}}],
+                    "ports": [{"port": n, "protocol": "TCP"} for n in PORTS.values()],
+                }
+            ],
+            "egress": egress,
+        },
+    }
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": "run",
+            "secret": {
+                "secretName": secret_name(session),
+                "defaultMode": 0o440,
+                "items": [{"key": "connection.json", "path": "connection.json"}],
+            },
+        },
+        {"name": "workspace", "emptyDir": {"sizeLimit": spec.workspace_size}},
+        {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}},
+    ]
+    if spec.shared_group:
+        volumes.append(
+            {
+                "name": "shared",
+                "persistentVolumeClaim": {"claimName": f"mcpforge-shared-{spec.shared_group}"},
+            }
+        )
+    return [secret, service, policy, _pod(session, "kubernetes", volumes)]
+
+
+def render_podman(session: KernelSession, paths: HostPaths) -> list[dict[str, Any]]:
+    """The Pod that `podman kube play --network none` runs."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "run", "hostPath": {"path": paths.run, "type": "DirectoryOrCreate"}},
+        {"name": "workspace", "hostPath": {"path": paths.workspace, "type": "DirectoryOrCreate"}},
+        {"name": "tmp", "emptyDir": {"medium": "Memory"}},
+    ]
+    if session.spec.shared_group:
+        if paths.shared is None:
+            raise ValueError("a session with sharedGroup needs a shared host path")
+        volumes.append(
+            {"name": "shared", "hostPath": {"path": paths.shared, "type": "DirectoryOrCreate"}}
+        )
+    return [_pod(session, "podman", volumes)]

@@ -1,0 +1,59 @@
+"""Named settings: every deadline and limit has a name, a default, and an env override."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+def _default_state_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/mcp-forge")
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local/share")
+    return Path(base) / "mcp-forge"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Read from MCPFORGE_<NAME> environment variables, e.g. MCPFORGE_EXECUTE_TIMEOUT=60."""
+
+    state_dir: Path = field(default_factory=_default_state_dir)
+    # Deadlines, in seconds.
+    kernel_ready_timeout: float = 60.0  # play → first kernel_info reply
+    execute_timeout: float = 300.0  # default per-call timeout
+    execute_timeout_max: float = 3600.0
+    interrupt_grace: float = 3.0  # after interrupt_request, before a forced restart
+    heartbeat_interval: float = 1.0  # liveness check while waiting on a busy kernel
+    heartbeat_timeout: float = 1.5
+    helper_timeout: float = 30.0  # namespace listing, variable inspection, file operations
+    podman_timeout: float = 120.0
+    # Sizes, in bytes.
+    code_max: int = 1_000_000
+    output_budget: int = 100_000  # text returned per call; the rest goes to a file
+    output_spool_max: int = 16_000_000  # most output kept in the workspace file per call
+    message_max: int = 32_000_000  # one Jupyter message from the kernel
+    helper_reply_max: int = 4_000_000
+    file_max: int = 10_000_000  # read_file / write_file
+    repr_max: int = 2_000  # variable repr
+    variables_max: int = 500  # entries in a namespace listing
+    list_files_max: int = 1_000
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"MCPFORGE_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.name == "state_dir":
+                values[f.name] = Path(raw)
+            elif f.type in ("float", float):
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = int(raw)
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def store_path(self) -> Path:
+        return self.state_dir / "store.db"

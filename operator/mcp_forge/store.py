@@ -1,0 +1,122 @@
+"""The local store: KernelSessions kept on disk in SQLite, as a cluster would keep them.
+
+One row per session: the whole object (metadata, spec, status) as JSON, plus its
+connection key, which never appears in the object. Writes are transactions, so a
+crash never leaves half an object; SQLite's locking lets the CLI and a running
+gateway share the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .errors import SessionNotFound
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    namespace TEXT NOT NULL,
+    name TEXT NOT NULL,
+    body TEXT NOT NULL,
+    key TEXT NOT NULL,
+    PRIMARY KEY (namespace, name)
+)
+"""
+
+
+class Store:
+    """KernelSession objects and their keys, in one SQLite file (mode 0600)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.close(fd)
+        with self._db() as db:
+            db.execute(_SCHEMA)
+
+    @contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.path, timeout=30, isolation_level="IMMEDIATE")
+        try:
+            with db:
+                yield db
+        finally:
+            db.close()
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        with self._db() as db:
+            row = db.execute(
+                "SELECT body FROM sessions WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+        if row is None:
+            raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+        body: dict[str, Any] = json.loads(row[0])
+        return body
+
+    def key(self, namespace: str, name: str) -> str:
+        with self._db() as db:
+            row = db.execute(
+                "SELECT key FROM sessions WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+        if row is None:
+            raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+        return str(row[0])
+
+    def list(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        with self._db() as db:
+            if namespace is None:
+                rows = db.execute("SELECT body FROM sessions ORDER BY namespace, name").fetchall()
+            else:
+                rows = db.execute(
+                    "SELECT body FROM sessions WHERE namespace=? ORDER BY name", (namespace,)
+                ).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def create(self, body: dict[str, Any], key: str) -> None:
+        meta = body["metadata"]
+        with self._db() as db:
+            db.execute(
+                "INSERT INTO sessions (namespace, name, body, key) VALUES (?, ?, ?, ?)",
+                (meta["namespace"], meta["name"], json.dumps(body), key),
+            )
+
+    def replace(self, body: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        with self._db() as db:
+            cur = db.execute(
+                "UPDATE sessions SET body=? WHERE namespace=? AND name=?",
+                (json.dumps(body), meta["namespace"], meta["name"]),
+            )
+            if cur.rowcount == 0:
+                raise SessionNotFound(f"no KernelSession {meta['name']!r}")
+
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """Merge `patch` into status (None deletes a key) in one transaction; return the body."""
+        with self._db() as db:
+            row = db.execute(
+                "SELECT body FROM sessions WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+            if row is None:
+                raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+            body: dict[str, Any] = json.loads(row[0])
+            status = body.setdefault("status", {})
+            for k, v in patch.items():
+                if v is None:
+                    status.pop(k, None)
+                else:
+                    status[k] = v
+            db.execute(
+                "UPDATE sessions SET body=? WHERE namespace=? AND name=?",
+                (json.dumps(body), namespace, name),
+            )
+        return body
+
+    def delete(self, namespace: str, name: str) -> None:
+        with self._db() as db:
+            db.execute("DELETE FROM sessions WHERE namespace=? AND name=?", (namespace, name))

@@ -1,0 +1,112 @@
+"""Folding Jupyter messages into a result, and the host-side checks on kernel replies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mcp_forge import introspection
+from mcp_forge.errors import InvalidRequest, KernelProtocolError
+from mcp_forge.execution import Collector, strip_ansi
+
+
+def msg(kind: str, **content: Any) -> dict[str, Any]:
+    return {"msg_type": kind, "parent_header": {"msg_id": "m1"}, "content": content}
+
+
+def run(collector: Collector, *msgs: dict[str, Any]) -> None:
+    for m in msgs:
+        collector.feed(m)
+
+
+def test_streams_results_and_displays_are_kept_apart() -> None:
+    c = Collector("m1", budget=1000, spool_max=1000)
+    run(
+        c,
+        msg("status", execution_state="busy"),
+        msg("stream", name="stdout", text="out\n"),
+        msg("stream", name="stderr", text="err\n"),
+        msg("display_data", data={"image/png": "iVBOR", "text/plain": "<Figure>"}, metadata={}),
+        msg("execute_result", data={"text/plain": "2"}, metadata={}, execution_count=3),
+        msg("status", execution_state="idle"),
+    )
+    assert not c.done
+    c.feed(msg("execute_reply", status="ok", execution_count=3))
+    assert c.done
+    r = c.finish(duration=0.1)
+    assert (r.status, r.stdout, r.stderr) == ("ok", "out\n", "err\n")
+    assert r.result == {"data": {"text/plain": "2"}, "metadata": {}}
+    assert r.displays[0]["data"]["image/png"] == "iVBOR"
+    assert r.execution_count == 3
+
+
+def test_an_error_is_data_with_its_traceback_stripped_of_ansi() -> None:
+    c = Collector("m1", budget=1000, spool_max=1000)
+    tb = ["\x1b[0;31mZeroDivisionError\x1b[0m", "\x1b[1;32m----> 1\x1b[0m 1/0"]
+    run(
+        c,
+        msg("error", ename="ZeroDivisionError", evalue="division by zero", traceback=tb),
+        msg("status", execution_state="idle"),
+        msg("execute_reply", status="error", ename="ZeroDivisionError", evalue="division by zero"),
+    )
+    r = c.finish(duration=0)
+    assert r.status == "error"
+    assert r.error is not None
+    assert r.error.traceback == ("ZeroDivisionError", "----> 1 1/0")
+
+
+def test_a_keyboard_interrupt_is_reported_as_interrupted() -> None:
+    c = Collector("m1", budget=1000, spool_max=1000)
+    run(
+        c,
+        msg("error", ename="KeyboardInterrupt", evalue="", traceback=[]),
+        msg("status", execution_state="idle"),
+        msg("execute_reply", status="error"),
+    )
+    assert c.finish(duration=0).status == "interrupted"
+
+
+def test_output_over_the_budget_is_cut_with_a_marker_and_spooled_whole() -> None:
+    c = Collector("m1", budget=10, spool_max=10_000)
+    run(c, msg("stream", name="stdout", text="0123456789abcdef"), msg("stream", name="stdout", text="XYZ"))
+    r = c.finish("ok", duration=0)
+    assert r.truncated
+    assert r.stdout.startswith("0123456789\n[... output truncated: 9 more characters")
+    assert c.full_text() == "0123456789abcdefXYZ"
+
+
+def test_the_spool_itself_is_bounded() -> None:
+    c = Collector("m1", budget=5, spool_max=8)
+    run(c, msg("stream", name="stdout", text="x" * 100))
+    assert c.full_text() == "x" * 8
+
+
+def test_ansi_is_stripped() -> None:
+    assert strip_ansi("\x1b[31mred\x1b[0m \x1b]0;title\x07ok") == "red ok"
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("a.txt", "a.txt"), ("/workspace/a/b", "a/b"), ("a/../b", "b"), ("", "."), ("/workspace", ".")],
+)
+def test_workspace_paths_are_normalized(given: str, expected: str) -> None:
+    assert introspection.workspace_path(given) == expected
+
+
+@pytest.mark.parametrize("bad", ["../etc/passwd", "a/../../x", "/etc/passwd", "/workspace/../etc", "a\x00b"])
+def test_paths_that_leave_the_workspace_are_refused(bad: str) -> None:
+    with pytest.raises(InvalidRequest):
+        introspection.workspace_path(bad)
+
+
+def test_a_helper_reply_is_parsed_as_json_after_its_marker_only() -> None:
+    _, marker = introspection.program("variables", max=1, repr_max=1)
+    out = f"noise {marker}{{fake}}\nuser print\n{marker}" + '{"variables": []}\n'
+    assert introspection.parse_reply(out, marker, limit=1000) == {"variables": []}
+    with pytest.raises(KernelProtocolError, match="no reply line"):
+        introspection.parse_reply("__import__('os').system('x')", marker, limit=1000)
+    with pytest.raises(KernelProtocolError, match="not JSON"):
+        introspection.parse_reply(marker + "[1, 2", marker, limit=1000)
+    with pytest.raises(KernelProtocolError, match="limit"):
+        introspection.parse_reply(marker + "{}" + " " * 2000, marker, limit=1000)

@@ -1,0 +1,131 @@
+"""The KernelSession schema: defaults, and a clear error naming the field for each rule."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import yaml
+
+from mcp_forge import resource
+from mcp_forge.errors import InvalidSession
+
+BASE: dict[str, Any] = {
+    "apiVersion": "mcpforge.dev/v1alpha1",
+    "kind": "KernelSession",
+    "metadata": {"name": "demo"},
+    "spec": {},
+}
+
+
+def with_spec(**spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(BASE)
+    body["spec"] = spec
+    return body
+
+
+def test_defaults_fill_an_empty_spec() -> None:
+    body = resource.validate(BASE)
+    spec = body["spec"]
+    assert spec["image"] == resource.default_image()
+    assert spec["resources"] == {"memory": "1Gi", "cpu": "1", "pids": 256}
+    assert spec["idleTimeout"] == "30m"
+    assert spec["network"] == {"egress": "None"}
+    assert spec["restartPolicy"] == "Always"
+    assert body["metadata"]["namespace"] == "default"
+    typed = resource.load(body).spec
+    assert typed.memory_bytes == 2**30
+    assert typed.cpu_milli == 1000
+    assert typed.idle_timeout == 1800
+
+
+def test_the_input_object_is_not_modified() -> None:
+    body = copy.deepcopy(BASE)
+    resource.validate(body)
+    assert body == BASE
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({**BASE, "apiVersion": "v1"}, "apiVersion", "mcpforge.dev/v1alpha1"),
+        ({**BASE, "kind": "Pod"}, "kind", "KernelSession"),
+        ({**BASE, "metadata": {}}, "metadata.name", "required"),
+        ({**BASE, "metadata": {"name": "Bad_Name"}}, "metadata.name", "a-z"),
+        ({**BASE, "metadata": {"name": "x" * 41}}, "metadata.name", "40"),
+        ({**BASE, "metadata": {"name": "9lives"}}, "metadata.name", "starting with a letter"),
+        (with_spec(image=""), "spec.image", "non-empty"),
+        (with_spec(image="bad image"), "spec.image", "pattern"),
+        (with_spec(resources={"memory": "1GB"}), "spec.resources.memory", "pattern"),
+        (with_spec(resources={"memory": "1Mi"}), "spec.resources.memory", "at least 64Mi"),
+        (with_spec(resources={"cpu": "fast"}), "spec.resources.cpu", "pattern"),
+        (with_spec(resources={"cpu": "10m"}), "spec.resources.cpu", "at least 50m"),
+        (with_spec(resources={"pids": 5}), "spec.resources.pids", "minimum"),
+        (with_spec(resources={"pids": "many"}), "spec.resources.pids", "integer"),
+        (with_spec(idleTimeout="5 minutes"), "spec.idleTimeout", "pattern"),
+        (with_spec(env=[{"value": "x"}]), "spec.env[0].name", "required"),
+        (with_spec(env=[{"name": "1X"}]), "spec.env[0].name", "pattern"),
+        (with_spec(env=[{"name": "A"}, {"name": "A"}]), "spec.env[1].name", "duplicate"),
+        (with_spec(env=[{"name": "MCPFORGE_X"}]), "spec.env[0].name", "reserved"),
+        (with_spec(env=[{"name": "A"}] * 65), "spec.env", "too long"),
+        (with_spec(env="A=1"), "spec.env", "array"),
+        (with_spec(workspace={"size": "lots"}), "spec.workspace.size", "pattern"),
+        (with_spec(sharedGroup="Team A"), "spec.sharedGroup", "pattern"),
+        (with_spec(network={"egress": "Some"}), "spec.network.egress", "one of None, All"),
+        (with_spec(restartPolicy="Sometimes"), "spec.restartPolicy", "one of Always, Never"),
+        (with_spec(mcpServers=[{"allow": ["x"]}]), "spec.mcpServers[0].name", "required"),
+        (with_spec(mcpServers=[{"name": "a"}, {"name": "a"}]), "spec.mcpServers[1].name", "duplicate"),
+        (with_spec(gpus=1), "spec.gpus", "unknown field"),
+        (with_spec(resources={"memory": "1Gi", "disk": "1Gi"}), "spec.resources.disk", "unknown field"),
+    ],
+)
+def test_an_invalid_session_names_the_field(body: dict[str, Any], field: str, words: str) -> None:
+    with pytest.raises(InvalidSession) as err:
+        resource.validate(body)
+    assert err.value.field == field
+    assert words in str(err.value)
+
+
+def test_mcp_servers_keep_fields_a_later_version_adds() -> None:
+    body = resource.validate(with_spec(mcpServers=[{"name": "time", "readOnly": True}]))
+    assert body["spec"]["mcpServers"] == [{"name": "time", "readOnly": True}]
+
+
+def test_durations_parse_into_seconds() -> None:
+    assert resource.parse_duration("1h30m", field="f") == 5400
+    assert resource.parse_duration("90s", field="f") == 90
+    assert resource.parse_duration("0", field="f") == 0
+    with pytest.raises(InvalidSession):
+        resource.parse_duration("", field="f")
+
+
+def test_a_yaml_stream_names_the_bad_document() -> None:
+    text = yaml.safe_dump_all([BASE, with_spec(restartPolicy="x")])
+    with pytest.raises(InvalidSession, match="document 2: spec.restartPolicy"):
+        resource.parse_documents(text)
+
+
+def test_broken_yaml_is_reported_as_yaml() -> None:
+    with pytest.raises(InvalidSession, match="not valid YAML"):
+        resource.parse_documents("spec: [unclosed")
+
+
+def test_the_crd_is_structural_enough_for_the_api_server() -> None:
+    crd = resource.crd()
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["shortNames"] == ["ks"]
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"] for c in version["additionalPrinterColumns"]}
+    assert {"Phase", "Age", "Last Activity"} <= columns
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        # A structural schema never mixes properties with additionalProperties.
+        assert not ("properties" in node and "additionalProperties" in node), path
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+        for key, child in node.get("properties", {}).items():
+            walk(child, f"{path}.{key}")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}[]")
+
+    walk(version["schema"]["openAPIV3Schema"], "")
