@@ -262,7 +262,7 @@ def doctor() -> None:
 @main.command()
 @click.option("--cull-interval", type=float, default=10.0, show_default=True)
 def gateway(cull_interval: float) -> None:
-    """Run the gateway in local mode: keep session status true, restart dead kernels, cull idle ones."""
+    """Run the gateway (local mode): keep status true, restart dead kernels, cull idle ones."""
     from .supervisor import supervise
 
     async def go() -> None:

@@ -1,13 +1,13 @@
 """The errors MCP-Forge raises, as one small tree.
 
-    ForgeError                      every error of ours; str() is a message for a person
-    ├── InvalidSession              a KernelSession that breaks the schema or a rule (names the field)
-    ├── InvalidRequest              bad input to an operation: empty code, negative timeout, bad path
-    ├── SessionNotFound             no KernelSession of that name
-    ├── SessionNotReady             it exists, but its kernel cannot take work now
-    ├── KernelProtocolError         the kernel sent something we refuse (too large, malformed)
-    ├── ImageError                  the kernel image is missing or could not be built
-    └── PodmanError                 a podman command failed (carries its stderr)
+    ForgeError                  every error of ours; str() is a message for a person
+    ├── InvalidSession          a KernelSession that breaks the schema or a rule (names the field)
+    ├── InvalidRequest          bad input to an operation: empty code, negative timeout, bad path
+    ├── SessionNotFound         no KernelSession of that name
+    ├── SessionNotReady         it exists, but its kernel cannot take work now
+    ├── KernelProtocolError     the kernel sent something we refuse (too large, malformed)
+    ├── ImageError              the kernel image is missing or could not be built
+    └── PodmanError             a podman command failed (carries its stderr)
 
 Errors of the *user's code* are never exceptions: they are data in the execution
 result (status "error", "timeout", "died", ...).

@@ -10,6 +10,7 @@ the whole of it is kept (up to a cap) so the caller can save it to a file.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -90,6 +91,7 @@ class Collector:
     dropped: int = 0  # text characters cut
     spool: list[str] = field(default_factory=list)  # the whole text, in arrival order
     spooled: int = 0
+    on_stream: Callable[[str, str], None] | None = None  # (name, text) as output arrives
 
     @property
     def done(self) -> bool:
@@ -130,6 +132,8 @@ class Collector:
         if kind == "stream":
             text = content.get("text")
             if isinstance(text, str):
+                if self.on_stream is not None:
+                    self.on_stream(str(content.get("name")), text)
                 (self.stderr if content.get("name") == "stderr" else self.stdout).append(
                     self._keep(text)
                 )

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,13 @@ class Gateway:
         if handle.conn is not None:
             handle.conn.close()
             handle.conn = None
+        session = await self.runtime.refresh(session)
+        if session.status.get("phase") != "Ready":
+            raise SessionNotReady(
+                f"session {session.name!r} is {session.status.get('phase')}: "
+                f"{session.status.get('message', '')}"
+            )
+        generation = (session.status.get("connection") or {}).get("generation")
         conn = KernelConnection(
             await self.runtime.connection(session), max_message_size=self.settings.message_max
         )
@@ -116,16 +124,28 @@ class Gateway:
         return float(timeout)
 
     async def execute(
-        self, name: str, code: str, *, timeout: float | None = None, namespace: str = "default"
+        self,
+        name: str,
+        code: str,
+        *,
+        timeout: float | None = None,
+        namespace: str = "default",
+        on_stream: Callable[[str, str], None] | None = None,
     ) -> ExecutionResult:
-        """Run `code` in the session's kernel. Errors of the code are in the result."""
+        """Run `code` in the session's kernel. Errors of the code are in the result.
+
+        `on_stream(name, text)` is called with stdout/stderr text as it arrives.
+        """
         seconds = self._check_code(code, timeout)
         session = await self._session(name, namespace)
         handle = self._handle(session)
         async with handle.lock:
             conn = await self._connect(handle, session)
             collector = Collector(
-                "", budget=self.settings.output_budget, spool_max=self.settings.output_spool_max
+                "",
+                budget=self.settings.output_budget,
+                spool_max=self.settings.output_spool_max,
+                on_stream=on_stream,
             )
             result = await self._execute_locked(handle, conn, session, code, seconds, collector)
             if result.truncated:

@@ -200,6 +200,10 @@ class LocalRuntime:
         await self._started(session, wait=wait)
 
     async def _started(self, session: KernelSession, *, wait: bool) -> None:
+        info = await self._inspect(session)
+        if info is not None:  # the baseline for telling a later death by OOM
+            count = await self._oom_count(info.get("Id", ""))
+            self._set_oom(session, {"finishedAt": None, "count": count, "oom": False})
         self._patch(
             session,
             kernelId=str(uuid.uuid4()),
@@ -295,23 +299,61 @@ class LocalRuntime:
         if state.get("Running"):
             return None
         code = state.get("ExitCode")
-        if state.get("OOMKilled"):
+        if state.get("OOMKilled") or (code == 137 and await self._oom_killed(session, info)):
+            limit = session.spec.memory
             return Termination(
-                "OOMKilled", code, "the kernel ran out of memory and was killed (OOM)"
+                "OOMKilled",
+                code,
+                f"the kernel ran out of memory (limit {limit}) and was killed (OOM)",
             )
         if code == 0:
             return Termination("Completed", code, "the kernel exited")
         return Termination("Error", code, f"the kernel exited with code {code}")
 
+    async def _oom_killed(self, session: KernelSession, info: dict[str, Any]) -> bool:
+        """Was the kernel's last death an OOM kill?
+
+        Podman's OOMKilled flag is only set when the container's init dies of it, and on
+        cgroup v1 hosts not even then; the kernel (under tini) is a child. The Linux
+        kernel logs every memory-cgroup OOM kill with the container's cgroup, which names
+        the container id, so count those. The answer is kept per death (FinishedAt), so
+        asking twice about one death gives one answer.
+        """
+        finished = str(info.get("State", {}).get("FinishedAt", ""))
+        seen = self.store.private(session.namespace, session.name).get("oom", {})
+        if seen.get("finishedAt") == finished:
+            return bool(seen.get("oom"))
+        count = await self._oom_count(info.get("Id", ""))
+        oom = count > int(seen.get("count", 0))
+        self._set_oom(session, {"finishedAt": finished, "count": count, "oom": oom})
+        return oom
+
+    async def _oom_count(self, container_id: str) -> int:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                "dmesg", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+            )
+        except OSError:  # no dmesg: deaths are reported by exit code only
+            return 0
+        out, _ = await proc.communicate()
+        needle = f"libpod-{container_id}".encode()
+        return sum(1 for line in out.splitlines() if b"oom-kill:" in line and needle in line)
+
+    def _set_oom(self, session: KernelSession, value: dict[str, Any]) -> None:
+        private = self.store.private(session.namespace, session.name)
+        private["oom"] = value
+        self.store.set_private(session.namespace, session.name, private)
+
     async def refresh(self, session: KernelSession) -> KernelSession:
         """Bring status in line with what Podman shows; restart a dead kernel per policy."""
         phase = session.status.get("phase")
-        if phase not in ("Ready", "Starting"):
+        if phase not in ("Ready", "Starting", "Restarting"):
             return session
         term = await self.termination(session)
         if term is None:
-            return session
-        if session.spec.restart_policy == "Always" and term.reason != "PodMissing":
+            if phase != "Ready":  # e.g. a process that was starting it went away
+                await self.wait_ready(session)
+        elif session.spec.restart_policy == "Always":
             await self.restart_kernel(
                 session, reason=term.reason, crashed=True, message=term.message
             )
@@ -330,15 +372,16 @@ class LocalRuntime:
             patch.update(
                 reason=reason,
                 message=message or reason,
-                lastTermination={"reason": reason, "at": now()},
+                lastTermination={"reason": reason, "message": message or reason, "at": now()},
             )
         self._patch(session, **patch)
         if await self._inspect(session) is None:
             await self._realize(session, wait=True)
             return
-        await podman.run(
-            "restart", "-t", "1", self.container_name(session), timeout=self.settings.podman_timeout
-        )
+        # A kube-played pod stops with its last container: restart the pod, not the container.
+        pod = self.pod_name(session)
+        await podman.run("pod", "stop", "-t", "1", pod, timeout=self.settings.podman_timeout)
+        await podman.run("pod", "start", pod, timeout=self.settings.podman_timeout)
         await self._started(session, wait=True)
         if crashed:
             self._patch(session, reason=reason, message=message or reason)

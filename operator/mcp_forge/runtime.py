@@ -35,6 +35,10 @@ class Runtime(Protocol):
         """How the gateway reaches the session's kernel (key included)."""
         ...
 
+    async def refresh(self, session: KernelSession) -> KernelSession:
+        """The session with status made true; a dead kernel restarted per restartPolicy."""
+        ...
+
     async def termination(self, session: KernelSession) -> Termination | None:
         """Why the kernel stopped, or None if it is running."""
         ...

@@ -24,6 +24,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     name TEXT NOT NULL,
     body TEXT NOT NULL,
     key TEXT NOT NULL,
+    private TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (namespace, name)
 )
 """
@@ -67,6 +68,22 @@ class Store:
         if row is None:
             raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
         return str(row[0])
+
+    def private(self, namespace: str, name: str) -> dict[str, Any]:
+        """Bookkeeping of local mode that is not part of the object."""
+        with self._db() as db:
+            row = db.execute(
+                "SELECT private FROM sessions WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+        value: dict[str, Any] = json.loads(row[0]) if row else {}
+        return value
+
+    def set_private(self, namespace: str, name: str, value: dict[str, Any]) -> None:
+        with self._db() as db:
+            db.execute(
+                "UPDATE sessions SET private=? WHERE namespace=? AND name=?",
+                (json.dumps(value), namespace, name),
+            )
 
     def list(self, namespace: str | None = None) -> list[dict[str, Any]]:
         with self._db() as db:

@@ -69,7 +69,11 @@ def test_a_keyboard_interrupt_is_reported_as_interrupted() -> None:
 
 def test_output_over_the_budget_is_cut_with_a_marker_and_spooled_whole() -> None:
     c = Collector("m1", budget=10, spool_max=10_000)
-    run(c, msg("stream", name="stdout", text="0123456789abcdef"), msg("stream", name="stdout", text="XYZ"))
+    run(
+        c,
+        msg("stream", name="stdout", text="0123456789abcdef"),
+        msg("stream", name="stdout", text="XYZ"),
+    )
     r = c.finish("ok", duration=0)
     assert r.truncated
     assert r.stdout.startswith("0123456789\n[... output truncated: 9 more characters")
@@ -88,13 +92,21 @@ def test_ansi_is_stripped() -> None:
 
 @pytest.mark.parametrize(
     ("given", "expected"),
-    [("a.txt", "a.txt"), ("/workspace/a/b", "a/b"), ("a/../b", "b"), ("", "."), ("/workspace", ".")],
+    [
+        ("a.txt", "a.txt"),
+        ("/workspace/a/b", "a/b"),
+        ("a/../b", "b"),
+        ("", "."),
+        ("/workspace", "."),
+    ],
 )
 def test_workspace_paths_are_normalized(given: str, expected: str) -> None:
     assert introspection.workspace_path(given) == expected
 
 
-@pytest.mark.parametrize("bad", ["../etc/passwd", "a/../../x", "/etc/passwd", "/workspace/../etc", "a\x00b"])
+@pytest.mark.parametrize(
+    "bad", ["../etc/passwd", "a/../../x", "/etc/passwd", "/workspace/../etc", "a\x00b"]
+)
 def test_paths_that_leave_the_workspace_are_refused(bad: str) -> None:
     with pytest.raises(InvalidRequest):
         introspection.workspace_path(bad)

@@ -36,7 +36,9 @@ def by_kind(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def test_kubernetes_manifests_validate_against_the_kubernetes_schemas() -> None:
-    for obj in render_kubernetes(session(sharedGroup="team-a", env=[{"name": "A", "value": "1"}]), CONN):
+    for obj in render_kubernetes(
+        session(sharedGroup="team-a", env=[{"name": "A", "value": "1"}]), CONN
+    ):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
@@ -87,8 +89,14 @@ def test_the_network_policy_admits_only_the_gateway_and_no_egress_by_default() -
     assert policy["egress"] == []
     (rule,) = policy["ingress"]
     assert rule["from"] == [
-        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "mcp-forge",
-                                         "app.kubernetes.io/component": "gateway"}}}
+        {
+            "podSelector": {
+                "matchLabels": {
+                    "app.kubernetes.io/name": "mcp-forge",
+                    "app.kubernetes.io/component": "gateway",
+                }
+            }
+        }
     ]
     allowed = by_kind(render_kubernetes(session(network={"egress": "All"}), CONN))["NetworkPolicy"]
     assert allowed["spec"]["egress"] == [{}]

@@ -75,9 +75,17 @@ def test_the_input_object_is_not_modified() -> None:
         (with_spec(network={"egress": "Some"}), "spec.network.egress", "one of None, All"),
         (with_spec(restartPolicy="Sometimes"), "spec.restartPolicy", "one of Always, Never"),
         (with_spec(mcpServers=[{"allow": ["x"]}]), "spec.mcpServers[0].name", "required"),
-        (with_spec(mcpServers=[{"name": "a"}, {"name": "a"}]), "spec.mcpServers[1].name", "duplicate"),
+        (
+            with_spec(mcpServers=[{"name": "a"}, {"name": "a"}]),
+            "spec.mcpServers[1].name",
+            "duplicate",
+        ),
         (with_spec(gpus=1), "spec.gpus", "unknown field"),
-        (with_spec(resources={"memory": "1Gi", "disk": "1Gi"}), "spec.resources.disk", "unknown field"),
+        (
+            with_spec(resources={"memory": "1Gi", "disk": "1Gi"}),
+            "spec.resources.disk",
+            "unknown field",
+        ),
     ],
 )
 def test_an_invalid_session_names_the_field(body: dict[str, Any], field: str, words: str) -> None:
@@ -102,7 +110,7 @@ def test_durations_parse_into_seconds() -> None:
 
 def test_a_yaml_stream_names_the_bad_document() -> None:
     text = yaml.safe_dump_all([BASE, with_spec(restartPolicy="x")])
-    with pytest.raises(InvalidSession, match="document 2: spec.restartPolicy"):
+    with pytest.raises(InvalidSession, match=r"document 2: spec\.restartPolicy"):
         resource.parse_documents(text)
 
 

@@ -1,0 +1,100 @@
+"""Shared fixtures. Integration tests run real kernels in real Podman pods."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mcp_forge.settings import Settings
+
+MINIMAL_IMAGE = "localhost/mcp-forge-kernel:0.1.0-minimal"
+DEFAULT_IMAGE = "localhost/mcp-forge-kernel:0.1.0"
+
+
+def _image_exists(ref: str) -> bool:
+    podman = shutil.which("podman")
+    return podman is not None and subprocess.run([podman, "image", "exists", ref]).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def state_dir() -> Iterator[Path]:
+    # Short, because the kernel's Unix sockets live under it (107-byte limit).
+    path = Path(tempfile.mkdtemp(prefix="mf-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def settings(state_dir: Path) -> Settings:
+    return Settings(state_dir=state_dir, execute_timeout=60, kernel_ready_timeout=60)
+
+
+@pytest.fixture(scope="session")
+def images() -> dict[str, str]:
+    missing = [ref for ref in (MINIMAL_IMAGE, DEFAULT_IMAGE) if not _image_exists(ref)]
+    if missing:
+        pytest.fail(
+            f"kernel images missing: {missing}; "
+            "build them with: mcp-forge image build --variant all"
+        )
+    return {"minimal": MINIMAL_IMAGE, "default": DEFAULT_IMAGE}
+
+
+@pytest.fixture(scope="session")
+def runtime(settings: Settings, images: dict[str, str]) -> Any:
+    from mcp_forge.local import LocalRuntime
+
+    return LocalRuntime(settings)
+
+
+SessionFactory = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+async def make_session(runtime: Any, images: dict[str, str]) -> AsyncIterator[SessionFactory]:
+    """Create sessions (minimal image unless told) and delete them after the test."""
+    created: list[str] = []
+
+    async def make(variant: str = "minimal", **spec: Any) -> str:
+        name = f"t-{uuid.uuid4().hex[:10]}"
+        spec.setdefault("image", images[variant])
+        spec.setdefault("resources", {"memory": "512Mi", "cpu": "1"})
+        body = {
+            "apiVersion": "mcpforge.dev/v1alpha1",
+            "kind": "KernelSession",
+            "metadata": {"name": name},
+            "spec": spec,
+        }
+        await runtime.apply(body)
+        created.append(name)
+        return name
+
+    yield make
+    for name in created:
+        try:
+            await runtime.delete(name)
+        except Exception as exc:  # already deleted by the test
+            if "no KernelSession" not in str(exc):
+                raise
+
+
+@pytest.fixture
+async def gateway(runtime: Any, settings: Settings) -> AsyncIterator[Any]:
+    from mcp_forge.gateway import Gateway
+
+    gw = Gateway(runtime, settings)
+    yield gw
+    await gw.close()
+
+
+@pytest.fixture(scope="session")
+def cli_env(state_dir: Path) -> dict[str, str]:
+    return {**os.environ, "MCPFORGE_STATE_DIR": str(state_dir)}

@@ -1,0 +1,268 @@
+"""Executing code in real kernels in real Podman pods, through the gateway core."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mcp_forge.errors import InvalidRequest, SessionNotFound
+
+pytestmark = pytest.mark.podman
+
+
+async def test_state_persists_across_executes(gateway, make_session) -> None:
+    name = await make_session()
+    assert (await gateway.execute(name, "x = 41")).status == "ok"
+    result = await gateway.execute(name, "x + 1")
+    assert result.status == "ok"
+    assert result.result is not None
+    assert result.result["data"]["text/plain"] == "42"
+
+
+async def test_state_persists_across_separate_cli_processes(make_session, cli_env) -> None:
+    name = await make_session()
+    cli = [str(Path(sys.executable).parent / "mcp-forge")]
+    first = await asyncio.to_thread(
+        subprocess.run,
+        [*cli, "exec", name, "-c", "x = 41"],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+    )
+    assert first.returncode == 0, first.stderr
+    second = await asyncio.to_thread(
+        subprocess.run,
+        [*cli, "exec", name, "-c", "print(x + 1)"],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+    )
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == "42\n"
+
+
+async def test_a_new_gateway_reattaches_with_variables_intact(
+    runtime, settings, make_session
+) -> None:
+    from mcp_forge.gateway import Gateway
+
+    name = await make_session()
+    first = Gateway(runtime, settings)
+    await first.execute(name, "kept = {'a': 1}")
+    await first.close()
+    second = Gateway(runtime, settings)
+    try:
+        result = await second.execute(name, "kept['a']")
+    finally:
+        await second.close()
+    assert result.result is not None
+    assert result.result["data"]["text/plain"] == "1"
+
+
+async def test_stdout_stderr_result_displays_and_count_are_captured(gateway, make_session) -> None:
+    name = await make_session()
+    code = (
+        "import sys\n"
+        "from IPython.display import display, HTML, Markdown\n"
+        "print('to out')\n"
+        "print('to err', file=sys.stderr)\n"
+        "display(HTML('<b>bold</b>'))\n"
+        "display(Markdown('*md*'))\n"
+        "6 * 7"
+    )
+    r = await gateway.execute(name, code)
+    assert r.status == "ok"
+    assert r.stdout == "to out\n"
+    assert r.stderr == "to err\n"
+    assert r.result is not None and r.result["data"]["text/plain"] == "42"
+    assert r.displays[0]["data"]["text/html"] == "<b>bold</b>"
+    assert r.displays[1]["data"]["text/markdown"] == "*md*"
+    assert r.execution_count == 1
+    assert r.duration > 0
+
+
+async def test_an_exception_is_an_error_result_with_a_clean_traceback(
+    gateway, make_session
+) -> None:
+    name = await make_session()
+    r = await gateway.execute(name, "def f():\n    return 1/0\nf()")
+    assert r.status == "error"
+    assert r.error is not None
+    assert r.error.ename == "ZeroDivisionError"
+    assert r.error.evalue == "division by zero"
+    text = "\n".join(r.error.traceback)
+    assert "\x1b[" not in text
+    assert "return 1/0" in text
+
+
+async def test_a_matplotlib_figure_arrives_as_png(gateway, make_session) -> None:
+    name = await make_session("default")
+    r = await gateway.execute(
+        name, "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()"
+    )
+    assert r.status == "ok", r.error
+    pngs = [d["data"]["image/png"] for d in r.displays if "image/png" in d["data"]]
+    assert len(pngs) == 1
+    assert base64.b64decode(pngs[0]).startswith(b"\x89PNG\r\n\x1a\n")
+
+
+async def test_a_busy_loop_times_out_and_keeps_earlier_variables(gateway, make_session) -> None:
+    name = await make_session()
+    await gateway.execute(name, "before = 'kept'")
+    r = await gateway.execute(name, "while True: pass", timeout=2)
+    assert r.status == "timeout"
+    assert not r.state_lost
+    assert "interrupted" in r.message
+    assert r.duration < 2 + gateway.settings.interrupt_grace
+    after = await gateway.execute(name, "before")
+    assert after.result is not None and after.result["data"]["text/plain"] == "'kept'"
+
+
+async def test_code_that_ignores_interrupts_is_restarted_and_reported_as_state_lost(
+    gateway, make_session
+) -> None:
+    name = await make_session()
+    await gateway.execute(name, "before = 1")
+    stubborn = (
+        "import time\n"
+        "while True:\n"
+        "    try:\n"
+        "        time.sleep(10)\n"
+        "    except KeyboardInterrupt:\n"
+        "        pass\n"
+    )
+    r = await gateway.execute(name, stubborn, timeout=2)
+    assert r.status == "timeout"
+    assert r.state_lost
+    assert "restarted" in r.message and "variables are lost" in r.message
+    after = await gateway.execute(name, "before")
+    assert after.status == "error" and after.error is not None and after.error.ename == "NameError"
+    assert (await gateway.execute(name, "1 + 1")).status == "ok"
+
+
+async def test_os_exit_is_detected_named_and_the_session_recovers(
+    gateway, runtime, make_session
+) -> None:
+    name = await make_session()
+    r = await gateway.execute(name, "import os\nos._exit(3)")
+    assert r.status == "died"
+    assert r.state_lost
+    assert "exited with code 3" in r.message
+    status = (await runtime.get(name)).status
+    assert status["restarts"] == 1
+    assert status["lastTermination"]["reason"] == "Error"
+    assert (await gateway.execute(name, "'alive'")).status == "ok"
+
+
+async def test_a_memory_bomb_is_named_as_oom_and_the_session_recovers(
+    gateway, runtime, make_session
+) -> None:
+    name = await make_session(resources={"memory": "256Mi", "cpu": "1"})
+    r = await gateway.execute(
+        name, "chunks = []\nwhile True:\n    chunks.append(bytearray(50_000_000))"
+    )
+    assert r.status == "died"
+    assert "out of memory" in r.message and "OOM" in r.message
+    status = (await runtime.get(name)).status
+    assert status["lastTermination"]["reason"] == "OOMKilled"
+    assert (await gateway.execute(name, "'alive'")).status == "ok"
+
+
+async def test_interrupt_stops_a_running_cell_and_keeps_variables(gateway, make_session) -> None:
+    name = await make_session()
+    await gateway.execute(name, "kept = 5")
+    started = asyncio.Event()
+
+    def on_stream(stream: str, text: str) -> None:
+        if "started" in text:
+            started.set()
+
+    running = asyncio.create_task(
+        gateway.execute(
+            name, "import time\nprint('started', flush=True)\ntime.sleep(60)", on_stream=on_stream
+        )
+    )
+    await asyncio.wait_for(started.wait(), 30)
+    assert await gateway.interrupt(name)
+    r = await asyncio.wait_for(running, 30)
+    assert r.status == "interrupted"
+    assert r.stdout == "started\n"
+    kept = await gateway.execute(name, "kept")
+    assert kept.result is not None and kept.result["data"]["text/plain"] == "5"
+
+
+async def test_restart_clears_variables_and_keeps_workspace_files(gateway, make_session) -> None:
+    name = await make_session()
+    await gateway.execute(name, "x = 1\nopen('/workspace/note.txt', 'w').write('hello')")
+    await gateway.restart(name)
+    gone = await gateway.execute(name, "x")
+    assert gone.error is not None and gone.error.ename == "NameError"
+    assert (await gateway.read_file(name, "note.txt")) == b"hello"
+    pid_check = await gateway.execute(name, "import os; os.getpid()")
+    assert pid_check.status == "ok"
+
+
+async def test_calls_on_one_session_are_queued_and_sessions_run_in_parallel(
+    gateway, make_session
+) -> None:
+    a, b = await make_session(), await make_session()
+    code = "import time\nt0 = time.time()\ntime.sleep(1)\n(t0, time.time())"
+
+    def span(r) -> tuple[float, float]:
+        start, end = r.result["data"]["text/plain"].strip("()").split(", ")
+        return float(start), float(end)
+
+    a1, a2, b1 = await asyncio.gather(
+        gateway.execute(a, code), gateway.execute(a, code), gateway.execute(b, code)
+    )
+    (s1, e1), (s2, e2), (s3, e3) = span(a1), span(a2), span(b1)
+    assert e1 <= s2 or e2 <= s1, "two calls on one session overlapped"
+    assert s3 < max(e1, e2) and min(s1, s2) < e3, "two sessions did not run at the same time"
+
+
+async def test_output_over_the_budget_is_truncated_and_saved_in_full(gateway, make_session) -> None:
+    name = await make_session()
+    budget = gateway.settings.output_budget
+    r = await gateway.execute(name, f"print('x' * {budget * 3})")
+    assert r.status == "ok"
+    assert r.truncated
+    assert len(r.stdout) < budget + 500
+    assert "output truncated" in r.stdout
+    assert r.full_output_path is not None and r.full_output_path in r.stdout
+    saved = await gateway.read_file(name, r.full_output_path)
+    assert saved == b"x" * (budget * 3) + b"\n"
+
+
+async def test_output_of_an_earlier_request_is_never_given_to_a_later_one(
+    gateway, make_session
+) -> None:
+    name = await make_session()
+    r1 = await gateway.execute(
+        name,
+        "import time\n"
+        "for i in range(100):\n"
+        "    print('first', i, flush=True)\n"
+        "    time.sleep(0.05)",
+        timeout=1,
+    )
+    assert r1.status == "timeout"
+    r2 = await gateway.execute(name, "print('second')")
+    assert r2.stdout == "second\n"
+
+
+async def test_bad_input_gets_a_clear_error(gateway, make_session) -> None:
+    name = await make_session()
+    with pytest.raises(InvalidRequest, match="code is empty"):
+        await gateway.execute(name, "   \n")
+    with pytest.raises(InvalidRequest, match="limit"):
+        await gateway.execute(name, "x" * (gateway.settings.code_max + 1))
+    with pytest.raises(InvalidRequest, match="timeout"):
+        await gateway.execute(name, "1", timeout=-1)
+    with pytest.raises(SessionNotFound, match="no-such"):
+        await gateway.execute("no-such", "1")
+    assert (await gateway.execute(name, "'still fine'")).status == "ok"
