@@ -63,6 +63,31 @@ def main(log_level: str) -> None:
     )
 
 
+def _host_paths(session: resource.KernelSession) -> Any:
+    """The host directories of an applied session; placeholders (with a note) otherwise."""
+    from .errors import SessionNotFound
+    from .local import LocalRuntime
+    from .render import HostPaths
+    from .settings import Settings
+
+    settings = Settings.from_env()
+    if settings.store_path.exists():
+        rt = LocalRuntime(settings)
+        try:
+            return rt.host_paths(resource.load(rt.store.get(session.namespace, session.name)))
+        except SessionNotFound:
+            pass
+    click.echo(
+        f"note: {session.name} is not applied here, so its host paths are placeholders; "
+        "`mcp-forge apply` prepares them (connection file, workspace)",
+        err=True,
+    )
+    base = settings.state_dir / "k" / session.name
+    group = session.spec.shared_group or "none"
+    shared = settings.state_dir / "shared" / session.namespace / group
+    return HostPaths(str(base / "run"), str(base / "workspace"), str(shared))
+
+
 @main.command()
 @click.option("-f", "--filename", required=True, help="KernelSession YAML file, or - for stdin.")
 @click.option(
@@ -71,8 +96,7 @@ def main(log_level: str) -> None:
 def render(filename: str, target: str) -> None:
     """Print the manifests a KernelSession becomes."""
     from .connection import ConnectionInfo, new_key
-    from .render import HostPaths, render_kubernetes, render_podman
-    from .settings import Settings
+    from .render import render_kubernetes, render_podman
 
     try:
         bodies = resource.parse_documents(_read(filename))
@@ -85,15 +109,7 @@ def render(filename: str, target: str) -> None:
         if target == "kubernetes":
             out += render_kubernetes(session, ConnectionInfo("tcp", "", new_key()))
         else:
-            base = Settings.from_env().state_dir / "k" / session.name
-            shared = str(
-                base.parent.parent
-                / "shared"
-                / session.namespace
-                / (session.spec.shared_group or "-")
-            )
-            paths = HostPaths(str(base / "run"), str(base / "workspace"), shared)
-            out += render_podman(session, paths)
+            out += render_podman(session, _host_paths(session))
     click.echo(yaml.safe_dump_all(out, sort_keys=False), nl=False)
 
 

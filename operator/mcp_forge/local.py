@@ -201,7 +201,9 @@ class LocalRuntime:
 
     async def _started(self, session: KernelSession, *, wait: bool) -> None:
         info = await self._inspect(session)
-        if info is not None:  # the baseline for telling a later death by OOM
+        if info is not None:
+            self._limit_pids(session, info)
+            # The baseline for telling a later death by OOM.
             count = await self._oom_count(info.get("Id", ""))
             self._set_oom(session, {"finishedAt": None, "count": count, "oom": False})
         self._patch(
@@ -309,6 +311,23 @@ class LocalRuntime:
         if code == 0:
             return Termination("Completed", code, "the kernel exited")
         return Termination("Error", code, f"the kernel exited with code {code}")
+
+    def _limit_pids(self, session: KernelSession, info: dict[str, Any]) -> None:
+        """Apply spec.resources.pids to the kernel's cgroup.
+
+        Podman 4.3.1's kube play has no per-container pids limit (no annotation, and
+        `podman update` has no --pids-limit), so write pids.max of the container's
+        cgroup, v1 or v2, right after each start.
+        """
+        cgroup = str(info.get("State", {}).get("CgroupPath", "")).lstrip("/")
+        if not cgroup:
+            raise PodmanError(["inspect"], 1, "the kernel container has no cgroup path")
+        for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")):
+            target = root / cgroup / "pids.max"
+            if target.is_file():
+                target.write_text(str(session.spec.pids))
+                return
+        log.warning("no pids cgroup for %s: its pids limit is not applied", session.name)
 
     async def _oom_killed(self, session: KernelSession, info: dict[str, Any]) -> bool:
         """Was the kernel's last death an OOM kill?

@@ -164,6 +164,7 @@ def _pod(session: KernelSession, target: Target, volumes: list[dict[str, Any]]) 
         meta = {
             "name": podman_pod_name(session.namespace, session.name),
             "labels": labels(session),
+            # Honoured by Podman >= 4.4; local mode also writes the cgroup limit itself.
             "annotations": {f"io.podman.annotations.pids-limit/{CONTAINER}": str(spec.pids)},
         }
         pod_spec["hostname"] = "kernel"

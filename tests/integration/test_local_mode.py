@@ -1,0 +1,305 @@
+"""Local mode: the pod's sandbox, isolation between sessions, status, culling, deletion."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mcp_forge import podman
+from mcp_forge.errors import ImageError, InvalidRequest, SessionNotFound
+from mcp_forge.supervisor import supervise_once
+
+pytestmark = pytest.mark.podman
+
+CLI = [str(Path(sys.executable).parent / "mcp-forge")]
+
+
+async def run_cli(*args: str, env: dict[str, str], stdin: str | None = None):
+    return await asyncio.to_thread(
+        subprocess.run, [*CLI, *args], env=env, input=stdin, capture_output=True, text=True
+    )
+
+
+async def value(gateway, name: str, code: str):
+    r = await gateway.execute(name, code)
+    assert r.status == "ok", (r.error, r.stderr)
+    return json.loads(r.stdout)
+
+
+async def test_the_kernel_runs_as_uid_1000_without_capabilities_on_a_read_only_root(
+    gateway, make_session
+) -> None:
+    name = await make_session()
+    facts = await value(
+        gateway,
+        name,
+        "import os, json, errno\n"
+        "caps = {l.split(':')[0]: l.split()[1] for l in open('/proc/self/status') "
+        "if l.startswith(('Cap', 'NoNewPrivs', 'Seccomp:'))}\n"
+        "try:\n"
+        "    open('/usr/evil', 'w'); ro = False\n"
+        "except OSError as e:\n"
+        "    ro = e.errno == errno.EROFS\n"
+        "open('/workspace/w', 'w').write('ok'); open('/tmp/t', 'w').write('ok')\n"
+        "print(json.dumps({'uid': os.getuid(), 'gid': os.getgid(), 'caps': caps, 'ro': ro,\n"
+        "  'token': os.path.exists('/var/run/secrets/kubernetes.io'),\n"
+        "  'pids': open('/sys/fs/cgroup/pids/pids.max').read().strip()}))",
+    )
+    assert facts["uid"] == 1000 and facts["gid"] == 1000
+    for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(facts["caps"][cap], 16) == 0, cap
+    assert facts["caps"]["NoNewPrivs"] == "1"
+    assert facts["caps"]["Seccomp"] == "2"  # a seccomp filter is in force
+    assert facts["ro"] is True
+    assert facts["token"] is False
+    assert facts["pids"] == "256"
+
+
+async def test_the_pod_has_no_network_but_loopback_and_no_route_out(gateway, make_session) -> None:
+    name = await make_session()
+    facts = await value(
+        gateway,
+        name,
+        "import json\n"
+        "dev = open('/proc/net/dev').read().splitlines()[2:]\n"
+        "ifaces = [l.split(':')[0].strip() for l in dev]\n"
+        "routes = [l for l in open('/proc/net/route').read().splitlines()[1:] if l.strip()]\n"
+        "routes6 = [l for l in open('/proc/net/ipv6_route').read().splitlines() if 'lo' not in l]\n"
+        "print(json.dumps({'ifaces': ifaces, 'routes': routes, 'routes6': routes6}))",
+    )
+    assert facts == {"ifaces": ["lo"], "routes": [], "routes6": []}
+
+
+async def test_two_sessions_cannot_see_each_others_files_or_reach_each_others_ports(
+    gateway, runtime, make_session
+) -> None:
+    a, b = await make_session(), await make_session()
+    # A writes a file and listens on a TCP port inside its pod.
+    await gateway.execute(
+        a,
+        "import socket\nopen('/workspace/secret.txt', 'w').write('a only')\n"
+        "srv = socket.socket(); srv.bind(('0.0.0.0', 8765)); srv.listen()",
+    )
+    a_paths = runtime.host_paths(await runtime.get(a))
+    facts = await value(
+        gateway,
+        b,
+        "import os, json, socket\n"
+        f"paths = {[a_paths.run, a_paths.workspace]!r}\n"
+        "s = socket.socket(); s.settimeout(2)\n"
+        "try:\n"
+        "    s.connect(('127.0.0.1', 8765)); reached = True\n"
+        "except OSError:\n"
+        "    reached = False\n"
+        "print(json.dumps({'files': os.listdir('/workspace'),\n"
+        "  'a_dirs': [os.path.exists(p) for p in paths], 'reached': reached}))",
+    )
+    assert "secret.txt" not in facts["files"]
+    assert facts["a_dirs"] == [False, False]
+    assert facts["reached"] is False
+    # A's kernel channels are Unix sockets in a directory only root on the host can enter.
+    state = Path(a_paths.run).parent.parent
+    assert oct(state.stat().st_mode & 0o777) == "0o700"
+    assert Path(a_paths.run, "kernel-5555").is_socket()  # noqa: ASYNC240
+
+
+async def test_sessions_of_one_shared_group_share_a_volume(gateway, make_session) -> None:
+    a = await make_session(sharedGroup="team")
+    b = await make_session(sharedGroup="team")
+    c = await make_session()
+    await gateway.execute(a, "open('/shared/hello.txt', 'w').write('from a')")
+    assert (
+        await gateway.execute(b, "print(open('/shared/hello.txt').read())")
+    ).stdout == "from a\n"
+    r = await gateway.execute(c, "import os; print(os.path.exists('/shared'))")
+    assert r.stdout == "False\n"
+
+
+async def test_files_round_trip_and_stay_inside_the_workspace(gateway, make_session) -> None:
+    name = await make_session()
+    data = bytes(range(256)) * 10
+    assert await gateway.write_file(name, "dir/sub/blob.bin", data) == len(data)
+    assert await gateway.read_file(name, "/workspace/dir/sub/blob.bin") == data
+    listing = await gateway.list_files(name, "dir/sub")
+    assert [(e["name"], e["type"], e["size"]) for e in listing["entries"]] == [
+        ("blob.bin", "file", len(data))
+    ]
+    for bad in ("../etc/passwd", "/etc/passwd", "a/../../x"):
+        with pytest.raises(InvalidRequest):
+            await gateway.read_file(name, bad)
+    # A symlink made by user code does not lead out either: the kernel checks realpath.
+    await gateway.execute(name, "import os; os.symlink('/etc', '/workspace/etc-link')")
+    with pytest.raises(InvalidRequest, match="leaves the workspace"):
+        await gateway.read_file(name, "etc-link/passwd")
+    with pytest.raises(InvalidRequest, match="leaves the workspace"):
+        await gateway.write_file(name, "etc-link/evil", b"x")
+    with pytest.raises(InvalidRequest, match="no such file"):
+        await gateway.read_file(name, "missing.txt")
+    with pytest.raises(InvalidRequest, match="limit"):
+        await gateway.write_file(name, "big", b"x" * (gateway.settings.file_max + 1))
+
+
+async def test_variables_are_listed_and_inspected_as_json_from_the_kernel(
+    gateway, make_session
+) -> None:
+    name = await make_session("default")
+    await gateway.execute(
+        name,
+        "import numpy as np, pandas as pd\n"
+        "arr = np.zeros((3, 4), dtype='float32')\n"
+        "df = pd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})\n"
+        "words = ['w'] * 1000\n"
+        "def f(): pass\n"
+        "_hidden = 1",
+    )
+    listed = {v["name"]: v for v in await gateway.variables(name)}
+    assert set(listed) == {"arr", "df", "words", "f"}
+    assert listed["arr"]["shape"] == [3, 4]
+    assert listed["arr"]["dtype"] == "float32"
+    assert listed["arr"]["size"] == 48
+    assert listed["df"]["type"] == "pandas.DataFrame"
+    assert listed["df"]["shape"] == [2, 2]
+    assert listed["words"]["length"] == 1000
+    assert len(listed["words"]["repr"]) < 300
+    one = await gateway.inspect_variable(name, "arr")
+    assert one["type"] == "numpy.ndarray" and "0." in one["repr"]
+    with pytest.raises(InvalidRequest, match="no variable named nope"):
+        await gateway.inspect_variable(name, "nope")
+    with pytest.raises(InvalidRequest, match="identifier"):
+        await gateway.inspect_variable(name, "__import__('os')")
+    # Listing is silent: no execution count, nothing added to the namespace.
+    r = await gateway.execute(name, "sorted(k for k in globals() if not k.startswith('_'))")
+    assert r.execution_count == 2
+    assert "arr" in r.result["data"]["text/plain"]
+    assert "mcp" not in r.result["data"]["text/plain"].lower()
+
+
+async def test_a_pod_that_dies_is_noticed_and_restarted_per_policy(runtime, make_session) -> None:
+    always = await make_session()
+    never = await make_session(restartPolicy="Never")
+    for name in (always, never):
+        session = await runtime.get(name)
+        await podman.run("kill", runtime.container_name(session))
+    assert (await runtime.refresh(await runtime.get(always))).status["phase"] == "Ready"
+    status = (await runtime.get(always)).status
+    assert status["restarts"] == 1
+    assert status["lastTermination"]["reason"] == "Error"
+    failed = (await runtime.refresh(await runtime.get(never))).status
+    assert failed["phase"] == "Failed"
+    assert failed["reason"] == "Error"
+
+
+async def test_idle_sessions_are_culled_and_active_ones_kept(runtime, make_session) -> None:
+    idle = await make_session(idleTimeout="60s")
+    busy = await make_session(idleTimeout="60s")
+    # Backdate the idle one's last activity instead of waiting a minute.
+    runtime.store.patch_status("default", idle, {"lastActivity": "2000-01-01T00:00:00Z"})
+    culled = await supervise_once(runtime)
+    assert culled == [idle]
+    with pytest.raises(SessionNotFound):
+        await runtime.get(idle)
+    assert (await runtime.get(busy)).status["phase"] == "Ready"
+
+
+async def test_delete_leaves_nothing_behind(runtime, make_session) -> None:
+    name = await make_session()
+    session = await runtime.get(name)
+    base = Path(runtime.host_paths(session).run).parent
+    assert base.is_dir()
+    await runtime.delete(name)
+    pods = await podman.run("pod", "exists", runtime.pod_name(session), check=False)
+    ctrs = await podman.run("container", "exists", runtime.container_name(session), check=False)
+    assert pods.returncode == 1 and ctrs.returncode == 1
+    assert not base.exists()
+    with pytest.raises(SessionNotFound):
+        await runtime.get(name)
+
+
+async def test_a_missing_image_says_how_to_build_it(runtime) -> None:
+    body = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": "no-image"},
+        "spec": {"image": "localhost/mcp-forge-kernel:0.0.0-missing"},
+    }
+    with pytest.raises(ImageError, match="mcp-forge image build"):
+        await runtime.apply(body)
+    with pytest.raises(SessionNotFound):
+        await runtime.get("no-image")
+
+
+async def test_the_cli_applies_gets_and_deletes_and_rejects_invalid_yaml(
+    cli_env, tmp_path, images
+) -> None:
+    good = tmp_path / "ks.yaml"
+    good.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "mcpforge.dev/v1alpha1",
+                "kind": "KernelSession",
+                "metadata": {"name": "cli-demo"},
+                "spec": {"image": images["minimal"], "resources": {"memory": "256Mi"}},
+            }
+        )
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(good.read_text().replace("256Mi", "lots"))
+    refused = await run_cli("apply", "-f", str(bad), env=cli_env)
+    assert refused.returncode == 1
+    assert "spec.resources.memory" in refused.stderr and "'lots'" in refused.stderr
+    created = await run_cli("apply", "-f", str(good), env=cli_env)
+    assert created.returncode == 0, created.stderr
+    assert "kernelsession/cli-demo created (Ready" in created.stdout
+    again = await run_cli("apply", "-f", str(good), env=cli_env)
+    assert "kernelsession/cli-demo unchanged" in again.stdout
+    shown = await run_cli("get", "cli-demo", "-o", "yaml", env=cli_env)
+    status = yaml.safe_load(shown.stdout)["status"]
+    assert status["phase"] == "Ready"
+    assert "key" not in json.dumps(status["connection"])
+    table = await run_cli("get", env=cli_env)
+    assert table.stdout.splitlines()[0].split()[:2] == ["NAME", "PHASE"]
+    assert any(
+        line.startswith("cli-demo ") and "Ready" in line for line in table.stdout.splitlines()
+    )
+    updated = await run_cli(
+        "apply", "-f", "-", env=cli_env, stdin=good.read_text().replace("256Mi", "300Mi")
+    )
+    assert "kernelsession/cli-demo configured" in updated.stdout, updated.stderr
+    deleted = await run_cli("delete", "cli-demo", env=cli_env)
+    assert deleted.returncode == 0
+    missing = await run_cli("exec", "cli-demo", "-c", "1", env=cli_env)
+    assert missing.returncode == 1 and "no KernelSession 'cli-demo'" in missing.stderr
+
+
+async def test_the_rendered_podman_pod_plays_with_plain_podman_kube_play(
+    runtime, gateway, make_session, cli_env, tmp_path
+) -> None:
+    name = await make_session()
+    session = await runtime.get(name)
+    await podman.run("pod", "rm", "-f", "-t", "0", runtime.pod_name(session))
+    rendered = await run_cli(
+        "render", "-f", "-", "--target", "podman", env=cli_env, stdin=yaml.safe_dump(session.body)
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    manifest = tmp_path / "pod.yaml"
+    manifest.write_text(rendered.stdout)
+    played = await asyncio.to_thread(
+        subprocess.run,
+        ["podman", "kube", "play", "--network=none", str(manifest)],
+        capture_output=True,
+        text=True,
+    )
+    assert played.returncode == 0, played.stderr
+    assert (await gateway.execute(name, "'played by hand'")).status == "ok"
+
+
+async def test_doctor_checks_the_host(cli_env) -> None:
+    done = await run_cli("doctor", env=cli_env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok   a sandboxed kernel container starts" in done.stdout
