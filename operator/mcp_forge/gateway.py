@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import introspection
-from .errors import InvalidRequest, KernelProtocolError, SessionNotReady
+from .errors import ForgeError, InvalidRequest, KernelProtocolError, SessionNotReady
 from .execution import Collector, ExecutionResult
 from .kernel import KernelConnection
 from .resource import KernelSession
@@ -39,6 +39,7 @@ class _Handle:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     conn: KernelConnection | None = None
     generation: Any = None
+    activity_recorded: float = 0.0  # monotonic time of the last record_activity
 
 
 class Gateway:
@@ -150,8 +151,7 @@ class Gateway:
             result = await self._execute_locked(handle, conn, session, code, seconds, collector)
             if result.truncated:
                 result = await self._save_full_output(handle, session, result, collector)
-            with contextlib.suppress(Exception):
-                await self.runtime.record_activity(session)
+            await self._record_activity(handle, session)
             return result
 
     async def _execute_locked(
@@ -242,6 +242,19 @@ class Gateway:
             "died", duration=time.monotonic() - started, state_lost=True, message=message
         )
 
+    async def _record_activity(self, handle: _Handle, session: KernelSession) -> None:
+        # lastActivity has a resolution of seconds and drives culling after minutes:
+        # writing it once a second per session is enough, and keeps the store off the
+        # hot path of a burst of small calls.
+        now = time.monotonic()
+        if now - handle.activity_recorded < 1.0:
+            return
+        handle.activity_recorded = now
+        try:
+            await self.runtime.record_activity(session)
+        except ForgeError as exc:
+            log.warning("could not record activity of %s: %s", session.name, exc)
+
     async def _save_full_output(
         self,
         handle: _Handle,
@@ -253,7 +266,7 @@ class Gateway:
         name = f"{OUTPUT_DIR}/{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}.txt"
         try:
             await self._write_locked(handle, session, name, text)
-        except Exception as exc:  # the result stands even if the copy cannot be saved
+        except ForgeError as exc:  # the result stands even if the copy cannot be saved
             log.warning("could not save the full output of %s: %s", session.name, exc)
             return result
         marker = f"full output saved to /workspace/{name}"

@@ -40,10 +40,17 @@ class Store:
         os.close(fd)
         with self._db() as db:
             db.execute(_SCHEMA)
+        # WAL: readers never wait for a writer, and a commit is one fsync of the log.
+        db = sqlite3.connect(self.path, timeout=30)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+        finally:
+            db.close()
 
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
         db = sqlite3.connect(self.path, timeout=30, isolation_level="IMMEDIATE")
+        db.execute("PRAGMA synchronous=NORMAL")
         try:
             with db:
                 yield db

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -137,3 +138,11 @@ def test_the_crd_is_structural_enough_for_the_api_server() -> None:
             walk(node["items"], f"{path}[]")
 
     walk(version["schema"]["openAPIV3Schema"], "")
+
+
+EXAMPLES = sorted((Path(__file__).parents[2] / "manifests" / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_example_session_validates(path: Path) -> None:
+    assert resource.parse_documents(path.read_text())
