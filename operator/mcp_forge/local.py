@@ -169,10 +169,14 @@ class LocalRuntime:
             os.chown(paths.shared, KERNEL_UID, KERNEL_UID)
             os.chmod(paths.shared, 0o770)
         conn = Path(paths.run) / "connection.json"
-        fd = os.open(conn, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        # run/ belongs to the kernel's uid: never follow or reuse what is there (a symlink,
+        # a FIFO), and change ownership through our own descriptor, not by name.
+        with contextlib.suppress(FileNotFoundError):
+            conn.unlink()
+        fd = os.open(conn, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
+            os.fchown(f.fileno(), KERNEL_UID, KERNEL_UID)
             f.write(info.to_file())
-        os.chown(conn, KERNEL_UID, KERNEL_UID)
         return paths
 
     async def _realize(self, session: KernelSession, *, wait: bool) -> None:

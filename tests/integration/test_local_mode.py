@@ -303,3 +303,27 @@ async def test_doctor_checks_the_host(cli_env) -> None:
     done = await run_cli("doctor", env=cli_env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok   a sandboxed kernel container starts" in done.stdout
+
+
+async def test_a_kernel_cannot_turn_its_connection_file_into_a_link_to_a_host_file(
+    gateway, runtime, make_session, tmp_path
+) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("host data")  # noqa: ASYNC240
+    name = await make_session()
+    r = await gateway.execute(
+        name,
+        "import os\n"
+        "os.remove('/run/mcp-forge/connection.json')\n"
+        f"os.symlink({str(victim)!r}, '/run/mcp-forge/connection.json')",
+    )
+    assert r.status == "ok"
+    session = await runtime.get(name)
+    # The pod goes away; recreating it rewrites the connection file as root.
+    await podman.run("pod", "rm", "-f", "-t", "0", runtime.pod_name(session))
+    await runtime.refresh(session)
+    assert victim.read_text() == "host data"  # noqa: ASYNC240
+    assert victim.stat().st_uid == 0  # noqa: ASYNC240
+    conn = Path(runtime.host_paths(session).run) / "connection.json"
+    assert not conn.is_symlink()
+    assert (await gateway.execute(name, "'recovered'")).status == "ok"
