@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -314,6 +315,12 @@ class LocalRuntime:
             )
         if code == 0:
             return Termination("Completed", code, "the kernel exited")
+        if isinstance(code, int) and code > 128:
+            try:
+                sig = signal.Signals(code - 128).name
+            except ValueError:
+                sig = f"signal {code - 128}"
+            return Termination("Error", code, f"the kernel was killed by {sig} (exit code {code})")
         return Termination("Error", code, f"the kernel exited with code {code}")
 
     def _limit_pids(self, session: KernelSession, info: dict[str, Any]) -> None:
@@ -366,6 +373,21 @@ class LocalRuntime:
         private = self.store.private(session.namespace, session.name)
         private["oom"] = value
         self.store.set_private(session.namespace, session.name, private)
+
+    async def running_containers(self) -> set[str]:
+        """Names of the kernel containers that run now, in one podman call."""
+        rows = await podman.run_json(
+            "ps",
+            "--filter",
+            f"label={LABEL_SELECTOR}",
+            "--format",
+            "json",
+            timeout=self.settings.podman_timeout,
+        )
+        names: set[str] = set()
+        for row in rows or []:
+            names.update(n for n in row.get("Names") or [] if isinstance(n, str))
+        return names
 
     async def refresh(self, session: KernelSession) -> KernelSession:
         """Bring status in line with what Podman shows; restart a dead kernel per policy."""

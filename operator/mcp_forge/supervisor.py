@@ -15,7 +15,10 @@ log = logging.getLogger(__name__)
 
 async def supervise_once(runtime: LocalRuntime) -> list[str]:
     """One pass: refresh every session, then cull the idle ones. Returns culled names."""
+    running = await runtime.running_containers()
     for session in await runtime.list():
+        if session.status.get("phase") == "Ready" and runtime.container_name(session) in running:
+            continue  # nothing to check: one `podman ps` covered every healthy session
         try:
             await runtime.refresh(session)
         except ForgeError as exc:

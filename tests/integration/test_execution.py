@@ -266,3 +266,11 @@ async def test_bad_input_gets_a_clear_error(gateway, make_session) -> None:
     with pytest.raises(SessionNotFound, match="no-such"):
         await gateway.execute("no-such", "1")
     assert (await gateway.execute(name, "'still fine'")).status == "ok"
+
+
+async def test_a_segfault_is_detected_and_named_by_its_signal(gateway, make_session) -> None:
+    name = await make_session()
+    r = await gateway.execute(name, "import ctypes\nctypes.string_at(0)")
+    assert r.status == "died"
+    assert "SIGSEGV" in r.message
+    assert (await gateway.execute(name, "'alive'")).status == "ok"

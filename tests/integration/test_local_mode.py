@@ -309,7 +309,7 @@ async def test_a_kernel_cannot_turn_its_connection_file_into_a_link_to_a_host_fi
     gateway, runtime, make_session, tmp_path
 ) -> None:
     victim = tmp_path / "victim.txt"
-    victim.write_text("host data")  # noqa: ASYNC240
+    victim.write_text("host data")
     name = await make_session()
     r = await gateway.execute(
         name,
@@ -322,8 +322,43 @@ async def test_a_kernel_cannot_turn_its_connection_file_into_a_link_to_a_host_fi
     # The pod goes away; recreating it rewrites the connection file as root.
     await podman.run("pod", "rm", "-f", "-t", "0", runtime.pod_name(session))
     await runtime.refresh(session)
-    assert victim.read_text() == "host data"  # noqa: ASYNC240
-    assert victim.stat().st_uid == 0  # noqa: ASYNC240
+    assert victim.read_text() == "host data"
+    assert victim.stat().st_uid == 0
     conn = Path(runtime.host_paths(session).run) / "connection.json"
     assert not conn.is_symlink()
     assert (await gateway.execute(name, "'recovered'")).status == "ok"
+
+
+async def test_the_gateway_command_culls_idle_sessions_and_stops_on_sigterm(
+    runtime, make_session, cli_env
+) -> None:
+    name = await make_session(idleTimeout="60s")
+    runtime.store.patch_status("default", name, {"lastActivity": "2000-01-01T00:00:00Z"})
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        "gateway",
+        "--cull-interval",
+        "0.5",
+        env=cli_env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(60):
+            assert proc.stderr is not None
+            while True:
+                line = (await proc.stderr.readline()).decode()
+                assert line, "the gateway exited early"
+                if f"culled idle session {name}" in line:
+                    break
+        with pytest.raises(SessionNotFound):
+            await runtime.get(name)
+        proc.terminate()
+        async with asyncio.timeout(30):
+            assert await proc.wait() == 0
+        assert proc.stdout is not None
+        assert await proc.stdout.read() == b""  # stdout stays clean for MCP over stdio
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
