@@ -10,13 +10,16 @@ import sys
 import time
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import yaml
 
 from . import __version__, resource
 from .errors import ForgeError
+
+if TYPE_CHECKING:
+    from .local import LocalRuntime
 
 T = TypeVar("T")
 log = logging.getLogger("mcp_forge")
@@ -40,7 +43,7 @@ def _read(path: str) -> str:
         sys.exit(1)
 
 
-def _local() -> Any:
+def _local() -> LocalRuntime:
     from .local import LocalRuntime
 
     return LocalRuntime()
@@ -82,10 +85,10 @@ def _host_paths(session: resource.KernelSession) -> Any:
         "`mcp-forge apply` prepares them (connection file, workspace)",
         err=True,
     )
-    base = settings.state_dir / "k" / session.name
+    base = settings.state_dir / "k" / f"not-applied-{session.name}"
     group = session.spec.shared_group or "none"
     shared = settings.state_dir / "shared" / session.namespace / group
-    return HostPaths(str(base / "run"), str(base / "workspace"), str(shared))
+    return HostPaths(str(base / "conf"), str(base / "run"), str(base / "workspace"), str(shared))
 
 
 @main.command()
@@ -162,7 +165,8 @@ def get(name: str | None, namespace: str | None, output: str) -> None:
         sessions = (
             [await rt.get(name, namespace or "default")] if name else await rt.list(namespace)
         )
-        return [(await rt.refresh(s)).body for s in sessions]
+        # Observe only: a dead kernel is recorded, and restarted by its next use or the gateway.
+        return [(await rt.refresh(s, restart=False)).body for s in sessions]
 
     bodies = _run(go())
     if output == "yaml":
@@ -214,8 +218,16 @@ def exec_(
 
     async def go() -> Any:
         gw = Gateway(_local())
+        task = asyncio.ensure_future(gw.execute(name, source, timeout=timeout, namespace=namespace))
+        loop = asyncio.get_running_loop()
+        # Going away (Ctrl-C, kill, a closed terminal) interrupts the code first.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, task.cancel)
         try:
-            return await gw.execute(name, source, timeout=timeout, namespace=namespace)
+            return await task
+        except asyncio.CancelledError:
+            click.echo("error: cancelled; the code was interrupted", err=True)
+            sys.exit(130)
         finally:
             await gw.close()
 
@@ -235,6 +247,43 @@ def exec_(
         if result.message:
             click.echo(f"[{result.status}] {result.message}", err=True)
     sys.exit(0 if result.status == "ok" else 1)
+
+
+@main.command()
+@click.argument("name")
+@click.option("-n", "--namespace", default="default")
+def interrupt(name: str, namespace: str) -> None:
+    """Interrupt the code a session's kernel is running; variables are kept."""
+    from .gateway import Gateway
+
+    async def go() -> bool:
+        gw = Gateway(_local())
+        try:
+            return await gw.interrupt(name, namespace=namespace)
+        finally:
+            await gw.close()
+
+    acked = _run(go())
+    click.echo(f"kernelsession/{name} interrupted" if acked else f"kernelsession/{name}: no answer")
+    sys.exit(0 if acked else 1)
+
+
+@main.command()
+@click.argument("name")
+@click.option("-n", "--namespace", default="default")
+def restart(name: str, namespace: str) -> None:
+    """Restart a session's kernel: variables are cleared, workspace files kept."""
+    from .gateway import Gateway
+
+    async def go() -> None:
+        gw = Gateway(_local())
+        try:
+            await gw.restart(name, namespace=namespace)
+        finally:
+            await gw.close()
+
+    _run(go())
+    click.echo(f"kernelsession/{name} restarted")
 
 
 @main.group()

@@ -22,8 +22,9 @@ PORTS: dict[str, int] = {
     "hb": 5559,
 }
 
-RUN_DIR_IN_POD = "/run/mcp-forge"
-CONNECTION_FILE_IN_POD = f"{RUN_DIR_IN_POD}/connection.json"
+CONF_DIR_IN_POD = "/etc/mcp-forge"  # read-only: the connection file (a Secret on Kubernetes)
+CONNECTION_FILE_IN_POD = f"{CONF_DIR_IN_POD}/connection.json"
+RUN_DIR_IN_POD = "/run/mcp-forge"  # local mode only: the kernel's Unix sockets
 IPC_PREFIX_IN_POD = f"{RUN_DIR_IN_POD}/kernel"
 # ZMQ ipc endpoints are Unix socket paths: at most 107 bytes on Linux.
 IPC_PATH_MAX = 100

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import re
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 from . import podman, resource
 from .errors import ForgeError
@@ -54,33 +57,38 @@ async def run_checks(say: Say) -> bool:
     result(exists, f"kernel image {image}", "mcp-forge image build")
     if not exists:
         return ok
-    name = f"mcpforge-doctor-{uuid.uuid4().hex[:8]}"
-    done = await podman.run(
-        "run",
-        "--rm",
-        "--name",
-        name,
-        "--network=none",
-        "--read-only",
-        "--cap-drop=ALL",
-        "--user=1000:1000",
-        "--security-opt=no-new-privileges",
-        image,
-        "python",
-        "-c",
-        "import ipykernel, os; print(os.getuid(), ipykernel.__version__)",
-        check=False,
-        timeout=120,
-    )
-    started = done.returncode == 0 and re.match(rb"1000 ", done.stdout) is not None
-    detail = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
-    fix = (
-        "a container could not start: "
-        + detail
-        + "\n     if it mentions ulimit or rlimit: "
-        + conf_fix
-    )
-    result(
-        started, "a sandboxed kernel container starts (uid 1000, no network, read-only root)", fix
-    )
+    result(*await _session_check(image), conf_fix)
     return ok
+
+
+async def _session_check(image: str) -> tuple[bool, str]:
+    """Play a real session (the real pod profile) in a scratch state dir and run code."""
+    from .gateway import Gateway
+    from .local import LocalRuntime
+    from .settings import Settings
+
+    state = Path(tempfile.mkdtemp(prefix="mf-doctor-", dir="/tmp"))
+    runtime = LocalRuntime(Settings(state_dir=state, kernel_ready_timeout=60))
+    name = f"doctor-{uuid.uuid4().hex[:8]}"
+    body = {
+        "apiVersion": resource.API_VERSION,
+        "kind": resource.KIND,
+        "metadata": {"name": name},
+        "spec": {"image": image, "resources": {"memory": "256Mi"}},
+    }
+    what = "a session starts and runs code (kube play, uid 1000, no network, read-only root)"
+    gateway = Gateway(runtime, runtime.settings)
+    try:
+        applied = await runtime.apply(body)
+        r = await gateway.execute(name, "import os; os.getuid()")
+        uid = (r.result or {}).get("data", {}).get("text/plain")
+        if uid != "1000":
+            return False, f"{what}: the kernel runs as uid {uid}"
+        return True, f"{what}: ready in {applied.seconds:.1f}s"
+    except ForgeError as exc:
+        return False, f"{what}: {exc}"
+    finally:
+        await gateway.close()
+        with contextlib.suppress(ForgeError):
+            await runtime.delete(name)
+        shutil.rmtree(state, ignore_errors=True)

@@ -3,12 +3,15 @@
 A Collector is fed the IOPub and shell messages whose parent is one request
 (the caller matches ``parent_header.msg_id``) and builds the result: streams,
 the execute_result and every display_data as mime bundles, the error with its
-traceback stripped of ANSI codes. Text beyond the budget is cut with a marker;
-the whole of it is kept (up to a cap) so the caller can save it to a file.
+traceback stripped of ANSI codes. Everything it keeps is bounded: text beyond the
+text budget is cut with a marker (and kept whole, up to a cap, for a file), other
+mime data (images, JSON) beyond the data budget is replaced by a note, metadata and
+tracebacks have caps of their own.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +20,11 @@ from typing import Any, Literal
 Status = Literal["ok", "error", "timeout", "interrupted", "died"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
-TEXT_MIMES = ("text/plain", "text/markdown", "text/html", "text/latex", "application/json")
+TEXT_MIMES = ("text/plain", "text/markdown", "text/html", "text/latex")
+METADATA_MAX = 16_384
+MIME_MAX = 100  # length of a mime type name
+EVALUE_MAX = 10_000
+TRACEBACK_MAX = 50_000
 
 
 def strip_ansi(text: str) -> str:
@@ -68,8 +75,16 @@ class ExecutionResult:
         }
 
 
-def _truncation_marker(dropped: int) -> str:
-    return f"\n[... output truncated: {dropped} more characters ...]\n"
+def _truncation_marker(dropped: int, saved_to: str | None) -> str:
+    where = f"; full output saved to {saved_to}" if saved_to else ""
+    return f"\n[... output truncated: {dropped} more characters{where} ...]\n"
+
+
+def _json_size(value: Any) -> int:
+    try:
+        return len(json.dumps(value))
+    except (TypeError, ValueError):
+        return -1
 
 
 @dataclass
@@ -77,8 +92,9 @@ class Collector:
     """Builds an ExecutionResult from the messages of one request."""
 
     msg_id: str
-    budget: int
-    spool_max: int
+    budget: int  # characters of text kept
+    spool_max: int  # characters of text kept for the full-output file
+    data_budget: int = 10_000_000  # bytes of non-text mime data kept
     stdout: list[str] = field(default_factory=list)
     stderr: list[str] = field(default_factory=list)
     result: dict[str, Any] | None = None
@@ -91,6 +107,8 @@ class Collector:
     dropped: int = 0  # text characters cut
     spool: list[str] = field(default_factory=list)  # the whole text, in arrival order
     spooled: int = 0
+    data_used: int = 0
+    data_dropped: int = 0
     on_stream: Callable[[str, str], None] | None = None  # (name, text) as output arrives
 
     @property
@@ -111,19 +129,34 @@ class Collector:
         return kept
 
     def _bundle(self, content: dict[str, Any], label: str) -> dict[str, Any]:
-        data = content.get("data")
-        data = dict(data) if isinstance(data, dict) else {}
-        for mime in TEXT_MIMES:
-            value = data.get(mime)
-            if isinstance(value, str):
+        raw = content.get("data")
+        data: dict[str, Any] = {}
+        notes: list[str] = []
+        for mime, value in raw.items() if isinstance(raw, dict) else ():
+            if not isinstance(mime, str) or len(mime) > MIME_MAX:
+                continue
+            if mime in TEXT_MIMES and isinstance(value, str):
                 self.spool_note(f"[{label} {mime}]\n")
                 data[mime] = self._keep(value)
-        return {"data": data, "metadata": content.get("metadata") or {}}
+                continue
+            size = len(value) if isinstance(value, str) else _json_size(value)
+            if size >= 0 and self.data_used + size <= self.data_budget:
+                data[mime] = value
+                self.data_used += size
+            else:
+                self.data_dropped += max(size, 0)
+                notes.append(f"[{mime} output of {size} bytes omitted: over the per-call limit]")
+        if notes:
+            data["text/plain"] = "\n".join([data.get("text/plain", ""), *notes]).lstrip("\n")
+        metadata = content.get("metadata")
+        if not isinstance(metadata, dict) or not 0 <= _json_size(metadata) <= METADATA_MAX:
+            metadata = {}
+        return {"data": data, "metadata": metadata}
 
     def spool_note(self, text: str) -> None:
-        if self.spooled < self.spool_max:
-            self.spool.append(text)
-            self.spooled += len(text)
+        piece = text[: max(self.spool_max - self.spooled, 0)]
+        self.spool.append(piece)
+        self.spooled += len(piece)
 
     def feed(self, msg: dict[str, Any]) -> None:
         """Take one message whose parent is this request (IOPub or the shell reply)."""
@@ -170,7 +203,10 @@ class Collector:
         duration: float,
         message: str = "",
         state_lost: bool = False,
+        saved_to: str | None = None,
     ) -> ExecutionResult:
+        """The result; pure over what was fed, so it may be called again (e.g. once the
+        full output is saved, to name the file in the marker)."""
         if status is None:
             if self.reply_status == "ok":
                 status = "ok"
@@ -180,9 +216,9 @@ class Collector:
                 status = "error"
         stdout = "".join(self.stdout)
         stderr = "".join(self.stderr)
-        truncated = self.dropped > 0
-        if truncated:
-            marker = _truncation_marker(self.dropped)
+        truncated = self.dropped > 0 or self.data_dropped > 0
+        if self.dropped > 0:
+            marker = _truncation_marker(self.dropped, saved_to)
             if stderr and not stdout:
                 stderr += marker
             else:
@@ -197,6 +233,7 @@ class Collector:
             execution_count=self.execution_count,
             duration=duration,
             truncated=truncated,
+            full_output_path=saved_to,
             state_lost=state_lost,
             message=message,
         )
@@ -207,9 +244,24 @@ class Collector:
 
 def _error(content: dict[str, Any]) -> ErrorInfo:
     tb = content.get("traceback")
-    lines = tuple(strip_ansi(str(line)) for line in tb) if isinstance(tb, list) else ()
+    lines = [strip_ansi(str(line)) for line in tb] if isinstance(tb, list) else []
+    if sum(len(line) for line in lines) > TRACEBACK_MAX:
+        # Keep the start and, above all, the end, where the error is.
+        head, used = lines[:3], sum(len(line) for line in lines[:3])
+        tail: list[str] = []
+        for line in reversed(lines[3:]):
+            if used + len(line) > TRACEBACK_MAX:
+                break
+            tail.insert(0, line)
+            used += len(line)
+        lines = [
+            *head,
+            f"[... {len(lines) - len(head) - len(tail)} traceback lines omitted ...]",
+            *tail,
+        ]
+        lines = [line[:TRACEBACK_MAX] for line in lines]
     return ErrorInfo(
-        ename=str(content.get("ename", "Error")),
-        evalue=strip_ansi(str(content.get("evalue", ""))),
-        traceback=lines,
+        ename=str(content.get("ename", "Error"))[:200],
+        evalue=strip_ansi(str(content.get("evalue", "")))[:EVALUE_MAX],
+        traceback=tuple(lines),
     )

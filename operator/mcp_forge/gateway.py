@@ -1,18 +1,15 @@
 """The gateway's execution core: runs code in a session's kernel and says what happened.
 
-It holds one jupyter-client connection per session it has used, and nothing else: the
-connection info comes from the runtime (store or Secret) each time the connection
-generation changes, so a new gateway process reattaches to running kernels with their
-variables intact. Calls on one session are queued (one lock per session); sessions run
-in parallel.
+It holds one connection per session it has used, and nothing else: the connection info
+comes from the runtime (store or Secret) whenever the kernel changes (a new connection
+generation), so a new gateway process reattaches to running kernels with their variables
+intact. Calls on one session are queued (one lock per session); sessions run in parallel.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -31,15 +28,23 @@ from .settings import Settings
 log = logging.getLogger(__name__)
 
 OUTPUT_DIR = ".mcp-forge/outputs"
+OUTPUT_FILES_KEPT = 20
 _WRITE_CHUNK = 1_000_000
+
+StreamCallback = Callable[[str, str], None]
 
 
 @dataclass
 class _Handle:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     conn: KernelConnection | None = None
-    generation: Any = None
-    activity_recorded: float = 0.0  # monotonic time of the last record_activity
+    kernel: tuple[Any, Any] = (None, None)  # (connection generation, kernel id) of conn
+    activity_recorded: float = float("-inf")  # monotonic time of the last record_activity
+
+
+def _kernel_of(session: KernelSession) -> tuple[Any, Any]:
+    status = session.status
+    return (status.get("connection") or {}).get("generation"), status.get("kernelId")
 
 
 class Gateway:
@@ -48,59 +53,68 @@ class Gateway:
     def __init__(self, runtime: Runtime, settings: Settings | None = None) -> None:
         self.runtime = runtime
         self.settings = settings or Settings.from_env()
-        self._handles: dict[tuple[str, str], _Handle] = {}
+        self._handles: dict[tuple[str, str, str], _Handle] = {}
 
     def _handle(self, session: KernelSession) -> _Handle:
-        return self._handles.setdefault((session.namespace, session.name), _Handle())
+        key = (session.namespace, session.name, session.uid)
+        return self._handles.setdefault(key, _Handle())
 
     async def close(self) -> None:
         for handle in self._handles.values():
-            if handle.conn is not None:
-                handle.conn.close()
+            self._drop(handle)
         self._handles.clear()
 
     async def _session(self, name: str, namespace: str) -> KernelSession:
         session = await self.runtime.get(name, namespace)
         phase = session.status.get("phase")
-        if phase == "Failed":
-            raise SessionNotReady(
-                f"session {name!r} has failed ({session.status.get('reason', 'unknown')}): "
-                f"{session.status.get('message', '')}".rstrip(": ")
-            )
-        if phase in ("Terminating", "Pending"):
-            raise SessionNotReady(f"session {name!r} is {phase}")
+        if phase in ("Failed", "Terminating", "Pending"):
+            why = session.status.get("message") or session.status.get("reason") or ""
+            raise SessionNotReady(f"session {name!r} is {phase}" + (f": {why}" if why else ""))
         return session
 
+    def _new_connection(self, info: Any) -> KernelConnection:
+        s = self.settings
+        return KernelConnection(info, max_frame=s.frame_max, max_message=s.message_max)
+
     async def _connect(self, handle: _Handle, session: KernelSession) -> KernelConnection:
-        generation = (session.status.get("connection") or {}).get("generation")
-        if handle.conn is not None and handle.generation == generation:
+        if handle.conn is not None and handle.kernel == _kernel_of(session):
             return handle.conn
-        if handle.conn is not None:
-            handle.conn.close()
-            handle.conn = None
+        self._drop(handle)
         session = await self.runtime.refresh(session)
         if session.status.get("phase") != "Ready":
             raise SessionNotReady(
                 f"session {session.name!r} is {session.status.get('phase')}: "
                 f"{session.status.get('message', '')}"
             )
-        generation = (session.status.get("connection") or {}).get("generation")
-        conn = KernelConnection(
-            await self.runtime.connection(session), max_message_size=self.settings.message_max
-        )
+        conn = self._new_connection(await self.runtime.connection(session))
         try:
-            await conn.wait_ready(self.settings.kernel_ready_timeout)
+            await conn.wait_ready(
+                self.settings.kernel_ready_timeout, retry=self.settings.kernel_info_retry
+            )
         except BaseException:
             conn.close()
             raise
-        handle.conn, handle.generation = conn, generation
+        handle.conn, handle.kernel = conn, _kernel_of(session)
         return conn
 
     def _drop(self, handle: _Handle) -> None:
         if handle.conn is not None:
             handle.conn.close()
         handle.conn = None
-        handle.generation = None
+        handle.kernel = (None, None)
+
+    async def _record_activity(self, handle: _Handle, session: KernelSession) -> None:
+        # lastActivity has a resolution of seconds and drives culling after minutes:
+        # writing it once a second per session is enough, and keeps the store off the
+        # hot path of a burst of small calls.
+        now = time.monotonic()
+        if now - handle.activity_recorded < self.settings.activity_interval:
+            return
+        handle.activity_recorded = now
+        try:
+            await self.runtime.record_activity(session)
+        except ForgeError as exc:
+            log.warning("could not record activity of %s: %s", session.name, exc)
 
     # ---- execute -------------------------------------------------------------------------
 
@@ -131,30 +145,40 @@ class Gateway:
         *,
         timeout: float | None = None,
         namespace: str = "default",
-        on_stream: Callable[[str, str], None] | None = None,
+        on_stream: StreamCallback | None = None,
     ) -> ExecutionResult:
         """Run `code` in the session's kernel. Errors of the code are in the result.
 
-        `on_stream(name, text)` is called with stdout/stderr text as it arrives.
+        `on_stream(name, text)` is called with stdout/stderr text as it arrives. If the
+        caller is cancelled, the kernel is interrupted (and restarted if it does not
+        stop) before the cancellation goes on.
         """
         seconds = self._check_code(code, timeout)
         session = await self._session(name, namespace)
         handle = self._handle(session)
         async with handle.lock:
             conn = await self._connect(handle, session)
+            s = self.settings
             collector = Collector(
                 "",
-                budget=self.settings.output_budget,
-                spool_max=self.settings.output_spool_max,
+                budget=s.output_budget,
+                spool_max=s.output_spool_max,
+                data_budget=s.data_budget,
                 on_stream=on_stream,
             )
-            result = await self._execute_locked(handle, conn, session, code, seconds, collector)
-            if result.truncated:
+            await self._record_activity(handle, session)
+            try:
+                result = await self._run(handle, conn, session, code, seconds, collector)
+            except asyncio.CancelledError:
+                await self._settle_after_cancel(handle, conn, session, collector)
+                raise
+            if result.truncated and collector.dropped:
                 result = await self._save_full_output(handle, session, result, collector)
+            handle.activity_recorded = float("-inf")  # the end of a call always counts
             await self._record_activity(handle, session)
             return result
 
-    async def _execute_locked(
+    async def _run(
         self,
         handle: _Handle,
         conn: KernelConnection,
@@ -167,30 +191,53 @@ class Gateway:
         started = time.monotonic()
         collector.msg_id = conn.send_execute(code, silent=False, store_history=True)
         deadline = started + timeout
-        try:
-            while True:
-                now = time.monotonic()
-                if now >= deadline:
-                    return await self._on_timeout(
-                        handle, conn, session, collector, started, timeout
-                    )
-                if await conn.pump(collector, min(s.heartbeat_interval, deadline - now)):
-                    return collector.finish(duration=time.monotonic() - started)
-                if not await conn.heartbeat(s.heartbeat_timeout):
-                    term = await self.runtime.termination(session)
-                    if term is not None:
-                        return await self._on_death(
-                            handle, session, collector, started, term.message
-                        )
-        except asyncio.CancelledError:
-            # The caller went away: stop the code rather than leave the kernel busy.
-            await asyncio.shield(self._stop_after_cancel(conn, collector))
-            raise
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                return await self._on_timeout(handle, conn, session, collector, started, timeout)
+            if await conn.pump(collector, min(s.heartbeat_interval, deadline - now)):
+                return collector.finish(duration=time.monotonic() - started)
+            await self._record_activity(handle, session)  # a long call is activity
+            if not await conn.heartbeat(s.heartbeat_timeout):
+                term = await self.runtime.termination(session)
+                if term is not None:
+                    return await self._on_death(handle, session, collector, started, term.message)
 
-    async def _stop_after_cancel(self, conn: KernelConnection, collector: Collector) -> None:
-        with contextlib.suppress(Exception):
-            await conn.interrupt(self.settings.interrupt_grace)
-            await conn.pump(collector, self.settings.interrupt_grace)
+    async def _settle_after_cancel(
+        self, handle: _Handle, conn: KernelConnection, session: KernelSession, collector: Collector
+    ) -> None:
+        """Stop the code of a cancelled call before its lock is released.
+
+        Bounded by the interrupt grace (and a restart if the kernel does not stop);
+        further cancellations wait for it, so no one else reads these sockets meanwhile.
+        """
+
+        async def settle() -> None:
+            grace = self.settings.interrupt_grace
+            if await conn.interrupt(grace) and await conn.pump(collector, grace):
+                return
+            self._drop(handle)
+            await self.runtime.restart_kernel(session, reason="Unresponsive", crashed=True)
+
+        task = asyncio.ensure_future(settle())
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                continue
+            except ForgeError as exc:
+                log.warning(
+                    "could not stop the code of a cancelled call on %s: %s", session.name, exc
+                )
+        self._drop(handle)  # a clean slate for the next call
+
+    async def _restart_after(self, session: KernelSession, reason: str, why: str) -> str:
+        """Restart the kernel; say what happened in words, failures included."""
+        try:
+            await self.runtime.restart_kernel(session, reason=reason, crashed=True, message=why)
+        except ForgeError as exc:
+            return f" Restarting the kernel failed: {exc}"
+        return " The kernel was restarted: all variables are lost (workspace files are kept)."
 
     async def _on_timeout(
         self,
@@ -202,8 +249,7 @@ class Gateway:
         timeout: float,
     ) -> ExecutionResult:
         grace = self.settings.interrupt_grace
-        await conn.interrupt(grace)
-        if await conn.pump(collector, grace):
+        if await conn.interrupt(grace) and await conn.pump(collector, grace):
             return collector.finish(
                 "timeout",
                 duration=time.monotonic() - started,
@@ -211,14 +257,16 @@ class Gateway:
                 "variables are kept",
             )
         self._drop(handle)
-        await self.runtime.restart_kernel(session, reason="Unresponsive", crashed=False)
+        why = (
+            f"the code ran past its {timeout:g}s timeout and did not stop within {grace:g}s "
+            "of an interrupt"
+        )
+        outcome = await self._restart_after(session, "Unresponsive", why)
         return collector.finish(
             "timeout",
             duration=time.monotonic() - started,
             state_lost=True,
-            message=f"the code ran past its {timeout:g}s timeout and did not stop when "
-            f"interrupted within {grace:g}s, so the kernel was restarted: all variables are "
-            "lost (workspace files are kept)",
+            message=why + "." + outcome,
         )
 
     async def _on_death(
@@ -230,30 +278,20 @@ class Gateway:
         why: str,
     ) -> ExecutionResult:
         self._drop(handle)
-        term = await self.runtime.termination(session)
-        reason = term.reason if term else "Died"
         message = f"the kernel died: {why}."
-        if session.spec.restart_policy == "Always":
-            await self.runtime.restart_kernel(session, reason=reason, crashed=True, message=why)
-            message += " It was restarted: all variables are lost (workspace files are kept)."
+        try:
+            after = await self.runtime.refresh(session)  # restarts it per restartPolicy
+        except ForgeError as exc:
+            message += f" Restarting the kernel failed: {exc}"
         else:
-            message += " The session's restartPolicy is Never, so it is now Failed."
+            if after.status.get("phase") == "Ready":
+                message += " It was restarted: all variables are lost (workspace files are kept)."
+            else:
+                phase, policy = after.status.get("phase"), session.spec.restart_policy
+                message += f" The session is now {phase} (restartPolicy {policy})."
         return collector.finish(
             "died", duration=time.monotonic() - started, state_lost=True, message=message
         )
-
-    async def _record_activity(self, handle: _Handle, session: KernelSession) -> None:
-        # lastActivity has a resolution of seconds and drives culling after minutes:
-        # writing it once a second per session is enough, and keeps the store off the
-        # hot path of a burst of small calls.
-        now = time.monotonic()
-        if now - handle.activity_recorded < 1.0:
-            return
-        handle.activity_recorded = now
-        try:
-            await self.runtime.record_activity(session)
-        except ForgeError as exc:
-            log.warning("could not record activity of %s: %s", session.name, exc)
 
     async def _save_full_output(
         self,
@@ -266,14 +304,18 @@ class Gateway:
         name = f"{OUTPUT_DIR}/{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}.txt"
         try:
             await self._write_locked(handle, session, name, text)
+            await self._helper_locked(
+                handle, session, "prune", path=OUTPUT_DIR, keep=OUTPUT_FILES_KEPT
+            )
         except ForgeError as exc:  # the result stands even if the copy cannot be saved
             log.warning("could not save the full output of %s: %s", session.name, exc)
             return result
-        marker = f"full output saved to /workspace/{name}"
-        stdout = result.stdout.replace("more characters ...]", f"more characters; {marker}]")
-        stderr = result.stderr.replace("more characters ...]", f"more characters; {marker}]")
-        return dataclasses.replace(
-            result, stdout=stdout, stderr=stderr, full_output_path=f"/workspace/{name}"
+        return collector.finish(
+            result.status,
+            duration=result.duration,
+            message=result.message,
+            state_lost=result.state_lost,
+            saved_to=f"/workspace/{name}",
         )
 
     # ---- interrupt / restart ---------------------------------------------------------------
@@ -282,16 +324,13 @@ class Gateway:
         """Interrupt whatever the kernel runs now (outside the queue)."""
         session = await self._session(name, namespace)
         handle = self._handle(session)
-        conn = handle.conn
-        if conn is None:
-            conn = KernelConnection(
-                await self.runtime.connection(session), max_message_size=self.settings.message_max
-            )
-            try:
-                return await conn.interrupt(self.settings.interrupt_grace)
-            finally:
-                conn.close()
-        return await conn.interrupt(self.settings.interrupt_grace)
+        if handle.conn is not None:
+            return await handle.conn.interrupt(self.settings.interrupt_grace)
+        conn = self._new_connection(await self.runtime.connection(session))
+        try:
+            return await conn.interrupt(self.settings.interrupt_grace)
+        finally:
+            conn.close()
 
     async def restart(self, name: str, *, namespace: str = "default") -> None:
         """A fresh interpreter: variables are cleared, workspace files kept."""
@@ -307,7 +346,9 @@ class Gateway:
         session = await self._session(name, namespace)
         handle = self._handle(session)
         async with handle.lock:
-            return await self._helper_locked(handle, session, op, **args)
+            reply = await self._helper_locked(handle, session, op, **args)
+            await self._record_activity(handle, session)
+            return reply
 
     async def _helper_locked(
         self, handle: _Handle, session: KernelSession, op: str, **args: Any
@@ -315,15 +356,20 @@ class Gateway:
         s = self.settings
         conn = await self._connect(handle, session)
         code, marker = introspection.program(op, **args)
-        msg_id = conn.send_execute(code, silent=True, store_history=False)
-        collector = Collector(msg_id, budget=s.helper_reply_max, spool_max=0)
-        if not await conn.pump(collector, s.helper_timeout):
-            await self._stop_after_cancel(conn, collector)
+        collector = Collector("", budget=s.helper_reply_max, spool_max=0, data_budget=0)
+        collector.msg_id = conn.send_execute(code, silent=True, store_history=False)
+        try:
+            done = await conn.pump(collector, s.helper_timeout)
+        except asyncio.CancelledError:
+            await self._settle_after_cancel(handle, conn, session, collector)
+            raise
+        if not done:
+            await self._settle_after_cancel(handle, conn, session, collector)
             raise SessionNotReady(f"the kernel did not answer within {s.helper_timeout:.0f}s")
         result = collector.finish(duration=0)
         if result.truncated:
             raise KernelProtocolError(
-                f"the kernel's reply is over the {s.helper_reply_max} byte limit"
+                f"the kernel's reply is over the {s.helper_reply_max} character limit"
             )
         reply = introspection.parse_reply(result.stdout, marker, limit=s.helper_reply_max)
         if "error" in reply:
@@ -332,13 +378,14 @@ class Gateway:
 
     async def variables(self, name: str, *, namespace: str = "default") -> list[dict[str, Any]]:
         """The user's variables: name, type, shape, dtype, length, size, bounded repr."""
+        s = self.settings
         reply = await self._helper(
-            name, namespace, "variables", max=self.settings.variables_max, repr_max=200
+            name, namespace, "variables", max=s.variables_max, repr_max=s.repr_list_max
         )
         items = reply.get("variables")
         if not isinstance(items, list):
             raise KernelProtocolError("the kernel's variable list is malformed")
-        return [_variable(v) for v in items]
+        return [_variable(v) for v in items[: s.variables_max]]
 
     async def inspect_variable(
         self, name: str, var: str, *, namespace: str = "default"
@@ -354,9 +401,17 @@ class Gateway:
         self, name: str, path: str = ".", *, namespace: str = "default"
     ) -> dict[str, Any]:
         rel = introspection.workspace_path(path)
-        return await self._helper(
+        reply = await self._helper(
             name, namespace, "list", path=rel, max=self.settings.list_files_max
         )
+        entries = reply.get("entries")
+        if not isinstance(entries, list):
+            raise KernelProtocolError("the kernel's file list is malformed")
+        return {
+            "path": rel,
+            "entries": [_entry(e) for e in entries[: self.settings.list_files_max]],
+            "truncated": reply.get("truncated") is True,
+        }
 
     async def read_file(self, name: str, path: str, *, namespace: str = "default") -> bytes:
         rel = introspection.workspace_path(path)
@@ -364,7 +419,10 @@ class Gateway:
         data = reply.get("base64")
         if not isinstance(data, str):
             raise KernelProtocolError("the kernel's file reply is malformed")
-        raw = base64.b64decode(data, validate=True)
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except ValueError as exc:
+            raise KernelProtocolError("the kernel's file reply is not base64") from exc
         if len(raw) > self.settings.file_max:
             raise KernelProtocolError("the kernel sent more than the file limit")
         return raw
@@ -382,12 +440,14 @@ class Gateway:
         session = await self._session(name, namespace)
         handle = self._handle(session)
         async with handle.lock:
-            return await self._write_locked(handle, session, rel, data)
+            size = await self._write_locked(handle, session, rel, data)
+            await self._record_activity(handle, session)
+            return size
 
     async def _write_locked(
         self, handle: _Handle, session: KernelSession, rel: str, data: bytes
     ) -> int:
-        size = 0
+        size: Any = None
         chunks = [data[i : i + _WRITE_CHUNK] for i in range(0, len(data), _WRITE_CHUNK)] or [b""]
         for i, chunk in enumerate(chunks):
             reply = await self._helper_locked(
@@ -398,7 +458,9 @@ class Gateway:
                 base64=base64.b64encode(chunk).decode(),
                 append=i > 0,
             )
-            size = int(reply.get("size", 0))
+            size = reply.get("size")
+        if not isinstance(size, int):
+            raise KernelProtocolError("the kernel's write reply is malformed")
         return size
 
 
@@ -411,19 +473,34 @@ _VAR_FIELDS: dict[str, type] = {
     "size": int,
     "repr": str,
 }
+_ENTRY_FIELDS: dict[str, type] = {"name": str, "type": str, "size": int, "mtime": float}
+
+
+def _fields(
+    raw: Any, spec: dict[str, type], what: str, required: tuple[str, ...]
+) -> dict[str, Any]:
+    """Keep only known fields of the expected types from a kernel-made object."""
+    if not isinstance(raw, dict):
+        raise KernelProtocolError(f"the kernel's {what} is malformed")
+    out: dict[str, Any] = {}
+    for key, kind in spec.items():
+        value = raw.get(key)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, kind) and not isinstance(value, bool):
+            if isinstance(value, list) and not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in value
+            ):
+                continue
+            out[key] = value[:10_000] if isinstance(value, str | list) else value
+    if any(key not in out for key in required):
+        raise KernelProtocolError(f"the kernel's {what} lacks {', '.join(required)}")
+    return out
 
 
 def _variable(raw: Any) -> dict[str, Any]:
-    """Keep only known fields of the expected types from a kernel-made description."""
-    if not isinstance(raw, dict):
-        raise KernelProtocolError("the kernel's variable description is malformed")
-    out: dict[str, Any] = {}
-    for key, kind in _VAR_FIELDS.items():
-        value = raw.get(key)
-        if isinstance(value, kind) and not isinstance(value, bool):
-            if isinstance(value, list) and not all(isinstance(x, int) for x in value):
-                continue
-            out[key] = value[:10_000] if isinstance(value, str) else value
-    if "name" not in out or "type" not in out:
-        raise KernelProtocolError("the kernel's variable description lacks name or type")
-    return out
+    return _fields(raw, _VAR_FIELDS, "variable description", ("name", "type"))
+
+
+def _entry(raw: Any) -> dict[str, Any]:
+    return _fields(raw, _ENTRY_FIELDS, "file entry", ("name", "type"))

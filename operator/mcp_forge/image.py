@@ -82,7 +82,9 @@ WHEEL_PLATFORMS = (
 SANDBOX_UID = 1000
 KERNEL_VENV = "/opt/kernel"
 KERNEL_ENTRYPOINT = ("/usr/bin/tini", "--")
-KERNEL_CMD = ("python", "-m", "ipykernel_launcher", "-f", "/run/mcp-forge/connection.json")
+# -P: the working directory (/workspace, the user's) is not put first on sys.path while
+# the launcher starts, so files left there cannot replace ipykernel at the next restart.
+KERNEL_CMD = ("python", "-P", "-m", "ipykernel_launcher", "-f", "/etc/mcp-forge/connection.json")
 KERNEL_ENV: dict[str, str] = {
     "PATH": f"{KERNEL_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/workspace",
@@ -517,6 +519,7 @@ def _finish_rootfs(rootfs: Path) -> None:
         (rootfs / "home" / "sandbox", uid),
         (rootfs / KERNEL_WORKDIR.lstrip("/"), uid),
         (rootfs / "run" / "mcp-forge", 0),
+        (rootfs / "etc" / "mcp-forge", 0),
     ):
         directory.mkdir(parents=True, exist_ok=True)
         os.chown(directory, owner, owner)

@@ -130,6 +130,16 @@ def _run():
         with _os.fdopen(fd, "wb") as f:
             f.write(data)
         return {"path": A["path"], "size": _os.path.getsize(p)}
+    if op == "prune":
+        p = _contained(A["path"])
+        if not _os.path.isdir(p):
+            return {"removed": 0}
+        files = [_os.path.join(p, n) for n in _os.listdir(p)]
+        files = sorted((f for f in files if _os.path.isfile(f) and not _os.path.islink(f)), key=_os.path.getmtime)
+        old = files[: max(len(files) - A["keep"], 0)]
+        for f in old:
+            _os.remove(f)
+        return {"removed": len(old)}
     return {"error": "UnknownOp", "message": op}
 
 try:

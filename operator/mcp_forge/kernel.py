@@ -1,98 +1,174 @@
-"""One jupyter-client connection to one remote kernel, over ZMQ.
+"""One connection to one remote kernel: the Jupyter protocol over our own ZMQ sockets.
 
-The kernel runs in a pod we do not control from here, so there is no local process
-to signal: readiness is a kernel_info reply, liveness a heartbeat echo, interrupt an
-``interrupt_request`` on the control channel. Sizes are bounded at the socket
-(ZMQ_MAXMSGSIZE), so a kernel cannot make us hold an unbounded message.
+jupyter-client's `Session` signs, serializes and checks every message; the sockets are
+ours, because the kernel is untrusted and we bound what it can make us hold:
+
+* every frame is at most `max_frame` bytes (ZMQ_MAXMSGSIZE, set before connecting);
+* a message whose frames add up to more than `max_message` is dropped while it is read;
+* few messages queue (ZMQ_RCVHWM);
+* a message that does not deserialize, or whose header, parent or content is not a
+  mapping, is dropped and logged, never raised into the caller.
+
+The kernel runs in a pod we cannot signal from here: readiness is a `kernel_info` reply
+on the control channel (answered even while the kernel is busy) together with an IOPub
+message for it (so output of the next request cannot be missed); liveness is a heartbeat
+echo; interrupt is an `interrupt_request` on the control channel.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import queue
 import time
 import uuid
 from typing import Any
 
 import zmq
 import zmq.asyncio
-from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.session import Session
 
-from .connection import ConnectionInfo
+from .connection import PORTS, ConnectionInfo
 from .errors import SessionNotReady
 from .execution import Collector
 
 log = logging.getLogger(__name__)
 
-
-class _BoundedClient(AsyncKernelClient):
-    """An AsyncKernelClient whose sockets refuse messages over a size limit."""
-
-    max_message_size: int = 32_000_000
-
-    def _create_connected_socket(
-        self, channel: str, identity: bytes | None = None
-    ) -> zmq.Socket[Any]:
-        from jupyter_client.connect import channel_socket_types
-
-        sock: zmq.Socket[Any] = self.context.socket(channel_socket_types[channel])
-        sock.linger = 1000
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
-        if identity:
-            sock.identity = identity
-        sock.connect(self._make_url(channel))
-        return sock
+Message = dict[str, Any]
 
 
 class KernelConnection:
-    """Channels to one kernel. Not safe for concurrent requests: callers serialize."""
+    """Sockets to one kernel. Requests on shell are not concurrent: callers serialize."""
 
-    def __init__(self, info: ConnectionInfo, *, max_message_size: int) -> None:
+    def __init__(
+        self, info: ConnectionInfo, *, max_frame: int, max_message: int, queue: int = 64
+    ) -> None:
         self.info = info
-        self.client = _BoundedClient()
-        self.client.max_message_size = max_message_size
-        self.client.load_connection_info(info.to_jupyter())  # type: ignore[arg-type]
-        self.client.session.key = info.key.encode()
-        self.client.start_channels(hb=False)
+        self.max_message = max_message
+        self.session = Session(
+            key=info.key.encode(), signature_scheme="hmac-sha256", username="mcp-forge"
+        )
         self._ctx = zmq.asyncio.Context.instance()
-        self._hb_url = self.client._make_url("hb")
+        self._max_frame = max_frame
+        self._queue = queue
+        self.shell = self._socket(zmq.DEALER, "shell")
+        self.control = self._socket(zmq.DEALER, "control")
+        self.iopub = self._socket(zmq.SUB, "iopub")
+        self._control_lock = asyncio.Lock()
         self.kernel_info: dict[str, Any] = {}
 
+    def url(self, channel: str) -> str:
+        port = PORTS[channel]
+        if self.info.transport == "ipc":
+            return f"ipc://{self.info.host}-{port}"
+        return f"tcp://{self.info.host}:{port}"
+
+    def _socket(self, kind: int, channel: str) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(kind)
+        sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        sock.setsockopt(zmq.RCVHWM, self._queue)
+        if kind == zmq.DEALER:
+            sock.setsockopt(zmq.IDENTITY, uuid.uuid4().hex.encode())
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.url(channel))
+        return sock
+
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.client.stop_channels()
+        for sock in (self.shell, self.control, self.iopub):
+            sock.close(linger=0)
 
-    async def wait_ready(self, timeout: float) -> dict[str, Any]:
-        """Wait for a kernel_info reply, re-asking every 2 s, under `timeout`."""
+    # ---- messages ----------------------------------------------------------------------
+
+    def send(self, sock: zmq.asyncio.Socket, msg_type: str, content: dict[str, Any]) -> str:
+        msg = self.session.msg(msg_type, content)
+        self.session.send(sock, msg)
+        msg_id: str = msg["header"]["msg_id"]
+        return msg_id
+
+    async def recv(self, sock: zmq.asyncio.Socket, timeout: float) -> Message | None:
+        """The next well-formed message within `timeout`; None on timeout.
+
+        Oversized and malformed messages are read to their end and dropped.
+        """
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise SessionNotReady(
-                    f"the kernel did not answer kernel_info within {timeout:.0f}s"
+            if left <= 0 or not await sock.poll(left * 1000):
+                return None
+            frames: list[bytes] = []
+            total = 0
+            while True:
+                frame = await sock.recv(copy=True)
+                total += len(frame)
+                if total <= self.max_message:
+                    frames.append(frame)
+                if not sock.getsockopt(zmq.RCVMORE):
+                    break
+            if total > self.max_message:
+                log.warning(
+                    "dropped a %d-byte message from the kernel (limit %d)", total, self.max_message
                 )
-            msg_id = self.client.kernel_info()
-            try:
-                reply = await self._shell_reply(msg_id, min(2.0, left))
-            except TimeoutError:
                 continue
-            self.kernel_info = reply.get("content", {})
-            return self.kernel_info
-
-    async def _shell_reply(self, msg_id: str, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            try:
-                msg: dict[str, Any] = await self.client.get_shell_msg(timeout=left)
-            except queue.Empty:
-                raise TimeoutError from None
-            if msg.get("parent_header", {}).get("msg_id") == msg_id:
+            msg = self._parse(frames)
+            if msg is not None:
                 return msg
+
+    def _parse(self, frames: list[bytes]) -> Message | None:
+        try:
+            _, parts = self.session.feed_identities(frames, copy=True)
+            msg: Message = self.session.deserialize(parts, content=True, copy=True)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            # Bad signature, replay, not JSON: the kernel's problem, never ours.
+            log.warning("dropped a malformed message from the kernel: %s", exc)
+            return None
+        for part in ("header", "parent_header", "content", "metadata"):
+            if not isinstance(msg.get(part), dict):
+                log.warning("dropped a message whose %s is not a mapping", part)
+                return None
+        msg["msg_type"] = msg["header"].get("msg_type")
+        return msg
+
+    async def reply(self, sock: zmq.asyncio.Socket, msg_id: str, timeout: float) -> Message | None:
+        """The reply to `msg_id` on `sock` within `timeout`; other replies are dropped."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            msg = await self.recv(sock, left)
+            if msg is None:
+                return None
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return msg
+        return None
+
+    # ---- requests ----------------------------------------------------------------------
+
+    async def wait_ready(self, timeout: float, *, retry: float = 2.0) -> dict[str, Any]:
+        """Wait until the kernel answers kernel_info and IOPub carries its status.
+
+        The request is sent again every `retry` seconds: a kernel that was starting
+        when the first one left may not have seen it.
+        """
+        deadline = time.monotonic() + timeout
+        async with self._control_lock:
+            while (left := deadline - time.monotonic()) > 0:
+                msg_id = self.send(self.control, "kernel_info_request", {})
+                got = await self.reply(self.control, msg_id, min(retry, left))
+                if got is None:
+                    continue
+                self.kernel_info = got["content"]
+                if await self._iopub_has(msg_id, min(1.0, max(deadline - time.monotonic(), 0))):
+                    return self.kernel_info
+        raise SessionNotReady(f"the kernel did not answer kernel_info within {timeout:.0f}s")
+
+    async def _iopub_has(self, msg_id: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            msg = await self.recv(self.iopub, left)
+            if msg is None:
+                return False
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return True
+        return False
 
     async def heartbeat(self, timeout: float) -> bool:
         """True if the kernel process echoes a ping within `timeout` (even when busy)."""
@@ -100,22 +176,25 @@ class KernelConnection:
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, 1024)
         try:
-            sock.connect(self._hb_url)
+            sock.connect(self.url("hb"))
             ping = uuid.uuid4().bytes
             await sock.send(ping)
-            try:
-                async with asyncio.timeout(timeout):
-                    return bool(await sock.recv() == ping)
-            except TimeoutError:
+            if not await sock.poll(timeout * 1000):
                 return False
+            return bool(await sock.recv() == ping)
         finally:
             sock.close(linger=0)
 
     def send_execute(self, code: str, *, silent: bool, store_history: bool) -> str:
-        msg_id: str = self.client.execute(
-            code, silent=silent, store_history=store_history, allow_stdin=False, stop_on_error=False
-        )
-        return msg_id
+        content = {
+            "code": code,
+            "silent": silent,
+            "store_history": store_history,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": False,
+        }
+        return self.send(self.shell, "execute_request", content)
 
     async def pump(self, collector: Collector, timeout: float) -> bool:
         """Feed `collector` the messages of its request for up to `timeout` seconds.
@@ -129,29 +208,15 @@ class KernelConnection:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            try:
-                if not collector.idle:
-                    msg = await self.client.get_iopub_msg(timeout=left)
-                else:
-                    msg = await self.client.get_shell_msg(timeout=left)
-            except queue.Empty:
+            msg = await self.recv(self.shell if collector.idle else self.iopub, left)
+            if msg is None:
                 return False
-            if msg.get("parent_header", {}).get("msg_id") == collector.msg_id:
+            if msg["parent_header"].get("msg_id") == collector.msg_id:
                 collector.feed(msg)
         return True
 
     async def interrupt(self, timeout: float) -> bool:
         """Send interrupt_request on the control channel; True if the kernel acknowledged."""
-        msg = self.client.session.msg("interrupt_request", {})
-        self.client.control_channel.send(msg)
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                reply = await self.client.get_control_msg(timeout=left)
-            except queue.Empty:
-                return False
-            if reply.get("parent_header", {}).get("msg_id") == msg["header"]["msg_id"]:
-                return True
+        async with self._control_lock:
+            msg_id = self.send(self.control, "interrupt_request", {})
+            return await self.reply(self.control, msg_id, timeout) is not None

@@ -3,14 +3,18 @@
 Layout under the state directory (0700, root):
 
     store.db                      the KernelSessions and their keys
+    k/<id>/lock                   serializes apply / restart / refresh / delete across processes
     k/<id>/pod.yaml               what was played (no key in it)
-    k/<id>/run/                   0700, uid 1000: connection file and the kernel's sockets
+    k/<id>/conf/connection.json   root-owned, mounted read-only at /etc/mcp-forge
+    k/<id>/run/                   the kernel's Unix sockets, mounted at /run/mcp-forge
     k/<id>/workspace/             uid 1000: /workspace in the pod, kept across restarts
     shared/<namespace>/<group>/   uid 1000: /shared for sessions of one sharedGroup
 
-The pod's network is `none` unless the spec allows egress; the gateway reaches the
-kernel through Unix sockets in run/, which only root on the host and that one pod
-can reach (the state directory is 0700).
+The pod's network is `none`; the gateway reaches the kernel through the Unix sockets
+in run/. run/ is writable by the kernel only while it starts and binds them: once it
+answers, the directory is sealed (root-owned, 0755), so code in the kernel cannot swap
+a socket for a link to some other socket on the host. Only root on the host can enter
+the state directory at all.
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ import asyncio
 import builtins
 import contextlib
 import datetime as dt
+import fcntl
 import json
 import logging
 import os
 import shutil
 import signal
+import stat
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,16 +41,27 @@ import yaml
 
 from . import podman, resource
 from .connection import IPC_PATH_MAX, PORTS, ConnectionInfo, new_key
-from .errors import ImageError, InvalidSession, PodmanError, SessionNotFound, SessionNotReady
+from .errors import (
+    ForgeError,
+    ImageError,
+    InvalidSession,
+    PodmanError,
+    SessionNotFound,
+    SessionNotReady,
+)
+from .image import missing_image_message
 from .kernel import KernelConnection
 from .render import CONTAINER, KERNEL_UID, HostPaths, podman_pod_name, render_podman
 from .resource import KernelSession
 from .runtime import Termination
 from .settings import Settings
+from .store import Store
 
 log = logging.getLogger(__name__)
 
 LABEL_SELECTOR = "app.kubernetes.io/managed-by=mcp-forge"
+# Spec fields that a running pod does not depend on: changing them restarts nothing.
+_LIVE_FIELDS = ("idleTimeout", "mcpServers")
 
 
 def now() -> str:
@@ -61,19 +79,29 @@ class Applied:
     seconds: float
 
 
+def _state_dir(path: Path) -> None:
+    """Create the state directory 0700, or check that an existing one is private."""
+    try:
+        path.mkdir(parents=True, mode=0o700)
+    except FileExistsError:
+        st = path.stat()
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise InvalidSession(
+                f"the state directory {path} must be owned by uid {os.geteuid()} with mode "
+                f"0700 (it holds kernel keys); it is uid {st.st_uid}, mode "
+                f"{oct(st.st_mode & 0o777)}. Fix it (chmod 700) or set MCPFORGE_STATE_DIR"
+            ) from None
+
+
 class LocalRuntime:
     """The local realization of KernelSessions (see the module docstring)."""
 
     def __init__(self, settings: Settings | None = None) -> None:
-        from .store import Store
-
         self.settings = settings or Settings.from_env()
-        root = self.settings.state_dir
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(root, 0o700)
+        _state_dir(self.settings.state_dir)
         self.store = Store(self.settings.store_path)
 
-    # ---- paths -------------------------------------------------------------------------
+    # ---- paths and locks -----------------------------------------------------------------
 
     def _dir(self, session: KernelSession) -> Path:
         return self.settings.state_dir / "k" / session.uid.replace("-", "")[:16]
@@ -85,7 +113,12 @@ class LocalRuntime:
             shared = str(
                 self.settings.state_dir / "shared" / session.namespace / session.spec.shared_group
             )
-        return HostPaths(run=str(base / "run"), workspace=str(base / "workspace"), shared=shared)
+        return HostPaths(
+            conf=str(base / "conf"),
+            run=str(base / "run"),
+            workspace=str(base / "workspace"),
+            shared=shared,
+        )
 
     def pod_name(self, session: KernelSession) -> str:
         return podman_pod_name(session.namespace, session.name)
@@ -93,7 +126,28 @@ class LocalRuntime:
     def container_name(self, session: KernelSession) -> str:
         return f"{self.pod_name(session)}-{CONTAINER}"
 
-    # ---- reading -----------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _locked(self, session: KernelSession, *, create: bool = False) -> AsyncIterator[None]:
+        """Hold the session's lock file, so two processes never realize it at once.
+
+        Whoever holds it re-reads the session: it may have changed, or gone, meanwhile.
+        """
+        base = self._dir(session)
+        if create:
+            base.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            fd = os.open(base / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except FileNotFoundError:
+            raise SessionNotFound(f"no KernelSession {session.name!r}") from None
+        try:
+            # flock blocks; in a thread it cannot stall the loop. Closing the descriptor
+            # (finally) releases the lock even if we were cancelled while waiting.
+            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # ---- reading -------------------------------------------------------------------------
 
     async def get(self, name: str, namespace: str = "default") -> KernelSession:
         return resource.load(self.store.get(namespace, name))
@@ -102,53 +156,82 @@ class LocalRuntime:
         return [resource.load(b) for b in self.store.list(namespace)]
 
     async def connection(self, session: KernelSession) -> ConnectionInfo:
+        """The kernel's sockets and key, once its run directory is sealed."""
+        run = Path(self.host_paths(session).run)
+        problem = _unsealed(run)
+        if problem:
+            raise SessionNotReady(f"session {session.name!r} is not ready: {problem}")
         key = self.store.key(session.namespace, session.name)
-        return ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
+        return ConnectionInfo("ipc", str(run / "kernel"), key)
 
-    # ---- apply / delete ------------------------------------------------------------------
+    # ---- apply / delete --------------------------------------------------------------------
 
     async def apply(self, body: dict[str, Any], *, wait: bool = True) -> Applied:
-        """Create or update a session from a validated body; wait until Ready."""
+        """Create or update a session from a body; wait until Ready."""
         started = time.monotonic()
         body = resource.validate(body)
+        if body["spec"]["network"]["egress"] != "None":
+            raise InvalidSession(
+                "egress All is not available in local mode yet: pods on Podman's shared "
+                "bridge could reach each other",
+                field="spec.network.egress",
+            )
         meta = body["metadata"]
         try:
             current = self.store.get(meta["namespace"], meta["name"])
         except SessionNotFound:
             current = None
-        if current is not None and current["spec"] == body["spec"]:
-            session = resource.load(current)
-            if session.status.get("phase") in ("Ready", "Starting", "Restarting"):
+        if current is None:
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
+            body["status"] = {"phase": "Pending", "restarts": 0}
+            await self._check_image(body["spec"]["image"])
+            self.store.create(body, new_key())
+            session = resource.load(body)
+            async with self._locked(session, create=True):
+                await self._realize(session, wait=wait)
+            return Applied(
+                await self.get(session.name, session.namespace),
+                "created",
+                time.monotonic() - started,
+            )
+
+        session = resource.load(current)
+        async with self._locked(session):
+            current = self.store.get(session.namespace, session.name)
+            if current["spec"] == body["spec"] and meta.get("labels") == current["metadata"].get(
+                "labels"
+            ):
+                session = await self._refresh_locked(resource.load(current), restart=True)
+                if session.status.get("phase") == "Failed":
+                    await self._realize(session, wait=wait)
+                    return Applied(
+                        await self.get(session.name, session.namespace),
+                        "configured",
+                        time.monotonic() - started,
+                    )
                 return Applied(session, "unchanged", time.monotonic() - started)
-            action = "unchanged"
-        elif current is not None:
+            await self._check_image(body["spec"]["image"])
+            needs_pod = _pod_spec(current["spec"]) != _pod_spec(body["spec"])
             current["spec"] = body["spec"]
             current["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
             for k in ("labels", "annotations"):
-                if k in meta:
-                    current["metadata"][k] = meta[k]
+                current["metadata"][k] = meta.get(k) or {}
             self.store.replace(current)
             session = resource.load(current)
-            await self._remove_pod(session)
-            action = "configured"
-        else:
-            meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
-            body["status"] = {"phase": "Pending", "restarts": 0}
-            await self._check_image(resource.load(body))
-            self.store.create(body, new_key())
-            session = resource.load(body)
-            action = "created"
-        await self._realize(session, wait=wait)
+            if needs_pod:
+                await self._remove_pod(session)
+                await self._realize(session, wait=wait)
+            else:
+                self._patch(session, observedGeneration=current["metadata"]["generation"])
         return Applied(
-            await self.get(session.name, session.namespace), action, time.monotonic() - started
+            await self.get(session.name, session.namespace),
+            "configured",
+            time.monotonic() - started,
         )
 
-    async def _check_image(self, session: KernelSession) -> None:
-        image = session.spec.image
+    async def _check_image(self, image: str) -> None:
         done = await podman.run("image", "exists", image, check=False)
         if done.returncode != 0:
-            from .image import missing_image_message
-
             raise ImageError(missing_image_message(image))
 
     def _prepare_dirs(self, session: KernelSession, info: ConnectionInfo) -> HostPaths:
@@ -161,46 +244,62 @@ class LocalRuntime:
         base = self._dir(session)
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(base.parent, 0o700)
-        for d, mode in ((paths.run, 0o700), (paths.workspace, 0o755)):
-            Path(d).mkdir(exist_ok=True)
-            os.chown(d, KERNEL_UID, KERNEL_UID)
-            os.chmod(d, mode)
+        conf = Path(paths.conf)
+        conf.mkdir(exist_ok=True, mode=0o755)
+        # The connection file is root's, readable by the kernel's group, and mounted
+        # read-only: the kernel can read its key but change nothing the host relies on.
+        tmp = conf / f".connection.{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o440)
+        with os.fdopen(fd, "w") as f:
+            os.fchown(f.fileno(), 0, KERNEL_UID)
+            f.write(info.to_file())
+        os.replace(tmp, conf / "connection.json")
+        Path(paths.workspace).mkdir(exist_ok=True)
+        os.chown(paths.workspace, KERNEL_UID, KERNEL_UID)
         if paths.shared:
             Path(paths.shared).mkdir(parents=True, exist_ok=True)
             os.chown(paths.shared, KERNEL_UID, KERNEL_UID)
             os.chmod(paths.shared, 0o770)
-        conn = Path(paths.run) / "connection.json"
-        # run/ belongs to the kernel's uid: never follow or reuse what is there (a symlink,
-        # a FIFO), and change ownership through our own descriptor, not by name.
-        with contextlib.suppress(FileNotFoundError):
-            conn.unlink()
-        fd = os.open(conn, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            os.fchown(f.fileno(), KERNEL_UID, KERNEL_UID)
-            f.write(info.to_file())
+        self._unseal(session)
         return paths
 
+    def _unseal(self, session: KernelSession) -> None:
+        """Let a starting kernel bind its sockets: a fresh run/ that its uid owns."""
+        run = Path(self.host_paths(session).run)
+        shutil.rmtree(run, ignore_errors=True)
+        run.mkdir(mode=0o700)
+        os.chown(run, KERNEL_UID, KERNEL_UID)
+
+    def _seal(self, session: KernelSession) -> None:
+        """Once the kernel has bound its sockets, take run/ back (root, 0755)."""
+        run = Path(self.host_paths(session).run)
+        fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchown(fd, 0, 0)
+            os.fchmod(fd, 0o755)
+        finally:
+            os.close(fd)
+
     async def _realize(self, session: KernelSession, *, wait: bool) -> None:
-        info = await self.connection(session)
+        key = self.store.key(session.namespace, session.name)
+        info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
         paths = self._prepare_dirs(session, info)
         manifest = yaml.safe_dump_all(render_podman(session, paths), sort_keys=False)
-        pod_file = self._dir(session) / "pod.yaml"
-        pod_file.write_text(manifest)
+        (self._dir(session) / "pod.yaml").write_text(manifest)
         self._patch(
             session, phase="Starting", reason=None, message=None, podName=self.pod_name(session)
         )
-        network = "none" if session.spec.egress == "None" else "bridge"
         try:
             await podman.run(
                 "kube",
                 "play",
                 "--replace",
-                f"--network={network}",
-                str(pod_file),
+                "--network=none",
+                str(self._dir(session) / "pod.yaml"),
                 timeout=self.settings.podman_timeout,
             )
         except PodmanError as exc:
-            self._patch(session, phase="Failed", reason="PlayFailed", message=str(exc)[:1000])
+            self._fail(session, "PlayFailed", str(exc))
             raise
         await self._started(session, wait=wait)
 
@@ -211,50 +310,92 @@ class LocalRuntime:
             # The baseline for telling a later death by OOM.
             count = await self._oom_count(info.get("Id", ""))
             self._set_oom(session, {"finishedAt": None, "count": count, "oom": False})
+        generation = int((session.status.get("connection") or {}).get("generation", 0))
+        stored = self.store.get(session.namespace, session.name).get("status", {})
+        generation = max(generation, int((stored.get("connection") or {}).get("generation", 0)))
         self._patch(
             session,
             kernelId=str(uuid.uuid4()),
             startedAt=now(),
             lastActivity=now(),
             connection={
-                **(await self.connection(session)).public(),
-                "generation": self._generation(session) + 1,
+                "transport": "ipc",
+                "host": self.host_paths(session).run + "/kernel",
+                "ports": dict(PORTS),
+                "generation": generation + 1,
             },
         )
         if wait:
             await self.wait_ready(session)
 
-    def _generation(self, session: KernelSession) -> int:
-        body = self.store.get(session.namespace, session.name)
-        return int(body.get("status", {}).get("connection", {}).get("generation", 0))
-
     async def wait_ready(self, session: KernelSession) -> None:
-        """Wait for a kernel_info reply; fail fast if the container exits meanwhile."""
-        conn = KernelConnection(await self.connection(session), max_message_size=1_000_000)
+        """Wait for a kernel_info reply, then seal run/; fail fast if the kernel exits."""
         try:
-            ready = asyncio.ensure_future(conn.wait_ready(self.settings.kernel_ready_timeout))
-            died = asyncio.ensure_future(self._wait_exited(session))
-            done, _ = await asyncio.wait({ready, died}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (ready, died):
-                if task not in done:
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
-            if ready in done:
-                ready.result()  # raises SessionNotReady on timeout
-                self._patch(session, phase="Ready", reason=None, message=None)
-                return
-            term = died.result()
-            logs = await self.logs(session)
-            message = f"the kernel exited while starting ({term.message}): {logs}"
-            self._patch(session, phase="Failed", reason=term.reason, message=message[:2000])
-            raise SessionNotReady(message)
-        except SessionNotReady as exc:
-            if "exited while starting" not in str(exc):
-                self._patch(session, phase="Failed", reason="NotReady", message=str(exc))
+            await self._wait_ready(session)
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                self._fail(session, "NotReady", str(exc))
             raise
+
+    async def _wait_ready(self, session: KernelSession) -> None:
+        key = self.store.key(session.namespace, session.name)
+        info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
+        conn = KernelConnection(info, max_frame=1_000_000, max_message=1_000_000)
+        ready = asyncio.ensure_future(conn.wait_ready(self.settings.kernel_ready_timeout))
+        died = asyncio.ensure_future(self._wait_exited(session))
+        try:
+            await asyncio.wait({ready, died}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (ready, died):
+                task.cancel()
+            await asyncio.gather(ready, died, return_exceptions=True)
             conn.close()
+        if ready.done() and not ready.cancelled() and ready.exception() is None:
+            self._seal(session)
+            self._patch(
+                session,
+                phase="Ready",
+                reason=None,
+                message=None,
+                **self._ready_condition(session, True, "KernelReady", "the kernel answers"),
+            )
+            return
+        if died.done() and not died.cancelled() and died.exception() is None:
+            term = died.result()
+            raise SessionNotReady(
+                f"the kernel exited while starting ({term.message}): {await self.logs(session)}"
+            )
+        exc = ready.exception() if ready.done() and not ready.cancelled() else died.exception()
+        raise exc if exc is not None else SessionNotReady("the kernel did not start")
+
+    def _ready_condition(
+        self, session: KernelSession, ready: bool, reason: str, message: str
+    ) -> dict[str, Any]:
+        generation = self.store.get(session.namespace, session.name)["metadata"].get(
+            "generation", 1
+        )
+        return {
+            "observedGeneration": generation,
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True" if ready else "False",
+                    "reason": reason,
+                    "message": message[:1000],
+                    "lastTransitionTime": now(),
+                    "observedGeneration": generation,
+                }
+            ],
+        }
+
+    def _fail(self, session: KernelSession, reason: str, message: str) -> None:
+        self._patch(
+            session,
+            phase="Failed",
+            reason=reason,
+            message=message[:2000],
+            **self._ready_condition(session, False, reason, message),
+        )
 
     async def _wait_exited(self, session: KernelSession) -> Termination:
         """Return when the kernel container stops (`podman wait`, no polling)."""
@@ -275,28 +416,48 @@ class LocalRuntime:
         done = await podman.run(
             "logs", "--tail", str(lines), self.container_name(session), check=False
         )
-        return (done.stdout.decode(errors="replace") + done.stderr).strip()[-1500:]
+        text = done.stdout[-4000:].decode(errors="replace") + done.stderr[-2000:]
+        return text.strip()[-1500:]
 
     async def delete(self, name: str, namespace: str = "default") -> None:
         session = await self.get(name, namespace)
-        self._patch(session, phase="Terminating")
-        await self._remove_pod(session)
-        shutil.rmtree(self._dir(session), ignore_errors=True)
-        self.store.delete(namespace, name)
+        async with self._locked(session):
+            self._patch(session, phase="Terminating")
+            await self._remove_pod(session)
+            self.store.delete(namespace, name)
+            await asyncio.to_thread(shutil.rmtree, self._dir(session), True)
 
     async def _remove_pod(self, session: KernelSession) -> None:
         done = await podman.run("pod", "rm", "-f", "-t", "2", self.pod_name(session), check=False)
         if done.returncode != 0 and "no pod with name" not in done.stderr.lower():
             raise PodmanError(["pod", "rm", self.pod_name(session)], done.returncode, done.stderr)
 
-    # ---- observing -----------------------------------------------------------------------
+    # ---- observing -------------------------------------------------------------------------
 
     async def _inspect(self, session: KernelSession) -> dict[str, Any] | None:
+        """The container's inspect data; None only when there is no such container."""
         done = await podman.run("container", "inspect", self.container_name(session), check=False)
         if done.returncode != 0:
-            return None
+            if "no such container" in done.stderr.lower():
+                return None
+            raise PodmanError(["container", "inspect"], done.returncode, done.stderr)
         data = json.loads(done.stdout or b"[]")
         return data[0] if data else None
+
+    async def running_containers(self) -> set[str]:
+        """Names of the kernel containers that run now, in one podman call."""
+        rows = await podman.run_json(
+            "ps",
+            "--filter",
+            f"label={LABEL_SELECTOR}",
+            "--format",
+            "json",
+            timeout=self.settings.podman_timeout,
+        )
+        names: set[str] = set()
+        for row in rows or []:
+            names.update(n for n in row.get("Names") or [] if isinstance(n, str))
+        return names
 
     async def termination(self, session: KernelSession) -> Termination | None:
         info = await self._inspect(session)
@@ -365,7 +526,13 @@ class LocalRuntime:
             )
         except OSError:  # no dmesg: deaths are reported by exit code only
             return 0
-        out, _ = await proc.communicate()
+        try:
+            async with asyncio.timeout(10):
+                out, _ = await proc.communicate()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return 0
         needle = f"libpod-{container_id}".encode()
         return sum(1 for line in out.splitlines() if b"oom-kill:" in line and needle in line)
 
@@ -374,58 +541,75 @@ class LocalRuntime:
         private["oom"] = value
         self.store.set_private(session.namespace, session.name, private)
 
-    async def running_containers(self) -> set[str]:
-        """Names of the kernel containers that run now, in one podman call."""
-        rows = await podman.run_json(
-            "ps",
-            "--filter",
-            f"label={LABEL_SELECTOR}",
-            "--format",
-            "json",
-            timeout=self.settings.podman_timeout,
-        )
-        names: set[str] = set()
-        for row in rows or []:
-            names.update(n for n in row.get("Names") or [] if isinstance(n, str))
-        return names
+    async def refresh(self, session: KernelSession, *, restart: bool = True) -> KernelSession:
+        """Bring status in line with what Podman shows.
 
-    async def refresh(self, session: KernelSession) -> KernelSession:
-        """Bring status in line with what Podman shows; restart a dead kernel per policy."""
+        With `restart`, a dead kernel is restarted per restartPolicy; without it, the
+        death is only recorded (phase Restarting: the next use, or the gateway, restarts it).
+        """
+        async with self._locked(session):
+            return await self._refresh_locked(
+                await self.get(session.name, session.namespace), restart=restart
+            )
+
+    async def _refresh_locked(self, session: KernelSession, *, restart: bool) -> KernelSession:
         phase = session.status.get("phase")
         if phase not in ("Ready", "Starting", "Restarting"):
             return session
         term = await self.termination(session)
         if term is None:
-            if phase != "Ready":  # e.g. a process that was starting it went away
+            if phase != "Ready" and restart:  # a process that was starting it went away
                 await self.wait_ready(session)
-        elif session.spec.restart_policy == "Always":
-            await self.restart_kernel(
+        elif session.spec.restart_policy == "Never":
+            self._fail(session, term.reason, term.message)
+        elif restart:
+            await self._restart_locked(
                 session, reason=term.reason, crashed=True, message=term.message
             )
-        else:
-            self._patch(session, phase="Failed", reason=term.reason, message=term.message)
+        elif phase == "Ready":
+            self._record_death(session, term.reason, term.message, phase="Restarting")
         return await self.get(session.name, session.namespace)
+
+    def _record_death(
+        self, session: KernelSession, reason: str, message: str, *, phase: str
+    ) -> None:
+        body = self.store.get(session.namespace, session.name)
+        restarts = int(body.get("status", {}).get("restarts", 0)) + 1
+        self._patch(
+            session,
+            phase=phase,
+            restarts=restarts,
+            reason=reason,
+            message=message,
+            lastTermination={"reason": reason, "message": message, "at": now()},
+        )
 
     async def restart_kernel(
         self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
     ) -> None:
         """A fresh kernel process in the same pod: the workspace stays, variables go."""
-        body = self.store.get(session.namespace, session.name)
-        restarts = int(body.get("status", {}).get("restarts", 0)) + (1 if crashed else 0)
-        patch: dict[str, Any] = {"phase": "Restarting", "restarts": restarts}
-        if crashed:
-            patch.update(
+        async with self._locked(session):
+            await self._restart_locked(
+                await self.get(session.name, session.namespace),
                 reason=reason,
-                message=message or reason,
-                lastTermination={"reason": reason, "message": message or reason, "at": now()},
+                crashed=crashed,
+                message=message,
             )
-        self._patch(session, **patch)
+
+    async def _restart_locked(
+        self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
+    ) -> None:
+        if crashed and session.status.get("phase") != "Restarting":
+            self._record_death(session, reason, message or reason, phase="Restarting")
+        else:
+            self._patch(session, phase="Restarting")
         if await self._inspect(session) is None:
             await self._realize(session, wait=True)
             return
         # A kube-played pod stops with its last container: restart the pod, not the container.
         pod = self.pod_name(session)
         await podman.run("pod", "stop", "-t", "1", pod, timeout=self.settings.podman_timeout)
+        self._unseal(session)
         await podman.run("pod", "start", pod, timeout=self.settings.podman_timeout)
         await self._started(session, wait=True)
         if crashed:
@@ -442,17 +626,19 @@ class LocalRuntime:
             last = session.status.get("lastActivity") or session.body["metadata"].get(
                 "creationTimestamp"
             )
-            if timeout <= 0 or not last:
+            if timeout <= 0 or not last or time.time() - parse_time(last) < timeout:
                 continue
-            if time.time() - parse_time(last) >= timeout:
-                log.info(
-                    "culling %s/%s: idle for more than %ss",
-                    session.namespace,
-                    session.name,
-                    timeout,
-                )
+            log.info(
+                "culling %s/%s: idle for more than %ss", session.namespace, session.name, timeout
+            )
+            try:
                 await self.delete(session.name, session.namespace)
-                culled.append(session.name)
+            except SessionNotFound:
+                continue
+            except ForgeError as exc:
+                log.warning("could not cull %s: %s", session.name, exc)
+                continue
+            culled.append(session.name)
         return culled
 
     def _patch(self, session: KernelSession, **patch: Any) -> None:
@@ -460,4 +646,23 @@ class LocalRuntime:
             self.store.patch_status(session.namespace, session.name, patch)
 
 
-__all__ = ["PORTS", "Applied", "LocalRuntime"]
+def _unsealed(run: Path) -> str:
+    """Why run/ cannot be trusted yet ("" if it can): root's, 0755, five real sockets."""
+    try:
+        st = run.lstat()
+    except FileNotFoundError:
+        return "its kernel has no sockets yet"
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or stat.S_IMODE(st.st_mode) != 0o755:
+        return "its kernel is starting"
+    for port in PORTS.values():
+        try:
+            mode = (run / f"kernel-{port}").lstat().st_mode
+        except FileNotFoundError:
+            mode = 0
+        if not stat.S_ISSOCK(mode):
+            return f"kernel-{port} is not a socket"
+    return ""
+
+
+def _pod_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in spec.items() if k not in _LIVE_FIELDS}

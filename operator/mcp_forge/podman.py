@@ -46,16 +46,23 @@ async def run(
     try:
         async with asyncio.timeout(timeout):
             out, err = await proc.communicate(input)
+    except TimeoutError:
+        await _reap(proc)
+        raise PodmanError(list(args), -1, f"timed out after {timeout:g}s") from None
     except BaseException:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _reap(proc)
         raise
     assert proc.returncode is not None
     done = Completed(proc.returncode, out, err.decode(errors="replace"))
     if check and done.returncode != 0:
         raise PodmanError(list(args), done.returncode, done.stderr)
     return done
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.kill()
+        await asyncio.shield(proc.wait())
 
 
 async def run_json(*args: str, timeout: float = 60.0) -> Any:

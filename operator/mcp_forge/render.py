@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .connection import CONNECTION_FILE_IN_POD, PORTS, RUN_DIR_IN_POD, ConnectionInfo
+from .connection import CONF_DIR_IN_POD, PORTS, RUN_DIR_IN_POD, ConnectionInfo
+from .image import KERNEL_CMD
 from .resource import API_VERSION, KIND, KernelSession
 
 Target = Literal["kubernetes", "podman"]
@@ -32,14 +33,15 @@ LABEL_SESSION = "mcpforge.dev/session"
 LABEL_NAMESPACE = "mcpforge.dev/namespace"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 GATEWAY_SELECTOR = {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "gateway"}
-KERNEL_ARGS = ["python", "-m", "ipykernel_launcher", "-f", CONNECTION_FILE_IN_POD]
+KERNEL_ARGS = list(KERNEL_CMD)  # run by the image's entrypoint (tini in ours)
 
 
 @dataclass(frozen=True)
 class HostPaths:
     """Host directories that local mode mounts into the pod."""
 
-    run: str
+    conf: str  # root-owned, mounted read-only: the connection file
+    run: str  # the kernel's Unix sockets
     workspace: str
     shared: str | None = None
 
@@ -106,10 +108,12 @@ def _container(session: KernelSession, target: Target) -> dict[str, Any]:
     ]
     env += [{"name": e.name, "value": e.value} for e in spec.env]
     mounts = [
-        {"name": "run", "mountPath": RUN_DIR_IN_POD, "readOnly": target == "kubernetes"},
+        {"name": "conf", "mountPath": CONF_DIR_IN_POD, "readOnly": True},
         {"name": "workspace", "mountPath": WORKSPACE},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    if target == "podman":
+        mounts.append({"name": "run", "mountPath": RUN_DIR_IN_POD})
     if spec.shared_group:
         mounts.append({"name": "shared", "mountPath": SHARED})
     limits = {"memory": spec.memory, "cpu": _cpu(session)}
@@ -215,7 +219,7 @@ def render_kubernetes(session: KernelSession, connection: ConnectionInfo) -> lis
     }
     volumes: list[dict[str, Any]] = [
         {
-            "name": "run",
+            "name": "conf",
             "secret": {
                 "secretName": secret_name(session),
                 "defaultMode": 0o440,
@@ -238,14 +242,13 @@ def render_kubernetes(session: KernelSession, connection: ConnectionInfo) -> lis
 def render_podman(session: KernelSession, paths: HostPaths) -> list[dict[str, Any]]:
     """The Pod that `podman kube play --network none` runs."""
     volumes: list[dict[str, Any]] = [
-        {"name": "run", "hostPath": {"path": paths.run, "type": "DirectoryOrCreate"}},
-        {"name": "workspace", "hostPath": {"path": paths.workspace, "type": "DirectoryOrCreate"}},
+        {"name": "conf", "hostPath": {"path": paths.conf, "type": "Directory"}},
+        {"name": "run", "hostPath": {"path": paths.run, "type": "Directory"}},
+        {"name": "workspace", "hostPath": {"path": paths.workspace, "type": "Directory"}},
         {"name": "tmp", "emptyDir": {"medium": "Memory"}},
     ]
     if session.spec.shared_group:
         if paths.shared is None:
             raise ValueError("a session with sharedGroup needs a shared host path")
-        volumes.append(
-            {"name": "shared", "hostPath": {"path": paths.shared, "type": "DirectoryOrCreate"}}
-        )
+        volumes.append({"name": "shared", "hostPath": {"path": paths.shared, "type": "Directory"}})
     return [_pod(session, "podman", volumes)]

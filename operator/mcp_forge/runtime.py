@@ -35,8 +35,9 @@ class Runtime(Protocol):
         """How the gateway reaches the session's kernel (key included)."""
         ...
 
-    async def refresh(self, session: KernelSession) -> KernelSession:
-        """The session with status made true; a dead kernel restarted per restartPolicy."""
+    async def refresh(self, session: KernelSession, *, restart: bool = True) -> KernelSession:
+        """The session with status made true; with `restart`, a dead kernel is restarted
+        per restartPolicy (else its death is only recorded)."""
         ...
 
     async def termination(self, session: KernelSession) -> Termination | None:

@@ -28,14 +28,19 @@ class Settings:
     heartbeat_timeout: float = 1.5
     helper_timeout: float = 30.0  # namespace listing, variable inspection, file operations
     podman_timeout: float = 120.0
+    activity_interval: float = 1.0  # lastActivity is written at most this often per session
+    kernel_info_retry: float = 2.0  # re-ask kernel_info this often while waiting
     # Sizes, in bytes.
     code_max: int = 1_000_000
     output_budget: int = 100_000  # text returned per call; the rest goes to a file
-    output_spool_max: int = 16_000_000  # most output kept in the workspace file per call
-    message_max: int = 32_000_000  # one Jupyter message from the kernel
-    helper_reply_max: int = 4_000_000
+    output_spool_max: int = 10_000_000  # most output kept in the workspace file per call
+    data_budget: int = 10_000_000  # non-text output (images, JSON) returned per call
+    frame_max: int = 16_000_000  # one ZMQ frame from the kernel
+    message_max: int = 32_000_000  # one Jupyter message from the kernel (all its frames)
+    helper_reply_max: int = 16_000_000  # a file of file_max, base64-encoded, fits
     file_max: int = 10_000_000  # read_file / write_file
-    repr_max: int = 2_000  # variable repr
+    repr_max: int = 2_000  # variable repr, when inspected
+    repr_list_max: int = 200  # variable repr, in a namespace listing
     variables_max: int = 500  # entries in a namespace listing
     list_files_max: int = 1_000
 

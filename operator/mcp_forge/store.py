@@ -38,22 +38,29 @@ class Store:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         os.close(fd)
-        with self._db() as db:
-            db.execute(_SCHEMA)
         # WAL: readers never wait for a writer, and a commit is one fsync of the log.
-        db = sqlite3.connect(self.path, timeout=30)
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
         try:
             db.execute("PRAGMA journal_mode=WAL")
         finally:
             db.close()
+        with self._db() as tx:
+            tx.execute(_SCHEMA)
 
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.path, timeout=30, isolation_level="IMMEDIATE")
-        db.execute("PRAGMA synchronous=NORMAL")
+        """One transaction, taken for writing at its start (BEGIN IMMEDIATE), so a
+        read-modify-write such as patch_status is atomic across processes."""
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
         try:
-            with db:
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("BEGIN IMMEDIATE")
+            try:
                 yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
         finally:
             db.close()
 

@@ -9,20 +9,40 @@ from collections.abc import Callable
 
 from .errors import ForgeError
 from .local import LocalRuntime
+from .resource import KernelSession
 
 log = logging.getLogger(__name__)
 
+CONCURRENCY = 4  # sessions checked at once: a slow restart must not hold up the others
+
 
 async def supervise_once(runtime: LocalRuntime) -> list[str]:
-    """One pass: refresh every session, then cull the idle ones. Returns culled names."""
-    running = await runtime.running_containers()
-    for session in await runtime.list():
-        if session.status.get("phase") == "Ready" and runtime.container_name(session) in running:
-            continue  # nothing to check: one `podman ps` covered every healthy session
-        try:
-            await runtime.refresh(session)
-        except ForgeError as exc:
-            log.warning("could not refresh %s: %s", session.name, exc)
+    """One pass: refresh every session that needs it, then cull the idle ones.
+
+    Returns the names culled. An error about one session is logged and the pass goes on.
+    """
+    try:
+        running = await runtime.running_containers()
+    except ForgeError as exc:
+        log.warning("cannot list kernel containers: %s", exc)
+        return []
+    slots = asyncio.Semaphore(CONCURRENCY)
+
+    async def check(session: KernelSession) -> None:
+        async with slots:
+            try:
+                await runtime.refresh(session)
+            except ForgeError as exc:
+                log.warning("could not refresh %s: %s", session.name, exc)
+
+    stale = [
+        s
+        for s in await runtime.list()
+        if s.status.get("phase") != "Ready" or runtime.container_name(s) not in running
+    ]
+    async with asyncio.TaskGroup() as group:
+        for session in stale:
+            group.create_task(check(session))
     return await runtime.cull_idle()
 
 

@@ -238,9 +238,34 @@ async def test_output_over_the_budget_is_truncated_and_saved_in_full(gateway, ma
     assert saved == b"x" * (budget * 3) + b"\n"
 
 
-async def test_output_of_an_earlier_request_is_never_given_to_a_later_one(
-    gateway, make_session
+async def test_output_of_another_request_is_never_given_to_this_one(
+    gateway, runtime, make_session
 ) -> None:
+    from mcp_forge.kernel import KernelConnection
+
+    name = await make_session()
+    await gateway.execute(name, "1")  # the gateway is connected
+    # Another client (another gateway process, say) sends a request first: its output
+    # reaches every IOPub subscriber while the gateway waits for its own.
+    other = KernelConnection(
+        await runtime.connection(await runtime.get(name)), max_frame=10**6, max_message=10**6
+    )
+    try:
+        await other.wait_ready(30)
+        other.send_execute(
+            "import time\nfor i in range(10):\n    print('other', i, flush=True)\n"
+            "    time.sleep(0.05)",
+            silent=False,
+            store_history=True,
+        )
+        mine = await gateway.execute(name, "print('mine')")
+    finally:
+        other.close()
+    assert mine.status == "ok"
+    assert mine.stdout == "mine\n"
+
+
+async def test_a_timed_out_cell_s_output_stays_with_it(gateway, make_session) -> None:
     name = await make_session()
     r1 = await gateway.execute(
         name,
@@ -251,6 +276,7 @@ async def test_output_of_an_earlier_request_is_never_given_to_a_later_one(
         timeout=1,
     )
     assert r1.status == "timeout"
+    assert "first 0" in r1.stdout
     r2 = await gateway.execute(name, "print('second')")
     assert r2.stdout == "second\n"
 
@@ -274,3 +300,45 @@ async def test_a_segfault_is_detected_and_named_by_its_signal(gateway, make_sess
     assert r.status == "died"
     assert "SIGSEGV" in r.message
     assert (await gateway.execute(name, "'alive'")).status == "ok"
+
+
+async def test_a_cancelled_call_interrupts_its_code_and_keeps_variables(
+    gateway, make_session
+) -> None:
+    name = await make_session()
+    started = asyncio.Event()
+    task = asyncio.create_task(
+        gateway.execute(
+            name,
+            "import time\nkept = 7\nprint('started', flush=True)\ntime.sleep(60)",
+            on_stream=lambda _, text: started.set(),
+        )
+    )
+    await asyncio.wait_for(started.wait(), 30)
+    task.cancel()
+    await asyncio.sleep(0)  # a second cancellation while the first is being handled
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    after = await asyncio.wait_for(gateway.execute(name, "kept"), 30)
+    assert after.result is not None and after.result["data"]["text/plain"] == "7"
+
+
+async def test_a_long_call_counts_as_activity_and_is_not_culled(
+    gateway, runtime, make_session
+) -> None:
+    from mcp_forge.supervisor import supervise_once
+
+    name = await make_session(idleTimeout="60s")
+    runtime.store.patch_status("default", name, {"lastActivity": "2000-01-01T00:00:00Z"})
+    started = asyncio.Event()
+    task = asyncio.create_task(
+        gateway.execute(
+            name,
+            "import time\nprint('started', flush=True)\ntime.sleep(2)",
+            on_stream=lambda _, text: started.set(),
+        )
+    )
+    await asyncio.wait_for(started.wait(), 30)
+    assert name not in await supervise_once(runtime)
+    assert (await task).status == "ok"

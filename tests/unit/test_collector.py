@@ -122,3 +122,50 @@ def test_a_helper_reply_is_parsed_as_json_after_its_marker_only() -> None:
         introspection.parse_reply(marker + "[1, 2", marker, limit=1000)
     with pytest.raises(KernelProtocolError, match="limit"):
         introspection.parse_reply(marker + "{}" + " " * 2000, marker, limit=1000)
+
+
+def test_non_text_data_over_the_data_budget_is_replaced_by_a_note() -> None:
+    c = Collector("m1", budget=1000, spool_max=1000, data_budget=100)
+    run(
+        c,
+        msg("display_data", data={"image/png": "A" * 60}, metadata={}),
+        msg("display_data", data={"image/png": "B" * 60, "text/plain": "<img>"}, metadata={}),
+        msg("execute_result", data={"application/json": {"k": "v" * 500}}, metadata={}),
+    )
+    r = c.finish("ok", duration=0)
+    assert r.truncated
+    assert r.displays[0]["data"]["image/png"] == "A" * 60
+    assert "image/png" not in r.displays[1]["data"]
+    assert "image/png output of 60 bytes omitted" in r.displays[1]["data"]["text/plain"]
+    assert r.displays[1]["data"]["text/plain"].startswith("<img>")
+    assert r.result is not None and "application/json" not in r.result["data"]
+
+
+def test_huge_metadata_and_odd_mime_keys_are_dropped() -> None:
+    c = Collector("m1", budget=1000, spool_max=1000)
+    big = {"m": "x" * 20_000}
+    run(c, msg("display_data", data={"x" * 500: "v", "text/plain": "t"}, metadata=big))
+    (d,) = c.finish("ok", duration=0).displays
+    assert d == {"data": {"text/plain": "t"}, "metadata": {}}
+
+
+def test_a_huge_traceback_keeps_its_start_and_its_end() -> None:
+    c = Collector("m1", budget=1000, spool_max=1000)
+    tb = [f"frame {i} " + "x" * 1000 for i in range(1000)]
+    run(c, msg("error", ename="RecursionError", evalue="e" * 100_000, traceback=tb))
+    err = c.finish("error", duration=0).error
+    assert err is not None
+    assert len(err.evalue) == 10_000
+    assert sum(len(line) for line in err.traceback) < 60_000
+    assert err.traceback[0].startswith("frame 0 ")
+    assert err.traceback[-1].startswith("frame 999 ")
+    assert "traceback lines omitted" in "".join(err.traceback)
+
+
+def test_the_marker_names_the_saved_file_once_it_is_known() -> None:
+    c = Collector("m1", budget=3, spool_max=100)
+    run(c, msg("stream", name="stdout", text="abcdef"))
+    assert "saved" not in c.finish("ok", duration=0).stdout
+    r = c.finish("ok", duration=0, saved_to="/workspace/out.txt")
+    assert "full output saved to /workspace/out.txt" in r.stdout
+    assert r.full_output_path == "/workspace/out.txt"

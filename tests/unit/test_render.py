@@ -28,7 +28,12 @@ def session(**spec: Any) -> resource.KernelSession:
 
 
 CONN = ConnectionInfo("tcp", "", "k" * 64)
-PATHS = HostPaths("/var/lib/mcp-forge/k/x/run", "/var/lib/mcp-forge/k/x/workspace", "/srv/shared")
+PATHS = HostPaths(
+    "/var/lib/mcp-forge/k/x/conf",
+    "/var/lib/mcp-forge/k/x/run",
+    "/var/lib/mcp-forge/k/x/workspace",
+    "/srv/shared",
+)
 
 
 def by_kind(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -69,7 +74,10 @@ def test_the_pod_carries_the_restricted_security_profile(target: str) -> None:
     assert sc["capabilities"] == {"drop": ["ALL"]}
     assert c["resources"]["limits"] == {"memory": "512Mi", "cpu": "500m"}
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
-    assert {"/workspace", "/tmp", "/run/mcp-forge"} <= mounts
+    assert {"/workspace", "/tmp", "/etc/mcp-forge"} <= mounts
+    conf = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/mcp-forge")
+    assert conf["readOnly"] is True
+    assert c["args"][:3] == ["python", "-P", "-m"]
 
 
 def test_the_service_exposes_the_five_fixed_ports_and_the_secret_holds_the_key() -> None:
@@ -108,7 +116,7 @@ def test_the_podman_target_is_a_pod_without_secret_volumes() -> None:
     volumes = objs[0]["spec"]["volumes"]
     assert not any("secret" in v for v in volumes)
     paths = {v["hostPath"]["path"] for v in volumes if "hostPath" in v}
-    assert paths == {PATHS.run, PATHS.workspace, "/srv/shared"}
+    assert paths == {PATHS.conf, PATHS.run, PATHS.workspace, "/srv/shared"}
     assert objs[0]["metadata"]["name"] == "mcpforge-team-demo"
     assert objs[0]["metadata"]["annotations"]["io.podman.annotations.pids-limit/kernel"] == "256"
 
