@@ -146,3 +146,11 @@ EXAMPLES = sorted((Path(__file__).parents[2] / "manifests" / "examples").glob("*
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_example_session_validates(path: Path) -> None:
     assert resource.parse_documents(path.read_text())
+
+
+def test_the_crd_carries_the_rules_local_mode_checks_in_code() -> None:
+    # The API server evaluates these CEL rules; local mode checks the same in spec_of.
+    spec = resource.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    messages = " ".join(rule["message"] for rule in spec["x-kubernetes-validations"])
+    for words in ("at least 64Mi", "at least 50m", "env names must be unique", "reserved"):
+        assert words in messages
