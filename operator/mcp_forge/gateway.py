@@ -174,7 +174,6 @@ class Gateway:
                 raise
             if result.truncated and collector.dropped:
                 result = await self._save_full_output(handle, session, result, collector)
-            handle.activity_recorded = float("-inf")  # the end of a call always counts
             await self._record_activity(handle, session)
             return result
 
