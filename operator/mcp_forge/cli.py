@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -324,19 +325,128 @@ def doctor() -> None:
     sys.exit(0 if ok else 1)
 
 
+def _endpoint(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not [HOST:]PORT") from None
+    if not 0 < number < 65536:
+        raise click.BadParameter(f"port {number} is out of range")
+    return host or "127.0.0.1", number
+
+
+def _tokens(
+    settings: Any, given: str | None, tokens_file: str | None
+) -> tuple[dict[str, str], str]:
+    """Bearer tokens (token → client name), and where they came from.
+
+    --tokens-file: one `NAME TOKEN` per line, a client each (each sees only its own
+    sessions). --token: one client, "default". Neither: a token is generated once and
+    kept 0600 in the state directory.
+    """
+    import os
+    import secrets
+
+    if tokens_file:
+        tokens: dict[str, str] = {}
+        for number, line in enumerate(Path(tokens_file).read_text().splitlines(), 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            parts = line.split()
+            if len(parts) != 2 or len(parts[1]) < 16:
+                raise click.BadParameter(f"{tokens_file}:{number}: expected NAME TOKEN (16+ chars)")
+            tokens[parts[1]] = parts[0]
+        return tokens, tokens_file
+    if given:
+        return {given: "default"}, "--token / MCPFORGE_TOKEN"
+    path = settings.state_dir / "gateway-token"
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        token = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+    return {token: "default"}, str(path)
+
+
 @main.command()
-@click.option("--cull-interval", type=float, default=10.0, show_default=True)
-def gateway(cull_interval: float) -> None:
-    """Run the gateway (local mode): keep status true, restart dead kernels, cull idle ones."""
+@click.option(
+    "--http",
+    "http",
+    metavar="[HOST:]PORT",
+    default=None,
+    help="Serve MCP over streamable HTTP at /mcp (default: stdio).",
+)
+@click.option(
+    "--token",
+    envvar="MCPFORGE_TOKEN",
+    default=None,
+    help="Bearer token for HTTP; generated and stored 0600 if not given.",
+)
+@click.option(
+    "--tokens-file", default=None, help="HTTP clients: lines of NAME TOKEN, one client each."
+)
+@click.option("--allow-origin", multiple=True, help="Extra allowed Origin for HTTP (repeatable).")
+@click.option(
+    "--cull-interval",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds between housekeeping passes (status, dead kernels, idle culling).",
+)
+def gateway(
+    http: str | None,
+    token: str | None,
+    tokens_file: str | None,
+    allow_origin: tuple[str, ...],
+    cull_interval: float,
+) -> None:
+    """Run the gateway (local mode): MCP for agents, plus housekeeping of sessions.
+
+    Over stdio (the default) it serves one client until stdin closes. On exit (stdin
+    EOF, SIGINT, SIGTERM) it deletes the sessions it created for clients; sessions
+    declared with `mcp-forge apply` are left alone.
+    """
+    from .gateway import Gateway
+    from .mcp_server import build_server, http_app, serve_http, serve_stdio
+    from .sessions import SessionService
     from .supervisor import supervise
 
+    def say(message: str) -> None:
+        click.echo(message, err=True)
+
     async def go() -> None:
+        runtime = _local()
+        gw = Gateway(runtime, runtime.settings)
+        service = SessionService(runtime)
+        server = build_server(service, gw)
         stop = asyncio.Event()
+        if http is None:
+            serving = asyncio.ensure_future(serve_stdio(server))
+        else:
+            host, port = _endpoint(http)
+            tokens, source = _tokens(runtime.settings, token, tokens_file)
+            app = http_app(
+                server, host=host, port=port, tokens=tokens, allowed_origins=list(allow_origin)
+            )
+            serving = asyncio.ensure_future(serve_http(server, app, host=host, port=port))
+            say(f"MCP over HTTP at http://{host}:{port}/mcp; bearer token from {source}")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await supervise(
-            _local(), stop, interval=cull_interval, say=lambda m: click.echo(m, err=True)
+            loop.add_signal_handler(sig, serving.cancel)
+        housekeeping = asyncio.ensure_future(
+            supervise(runtime, stop, interval=cull_interval, say=say)
         )
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
+        finally:
+            stop.set()
+            await housekeeping
+            deleted = await service.cleanup()
+            await gw.close()
+            say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
 
     _run(go())

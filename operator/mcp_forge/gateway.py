@@ -40,6 +40,7 @@ class _Handle:
     conn: KernelConnection | None = None
     kernel: tuple[Any, Any] = (None, None)  # (connection generation, kernel id) of conn
     activity_recorded: float = float("-inf")  # monotonic time of the last record_activity
+    execution_count: int | None = None  # the kernel's, after this gateway's last call
 
 
 def _kernel_of(session: KernelSession) -> tuple[Any, Any]:
@@ -174,8 +175,15 @@ class Gateway:
                 raise
             if result.truncated and collector.dropped:
                 result = await self._save_full_output(handle, session, result, collector)
+            if result.execution_count is not None:
+                handle.execution_count = result.execution_count
             await self._record_activity(handle, session)
             return result
+
+    def execution_count(self, session: KernelSession) -> int | None:
+        """The kernel's execution count as of this gateway's last call on it, if any."""
+        handle = self._handles.get((session.namespace, session.name, session.uid))
+        return handle.execution_count if handle else None
 
     async def _run(
         self,

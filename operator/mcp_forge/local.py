@@ -229,6 +229,17 @@ class LocalRuntime:
             time.monotonic() - started,
         )
 
+    async def create(self, body: dict[str, Any]) -> KernelSession:
+        """Create a new session (never updates one) and wait until it is Ready."""
+        meta = body.get("metadata") or {}
+        try:
+            self.store.get(meta.get("namespace", "default"), str(meta.get("name")))
+        except SessionNotFound:
+            return (await self.apply(body)).session
+        raise InvalidSession(
+            f"a session named {meta.get('name')!r} exists already", field="metadata.name"
+        )
+
     async def _check_image(self, image: str) -> None:
         done = await podman.run("image", "exists", image, check=False)
         if done.returncode != 0:

@@ -42,6 +42,9 @@ async def run(
         stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        # Its own session: a Ctrl-C or SIGTERM aimed at our process group must not kill
+        # podman halfway through removing a pod; we stop it ourselves if we must.
+        start_new_session=True,
     )
     try:
         async with asyncio.timeout(timeout):

@@ -9,7 +9,7 @@ own: everything it needs to reach a kernel comes from here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .connection import ConnectionInfo
 from .resource import KernelSession
@@ -30,6 +30,14 @@ class Runtime(Protocol):
         ...
 
     async def list(self, namespace: str | None = None) -> list[KernelSession]: ...
+
+    async def create(self, body: dict[str, Any]) -> KernelSession:
+        """Create a session from a KernelSession body and wait until it is Ready."""
+        ...
+
+    async def delete(self, name: str, namespace: str = "default") -> None:
+        """Delete a session and everything it created."""
+        ...
 
     async def connection(self, session: KernelSession) -> ConnectionInfo:
         """How the gateway reaches the session's kernel (key included)."""
