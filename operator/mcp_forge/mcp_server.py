@@ -271,8 +271,8 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
             str | None,
             Field(
                 description=(
-                    "Optional name (a-z, 0-9, '-', at most 40, starting with a letter); a random id "
-                    "otherwise."
+                    "Optional name (a-z, 0-9, '-', at most 40, starting with a letter); a random"
+                    " id otherwise."
                 )
             ),
         ] = None,
