@@ -444,7 +444,9 @@ def gateway(
                 await serving
         finally:
             stop.set()
-            await housekeeping
+            housekeeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await housekeeping
             deleted = await service.cleanup()
             await gw.close()
             say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")

@@ -439,7 +439,8 @@ class LocalRuntime:
             await asyncio.to_thread(shutil.rmtree, self._dir(session), True)
 
     async def _remove_pod(self, session: KernelSession) -> None:
-        done = await podman.run("pod", "rm", "-f", "-t", "2", self.pod_name(session), check=False)
+        # -t 0: the kernel is being deleted, with its state; nothing to wait for.
+        done = await podman.run("pod", "rm", "-f", "-t", "0", self.pod_name(session), check=False)
         if done.returncode != 0 and "no pod with name" not in done.stderr.lower():
             raise PodmanError(["pod", "rm", self.pod_name(session)], done.returncode, done.stderr)
 

@@ -141,13 +141,14 @@ class SessionService:
                 await self._delete_quietly(session)  # best effort; failures are logged
 
     async def cleanup(self) -> int:
-        """The gateway stops: delete every session it created for clients."""
-        count = 0
-        for session in await self.runtime.list(NAMESPACE):
-            annotations = session.body["metadata"].get("annotations") or {}
-            if annotations.get(CREATED_BY) == self.gateway_id:
-                count += await self._delete_quietly(session)
-        return count
+        """The gateway stops: delete every session it created for clients, all at once
+        (a stdio client gives its server a few seconds after closing stdin)."""
+        mine = [
+            s
+            for s in await self.runtime.list(NAMESPACE)
+            if (s.body["metadata"].get("annotations") or {}).get(CREATED_BY) == self.gateway_id
+        ]
+        return sum(await asyncio.gather(*(self._delete_quietly(s) for s in mine)))
 
     async def _delete_quietly(self, session: KernelSession) -> int:
         try:
