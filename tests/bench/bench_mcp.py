@@ -1,0 +1,136 @@
+"""Benchmark: execute_code through real MCP clients next to a bare local ipykernel.
+
+    sudo .venv/bin/python tests/bench/bench_mcp.py [--runs 100] [--creates 5]
+
+In one run, medians (and p90) of:
+  * the `1+1` round trip: the SDK client over stdio and over streamable HTTP to
+    `mcp-forge gateway` (kernel in a Podman pod), next to jupyter-client straight to a
+    bare local ipykernel, and next to a direct MCP call of a tool that does nothing
+    (list_sessions), which is the MCP transport's own cost;
+  * create_session to Ready, next to a bare local ipykernel's start.
+The machines are shared and noisy: compare ratios, not absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx2
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_local import bare_execute, bare_start
+
+GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
+
+
+def stats(xs: list[float]) -> tuple[float, float]:
+    xs = sorted(xs)
+    return statistics.median(xs), xs[min(len(xs) - 1, int(len(xs) * 0.9))]
+
+
+async def timed(fn, runs: int) -> list[float]:  # type: ignore[no-untyped-def]
+    out = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def measure(client: Client, runs: int, creates: int) -> dict[str, list[float]]:
+    async def execute() -> None:
+        r = await client.call_tool("execute_code", {"code": "1+1", "session_id": sid})
+        assert not r.is_error
+
+    async def noop() -> None:
+        await client.call_tool("list_sessions", {})
+
+    made = await client.call_tool("create_session", {"variant": "minimal"})
+    sid = made.structured_content["session_id"]
+    await execute()
+    result = {"execute": await timed(execute, runs), "noop": await timed(noop, runs)}
+    create = []
+    for _ in range(creates):
+        t = time.perf_counter()
+        r = await client.call_tool("create_session", {"variant": "minimal"})
+        create.append(time.perf_counter() - t)
+        await client.call_tool("close_session", {"session_id": r.structured_content["session_id"]})
+    result["create"] = create
+    return result
+
+
+async def main(runs: int, creates: int) -> None:
+    state = tempfile.mkdtemp(prefix="mf-bench-", dir="/tmp")
+    env = {**os.environ, "MCPFORGE_STATE_DIR": state}
+    params = StdioServerParameters(command=GATEWAY, args=["gateway"], env=env)
+    async with Client(params) as client:
+        stdio = await measure(client, runs, creates)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "bench-token-0123456789abcdef"
+    proc = await asyncio.create_subprocess_exec(
+        GATEWAY, "gateway", "--http", f"127.0.0.1:{port}", "--token", token,
+        env=env, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    async with asyncio.timeout(60):
+        while b"MCP over HTTP" not in await proc.stderr.readline():
+            pass
+    headers = {"Authorization": f"Bearer {token}"}
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=60) as http,
+        Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http)) as client,
+    ):
+        over_http = await measure(client, runs, 0)
+    proc.terminate()
+    await proc.wait()
+
+    bare_starts = []
+    for _ in range(creates):
+        took, km = await bare_start()
+        bare_starts.append(took)
+        await km.shutdown_kernel(now=True)
+    _, km = await bare_start()
+    bare = await bare_execute(km, runs)
+    await km.shutdown_kernel(now=True)
+
+    bm, _ = stats(bare)
+    title = f"execute 1+1 round trip, ms (n={runs})"
+    print(f"{title:44}{'median':>8}{'p90':>8}{'vs bare':>9}")
+    rows = [
+        ("bare ipykernel, jupyter-client (baseline)", bare),
+        ("MCP stdio: execute_code", stdio["execute"]),
+        ("MCP HTTP: execute_code", over_http["execute"]),
+        ("MCP stdio: list_sessions (transport only)", stdio["noop"]),
+        ("MCP HTTP: list_sessions (transport only)", over_http["noop"]),
+    ]
+    for label, xs in rows:
+        m, p = stats(xs)
+        print(f"{label:44}{m * 1000:>8.2f}{p * 1000:>8.2f}{m / bm:>8.2f}x")
+    (cm, c90), (sm, s90) = stats(stdio["create"]), stats(bare_starts)
+    print(
+        f"\n{'start to ready, s (n=' + str(creates) + ')':44}{'median':>8}{'p90':>8}{'vs bare':>9}"
+    )
+    print(f"{'bare ipykernel start (baseline)':44}{sm:>8.2f}{s90:>8.2f}{1:>8.2f}x")
+    print(f"{'MCP stdio: create_session to Ready':44}{cm:>8.2f}{c90:>8.2f}{cm / sm:>8.2f}x")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=100)
+    p.add_argument("--creates", type=int, default=5)
+    a = p.parse_args()
+    asyncio.run(main(a.runs, a.creates))
