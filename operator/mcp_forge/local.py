@@ -471,6 +471,27 @@ class LocalRuntime:
             names.update(n for n in row.get("Names") or [] if isinstance(n, str))
         return names
 
+    async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
+        """Bytes of memory each running kernel uses now (its cgroup's count), by name."""
+        names = {self.container_name(s): s.name for s in sessions}
+        if not names:
+            return {}
+        done = await podman.run("container", "inspect", *names, check=False)
+        usage: dict[str, int] = {}
+        for info in json.loads(done.stdout or b"[]"):
+            cgroup = str(info.get("State", {}).get("CgroupPath", "")).lstrip("/")
+            name = names.get(str(info.get("Name")))
+            if not cgroup or name is None or not info.get("State", {}).get("Running"):
+                continue
+            for path in (
+                Path("/sys/fs/cgroup/memory") / cgroup / "memory.usage_in_bytes",
+                Path("/sys/fs/cgroup") / cgroup / "memory.current",
+            ):
+                with contextlib.suppress(OSError, ValueError):
+                    usage[name] = int(path.read_text())
+                    break
+        return usage
+
     async def termination(self, session: KernelSession) -> Termination | None:
         info = await self._inspect(session)
         if info is None:

@@ -57,6 +57,7 @@ class SessionInfo(BaseModel):
     last_activity: str | None = None
     restarts: int = 0
     execution_count: int | None = None
+    memory_bytes: int | None = None
     owned: bool = True
 
 
@@ -329,11 +330,15 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
         """List the sessions you can use: yours and those declared by an operator.
 
         Each has its phase (Ready, Starting, Restarting, Failed), creation and last
-        activity times, restarts, and execution count (when this gateway has run code)."""
+        activity times, restarts, execution count (when this gateway has run code) and
+        the memory its kernel uses now (memory_bytes)."""
         owner = owner_of(ctx)
-        return SessionList(
-            sessions=[_info(s, owner, service, gateway) for s in await service.list(owner)]
-        )
+        sessions = await service.list(owner)
+        usage = await service.runtime.memory_usage(sessions)
+        infos = [_info(s, owner, service, gateway) for s in sessions]
+        for info in infos:
+            info.memory_bytes = usage.get(info.session_id)
+        return SessionList(sessions=infos)
 
     @tool(
         annotations=ToolAnnotations(

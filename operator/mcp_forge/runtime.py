@@ -8,6 +8,7 @@ own: everything it needs to reach a kernel comes from here.
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -59,3 +60,7 @@ class Runtime(Protocol):
         ...
 
     async def record_activity(self, session: KernelSession) -> None: ...
+
+    async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
+        """Bytes of memory each running kernel uses now, by session name."""
+        ...

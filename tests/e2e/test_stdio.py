@@ -135,7 +135,10 @@ async def test_sessions_files_and_variables_through_the_tools(state_dir) -> None
         sid = made.structured_content["session_id"]
         assert made.structured_content["memory"] == "512Mi"
         listed = await c.call_tool("list_sessions", {})
-        assert sid in [s["session_id"] for s in listed.structured_content["sessions"]]
+        mine = {s["session_id"]: s for s in listed.structured_content["sessions"]}
+        assert (
+            10_000_000 < mine[sid]["memory_bytes"] < 512 * 2**20
+        )  # a live kernel, under its limit
 
         wrote = await c.call_tool(
             "write_file", {"session_id": sid, "path": "data/a.txt", "content": "hello"}
