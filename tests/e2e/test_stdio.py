@@ -219,3 +219,33 @@ async def test_stdin_eof_leaves_no_pods_behind(state_dir) -> None:
             subprocess.run, ["podman", "pod", "exists", f"mcpforge-default-{name}"]
         )
         assert exists.returncode == 1, name
+
+
+async def test_a_declared_session_is_usable_by_name_and_left_alone_at_exit(
+    state_dir, images
+) -> None:
+    from mcp_forge.local import LocalRuntime
+    from mcp_forge.settings import Settings
+
+    runtime = LocalRuntime(Settings(state_dir=state_dir))
+    body = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": "declared"},
+        "spec": {"image": images["minimal"], "resources": {"memory": "256Mi"}},
+    }
+    await runtime.apply(body)
+    try:
+        async with gateway(state_dir) as c:
+            r = await c.call_tool("execute_code", {"session_id": "declared", "code": "6 * 7"})
+            assert r.structured_content["result"]["data"]["text/plain"] == "42"
+            listed = await c.call_tool("list_sessions", {})
+            declared = [
+                s for s in listed.structured_content["sessions"] if s["session_id"] == "declared"
+            ]
+            assert declared and declared[0]["owned"] is False
+            refused = await c.call_tool("close_session", {"session_id": "declared"})
+            assert refused.is_error and "declared outside the gateway" in text(refused)
+        assert (await runtime.get("declared")).status["phase"] == "Ready"
+    finally:
+        await runtime.delete("declared")
