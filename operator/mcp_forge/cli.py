@@ -410,7 +410,7 @@ def gateway(
     declared with `mcp-forge apply` are left alone.
     """
     from .gateway import Gateway
-    from .mcp_server import build_server, http_app, serve_http, serve_stdio
+    from .mcp_server import HttpServer, build_server, http_app, serve_stdio
     from .sessions import SessionService
     from .supervisor import supervise
 
@@ -423,19 +423,22 @@ def gateway(
         service = SessionService(runtime)
         server = build_server(service, gw)
         stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
         if http is None:
             serving = asyncio.ensure_future(serve_stdio(server))
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, serving.cancel)
         else:
             host, port = _endpoint(http)
             tokens, source = _tokens(runtime.settings, token, tokens_file)
             app = http_app(
                 server, host=host, port=port, tokens=tokens, allowed_origins=list(allow_origin)
             )
-            serving = asyncio.ensure_future(serve_http(server, app, host=host, port=port))
+            listener = HttpServer(app, host=host, port=port)  # bound: clients may connect now
+            serving = asyncio.ensure_future(listener.serve())
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, listener.stop)
             say(f"MCP over HTTP at http://{host}:{port}/mcp; bearer token from {source}")
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, serving.cancel)
         housekeeping = asyncio.ensure_future(
             supervise(runtime, stop, interval=cull_interval, say=say)
         )

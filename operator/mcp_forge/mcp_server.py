@@ -15,7 +15,9 @@ import binascii
 import contextlib
 import functools
 import hmac
+import inspect
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal, TypeVar
@@ -230,7 +232,8 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
 
     def tool(**options: Any) -> Callable[[ToolFn], ToolFn]:
         def register(fn: ToolFn) -> ToolFn:
-            server.tool(**options)(_tool_errors(fn))
+            description = inspect.cleandoc(fn.__doc__ or "")
+            server.tool(description=description, **options)(_tool_errors(fn))
             return fn
 
         return register
@@ -656,8 +659,22 @@ def http_app(
     return BearerAuth(app, tokens)
 
 
-async def serve_http(server: MCPServer, app: Any, *, host: str, port: int) -> None:
-    import uvicorn
+class HttpServer:
+    """uvicorn on a socket bound before anyone is told the address, stopped gracefully."""
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
-    await uvicorn.Server(config).serve()
+    def __init__(self, app: Any, *, host: str, port: int) -> None:
+        import uvicorn
+
+        try:
+            self.socket = socket.create_server((host, port))
+        except OSError as exc:
+            raise ForgeError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+
+    async def serve(self) -> None:
+        await self._server.serve(sockets=[self.socket])
+
+    def stop(self) -> None:
+        """Finish the requests in flight, then return from serve()."""
+        self._server.should_exit = True
