@@ -165,6 +165,16 @@ def _info(
 ToolFn = TypeVar("ToolFn", bound=Callable[..., Awaitable[Any]])
 
 
+def _hints(*, read_only: bool, destructive: bool, idempotent: bool) -> ToolAnnotations:
+    """Tool annotations; no tool reaches outside the gateway and its kernels."""
+    return ToolAnnotations(
+        read_only_hint=read_only,
+        destructive_hint=destructive,
+        idempotent_hint=idempotent,
+        open_world_hint=False,
+    )
+
+
 def _tool_errors(fn: ToolFn) -> ToolFn:
     """Our errors reach the model as tool errors with their message (the SDK hides the
     text of any other exception)."""
@@ -226,9 +236,7 @@ def execution_content(result: ExecutionResult) -> list[ContentBlock]:
 def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
     """The MCP server with the gateway's tools."""
     server: MCPServer = MCPServer(name="mcp-forge", instructions=INSTRUCTIONS)
-    read_only = ToolAnnotations(
-        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
-    )
+    read_only = _hints(read_only=True, destructive=False, idempotent=True)
 
     def tool(**options: Any) -> Callable[[ToolFn], ToolFn]:
         def register(fn: ToolFn) -> ToolFn:
@@ -262,12 +270,7 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
         return await service.resolve(owner, session_id)
 
     @tool(
-        annotations=ToolAnnotations(
-            read_only_hint=False,
-            destructive_hint=False,
-            idempotent_hint=False,
-            open_world_hint=False,
-        ),
+        annotations=_hints(read_only=False, destructive=False, idempotent=False),
     )
     async def create_session(
         ctx: Context,
@@ -344,12 +347,7 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
         return SessionList(sessions=infos)
 
     @tool(
-        annotations=ToolAnnotations(
-            read_only_hint=False,
-            destructive_hint=True,
-            idempotent_hint=False,
-            open_world_hint=False,
-        ),
+        annotations=_hints(read_only=False, destructive=True, idempotent=False),
     )
     async def close_session(ctx: Context, session_id: str) -> Closed:
         """Delete a session you created: its kernel, variables and /workspace files are gone.
@@ -359,12 +357,7 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
         return Closed(session_id=session_id, closed=True)
 
     @tool(
-        annotations=ToolAnnotations(
-            read_only_hint=False,
-            destructive_hint=False,
-            idempotent_hint=False,
-            open_world_hint=False,
-        ),
+        annotations=_hints(read_only=False, destructive=False, idempotent=False),
     )
     async def execute_code(
         ctx: Context,
@@ -450,14 +443,7 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
             is_error=result.status != "ok",
         )
 
-    @tool(
-        annotations=ToolAnnotations(
-            read_only_hint=False,
-            destructive_hint=False,
-            idempotent_hint=True,
-            open_world_hint=False,
-        )
-    )
+    @tool(annotations=_hints(read_only=False, destructive=False, idempotent=True))
     async def interrupt_kernel(ctx: Context, session_id: str) -> Interrupted:
         """Interrupt the code a session is running (like Ctrl-C); variables are kept.
 
@@ -466,14 +452,7 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
         acked = await gateway.interrupt(session.name, namespace=session.namespace)
         return Interrupted(session_id=session.name, interrupted=acked)
 
-    @tool(
-        annotations=ToolAnnotations(
-            read_only_hint=False,
-            destructive_hint=True,
-            idempotent_hint=False,
-            open_world_hint=False,
-        )
-    )
+    @tool(annotations=_hints(read_only=False, destructive=True, idempotent=False))
     async def restart_kernel(ctx: Context, session_id: str) -> Restarted:
         """Restart a session's kernel: a fresh interpreter, all variables and imports are
         lost; files in /workspace are kept."""
@@ -533,11 +512,7 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
         )
         return CallToolResult(content=content, structured_content=info.model_dump(mode="json"))
 
-    @tool(
-        annotations=ToolAnnotations(
-            read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False
-        )
-    )
+    @tool(annotations=_hints(read_only=False, destructive=True, idempotent=True))
     async def write_file(
         ctx: Context,
         session_id: str,
