@@ -249,3 +249,29 @@ async def test_a_declared_session_is_usable_by_name_and_left_alone_at_exit(
         assert (await runtime.get("declared")).status["phase"] == "Ready"
     finally:
         await runtime.delete("declared")
+
+
+async def test_interrupt_kernel_stops_a_running_call_which_reports_interrupted(state_dir) -> None:
+    async with gateway(state_dir) as c:
+        made = await c.call_tool("create_session", {"variant": "minimal"})
+        sid = made.structured_content["session_id"]
+        started = asyncio.Event()
+
+        async def on_progress(value: float, total: float | None, message: str | None) -> None:
+            started.set()
+
+        call = asyncio.create_task(
+            c.call_tool(
+                "execute_code",
+                {"session_id": sid, "code": "kept = 1\nimport time\ntime.sleep(120)"},
+                progress_callback=on_progress,
+            )
+        )
+        await asyncio.wait_for(started.wait(), 60)
+        stopped = await c.call_tool("interrupt_kernel", {"session_id": sid})
+        assert stopped.structured_content["interrupted"] is True
+        r = await asyncio.wait_for(call, 60)
+        assert r.is_error
+        assert r.structured_content["status"] == "interrupted"
+        kept = await c.call_tool("execute_code", {"session_id": sid, "code": "kept"})
+        assert kept.structured_content["result"]["data"]["text/plain"] == "1"
