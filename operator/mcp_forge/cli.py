@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -327,6 +328,7 @@ def doctor() -> None:
 
 def _endpoint(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
     try:
         number = int(port)
     except ValueError:
@@ -359,10 +361,16 @@ def _tokens(
             tokens[parts[1]] = parts[0]
         return tokens, tokens_file
     if given:
+        if len(given) < 16:
+            raise click.BadParameter("the token must be at least 16 characters")
         return {given: "default"}, "--token / MCPFORGE_TOKEN"
     path = settings.state_dir / "gateway-token"
     try:
+        if path.stat().st_mode & 0o077:
+            raise click.UsageError(f"{path} must be private (chmod 600): it holds the token")
         token = path.read_text().strip()
+        if len(token) < 16:
+            raise click.UsageError(f"{path} holds no usable token; delete it to make a new one")
     except FileNotFoundError:
         token = secrets.token_urlsafe(32)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -390,6 +398,11 @@ def _tokens(
 )
 @click.option("--allow-origin", multiple=True, help="Extra allowed Origin for HTTP (repeatable).")
 @click.option(
+    "--allow-host",
+    multiple=True,
+    help="Extra allowed Host header, e.g. gw.example:8765 (repeatable).",
+)
+@click.option(
     "--cull-interval",
     type=float,
     default=10.0,
@@ -401,6 +414,7 @@ def gateway(
     token: str | None,
     tokens_file: str | None,
     allow_origin: tuple[str, ...],
+    allow_host: tuple[str, ...],
     cull_interval: float,
 ) -> None:
     """Run the gateway (local mode): MCP for agents, plus housekeeping of sessions.
@@ -421,20 +435,29 @@ def gateway(
         runtime = _local()
         gw = Gateway(runtime, runtime.settings)
         service = SessionService(runtime)
-        server = build_server(service, gw)
+        server = build_server(service, gw, transport="stdio" if http is None else "http")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        signalled = asyncio.Event()
         if http is None:
+            # The SDK reads stdin in a thread that a cancellation cannot stop, so a signal
+            # ends the gateway by itself (below), not by cancelling the reader.
             serving = asyncio.ensure_future(serve_stdio(server))
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, serving.cancel)
+                loop.add_signal_handler(sig, signalled.set)
         else:
             host, port = _endpoint(http)
             tokens, source = _tokens(runtime.settings, token, tokens_file)
             app = http_app(
-                server, host=host, port=port, tokens=tokens, allowed_origins=list(allow_origin)
+                server,
+                host=host,
+                port=port,
+                tokens=tokens,
+                allowed_origins=list(allow_origin),
+                allowed_hosts=allow_host,
             )
-            listener = HttpServer(app, host=host, port=port)  # bound: clients may connect now
+            # Bound here: clients may connect as soon as the address is printed.
+            listener = HttpServer(app, host=host, port=port, grace=runtime.settings.shutdown_grace)
             serving = asyncio.ensure_future(listener.serve())
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, listener.stop)
@@ -442,10 +465,11 @@ def gateway(
         housekeeping = asyncio.ensure_future(
             supervise(runtime, stop, interval=cull_interval, say=say)
         )
+        ended = asyncio.ensure_future(signalled.wait())
         try:
-            with contextlib.suppress(asyncio.CancelledError):
-                await serving
+            await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            ended.cancel()
             stop.set()
             housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -453,5 +477,8 @@ def gateway(
             deleted = await service.cleanup()
             await gw.close()
             say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
+            if not serving.done():  # stdio, ended by a signal: its reader thread never returns
+                sys.stderr.flush()
+                os._exit(0)
 
     _run(go())

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import anyio
 
 from . import introspection
 from .errors import ForgeError, InvalidRequest, KernelProtocolError, SessionNotReady
@@ -119,7 +122,8 @@ class Gateway:
 
     # ---- execute -------------------------------------------------------------------------
 
-    def _check_code(self, code: Any, timeout: Any) -> float:
+    def check_code(self, code: Any, timeout: Any) -> float:
+        """Refuse bad code or timeout (InvalidRequest); the timeout to use, in seconds."""
         if not isinstance(code, str):
             raise InvalidRequest("code must be a string")
         if not code.strip():
@@ -154,7 +158,7 @@ class Gateway:
         caller is cancelled, the kernel is interrupted (and restarted if it does not
         stop) before the cancellation goes on.
         """
-        seconds = self._check_code(code, timeout)
+        seconds = self.check_code(code, timeout)
         session = await self._session(name, namespace)
         handle = self._handle(session)
         async with handle.lock:
@@ -215,8 +219,9 @@ class Gateway:
     ) -> None:
         """Stop the code of a cancelled call before its lock is released.
 
-        Bounded by the interrupt grace (and a restart if the kernel does not stop);
-        further cancellations wait for it, so no one else reads these sockets meanwhile.
+        Bounded by the interrupt grace (and a restart if the kernel does not stop), and
+        shielded: a cancellation that keeps arriving (an anyio cancel scope re-delivers it
+        at every step) waits for it, so no one else reads these sockets meanwhile.
         """
 
         async def settle() -> None:
@@ -226,12 +231,9 @@ class Gateway:
             self._drop(handle)
             await self.runtime.restart_kernel(session, reason="Unresponsive", crashed=True)
 
-        task = asyncio.ensure_future(settle())
-        while not task.done():
+        with anyio.CancelScope(shield=True):
             try:
-                await asyncio.shield(task)
-            except asyncio.CancelledError:
-                continue
+                await settle()
             except ForgeError as exc:
                 log.warning(
                     "could not stop the code of a cancelled call on %s: %s", session.name, exc
@@ -339,11 +341,27 @@ class Gateway:
         finally:
             conn.close()
 
+    @contextlib.asynccontextmanager
+    async def _turn(self, handle: _Handle, session: KernelSession) -> AsyncIterator[None]:
+        """The session's queue, for calls that should not wait behind running code."""
+        try:
+            async with asyncio.timeout(self.settings.lock_wait):
+                await handle.lock.acquire()
+        except TimeoutError:
+            raise SessionNotReady(
+                f"session {session.name!r} is running code; wait for it, or interrupt it "
+                "(interrupt_kernel) first"
+            ) from None
+        try:
+            yield
+        finally:
+            handle.lock.release()
+
     async def restart(self, name: str, *, namespace: str = "default") -> None:
         """A fresh interpreter: variables are cleared, workspace files kept."""
         session = await self._session(name, namespace)
         handle = self._handle(session)
-        async with handle.lock:
+        async with self._turn(handle, session):
             self._drop(handle)
             await self.runtime.restart_kernel(session, reason="Requested", crashed=False)
 
@@ -352,7 +370,7 @@ class Gateway:
     async def _helper(self, name: str, namespace: str, op: str, **args: Any) -> dict[str, Any]:
         session = await self._session(name, namespace)
         handle = self._handle(session)
-        async with handle.lock:
+        async with self._turn(handle, session):
             reply = await self._helper_locked(handle, session, op, **args)
             await self._record_activity(handle, session)
             return reply
@@ -446,7 +464,7 @@ class Gateway:
             )
         session = await self._session(name, namespace)
         handle = self._handle(session)
-        async with handle.lock:
+        async with self._turn(handle, session):
             size = await self._write_locked(handle, session, rel, data)
             await self._record_activity(handle, session)
             return size

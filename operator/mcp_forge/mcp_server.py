@@ -14,6 +14,7 @@ import base64
 import binascii
 import contextlib
 import functools
+import hashlib
 import hmac
 import inspect
 import logging
@@ -31,12 +32,13 @@ from .errors import ForgeError, InvalidRequest
 from .execution import ExecutionResult
 from .gateway import Gateway
 from .resource import KernelSession
-from .sessions import SessionRequest, SessionService, new_owner_id
+from .sessions import Client, SessionRequest, SessionService, stdio_client
 
 log = logging.getLogger(__name__)
 
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 CLIENT_HEADER = "x-mcpforge-client"  # set by BearerAuth only
+NOTIFY_INTERVAL = 0.2  # seconds between batches of log notifications, at least
 LOG_FORWARD_MAX = 100_000  # characters of stream output sent as log messages per call
 
 INSTRUCTIONS = """\
@@ -143,7 +145,7 @@ class FileWritten(BaseModel):
 
 
 def _info(
-    session: KernelSession, owner: str, service: SessionService, gateway: Gateway
+    session: KernelSession, client: Client, service: SessionService, gateway: Gateway
 ) -> SessionInfo:
     status = session.status
     return SessionInfo(
@@ -157,8 +159,7 @@ def _info(
         last_activity=status.get("lastActivity"),
         restarts=int(status.get("restarts", 0)),
         execution_count=gateway.execution_count(session),
-        owned=(session.body["metadata"].get("annotations") or {}).get("mcpforge.dev/owner")
-        == owner,
+        owned=service.owns(client, session),
     )
 
 
@@ -233,8 +234,10 @@ def execution_content(result: ExecutionResult) -> list[ContentBlock]:
     return content
 
 
-def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
-    """The MCP server with the gateway's tools."""
+def build_server(
+    service: SessionService, gateway: Gateway, *, transport: Literal["stdio", "http"]
+) -> MCPServer:
+    """The MCP server with the gateway's tools, for one transport."""
     server: MCPServer = MCPServer(name="mcp-forge", instructions=INSTRUCTIONS)
     read_only = _hints(read_only=True, destructive=False, idempotent=True)
 
@@ -246,28 +249,28 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
 
         return register
 
-    stdio_owner = f"stdio-{new_owner_id()}"
+    the_stdio_client = stdio_client()
 
-    def owner_of(ctx: Context) -> str:
+    def client_of(ctx: Context) -> Client:
         """Who is calling: the one stdio client, or the HTTP client its token names.
 
         MCP requests may each arrive on a connection of their own (the stateless
         protocol), so identity comes from the credential, set by BearerAuth in a header
-        it controls (any client-sent value is dropped first).
+        it controls (any client-sent value is dropped first). Over HTTP, a request
+        without it is refused, never taken for the stdio client.
         """
-        headers = ctx.headers
-        if headers is None:
-            return stdio_owner
-        client = headers.get(CLIENT_HEADER)
-        if not client:
+        if transport == "stdio":
+            return the_stdio_client
+        name = (ctx.headers or {}).get(CLIENT_HEADER)
+        if not name:
             raise ToolError("unauthenticated request")
-        return f"http-{client}"
+        return Client(name)
 
     async def session_for(ctx: Context, session_id: str | None) -> KernelSession:
-        owner = owner_of(ctx)
+        client = client_of(ctx)
         if session_id is None:
-            return await service.default(owner)
-        return await service.resolve(owner, session_id)
+            return await service.default(client)
+        return await service.resolve(client, session_id)
 
     @tool(
         annotations=_hints(read_only=False, destructive=False, idempotent=False),
@@ -317,9 +320,9 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
         Returns its session_id (pass it to the other tools) and limits. The session keeps
         its variables and /workspace files until closed, restarted, or idle for its idle
         timeout (30 minutes). Errors name the invalid field (e.g. memory '1GB')."""
-        owner = owner_of(ctx)
+        client = client_of(ctx)
         session = await service.create(
-            owner,
+            client,
             SessionRequest(
                 name=name,
                 variant=variant,
@@ -329,7 +332,7 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
                 shared_group=shared_group,
             ),
         )
-        return _info(session, owner, service, gateway)
+        return _info(session, client, service, gateway)
 
     @tool(annotations=read_only)
     async def list_sessions(ctx: Context) -> SessionList:
@@ -338,10 +341,10 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
         Each has its phase (Ready, Starting, Restarting, Failed), creation and last
         activity times, restarts, execution count (when this gateway has run code) and
         the memory its kernel uses now (memory_bytes)."""
-        owner = owner_of(ctx)
-        sessions = await service.list(owner)
-        usage = await service.runtime.memory_usage(sessions)
-        infos = [_info(s, owner, service, gateway) for s in sessions]
+        client = client_of(ctx)
+        sessions = await service.list(client)
+        usage = await service.memory_usage(sessions)
+        infos = [_info(s, client, service, gateway) for s in sessions]
         for info in infos:
             info.memory_bytes = usage.get(info.session_id)
         return SessionList(sessions=infos)
@@ -353,7 +356,7 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
         """Delete a session you created: its kernel, variables and /workspace files are gone.
 
         Sessions declared outside the gateway cannot be closed from here."""
-        await service.close(owner_of(ctx), session_id)
+        await service.close(client_of(ctx), session_id)
         return Closed(session_id=session_id, closed=True)
 
     @tool(
@@ -396,8 +399,10 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
         kernel is restarted and variables are lost (state_lost). status 'died' means the
         kernel crashed or ran out of memory: it was restarted, variables are lost.
         The kernel has no network access."""
+        limit = gateway.check_code(code, timeout)  # bad input is refused before a kernel starts
         session = await session_for(ctx, session_id)
-        queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        pending: list[tuple[str, str]] = []
+        arrived = asyncio.Event()
         forwarded = 0
 
         def on_stream(name: str, text: str) -> None:
@@ -405,36 +410,49 @@ def build_server(service: SessionService, gateway: Gateway) -> MCPServer:
             if forwarded < LOG_FORWARD_MAX:
                 piece = text[: LOG_FORWARD_MAX - forwarded]
                 forwarded += len(piece)
-                queue.put_nowait((name, piece))
+                pending.append((name, piece))
+                arrived.set()
 
-        async def keep_client_informed(started: float, limit: float) -> None:
-            # Progress (when the client asked for it) and output as log messages, so
-            # clients do not give up on a long cell and can show its output live.
+        async def keep_client_informed(started: float) -> None:
+            # Progress at least once a second (clients reset their request timeout on
+            # it, so a long cell is not given up on) and the output as log messages,
+            # gathered into one message per stream per second at most.
+            last_progress = started
             while True:
                 with contextlib.suppress(TimeoutError):
-                    name, text = await asyncio.wait_for(queue.get(), 1.0)
-                    await ctx.log("info", text, logger_name=name)
-                    continue
-                elapsed = time.monotonic() - started
-                await ctx.report_progress(elapsed, limit, f"running for {elapsed:.0f}s")
+                    await asyncio.wait_for(
+                        arrived.wait(), max(last_progress + 1 - time.monotonic(), 0)
+                    )
+                arrived.clear()
+                batch, pending[:] = list(pending), []
+                try:
+                    for stream in ("stdout", "stderr"):
+                        text = "".join(t for n, t in batch if n == stream)
+                        if text:
+                            await ctx.log("info", text, logger_name=stream)
+                    now = time.monotonic()
+                    if now - last_progress >= 1:
+                        last_progress = now
+                        elapsed = now - started
+                        await ctx.report_progress(elapsed, limit, f"running for {elapsed:.0f}s")
+                except Exception as exc:  # the adapter's edge: never lose the result
+                    log.warning("could not notify the client: %s", exc)
+                    return
+                # Rate limit (not a wait for an event): at most one batch per interval.
+                await asyncio.sleep(NOTIFY_INTERVAL)
 
-        limit = (
-            timeout
-            if isinstance(timeout, int | float) and timeout > 0
-            else gateway.settings.execute_timeout
-        )
-        informer = asyncio.create_task(keep_client_informed(time.monotonic(), float(limit)))
+        informer = asyncio.create_task(keep_client_informed(time.monotonic()))
         try:
             result = await gateway.execute(
                 session.name,
                 code,
-                timeout=timeout,
+                timeout=limit,
                 namespace=session.namespace,
                 on_stream=on_stream,
             )
         finally:
             informer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ForgeError):
+            with contextlib.suppress(asyncio.CancelledError):
                 await informer
         structured = ExecuteOutput(session_id=session.name, **result.to_dict())
         return CallToolResult(
@@ -571,55 +589,79 @@ async def serve_stdio(server: MCPServer) -> None:
 class BearerAuth:
     """ASGI middleware: 401 unless `Authorization: Bearer <token>` names a client.
 
-    Each token is one client's credential (`tokens` maps token → client name); the
-    client's name is passed on in the CLIENT_HEADER, which only this middleware sets.
+    Each token is one client's credential (`tokens` maps token → client name). The
+    client's name is passed on in the CLIENT_HEADER, which only this middleware sets,
+    and as `scope["user"]`, which the SDK uses to bind an MCP session to the credential
+    that opened it (another client's session id is then "not found").
     """
 
     def __init__(self, app: Any, tokens: dict[str, str]) -> None:
         self.app = app
-        self.tokens = {f"Bearer {t}".encode(): name for t, name in tokens.items()}
+        self.tokens = {t.encode(): name for t, name in tokens.items()}
 
-    def _client(self, authorization: bytes) -> str | None:
+    def _client(self, authorization: bytes) -> tuple[str, bytes] | None:
+        scheme, _, presented = authorization.partition(b" ")
         found = None
-        for expected, name in self.tokens.items():
-            if hmac.compare_digest(authorization, expected):
-                found = name
-        return found
+        for token, name in self.tokens.items():  # every one compared: no early exit
+            if hmac.compare_digest(presented.strip(), token):
+                found = (name, token)
+        return found if scheme.lower() == b"bearer" else None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            headers = [(k, v) for k, v in scope.get("headers") or [] if k != CLIENT_HEADER.encode()]
-            client = self._client(dict(headers).get(b"authorization", b""))
-            scope = {
-                **scope,
-                "headers": [*headers, (CLIENT_HEADER.encode(), (client or "").encode())],
-            }
-            if client is None:
-                body = b'{"error": "unauthorized: send Authorization: Bearer <token>"}'
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 401,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"www-authenticate", b'Bearer realm="mcp-forge"'),
-                            (b"content-length", str(len(body)).encode()),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
-                return
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # websockets and anything else: not served
+            return
+        headers = [(k, v) for k, v in scope.get("headers") or [] if k != CLIENT_HEADER.encode()]
+        found = self._client(dict(headers).get(b"authorization", b""))
+        if found is None:
+            body = b'{"error": "unauthorized: send Authorization: Bearer <token>"}'
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"www-authenticate", b'Bearer realm="mcp-forge"'),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        name, token = found
+        from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+        from mcp.server.auth.provider import AccessToken
+
+        user = AuthenticatedUser(
+            AccessToken(token=hashlib.sha256(token).hexdigest(), client_id=name, scopes=[])
+        )
+        scope = {
+            **scope,
+            "headers": [*headers, (CLIENT_HEADER.encode(), name.encode())],
+            "user": user,
+        }
         await self.app(scope, receive, send)
 
 
 def http_app(
-    server: MCPServer, *, host: str, port: int, tokens: dict[str, str], allowed_origins: list[str]
+    server: MCPServer,
+    *,
+    host: str,
+    port: int,
+    tokens: dict[str, str],
+    allowed_origins: list[str],
+    allowed_hosts: tuple[str, ...] = (),
 ) -> Any:
     """The streamable-HTTP app at /mcp: bearer token, Host/Origin allow-list, size limit."""
     from mcp.server.transport_security import TransportSecuritySettings
 
-    hosts = {f"127.0.0.1:{port}", f"localhost:{port}", f"{host}:{port}", f"[::1]:{port}"}
-    origins = {f"http://127.0.0.1:{port}", f"http://localhost:{port}", *allowed_origins}
+    named = f"[{host}]" if ":" in host else host  # an IPv6 address, as a Host header has it
+    hosts = {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"{named}:{port}"}
+    hosts.update(h if ":" in h.rsplit("]", 1)[-1] else f"{h}:{port}" for h in allowed_hosts)
+    origins = {f"http://127.0.0.1:{port}", f"http://localhost:{port}", f"http://[::1]:{port}"}
+    origins.update(allowed_origins)
     security = TransportSecuritySettings(
         enable_dns_rebinding_protection=True,
         allowed_hosts=sorted(hosts),
@@ -637,14 +679,19 @@ def http_app(
 class HttpServer:
     """uvicorn on a socket bound before anyone is told the address, stopped gracefully."""
 
-    def __init__(self, app: Any, *, host: str, port: int) -> None:
+    def __init__(self, app: Any, *, host: str, port: int, grace: float) -> None:
         import uvicorn
 
         try:
-            self.socket = socket.create_server((host, port))
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self.socket = socket.create_server((host, port), family=family)
         except OSError as exc:
             raise ForgeError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        # At shutdown, requests in flight (an open SSE stream, a long cell) get `grace`
+        # seconds; then they are closed, so SIGTERM always ends the gateway.
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=max(1, round(grace))
+        )
         self._server = uvicorn.Server(config)
 
     async def serve(self) -> None:

@@ -1,17 +1,25 @@
 """Sessions as agents see them: who owns which, each client's default session, cleanup.
 
-A session an agent creates through the gateway carries two annotations: its owner (an
-opaque id of the MCP client connection that created it) and the id of the gateway
-process that created it. A client sees and uses the sessions it owns and the declared
-ones (applied with kubectl / GitOps / `mcp-forge apply`, which have no owner); a
-session owned by another client is reported exactly as one that does not exist.
-Created sessions get unguessable names (`s-` and 12 random hex digits) unless the
-client picks one. When the gateway stops, it deletes the sessions it created.
+A client is the one stdio client, or an HTTP client named by its bearer token. A
+session an agent creates through the gateway carries two annotations: its owner (the
+client) and the id of the gateway process that created it. A client sees and uses:
+
+* the sessions it owns;
+* declared sessions (applied with kubectl / GitOps / `mcp-forge apply`, no owner) that
+  grant it use in the annotation `mcpforge.dev/clients` (comma-separated client names,
+  or `*`). The stdio client runs as the host's own user and may use every declared one.
+
+A session the client may not use is reported exactly as one that does not exist.
+Created sessions get unguessable names (`s-` and 12 random hex digits) unless the client
+picks one; a client's shared group is its own (other clients' groups with the same
+name are different volumes). When the gateway stops, it deletes what it created.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
+import hashlib
 import logging
 import secrets
 from dataclasses import dataclass
@@ -22,17 +30,31 @@ from .errors import ForgeError, InvalidRequest, InvalidSession, SessionNotFound
 from .image import VARIANTS, image_ref
 from .resource import KernelSession
 from .runtime import Runtime
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 
 OWNER = "mcpforge.dev/owner"
 CREATED_BY = "mcpforge.dev/created-by"
+CLIENTS = "mcpforge.dev/clients"
 NAMESPACE = "default"
+STDIO = "stdio"
 
 
-def new_owner_id() -> str:
-    """An id for one MCP client connection."""
-    return secrets.token_hex(16)
+@dataclass(frozen=True)
+class Client:
+    """Who is calling: `name` is the stdio client's or the HTTP token's."""
+
+    name: str
+    stdio: bool = False
+
+    @property
+    def owner(self) -> str:
+        return f"{'stdio' if self.stdio else 'http'}:{self.name}"
+
+
+def stdio_client() -> Client:
+    return Client(f"{STDIO}-{secrets.token_hex(8)}", stdio=True)
 
 
 @dataclass(frozen=True)
@@ -47,20 +69,41 @@ class SessionRequest:
     shared_group: str | None = None
 
 
+def _annotations(session: KernelSession) -> dict[str, Any]:
+    annotations: dict[str, Any] = session.body["metadata"].get("annotations") or {}
+    return annotations
+
+
+def owner_of(session: KernelSession) -> str | None:
+    owner = _annotations(session).get(OWNER)
+    return owner if isinstance(owner, str) else None
+
+
 class SessionService:
     """Ownership-checked access to sessions, on top of a Runtime."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, settings: Settings | None = None) -> None:
         self.runtime = runtime
+        self.settings = settings or Settings.from_env()
         self.gateway_id = secrets.token_hex(8)
         self._defaults: dict[str, str] = {}  # owner → default session name
+        self._create_lock = asyncio.Lock()
         self._default_locks: dict[str, asyncio.Lock] = {}
 
-    def visible(self, session: KernelSession, owner: str) -> bool:
-        annotations = session.body["metadata"].get("annotations") or {}
-        return annotations.get(OWNER) in (None, owner)
+    def owns(self, client: Client, session: KernelSession) -> bool:
+        return owner_of(session) == client.owner
 
-    async def resolve(self, owner: str, session_id: str) -> KernelSession:
+    def may_use(self, client: Client, session: KernelSession) -> bool:
+        owner = owner_of(session)
+        if owner is not None:
+            return owner == client.owner
+        if client.stdio:
+            return True
+        granted = str(_annotations(session).get(CLIENTS, ""))
+        names = {n.strip() for n in granted.split(",")}
+        return "*" in names or client.name in names
+
+    async def resolve(self, client: Client, session_id: str) -> KernelSession:
         """The session `session_id` if this client may use it; else SessionNotFound."""
         if not isinstance(session_id, str) or not session_id:
             raise InvalidRequest("session_id must be a non-empty string")
@@ -68,14 +111,24 @@ class SessionService:
             session = await self.runtime.get(session_id, NAMESPACE)
         except SessionNotFound:
             session = None
-        if session is None or not self.visible(session, owner):
+        if session is None or not self.may_use(client, session):
             raise SessionNotFound(f"no session {session_id!r} (list_sessions shows yours)")
         return session
 
-    async def list(self, owner: str) -> list[KernelSession]:
-        return [s for s in await self.runtime.list(NAMESPACE) if self.visible(s, owner)]
+    async def list(self, client: Client) -> builtins.list[KernelSession]:
+        return [s for s in await self.runtime.list(NAMESPACE) if self.may_use(client, s)]
 
-    async def create(self, owner: str, request: SessionRequest) -> KernelSession:
+    async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
+        return await self.runtime.memory_usage(sessions)
+
+    def _shared_group(self, client: Client, group: str) -> str:
+        # The group is the client's own: the same name from another client is another
+        # volume. (Declared sessions name their groups freely.)
+        tag = hashlib.sha256(client.owner.encode()).hexdigest()[:8]
+        return f"{group[:31]}-{tag}"
+
+    async def create(self, client: Client, request: SessionRequest) -> KernelSession:
+        s = self.settings
         if request.variant not in VARIANTS:
             raise InvalidRequest(
                 f"variant must be one of {', '.join(VARIANTS)}, got {request.variant!r}"
@@ -90,27 +143,41 @@ class SessionService:
             spec["env"] = [{"name": k, "value": v} for k, v in request.env.items()]
         if request.shared_group is not None:
             spec["sharedGroup"] = request.shared_group
-        body = {
+        draft: dict[str, Any] = {
             "apiVersion": resource.API_VERSION,
             "kind": resource.KIND,
             "metadata": {
                 "name": name,
                 "namespace": NAMESPACE,
-                "annotations": {OWNER: owner, CREATED_BY: self.gateway_id},
+                "annotations": {OWNER: client.owner, CREATED_BY: self.gateway_id},
             },
             "spec": spec,
         }
-        resource.validate(body)  # the field-named error, before anything is stored
-        try:
-            await self.runtime.get(name, NAMESPACE)
-        except SessionNotFound:
-            return await self.runtime.create(body)
-        raise InvalidSession(f"a session named {name!r} exists already", field="name")
+        # The field-named error, before anything is stored.
+        body = resource.validate(draft)
+        typed = resource.spec_of(body)
+        if typed.memory_bytes > resource.parse_quantity(s.session_memory_max, field="memory"):
+            raise InvalidSession(f"at most {s.session_memory_max} per session", field="memory")
+        if typed.cpu_milli > resource.parse_cpu_milli(s.session_cpu_max, field="cpu"):
+            raise InvalidSession(f"at most {s.session_cpu_max} CPUs per session", field="cpu")
+        if request.shared_group is not None:
+            body["spec"]["sharedGroup"] = self._shared_group(client, request.shared_group)
+        async with self._create_lock:  # the quota and the name check hold until created
+            owned = [s for s in await self.runtime.list(NAMESPACE) if self.owns(client, s)]
+            if len(owned) >= s.sessions_per_client_max:
+                raise InvalidRequest(
+                    f"you have {len(owned)} sessions, the most a client may have; "
+                    "close one (close_session) first"
+                )
+            try:
+                await self.runtime.get(name, NAMESPACE)
+            except SessionNotFound:
+                return await self.runtime.create(body)
+        raise InvalidSession(f"the name {name!r} is taken; choose another", field="name")
 
-    async def close(self, owner: str, session_id: str) -> None:
-        session = await self.resolve(owner, session_id)
-        annotations = session.body["metadata"].get("annotations") or {}
-        if annotations.get(OWNER) != owner:
+    async def close(self, client: Client, session_id: str) -> None:
+        session = await self.resolve(client, session_id)
+        if not self.owns(client, session):
             raise InvalidRequest(
                 f"session {session_id!r} was declared outside the gateway; delete it where it "
                 "was declared (kubectl delete ks, or mcp-forge delete)"
@@ -118,27 +185,26 @@ class SessionService:
         await self.runtime.delete(session.name, session.namespace)
         self._defaults = {o: n for o, n in self._defaults.items() if n != session.name}
 
-    async def default(self, owner: str) -> KernelSession:
-        """This client's default session, created on first use (and again if it went away)."""
-        lock = self._default_locks.setdefault(owner, asyncio.Lock())
-        async with lock:
-            name = self._defaults.get(owner)
-            if name is not None:
-                try:
-                    return await self.resolve(owner, name)
-                except SessionNotFound:
-                    pass  # culled or closed: make a new one
-            session = await self.create(owner, SessionRequest())
-            self._defaults[owner] = session.name
-            return session
+    async def default(self, client: Client) -> KernelSession:
+        """This client's default session, created on first use (and again if it went
+        away or failed)."""
+        async with self._default_locks.setdefault(client.owner, asyncio.Lock()):
+            return await self._default_locked(client)
 
-    async def forget(self, owner: str) -> None:
-        """A client went away: delete the sessions it created."""
-        self._defaults.pop(owner, None)
-        for session in await self.runtime.list(NAMESPACE):
-            annotations = session.body["metadata"].get("annotations") or {}
-            if annotations.get(OWNER) == owner:
-                await self._delete_quietly(session)  # best effort; failures are logged
+    async def _default_locked(self, client: Client) -> KernelSession:
+        name = self._defaults.get(client.owner)
+        if name is not None:
+            try:
+                session = await self.resolve(client, name)
+            except SessionNotFound:
+                pass  # culled or closed: make a new one
+            else:
+                if session.status.get("phase") != "Failed":
+                    return session
+                await self._delete_quietly(session)
+        session = await self.create(client, SessionRequest())
+        self._defaults[client.owner] = session.name
+        return session
 
     async def cleanup(self) -> int:
         """The gateway stops: delete every session it created for clients, all at once
@@ -146,7 +212,7 @@ class SessionService:
         mine = [
             s
             for s in await self.runtime.list(NAMESPACE)
-            if (s.body["metadata"].get("annotations") or {}).get(CREATED_BY) == self.gateway_id
+            if _annotations(s).get(CREATED_BY) == self.gateway_id
         ]
         return sum(await asyncio.gather(*(self._delete_quietly(s) for s in mine)))
 

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .errors import InvalidRequest
+
 
 def _default_state_dir() -> Path:
     if os.geteuid() == 0:
@@ -28,6 +30,8 @@ class Settings:
     heartbeat_timeout: float = 1.5
     helper_timeout: float = 30.0  # namespace listing, variable inspection, file operations
     podman_timeout: float = 120.0
+    lock_wait: float = 10.0  # a helper or restart waits this long for a running call
+    shutdown_grace: float = 5.0  # HTTP requests in flight get this long at shutdown
     activity_interval: float = 1.0  # lastActivity is written at most this often per session
     kernel_info_retry: float = 2.0  # re-ask kernel_info this often while waiting
     # Sizes, in bytes.
@@ -43,6 +47,10 @@ class Settings:
     repr_list_max: int = 200  # variable repr, in a namespace listing
     variables_max: int = 500  # entries in a namespace listing
     list_files_max: int = 1_000
+    # What one MCP client may ask for.
+    sessions_per_client_max: int = 10
+    session_memory_max: str = "16Gi"
+    session_cpu_max: str = "4"
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -53,10 +61,19 @@ class Settings:
                 continue
             if f.name == "state_dir":
                 values[f.name] = Path(raw)
-            elif f.type in ("float", float):
-                values[f.name] = float(raw)
+            elif f.type in ("str", str):
+                values[f.name] = raw
             else:
-                values[f.name] = int(raw)
+                kind = float if f.type in ("float", float) else int
+                try:
+                    number = kind(raw)
+                except ValueError:
+                    raise InvalidRequest(
+                        f"MCPFORGE_{f.name.upper()}={raw!r} is not a {kind.__name__}"
+                    ) from None
+                if number <= 0:
+                    raise InvalidRequest(f"MCPFORGE_{f.name.upper()} must be positive, got {raw}")
+                values[f.name] = number
         return cls(**values)  # type: ignore[arg-type]
 
     @property

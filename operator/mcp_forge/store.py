@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .errors import SessionNotFound
+from .errors import InvalidSession, SessionNotFound
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -111,11 +111,16 @@ class Store:
 
     def create(self, body: dict[str, Any], key: str) -> None:
         meta = body["metadata"]
-        with self._db() as db:
-            db.execute(
-                "INSERT INTO sessions (namespace, name, body, key) VALUES (?, ?, ?, ?)",
-                (meta["namespace"], meta["name"], json.dumps(body), key),
-            )
+        try:
+            with self._db() as db:
+                db.execute(
+                    "INSERT INTO sessions (namespace, name, body, key) VALUES (?, ?, ?, ?)",
+                    (meta["namespace"], meta["name"], json.dumps(body), key),
+                )
+        except sqlite3.IntegrityError:
+            raise InvalidSession(
+                f"a KernelSession named {meta['name']!r} exists already", field="metadata.name"
+            ) from None
 
     def replace(self, body: dict[str, Any]) -> None:
         meta = body["metadata"]

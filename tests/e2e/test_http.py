@@ -327,3 +327,60 @@ async def test_sigterm_deletes_the_sessions_it_created_and_exits_0(
         assert await stop(gw) == 0, "".join(gw.log)
     for sid in created:
         assert not await pod_exists(sid), sid
+
+
+async def test_a_shared_group_is_a_clients_own(http_gateway: HttpGateway) -> None:
+    async with connect(http_gateway, "alice") as alice, connect(http_gateway, "bob") as bob:
+        a = await alice.call_tool("create_session", {"variant": "minimal", "shared_group": "team"})
+        b = await bob.call_tool("create_session", {"variant": "minimal", "shared_group": "team"})
+        a_id, b_id = a.structured_content["session_id"], b.structured_content["session_id"]
+        wrote = await alice.call_tool(
+            "execute_code", {"session_id": a_id, "code": "open('/shared/a.txt', 'w').write('x')"}
+        )
+        assert not wrote.is_error, text(wrote)
+        seen = await bob.call_tool(
+            "execute_code", {"session_id": b_id, "code": "import os; os.listdir('/shared')"}
+        )
+        assert seen.structured_content["result"]["data"]["text/plain"] == "[]"
+        await alice.call_tool("close_session", {"session_id": a_id})
+        await bob.call_tool("close_session", {"session_id": b_id})
+
+
+async def test_a_declared_session_serves_only_the_clients_it_names(
+    http_gateway: HttpGateway, state_dir: Path, images: dict[str, str]
+) -> None:
+    from mcp_forge.local import LocalRuntime
+    from mcp_forge.settings import Settings
+
+    runtime = LocalRuntime(Settings(state_dir=state_dir))
+    await runtime.apply(
+        {
+            "apiVersion": "mcpforge.dev/v1alpha1",
+            "kind": "KernelSession",
+            "metadata": {"name": "for-alice", "annotations": {"mcpforge.dev/clients": "alice"}},
+            "spec": {"image": images["minimal"], "resources": {"memory": "256Mi"}},
+        }
+    )
+    try:
+        async with connect(http_gateway, "alice") as alice, connect(http_gateway, "bob") as bob:
+            ran = await alice.call_tool("execute_code", {"session_id": "for-alice", "code": "1"})
+            assert not ran.is_error, text(ran)
+            refused = await bob.call_tool("execute_code", {"session_id": "for-alice", "code": "1"})
+            assert refused.is_error and "no session 'for-alice'" in text(refused)
+            assert "for-alice" not in session_ids(await bob.call_tool("list_sessions", {}))
+    finally:
+        await runtime.delete("for-alice")
+
+
+async def test_an_mcp_session_id_works_only_with_the_token_that_opened_it(
+    http_gateway: HttpGateway,
+) -> None:
+    opened = await http_gateway.post(http_gateway.tokens["alice"])
+    assert opened.status_code == 200, opened.text
+    mcp_session = opened.headers.get("mcp-session-id")
+    assert mcp_session
+    ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+    borrowed = await http_gateway.post(
+        http_gateway.tokens["bob"], headers={"mcp-session-id": mcp_session}, json=ping
+    )
+    assert borrowed.status_code == 404

@@ -275,3 +275,54 @@ async def test_interrupt_kernel_stops_a_running_call_which_reports_interrupted(s
         assert r.structured_content["status"] == "interrupted"
         kept = await c.call_tool("execute_code", {"session_id": sid, "code": "kept"})
         assert kept.structured_content["result"]["data"]["text/plain"] == "1"
+
+
+async def test_sigterm_with_stdin_still_open_cleans_up_and_exits(state_dir) -> None:
+    import json
+    import signal
+
+    proc = await asyncio.create_subprocess_exec(
+        GATEWAY, "gateway",
+        env={**os.environ, "MCPFORGE_STATE_DIR": str(state_dir)},
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+
+    async def request(message: dict[str, Any]) -> dict[str, Any] | None:
+        proc.stdin.write(json.dumps(message).encode() + b"\n")  # type: ignore[union-attr]
+        if "id" not in message:
+            return None
+        while True:
+            reply = json.loads(await proc.stdout.readline())  # type: ignore[union-attr]
+            if reply.get("id") == message["id"]:
+                return reply
+
+    try:
+        async with asyncio.timeout(120):
+            await request(
+                {
+                    "jsonrpc": "2.0", "id": 1, "method": "initialize",
+                    "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                               "clientInfo": {"name": "e2e", "version": "0"}},
+                }
+            )  # fmt: skip
+            await request({"jsonrpc": "2.0", "method": "notifications/initialized"})
+            made = await request(
+                {
+                    "jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                    "params": {"name": "create_session", "arguments": {"variant": "minimal"}},
+                }
+            )  # fmt: skip
+            assert made is not None
+            sid = made["result"]["structuredContent"]["session_id"]
+            proc.send_signal(signal.SIGTERM)  # stdin stays open
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    exists = await asyncio.to_thread(
+        subprocess.run, ["podman", "pod", "exists", f"mcpforge-default-{sid}"]
+    )
+    assert exists.returncode == 1
