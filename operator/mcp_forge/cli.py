@@ -338,47 +338,6 @@ def _endpoint(value: str) -> tuple[str, int]:
     return host or "127.0.0.1", number
 
 
-def _tokens(
-    settings: Any, given: str | None, tokens_file: str | None
-) -> tuple[dict[str, str], str]:
-    """Bearer tokens (token → client name), and where they came from.
-
-    --tokens-file: one `NAME TOKEN` per line, a client each (each sees only its own
-    sessions). --token: one client, "default". Neither: a token is generated once and
-    kept 0600 in the state directory.
-    """
-    import os
-    import secrets
-
-    if tokens_file:
-        tokens: dict[str, str] = {}
-        for number, line in enumerate(Path(tokens_file).read_text().splitlines(), 1):
-            if not line.strip() or line.lstrip().startswith("#"):
-                continue
-            parts = line.split()
-            if len(parts) != 2 or len(parts[1]) < 16:
-                raise click.BadParameter(f"{tokens_file}:{number}: expected NAME TOKEN (16+ chars)")
-            tokens[parts[1]] = parts[0]
-        return tokens, tokens_file
-    if given:
-        if len(given) < 16:
-            raise click.BadParameter("the token must be at least 16 characters")
-        return {given: "default"}, "--token / MCPFORGE_TOKEN"
-    path = settings.state_dir / "gateway-token"
-    try:
-        if path.stat().st_mode & 0o077:
-            raise click.UsageError(f"{path} must be private (chmod 600): it holds the token")
-        token = path.read_text().strip()
-        if len(token) < 16:
-            raise click.UsageError(f"{path} holds no usable token; delete it to make a new one")
-    except FileNotFoundError:
-        token = secrets.token_urlsafe(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-    return {token: "default"}, str(path)
-
-
 @main.command()
 @click.option(
     "--http",
@@ -427,6 +386,7 @@ def gateway(
     from .mcp_server import HttpServer, build_server, http_app, serve_stdio
     from .sessions import SessionService
     from .supervisor import supervise
+    from .tokens import load as load_tokens
 
     def say(message: str) -> None:
         click.echo(message, err=True)
@@ -447,7 +407,7 @@ def gateway(
                 loop.add_signal_handler(sig, signalled.set)
         else:
             host, port = _endpoint(http)
-            tokens, source = _tokens(runtime.settings, token, tokens_file)
+            tokens, source = load_tokens(runtime.settings.state_dir, token, tokens_file)
             app = http_app(
                 server,
                 host=host,
