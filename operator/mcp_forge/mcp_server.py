@@ -220,7 +220,7 @@ def execution_content(result: ExecutionResult) -> list[ContentBlock]:
             "[error]\n"
             + "\n".join(result.error.traceback or (f"{result.error.ename}: {result.error.evalue}",))
         )
-    if result.status != "ok" or result.message:
+    if result.status not in ("ok", "error") or result.message:
         parts.append(f"[{result.status}] {result.message}".rstrip())
     if not parts:
         parts.append("[ok] (no output)")
