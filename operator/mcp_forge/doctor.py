@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -52,6 +53,12 @@ async def run_checks(say: Say) -> bool:
         f"OCI runtime {runtime} (cgroup {cgroup})",
         "crun fails on cgroup v1 hosts: " + conf_fix,
     )
+    dmesg = await _dmesg_readable()
+    say(
+        "ok   the kernel log is readable: OOM kills are named as such"
+        if dmesg
+        else "note the kernel log (dmesg) is not readable: an OOM kill is reported as SIGKILL"
+    )
     image = resource.default_image()
     exists = (await podman.run("image", "exists", image, check=False)).returncode == 0
     result(exists, f"kernel image {image}", "mcp-forge image build")
@@ -59,6 +66,16 @@ async def run_checks(say: Say) -> bool:
         return ok
     result(*await _session_check(image), conf_fix)
     return ok
+
+
+async def _dmesg_readable() -> bool:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "dmesg", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+        )
+    except OSError:
+        return False
+    return await proc.wait() == 0
 
 
 async def _session_check(image: str) -> tuple[bool, str]:
