@@ -318,6 +318,9 @@ class LocalRuntime:
         info = await self._inspect(session)
         if info is not None:
             self._limit_pids(session, info)
+            private = self.store.private(session.namespace, session.name)
+            private["cgroup"] = str(info.get("State", {}).get("CgroupPath", "")).lstrip("/")
+            self.store.set_private(session.namespace, session.name, private)
             # The baseline for telling a later death by OOM.
             count = await self._oom_count(info.get("Id", ""))
             self._set_oom(session, {"finishedAt": None, "count": count, "oom": False})
@@ -472,23 +475,21 @@ class LocalRuntime:
         return names
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
-        """Bytes of memory each running kernel uses now (its cgroup's count), by name."""
-        names = {self.container_name(s): s.name for s in sessions}
-        if not names:
-            return {}
-        done = await podman.run("container", "inspect", *names, check=False)
+        """Bytes of memory each running kernel uses now (its cgroup's count), by name.
+
+        Read from the cgroup recorded when the kernel started: no podman call.
+        """
         usage: dict[str, int] = {}
-        for info in json.loads(done.stdout or b"[]"):
-            cgroup = str(info.get("State", {}).get("CgroupPath", "")).lstrip("/")
-            name = names.get(str(info.get("Name")))
-            if not cgroup or name is None or not info.get("State", {}).get("Running"):
+        for session in sessions:
+            cgroup = self.store.private(session.namespace, session.name).get("cgroup")
+            if not cgroup:
                 continue
             for path in (
                 Path("/sys/fs/cgroup/memory") / cgroup / "memory.usage_in_bytes",
                 Path("/sys/fs/cgroup") / cgroup / "memory.current",
             ):
                 with contextlib.suppress(OSError, ValueError):
-                    usage[name] = int(path.read_text())
+                    usage[session.name] = int(path.read_text())
                     break
         return usage
 

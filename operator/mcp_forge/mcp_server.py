@@ -685,6 +685,10 @@ class HttpServer:
         try:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             self.socket = socket.create_server((host, port), family=family)
+            # Accepted connections inherit it. asyncio sets it only when the socket's
+            # proto is TCP, which uvicorn's copy of a passed-in socket does not say, and
+            # Nagle plus delayed ACKs then add ~40 ms to every response.
+            self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
             raise ForgeError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
         # At shutdown, requests in flight (an open SSE stream, a long cell) get `grace`
