@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import stat
 import time
 import uuid
@@ -53,7 +52,7 @@ from .image import missing_image_message
 from .kernel import KernelConnection
 from .render import CONTAINER, KERNEL_UID, HostPaths, podman_pod_name, render_podman
 from .resource import KernelSession
-from .runtime import Termination
+from .runtime import Termination, termination_of
 from .settings import Settings
 from .store import Store
 
@@ -501,22 +500,10 @@ class LocalRuntime:
         if state.get("Running"):
             return None
         code = state.get("ExitCode")
-        if state.get("OOMKilled") or (code == 137 and await self._oom_killed(session, info)):
-            limit = session.spec.memory
-            return Termination(
-                "OOMKilled",
-                code,
-                f"the kernel ran out of memory (limit {limit}) and was killed (OOM)",
-            )
-        if code == 0:
-            return Termination("Completed", code, "the kernel exited")
-        if isinstance(code, int) and code > 128:
-            try:
-                sig = signal.Signals(code - 128).name
-            except ValueError:
-                sig = f"signal {code - 128}"
-            return Termination("Error", code, f"the kernel was killed by {sig} (exit code {code})")
-        return Termination("Error", code, f"the kernel exited with code {code}")
+        oom = bool(state.get("OOMKilled")) or (
+            code == 137 and await self._oom_killed(session, info)
+        )
+        return termination_of(code, oom=oom, memory_limit=session.spec.memory)
 
     def _limit_pids(self, session: KernelSession, info: dict[str, Any]) -> None:
         """Apply spec.resources.pids to the kernel's cgroup.

@@ -9,6 +9,7 @@ own: everything it needs to reach a kernel comes from here.
 from __future__ import annotations
 
 import builtins
+import signal
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,9 +21,30 @@ from .resource import KernelSession
 class Termination:
     """Why a kernel stopped."""
 
-    reason: str  # "OOMKilled", "Error", "Completed"
+    reason: str  # "OOMKilled", "Error", "Completed", "PodMissing"
     exit_code: int | None
     message: str
+
+
+def termination_of(exit_code: int | None, *, oom: bool, memory_limit: str) -> Termination:
+    """Name a kernel's death in words a person (or a model) can act on."""
+    if oom:
+        return Termination(
+            "OOMKilled",
+            exit_code,
+            f"the kernel ran out of memory (limit {memory_limit}) and was killed (OOM)",
+        )
+    if exit_code == 0:
+        return Termination("Completed", exit_code, "the kernel exited")
+    if isinstance(exit_code, int) and exit_code > 128:
+        try:
+            sig = signal.Signals(exit_code - 128).name
+        except ValueError:
+            sig = f"signal {exit_code - 128}"
+        return Termination(
+            "Error", exit_code, f"the kernel was killed by {sig} (exit code {exit_code})"
+        )
+    return Termination("Error", exit_code, f"the kernel exited with code {exit_code}")
 
 
 class Runtime(Protocol):

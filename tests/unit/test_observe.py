@@ -1,0 +1,91 @@
+"""What a kernel Pod's status (as the kubelet reports it) says about its session."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mcp_forge import resource
+from mcp_forge.observe import observe, ready_condition
+
+
+def session(**spec: Any) -> resource.KernelSession:
+    body = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": "demo"},
+        "spec": {"resources": {"memory": "512Mi"}, **spec},
+    }
+    return resource.load(resource.validate(body))
+
+
+def pod(state: dict[str, Any], phase: str = "Running", **status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "ks-demo"},
+        "status": {
+            "phase": phase,
+            "podIP": "10.1.2.3",
+            "containerStatuses": [{"name": "kernel", "state": state}],
+            **status,
+        },
+    }
+
+
+def test_no_pod_is_pending() -> None:
+    assert observe(session(), None).phase == "Pending"
+
+
+def test_a_running_kernel_is_ready_with_its_ip_and_start() -> None:
+    seen = observe(session(), pod({"running": {"startedAt": "2026-11-29T10:00:00Z"}}))
+    assert (seen.phase, seen.ready, seen.pod_ip) == ("Ready", True, "10.1.2.3")
+    assert seen.started_at == "2026-11-29T10:00:00Z"
+
+
+def test_an_oom_kill_is_named_with_the_memory_limit() -> None:
+    seen = observe(
+        session(), pod({"terminated": {"exitCode": 137, "reason": "OOMKilled"}}, phase="Failed")
+    )
+    assert seen.phase == "Restarting"
+    assert seen.termination is not None and seen.termination.reason == "OOMKilled"
+    assert "limit 512Mi" in seen.message
+
+
+@pytest.mark.parametrize(
+    ("code", "words"), [(139, "SIGSEGV"), (1, "exited with code 1"), (0, "exited")]
+)
+def test_a_dead_kernel_is_named_by_signal_or_code(code: int, words: str) -> None:
+    seen = observe(session(), pod({"terminated": {"exitCode": code, "reason": "Error"}}, "Failed"))
+    assert words in seen.message
+
+
+def test_restart_policy_never_makes_a_death_final() -> None:
+    seen = observe(
+        session(restartPolicy="Never"), pod({"terminated": {"exitCode": 1}}, phase="Failed")
+    )
+    assert seen.phase == "Failed"
+
+
+def test_an_image_that_cannot_be_pulled_fails_the_session() -> None:
+    waiting = {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}
+    seen = observe(session(), pod(waiting, phase="Pending"))
+    assert (seen.phase, seen.reason, seen.message) == (
+        "Failed",
+        "ImagePullBackOff",
+        "no such image",
+    )
+
+
+def test_a_kernel_being_created_is_starting() -> None:
+    seen = observe(session(), pod({"waiting": {"reason": "ContainerCreating"}}, phase="Pending"))
+    assert (seen.phase, seen.ready) == ("Starting", False)
+
+
+def test_the_ready_condition_keeps_its_transition_time_while_unchanged() -> None:
+    ready = observe(session(), pod({"running": {}}))
+    first = ready_condition(None, ready, generation=1, now="T1")
+    again = ready_condition([first], ready, generation=2, now="T2")
+    assert (again["lastTransitionTime"], again["observedGeneration"]) == ("T1", 2)
+    down = observe(session(), pod({"terminated": {"exitCode": 1}}, phase="Failed"))
+    flipped = ready_condition([again], down, generation=2, now="T3")
+    assert (flipped["status"], flipped["lastTransitionTime"]) == ("False", "T3")
