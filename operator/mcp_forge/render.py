@@ -175,10 +175,22 @@ def _pod(session: KernelSession, target: Target, volumes: list[dict[str, Any]]) 
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-def render_kubernetes(session: KernelSession, connection: ConnectionInfo) -> list[dict[str, Any]]:
-    """Secret, Service, NetworkPolicy and Pod for a cluster."""
+def render_kubernetes(
+    session: KernelSession, connection: ConnectionInfo, *, gateway_namespace: str | None = None
+) -> list[dict[str, Any]]:
+    """Secret, Service, NetworkPolicy and Pod for a cluster.
+
+    The key comes in `connection` (the operator keeps it in the Secret across
+    reconciles). The NetworkPolicy admits gateway pods of `gateway_namespace` (the
+    session's own namespace if None).
+    """
     spec = session.spec
     name = child_name(session)
+    gateways: dict[str, Any] = {"podSelector": {"matchLabels": dict(GATEWAY_SELECTOR)}}
+    if gateway_namespace is not None:
+        gateways["namespaceSelector"] = {
+            "matchLabels": {"kubernetes.io/metadata.name": gateway_namespace}
+        }
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -210,7 +222,7 @@ def render_kubernetes(session: KernelSession, connection: ConnectionInfo) -> lis
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [
                 {
-                    "from": [{"podSelector": {"matchLabels": dict(GATEWAY_SELECTOR)}}],
+                    "from": [gateways],
                     "ports": [{"port": n, "protocol": "TCP"} for n in PORTS.values()],
                 }
             ],

@@ -125,3 +125,14 @@ def test_rendering_is_pure_and_repeatable() -> None:
     s = session()
     assert render_kubernetes(s, CONN) == render_kubernetes(s, CONN)
     assert render_podman(s, PATHS) == render_podman(s, PATHS)
+
+
+def test_the_network_policy_can_admit_gateways_of_another_namespace() -> None:
+    objs = render_kubernetes(session(), CONN, gateway_namespace="mcp-forge-system")
+    (peer,) = by_kind(objs)["NetworkPolicy"]["spec"]["ingress"][0]["from"]
+    assert peer["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": "mcp-forge-system"}
+    }
+    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
