@@ -36,6 +36,18 @@ async def gateway(state_dir: Path, **client: Any) -> AsyncIterator[Client]:
         yield c
 
 
+async def running_call(c: Client, args: dict[str, Any]) -> asyncio.Task[Any]:
+    """An execute_code call in flight, once its first progress notification says it runs."""
+    started = asyncio.Event()
+
+    async def on_progress(value: float, total: float | None, message: str | None) -> None:
+        started.set()
+
+    call = asyncio.create_task(c.call_tool("execute_code", args, progress_callback=on_progress))
+    await asyncio.wait_for(started.wait(), 60)
+    return call
+
+
 def text(result: Any) -> str:
     return "\n".join(c.text for c in result.content if isinstance(c, TextContent))
 
@@ -108,19 +120,7 @@ async def test_a_long_cell_sends_progress_and_its_output_as_log_messages(state_d
 async def test_cancelling_a_call_interrupts_the_kernel_and_keeps_variables(state_dir) -> None:
     async with gateway(state_dir) as c:
         await c.call_tool("execute_code", {"code": "kept = 'yes'"})
-        started = asyncio.Event()
-
-        async def on_progress(value: float, total: float | None, message: str | None) -> None:
-            started.set()
-
-        call = asyncio.create_task(
-            c.call_tool(
-                "execute_code",
-                {"code": "import time\ntime.sleep(120)"},
-                progress_callback=on_progress,
-            )
-        )
-        await asyncio.wait_for(started.wait(), 60)
+        call = await running_call(c, {"code": "import time\ntime.sleep(120)"})
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
@@ -255,19 +255,9 @@ async def test_interrupt_kernel_stops_a_running_call_which_reports_interrupted(s
     async with gateway(state_dir) as c:
         made = await c.call_tool("create_session", {"variant": "minimal"})
         sid = made.structured_content["session_id"]
-        started = asyncio.Event()
-
-        async def on_progress(value: float, total: float | None, message: str | None) -> None:
-            started.set()
-
-        call = asyncio.create_task(
-            c.call_tool(
-                "execute_code",
-                {"session_id": sid, "code": "kept = 1\nimport time\ntime.sleep(120)"},
-                progress_callback=on_progress,
-            )
+        call = await running_call(
+            c, {"session_id": sid, "code": "kept = 1\nimport time\ntime.sleep(120)"}
         )
-        await asyncio.wait_for(started.wait(), 60)
         stopped = await c.call_tool("interrupt_kernel", {"session_id": sid})
         assert stopped.structured_content["interrupted"] is True
         r = await asyncio.wait_for(call, 60)
