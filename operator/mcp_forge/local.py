@@ -442,9 +442,19 @@ class LocalRuntime:
 
     async def _remove_pod(self, session: KernelSession) -> None:
         # -t 0: the kernel is being deleted, with its state; nothing to wait for.
-        done = await podman.run("pod", "rm", "-f", "-t", "0", self.pod_name(session), check=False)
-        if done.returncode != 0 and "no pod with name" not in done.stderr.lower():
-            raise PodmanError(["pod", "rm", self.pod_name(session)], done.returncode, done.stderr)
+        # Podman 4.3.1 sometimes panics (nil Volume in removePod) when pods are removed at
+        # the same time, leaving the pod half removed; a second `pod rm` finishes it.
+        for attempt in (1, 2):
+            done = await podman.run(
+                "pod", "rm", "-f", "-t", "0", self.pod_name(session), check=False
+            )
+            if done.returncode == 0 or "no pod with name" in done.stderr.lower():
+                return
+            if "panic:" not in done.stderr or attempt == 2:
+                raise PodmanError(
+                    ["pod", "rm", self.pod_name(session)], done.returncode, done.stderr
+                )
+            log.warning("podman panicked removing %s; trying again", self.pod_name(session))
 
     # ---- observing -------------------------------------------------------------------------
 
