@@ -8,6 +8,7 @@ Layout under the state directory (0700, root):
     k/<id>/conf/connection.json   root-owned, mounted read-only at /etc/mcp-forge
     k/<id>/run/                   the kernel's Unix sockets, mounted at /run/mcp-forge
     k/<id>/workspace/             uid 1000: /workspace in the pod, kept across restarts
+    k/<id>/tmp/                   uid 1000: /tmp in the pod (its own: see render.HostPaths)
     shared/<namespace>/<group>/   uid 1000: /shared for sessions of one sharedGroup
 
 The pod's network is `none`; the gateway reaches the kernel through the Unix sockets
@@ -59,8 +60,14 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 LABEL_SELECTOR = "app.kubernetes.io/managed-by=mcp-forge"
-# Spec fields that a running pod does not depend on: changing them restarts nothing.
-_LIVE_FIELDS = ("idleTimeout", "mcpServers")
+# Spec fields that change no pod: applied without touching the kernel. Local mode
+# applies every other change at once (there is no updateStrategy to wait on here).
+_LIVE_FIELDS = ("idleTimeout", "mcpServers", "idleAction", "maxLifetime", "updateStrategy")
+# Cluster-only settings, refused locally with a reason rather than ignored.
+_CLUSTER_ONLY = {
+    ("operatingMode", "Suspended"): "suspending a session",
+    ("idleAction", "Suspend"): "idleAction Suspend",
+}
 
 
 def now() -> str:
@@ -117,6 +124,7 @@ class LocalRuntime:
             run=str(base / "run"),
             workspace=str(base / "workspace"),
             shared=shared,
+            tmp=str(base / "tmp"),
         )
 
     def pod_name(self, session: KernelSession) -> str:
@@ -174,6 +182,18 @@ class LocalRuntime:
                 "egress All is not available in local mode yet: pods on Podman's shared "
                 "bridge could reach each other",
                 field="spec.network.egress",
+            )
+        for (field, value), what in _CLUSTER_ONLY.items():
+            if body["spec"][field] == value:
+                raise InvalidSession(
+                    f"{what} is not available in local mode yet (it is on Kubernetes)",
+                    field=f"spec.{field}",
+                )
+        if body["spec"]["maxLifetime"] != "0":
+            raise InvalidSession(
+                "maxLifetime is not available in local mode yet (it is on Kubernetes); "
+                "idleTimeout is",
+                field="spec.maxLifetime",
             )
         meta = body["metadata"]
         try:
@@ -266,6 +286,10 @@ class LocalRuntime:
         os.replace(tmp, conf / "connection.json")
         Path(paths.workspace).mkdir(exist_ok=True)
         os.chown(paths.workspace, KERNEL_UID, KERNEL_UID)
+        if paths.tmp:
+            Path(paths.tmp).mkdir(exist_ok=True)
+            os.chown(paths.tmp, KERNEL_UID, KERNEL_UID)
+            os.chmod(paths.tmp, 0o1770)
         if paths.shared:
             Path(paths.shared).mkdir(parents=True, exist_ok=True)
             os.chown(paths.shared, KERNEL_UID, KERNEL_UID)
@@ -646,7 +670,7 @@ class LocalRuntime:
         if crashed:
             self._patch(session, reason=reason, message=message or reason)
 
-    async def record_activity(self, session: KernelSession) -> None:
+    async def record_activity(self, session: KernelSession, *, busy: bool = False) -> None:
         self._patch(session, lastActivity=now())
 
     async def cull_idle(self) -> builtins.list[str]:

@@ -80,6 +80,10 @@ def observe(session: KernelSession, pod: Mapping[str, Any] | None) -> Observatio
         return Observation("Failed", reason, message[:1000], None, None, pod_ip)
     if status.get("phase") == "Failed":
         return Observation("Failed", reason, message[:1000], None, None, pod_ip)
+    for cond in status.get("conditions") or []:  # not placed: no node fits, a missing PVC
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            why = str(cond.get("message") or "the pod cannot be scheduled")
+            return Observation("Starting", str(cond.get("reason") or "Unschedulable"), why[:1000])
     return Observation("Starting", reason, message[:1000], None, None, pod_ip)
 
 

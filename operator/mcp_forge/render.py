@@ -14,6 +14,8 @@ profile lives in one place:
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +34,7 @@ MANAGED_BY = "mcp-forge"
 LABEL_SESSION = "mcpforge.dev/session"
 LABEL_NAMESPACE = "mcpforge.dev/namespace"
 LABEL_COMPONENT = "app.kubernetes.io/component"
+TEMPLATE_HASH = "mcpforge.dev/template-hash"
 GATEWAY_SELECTOR = {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "gateway"}
 KERNEL_ARGS = list(KERNEL_CMD)  # run by the image's entrypoint (tini in ours)
 
@@ -44,6 +47,9 @@ class HostPaths:
     run: str  # the kernel's Unix sockets
     workspace: str
     shared: str | None = None
+    # /tmp. Podman 4.3.1 plays an emptyDir as a named volume called after it, which every
+    # pod with an emptyDir "tmp" would share: local mode gives each session a directory.
+    tmp: str | None = None
 
 
 def child_name(session: KernelSession) -> str:
@@ -176,13 +182,18 @@ def _pod(session: KernelSession, target: Target, volumes: list[dict[str, Any]]) 
 
 
 def render_kubernetes(
-    session: KernelSession, connection: ConnectionInfo, *, gateway_namespace: str | None = None
+    session: KernelSession,
+    connection: ConnectionInfo,
+    *,
+    gateway_namespace: str | None = None,
+    runtime_class: str | None = None,
 ) -> list[dict[str, Any]]:
     """Secret, Service, NetworkPolicy and Pod for a cluster.
 
     The key comes in `connection` (the operator keeps it in the Secret across
     reconciles). The NetworkPolicy admits gateway pods of `gateway_namespace` (the
-    session's own namespace if None).
+    session's own namespace if None). `runtime_class` (gVisor, Kata) is the cluster
+    admin's choice, not the session's: the operator is configured with it.
     """
     spec = session.spec
     name = child_name(session)
@@ -248,7 +259,27 @@ def render_kubernetes(
                 "persistentVolumeClaim": {"claimName": f"mcpforge-shared-{spec.shared_group}"},
             }
         )
-    return [secret, service, policy, _pod(session, "kubernetes", volumes)]
+    pod = _pod(session, "kubernetes", volumes)
+    if runtime_class:
+        pod["spec"]["runtimeClassName"] = runtime_class
+    pod["metadata"]["annotations"] = {TEMPLATE_HASH: template_hash(pod)}
+    return [secret, service, policy, pod]
+
+
+def template_hash(pod: dict[str, Any]) -> str:
+    """A digest of what a running kernel pod cannot change: its spec."""
+    text = json.dumps(pod["spec"], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def render_lease(session: KernelSession) -> dict[str, Any]:
+    """The Lease a gateway renews while it uses the session (activity, without spec writes)."""
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": _metadata(session, child_name(session)),
+        "spec": {},
+    }
 
 
 def render_podman(session: KernelSession, paths: HostPaths) -> list[dict[str, Any]]:
@@ -257,7 +288,11 @@ def render_podman(session: KernelSession, paths: HostPaths) -> list[dict[str, An
         {"name": "conf", "hostPath": {"path": paths.conf, "type": "Directory"}},
         {"name": "run", "hostPath": {"path": paths.run, "type": "Directory"}},
         {"name": "workspace", "hostPath": {"path": paths.workspace, "type": "Directory"}},
-        {"name": "tmp", "emptyDir": {"medium": "Memory"}},
+        (
+            {"name": "tmp", "hostPath": {"path": paths.tmp, "type": "Directory"}}
+            if paths.tmp
+            else {"name": "tmp", "emptyDir": {"medium": "Memory"}}
+        ),
     ]
     if session.spec.shared_group:
         if paths.shared is None:

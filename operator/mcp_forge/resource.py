@@ -169,6 +169,10 @@ class SessionSpec:
     egress: str
     restart_policy: str
     mcp_servers: tuple[dict[str, Any], ...]
+    operating_mode: str = "Running"
+    idle_action: str = "Delete"
+    max_lifetime: float = 0.0
+    update_strategy: str = "OnRestart"
 
 
 @dataclass(frozen=True)
@@ -267,6 +271,10 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
         egress=spec["network"]["egress"],
         restart_policy=spec["restartPolicy"],
         mcp_servers=tuple(spec.get("mcpServers", [])),
+        operating_mode=spec["operatingMode"],
+        idle_action=spec["idleAction"],
+        max_lifetime=parse_duration(spec["maxLifetime"], field="spec.maxLifetime"),
+        update_strategy=spec["updateStrategy"],
     )
 
 

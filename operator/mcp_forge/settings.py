@@ -51,6 +51,13 @@ class Settings:
     sessions_per_client_max: int = 10
     session_memory_max: str = "16Gi"
     session_cpu_max: str = "4"
+    # Kubernetes (the operator, and the gateway with --kubernetes).
+    session_namespace: str = ""  # where the gateway makes sessions; "" is the mode's default
+    gateway_namespace: str = ""  # kernel NetworkPolicies admit gateways of it ("" = their own)
+    runtime_class: str = ""  # runtimeClassName of every kernel pod (gVisor, Kata); "" = none
+    kube_connect: str = "service"  # the gateway dials the session's Service, or "pod-ip"
+    lease_renew: float = 10.0  # the gateway renews a session's activity Lease at most this often
+    operator_resync: float = 60.0  # every session is reconciled at least this often
 
     @classmethod
     def from_env(cls) -> Settings:

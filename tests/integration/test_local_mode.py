@@ -84,6 +84,7 @@ async def test_two_sessions_cannot_see_each_others_files_or_reach_each_others_po
     await gateway.execute(
         a,
         "import socket\nopen('/workspace/secret.txt', 'w').write('a only')\n"
+        "open('/tmp/secret.txt', 'w').write('a only')\n"
         "srv = socket.socket(); srv.bind(('0.0.0.0', 8765)); srv.listen()",
     )
     a_paths = runtime.host_paths(await runtime.get(a))
@@ -97,7 +98,7 @@ async def test_two_sessions_cannot_see_each_others_files_or_reach_each_others_po
         "    s.connect(('127.0.0.1', 8765)); reached = True\n"
         "except OSError:\n"
         "    reached = False\n"
-        "print(json.dumps({'files': os.listdir('/workspace'),\n"
+        "print(json.dumps({'files': os.listdir('/workspace') + os.listdir('/tmp'),\n"
         "  'a_dirs': [os.path.exists(p) for p in paths], 'reached': reached}))",
     )
     assert "secret.txt" not in facts["files"]

@@ -1,0 +1,539 @@
+"""The operator: kopf handlers that keep every KernelSession true on a cluster.
+
+One level-based `reconcile` does all the work, whatever woke it: a KernelSession
+created, changed (spec) or found at start-up (resume); an event of its kernel Pod or
+its activity Lease; or a deadline (idle, expiry, a pod that takes too long). It reads
+the session and its children afresh, makes them what the spec says (Secret with a key
+kept across reconciles, Service, NetworkPolicy, Lease, Pod), and writes status only when
+it changed. Calls for one session are serialized; sessions reconcile in parallel.
+
+No finalizer: children carry owner references and the API server's garbage collector
+removes them, so deleting a namespace never waits on this operator. No timers or
+daemons either (kopf would add a finalizer for them): deadlines are kept here, in one
+task. Run it with `mcp-forge operator`, or `kopf run -m mcp_forge.controller`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from . import resource
+from .connection import PORTS, ConnectionInfo, new_key
+from .errors import InvalidSession
+from .kube import BUSY, RESTART, ApiError, Kube, key_of, parse_time
+from .observe import Observation, observe, ready_condition
+from .render import (
+    LABEL_COMPONENT,
+    LABEL_SESSION,
+    MANAGED_BY,
+    TEMPLATE_HASH,
+    child_name,
+    render_kubernetes,
+    render_lease,
+    secret_name,
+)
+from .resource import GROUP, KernelSession
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+VERSION = "v1alpha1"
+PLURAL = "kernelsessions"
+CHILD_LABELS: dict[str, Any] = {
+    "app.kubernetes.io/managed-by": MANAGED_BY,
+    LABEL_SESSION: kopf.PRESENT,
+}
+STARTING_RECHECK = 15.0  # a pod not Ready after this is looked at again, events or not
+BACKOFF_MAX = 60.0
+LAST_ACTIVITY_STEP = 30.0  # status.lastActivity mirrors the Lease to this resolution
+WORKERS = 16  # reconciles running at once
+
+Key = tuple[str, str]
+
+
+def stamp(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _condition(
+    old: list[dict[str, Any]] | None,
+    type_: str,
+    value: bool,
+    reason: str,
+    message: str,
+    *,
+    generation: int,
+    now: str,
+) -> dict[str, Any]:
+    status = "True" if value else "False"
+    prev = next((c for c in old or [] if c.get("type") == type_), None)
+    since = prev.get("lastTransitionTime") if prev and prev.get("status") == status else now
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
+
+
+def _kstatus(
+    old: list[dict[str, Any]] | None, seen: Observation, *, generation: int, now: str
+) -> list[dict[str, Any]]:
+    """Reconciling and Stalled, the conditions Flux (kstatus) reads besides Ready."""
+    busy = seen.phase in ("Pending", "Starting", "Restarting")
+    stuck = seen.phase in ("Failed", "Expired")
+    return [
+        _condition(
+            old,
+            "Reconciling",
+            busy,
+            seen.reason if busy else "Settled",
+            seen.message if busy else "nothing in progress",
+            generation=generation,
+            now=now,
+        ),
+        _condition(
+            old,
+            "Stalled",
+            stuck,
+            seen.reason if stuck else "NotStalled",
+            seen.message if stuck else "not stuck",
+            generation=generation,
+            now=now,
+        ),
+    ]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    invalid: str | None = None  # the spec is wrong: a permanent error
+    gone: bool = False  # the session no longer exists (or was just deleted: idle)
+    due: float | None = None  # wall-clock time it must be looked at again
+
+
+@dataclass(frozen=True)
+class Activity:
+    last: float  # wall-clock time of the last activity (or of creation)
+    busy: bool  # a gateway runs code in the kernel now
+    restart: str  # kernelId a gateway asked to restart ("" none)
+    busy_until: float | None
+
+
+def _activity(lease: dict[str, Any], created: float, now: float) -> Activity:
+    spec = lease.get("spec") or {}
+    notes = (lease.get("metadata") or {}).get("annotations") or {}
+    renewed = parse_time(spec.get("renewTime")) or 0.0
+    duration = spec.get("leaseDurationSeconds")
+    until = renewed + duration if isinstance(duration, int) else None
+    busy = notes.get(BUSY) == "true" and until is not None and until > now
+    return Activity(max(created, renewed), busy, str(notes.get(RESTART) or ""), until)
+
+
+class Reconciler:
+    """Keeps sessions true; owns the deadlines. Lives in kopf's event loop."""
+
+    def __init__(self, kube: Kube, settings: Settings) -> None:
+        self.kube = kube
+        self.settings = settings
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._due: dict[Key, float] = {}
+        self._failures: dict[Key, int] = {}
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(WORKERS)
+        self._running: set[asyncio.Task[None]] = set()
+
+    # ---- scheduling ----------------------------------------------------------------------
+
+    def poke(self, namespace: str, name: str, at: float | None = None) -> None:
+        """Reconcile the session at `at` (now if None), or earlier if already due."""
+        when = time.time() if at is None else at
+        key = (namespace, name)
+        if key not in self._due or when < self._due[key]:
+            self._due[key] = when
+            self._wake.set()
+
+    def forget(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        self._due.pop(key, None)
+        self._failures.pop(key, None)
+        self._locks.pop(key, None)
+
+    async def run(self) -> None:
+        """Reconcile sessions as they fall due; every session at least every resync."""
+        while True:
+            now = time.time()
+            for key in [k for k, t in self._due.items() if t <= now]:
+                del self._due[key]
+                task = asyncio.create_task(self._background(*key))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+            self._wake.clear()
+            wait = min(self._due.values(), default=now + self.settings.operator_resync) - now
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, wait))
+
+    async def _background(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        async with self._slots:
+            try:
+                await self.reconcile(namespace, name)
+            except Exception as exc:  # kept going: retried with backoff
+                n = self._failures.get(key, 0) + 1
+                self._failures[key] = n
+                delay = min(BACKOFF_MAX, 2.0**n)
+                log.warning("reconcile of %s/%s failed (retry in %.0fs): %s", *key, delay, exc)
+                self.poke(namespace, name, time.time() + delay)
+            else:
+                self._failures.pop(key, None)
+
+    async def reconcile(self, namespace: str, name: str) -> Outcome:
+        key = (namespace, name)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            try:
+                outcome = await asyncio.to_thread(self._reconcile, namespace, name)
+            except ApiError as exc:
+                # Deleted while we were at it: nothing left to do (its children are GC'd).
+                if not exc.not_found:
+                    raise
+                if await asyncio.to_thread(self.kube.get, "KernelSession", namespace, name):
+                    raise
+                outcome = Outcome(gone=True)
+        if outcome.gone:
+            self.forget(namespace, name)
+            return outcome
+        resync = time.time() + self.settings.operator_resync
+        self.poke(namespace, name, min(resync, outcome.due or resync))
+        return outcome
+
+    # ---- the reconcile -------------------------------------------------------------------
+
+    def _reconcile(self, namespace: str, name: str) -> Outcome:
+        body = self.kube.get("KernelSession", namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return Outcome(gone=True)
+        meta = body["metadata"]
+        generation = int(meta.get("generation") or 1)
+        old: dict[str, Any] = body.get("status") or {}
+        now = time.time()
+        try:
+            spec_only = {k: v for k, v in body.items() if k != "status"}
+            session = resource.load(resource.validate(spec_only, default_namespace=namespace))
+        except InvalidSession as exc:
+            self._write(body, self._invalid(old, str(exc), generation, stamp(now)))
+            return Outcome(invalid=str(exc))
+        return self._realize(session, body, old, generation, now)
+
+    @staticmethod
+    def _invalid(old: dict[str, Any], why: str, generation: int, now: str) -> dict[str, Any]:
+        status = dict(old)
+        status.update(
+            phase="Failed",
+            reason="InvalidSpec",
+            message=why,
+            observedGeneration=generation,
+            conditions=[
+                _condition(
+                    old.get("conditions"),
+                    "Ready",
+                    False,
+                    "InvalidSpec",
+                    why,
+                    generation=generation,
+                    now=now,
+                ),
+                *_kstatus(
+                    old.get("conditions"),
+                    Observation("Failed", "InvalidSpec", why),
+                    generation=generation,
+                    now=now,
+                ),
+            ],
+        )
+        return status
+
+    def _children(self, session: KernelSession) -> tuple[dict[str, Any], str]:
+        """Make Secret, Service, NetworkPolicy and Lease right; the Pod as it should be."""
+        ns = session.namespace
+        secret = self.kube.get("Secret", ns, secret_name(session))
+        key = key_of(secret) or new_key()
+        host = f"{child_name(session)}.{ns}.svc"
+        rendered = render_kubernetes(
+            session,
+            ConnectionInfo("tcp", host, key),
+            gateway_namespace=self.settings.gateway_namespace or None,
+            runtime_class=self.settings.runtime_class or None,
+        )
+        want_secret, service, policy, pod = rendered
+        if secret is None:
+            self.kube.ensure(want_secret)
+        elif key_of(secret) is None:  # unreadable: a kernel cannot start with it
+            self.kube.patch(
+                "Secret", ns, secret_name(session), {"stringData": want_secret["stringData"]}
+            )
+        for child in (service, policy):
+            current, created = self.kube.ensure(child)
+            if not created and current.get("spec", {}) != {
+                **current.get("spec", {}),
+                **child["spec"],
+            }:
+                self.kube.patch(
+                    child["kind"], ns, child["metadata"]["name"], {"spec": child["spec"]}
+                )
+        return pod, host
+
+    def _realize(
+        self,
+        session: KernelSession,
+        body: dict[str, Any],
+        old: dict[str, Any],
+        generation: int,
+        now: float,
+    ) -> Outcome:
+        ns, spec = session.namespace, session.spec
+        want_pod, host = self._children(session)
+        lease, _ = self.kube.ensure(render_lease(session))
+        created = parse_time(body["metadata"].get("creationTimestamp")) or now
+        act = _activity(lease, created, now)
+        expires = created + spec.max_lifetime if spec.max_lifetime else None
+        idle_for = now - act.last
+        due: list[float] = []
+
+        stop: Observation | None = None
+        if expires is not None and now >= expires:
+            stop = Observation(
+                "Expired",
+                "Expired",
+                f"the session reached its maxLifetime of {body['spec']['maxLifetime']}",
+            )
+        elif spec.operating_mode == "Suspended":
+            stop = Observation("Suspended", "UserRequested", "spec.operatingMode is Suspended")
+        elif spec.idle_timeout and not act.busy and idle_for >= spec.idle_timeout:
+            why = f"no activity for {body['spec']['idleTimeout']}"
+            if spec.idle_action == "Delete":
+                log.info("deleting %s/%s: %s", ns, session.name, why)
+                self.kube.delete("KernelSession", ns, session.name, uid=session.uid)
+                return Outcome(gone=True)
+            stop = Observation("Suspended", "Idle", f"{why}; used again, it resumes")
+        if expires is not None and stop is None:
+            due.append(expires)
+        if spec.idle_timeout and stop is None:
+            due.append(act.last + spec.idle_timeout)
+        if act.busy and act.busy_until:
+            due.append(act.busy_until)
+
+        status = dict(old)
+        conn = dict(old.get("connection") or {})
+        kernel_gen = int(conn.get("generation") or 0)
+        pod = self.kube.get("Pod", ns, child_name(session))
+        pending: tuple[str, str] | None = None
+        if stop is not None:
+            if pod is not None and not pod["metadata"].get("deletionTimestamp"):
+                self.kube.delete("Pod", ns, child_name(session), uid=pod["metadata"]["uid"])
+            seen = stop
+            if old.get("phase") != stop.phase:
+                status["suspendedAt"] = stamp(now)
+            pod = None
+        elif pod is None:
+            pod, _ = self.kube.ensure(want_pod)
+            if pod["metadata"].get("uid") != old.get("kernelId"):
+                if old.get("kernelId"):
+                    status["restarts"] = int(old.get("restarts") or 0) + 1
+                kernel_gen += 1
+                status["startedAt"] = None
+            seen = observe(session, pod)
+            due.append(now + STARTING_RECHECK)
+        else:
+            uid = pod["metadata"].get("uid")
+            if uid != old.get("kernelId"):  # made by a reconcile whose status write was lost
+                kernel_gen += 1
+            seen = observe(session, pod)
+            deleting = bool(pod["metadata"].get("deletionTimestamp"))
+            outdated = (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH) != (
+                want_pod["metadata"]["annotations"][TEMPLATE_HASH]
+            )
+            if seen.termination is not None:
+                term = seen.termination
+                last = old.get("lastTermination") or {}
+                if last.get("podUID") != uid:
+                    log.info("kernel of %s/%s died: %s", ns, session.name, term.message)
+                    status["lastTermination"] = {
+                        "reason": term.reason,
+                        "exitCode": term.exit_code,
+                        "message": term.message,
+                        "at": stamp(now),
+                        "podUID": uid,
+                    }
+                # An exit 0 is a restart a gateway asked for (or the user's exit()).
+                again = spec.restart_policy == "Always" or term.exit_code == 0
+                if again and not deleting:
+                    self.kube.delete("Pod", ns, child_name(session), grace=0, uid=uid)
+                    seen = Observation("Restarting", term.reason, term.message, term)
+            elif deleting:
+                seen = Observation(
+                    "Restarting", "PodTerminating", "the kernel's pod is being deleted"
+                )
+            elif act.restart and act.restart == uid:
+                self.kube.delete("Pod", ns, child_name(session), grace=0, uid=uid)
+                seen = Observation(
+                    "Restarting", "RestartRequested", "a gateway restarts the kernel"
+                )
+            elif outdated and spec.update_strategy == "Recreate" and not act.busy:
+                self.kube.delete("Pod", ns, child_name(session), uid=uid)
+                seen = Observation(
+                    "Restarting", "Updating", "the kernel's pod is replaced for a new spec"
+                )
+            elif outdated:
+                pending = (
+                    ("KernelBusy", "the kernel is running code; the update follows when it stops")
+                    if spec.update_strategy == "Recreate"
+                    else (
+                        "WaitingForRestart",
+                        "the spec changed; the new pod comes at the kernel's next restart "
+                        "(updateStrategy OnRestart)",
+                    )
+                )
+            if seen.phase in ("Starting", "Pending", "Restarting"):
+                due.append(now + STARTING_RECHECK)
+
+        stamp_now = stamp(now)
+        status.update(
+            phase=seen.phase,
+            reason=seen.reason,
+            message=seen.message,
+            observedGeneration=generation,
+            serviceName=child_name(session),
+            podName=child_name(session) if pod is not None else None,
+            podIP=seen.pod_ip,
+            kernelId=(pod["metadata"].get("uid") if pod is not None else old.get("kernelId")),
+            templateHash=(
+                (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH)
+                if pod is not None
+                else None
+            ),
+            expiresAt=stamp(expires) if expires is not None else None,
+            connection={
+                "transport": "tcp",
+                "host": host,
+                "ports": dict(PORTS),
+                "secretName": secret_name(session),
+                "generation": kernel_gen,
+            },
+        )
+        if seen.ready and seen.started_at:
+            status["startedAt"] = seen.started_at
+        status.setdefault("restarts", 0)
+        if stop is None:
+            status["suspendedAt"] = None
+        shown = parse_time(old.get("lastActivity")) or 0.0
+        if act.last - shown >= LAST_ACTIVITY_STEP or not old.get("lastActivity"):
+            status["lastActivity"] = stamp(act.last)
+        conditions = [
+            ready_condition(old.get("conditions"), seen, generation=generation, now=stamp_now)
+        ]
+        conditions.append(
+            _condition(
+                old.get("conditions"),
+                "UpdatePending",
+                pending is not None,
+                pending[0] if pending else "UpToDate",
+                pending[1] if pending else "the kernel's pod matches the spec",
+                generation=generation,
+                now=stamp_now,
+            )
+        )
+        conditions += _kstatus(old.get("conditions"), seen, generation=generation, now=stamp_now)
+        status["conditions"] = conditions
+        self._write(body, status)
+        return Outcome(due=min(due) if due else None)
+
+    def _write(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+        old = body.get("status") or {}
+        patch = {k: v for k, v in status.items() if old.get(k) != v}
+        for k in old:
+            if k not in status:
+                patch[k] = None
+        if not patch:
+            return
+        meta = body["metadata"]
+        self.kube.patch(
+            "KernelSession", meta["namespace"], meta["name"], {"status": patch}, status=True
+        )
+
+
+# ---- kopf ------------------------------------------------------------------------------
+
+
+def _reconciler(memo: Any) -> Reconciler:
+    reconciler: Reconciler = memo.reconciler
+    return reconciler
+
+
+@kopf.on.startup()
+async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    config = Settings.from_env()
+    kube = await asyncio.to_thread(Kube)
+    reconciler = Reconciler(kube, config)
+    memo.reconciler = reconciler
+    memo.scheduler = asyncio.create_task(reconciler.run(), name="mcp-forge deadlines")
+
+
+@kopf.on.cleanup()
+async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("scheduler")
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if memo.get("reconciler") is not None:
+        memo.reconciler.kube.close()
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def reconcile_session(
+    *, name: str, namespace: str | None, memo: Any, retry: int, **_: Any
+) -> None:
+    """Create, resume and spec change: one idempotent reconcile."""
+    try:
+        outcome = await _reconciler(memo).reconcile(namespace or "default", name)
+    except ApiError as exc:
+        raise kopf.TemporaryError(str(exc), delay=min(BACKOFF_MAX, 2.0 ** (retry + 1))) from exc
+    if outcome.invalid:
+        raise kopf.PermanentError(outcome.invalid)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def session_event(
+    *, type: str, name: str, namespace: str | None, memo: Any, **_: Any
+) -> None:
+    if type == "DELETED":
+        _reconciler(memo).forget(namespace or "default", name)
+
+
+@kopf.on.event("", "v1", "pods", labels={**CHILD_LABELS, LABEL_COMPONENT: "kernel"})
+@kopf.on.event("coordination.k8s.io", "v1", "leases", labels=CHILD_LABELS)
+async def child_event(
+    *, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
+) -> None:
+    """A kernel pod or an activity Lease changed: look at its session now."""
+    _reconciler(memo).poke(namespace or "default", labels[LABEL_SESSION])
