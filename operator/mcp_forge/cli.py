@@ -362,6 +362,11 @@ def _endpoint(value: str) -> tuple[str, int]:
     help="Extra allowed Host header, e.g. gw.example:8765 (repeatable).",
 )
 @click.option(
+    "--kubernetes",
+    is_flag=True,
+    help="Cluster mode: sessions are KernelSessions in the API, realized by the operator.",
+)
+@click.option(
     "--cull-interval",
     type=float,
     default=10.0,
@@ -374,13 +379,18 @@ def gateway(
     tokens_file: str | None,
     allow_origin: tuple[str, ...],
     allow_host: tuple[str, ...],
+    kubernetes: bool,
     cull_interval: float,
 ) -> None:
-    """Run the gateway (local mode): MCP for agents, plus housekeeping of sessions.
+    """Run the gateway: MCP for agents.
 
-    Over stdio (the default) it serves one client until stdin closes. On exit (stdin
-    EOF, SIGINT, SIGTERM) it deletes the sessions it created for clients; sessions
-    declared with `mcp-forge apply` are left alone.
+    Local mode (the default) also keeps sessions true (housekeeping). Over stdio it
+    serves one client until stdin closes; on exit (stdin EOF, SIGINT, SIGTERM) it
+    deletes the sessions it created for clients; declared sessions are left alone.
+
+    With --kubernetes, sessions are KernelSessions in the cluster (in
+    MCPFORGE_SESSION_NAMESPACE, default mcp-forge-sessions) and the operator keeps
+    them; the gateway holds no state, so sessions outlive it and any replica serves them.
     """
     from .gateway import Gateway
     from .mcp_server import HttpServer, build_server, http_app, serve_stdio
@@ -392,9 +402,16 @@ def gateway(
         click.echo(message, err=True)
 
     async def go() -> None:
-        runtime = _local()
+        runtime: Any
+        if kubernetes:
+            from .cluster import KubernetesRuntime
+
+            runtime = KubernetesRuntime()
+            service = SessionService(runtime, runtime.settings, namespace=runtime.namespace)
+        else:
+            runtime = _local()
+            service = SessionService(runtime, runtime.settings)
         gw = Gateway(runtime, runtime.settings)
-        service = SessionService(runtime)
         server = build_server(service, gw, transport="stdio" if http is None else "http")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -422,9 +439,14 @@ def gateway(
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, listener.stop)
             say(f"MCP over HTTP at http://{host}:{port}/mcp; bearer token from {source}")
-        housekeeping = asyncio.ensure_future(
-            supervise(runtime, stop, interval=cull_interval, say=say)
-        )
+        housekeeping: asyncio.Future[Any]
+        if kubernetes:
+            say(f"mcp-forge gateway (cluster mode): sessions in namespace {runtime.namespace}")
+            housekeeping = asyncio.ensure_future(stop.wait())  # the operator keeps sessions
+        else:
+            housekeeping = asyncio.ensure_future(
+                supervise(runtime, stop, interval=cull_interval, say=say)
+            )
         ended = asyncio.ensure_future(signalled.wait())
         try:
             await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -434,11 +456,59 @@ def gateway(
             housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await housekeeping
-            deleted = await service.cleanup()
-            await gw.close()
-            say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
+            if kubernetes:  # sessions outlive a gateway: another replica, or this one restarted
+                await gw.close()
+                runtime.close()
+                say("mcp-forge gateway stopped; its sessions keep running")
+            else:
+                deleted = await service.cleanup()
+                await gw.close()
+                say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
             if not serving.done():  # stdio, ended by a signal: its reader thread never returns
                 sys.stderr.flush()
                 os._exit(0)
 
     _run(go())
+
+
+@main.command()
+@click.option(
+    "--namespace",
+    "-n",
+    "namespaces",
+    multiple=True,
+    help="Serve KernelSessions of this namespace only (repeatable). Default: all namespaces.",
+)
+@click.option(
+    "--liveness", default=None, help="Serve a liveness probe, e.g. http://0.0.0.0:8080/healthz."
+)
+@click.option(
+    "--all-namespaces",
+    "-A",
+    "all_namespaces",
+    is_flag=True,
+    help="Serve KernelSessions of every namespace (the default without --namespace).",
+)
+@click.option("--verbose", "-v", is_flag=True, help="Log every handler kopf runs.")
+def operator(
+    namespaces: tuple[str, ...], liveness: str | None, all_namespaces: bool, verbose: bool
+) -> None:
+    """Run the Kubernetes operator (kopf): KernelSessions become kernel pods.
+
+    One replica (standalone: no peering). Also runnable as
+    `kopf run --standalone -m mcp_forge.controller`.
+    """
+    import kopf
+
+    from . import controller  # noqa: F401  (registers the handlers)
+
+    if all_namespaces and namespaces:
+        raise click.UsageError("--all-namespaces and --namespace exclude each other")
+
+    kopf.configure(verbose=verbose)
+    kopf.run(
+        standalone=True,
+        namespaces=list(namespaces),
+        clusterwide=not namespaces,
+        liveness_endpoint=liveness,
+    )

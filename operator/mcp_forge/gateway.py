@@ -43,6 +43,7 @@ class _Handle:
     conn: KernelConnection | None = None
     kernel: tuple[Any, Any] = (None, None)  # (connection generation, kernel id) of conn
     activity_recorded: float = float("-inf")  # monotonic time of the last record_activity
+    busy: bool = False  # as last recorded
     execution_count: int | None = None  # the kernel's, after this gateway's last call
 
 
@@ -107,16 +108,18 @@ class Gateway:
         handle.conn = None
         handle.kernel = (None, None)
 
-    async def _record_activity(self, handle: _Handle, session: KernelSession) -> None:
+    async def _record_activity(
+        self, handle: _Handle, session: KernelSession, *, busy: bool = False
+    ) -> None:
         # lastActivity has a resolution of seconds and drives culling after minutes:
         # writing it once a second per session is enough, and keeps the store off the
         # hot path of a burst of small calls.
         now = time.monotonic()
-        if now - handle.activity_recorded < self.settings.activity_interval:
+        if busy == handle.busy and now - handle.activity_recorded < self.settings.activity_interval:
             return
-        handle.activity_recorded = now
+        handle.activity_recorded, handle.busy = now, busy
         try:
-            await self.runtime.record_activity(session)
+            await self.runtime.record_activity(session, busy=busy)
         except ForgeError as exc:
             log.warning("could not record activity of %s: %s", session.name, exc)
 
@@ -171,11 +174,14 @@ class Gateway:
                 data_budget=s.data_budget,
                 on_stream=on_stream,
             )
-            await self._record_activity(handle, session)
+            await self._record_activity(handle, session, busy=True)
             try:
                 result = await self._run(handle, conn, session, code, seconds, collector)
             except asyncio.CancelledError:
                 await self._settle_after_cancel(handle, conn, session, collector)
+                raise
+            except BaseException:
+                await self._record_activity(handle, session)
                 raise
             if result.truncated and collector.dropped:
                 result = await self._save_full_output(handle, session, result, collector)
@@ -208,7 +214,7 @@ class Gateway:
                 return await self._on_timeout(handle, conn, session, collector, started, timeout)
             if await conn.pump(collector, min(s.heartbeat_interval, deadline - now)):
                 return collector.finish(duration=time.monotonic() - started)
-            await self._record_activity(handle, session)  # a long call is activity
+            await self._record_activity(handle, session, busy=True)  # a long call is activity
             if not await conn.heartbeat(s.heartbeat_timeout):
                 term = await self.runtime.termination(session)
                 if term is not None:

@@ -659,7 +659,11 @@ def http_app(
 
     named = f"[{host}]" if ":" in host else host  # an IPv6 address, as a Host header has it
     hosts = {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"{named}:{port}"}
-    hosts.update(h if ":" in h.rsplit("]", 1)[-1] else f"{h}:{port}" for h in allowed_hosts)
+    for h in allowed_hosts:
+        if ":" in h.rsplit("]", 1)[-1]:
+            hosts.add(h)
+        else:  # a bare name: as a client reaching us directly, and through a proxy on 80/443
+            hosts.update((h, f"{h}:{port}"))
     origins = {f"http://127.0.0.1:{port}", f"http://localhost:{port}", f"http://[::1]:{port}"}
     origins.update(allowed_origins)
     security = TransportSecuritySettings(

@@ -81,7 +81,9 @@ class Runtime(Protocol):
         """Start the kernel afresh (workspace kept) and wait until it answers."""
         ...
 
-    async def record_activity(self, session: KernelSession) -> None: ...
+    async def record_activity(self, session: KernelSession, *, busy: bool = False) -> None:
+        """The session is in use (`busy`: its kernel runs code now): not idle."""
+        ...
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         """Bytes of memory each running kernel uses now, by session name."""

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 OWNER = "mcpforge.dev/owner"
 CREATED_BY = "mcpforge.dev/created-by"
 CLIENTS = "mcpforge.dev/clients"
-NAMESPACE = "default"
+NAMESPACE = "default"  # local mode's; a cluster gateway's is settings.session_namespace
 STDIO = "stdio"
 
 
@@ -82,9 +82,12 @@ def owner_of(session: KernelSession) -> str | None:
 class SessionService:
     """Ownership-checked access to sessions, on top of a Runtime."""
 
-    def __init__(self, runtime: Runtime, settings: Settings | None = None) -> None:
+    def __init__(
+        self, runtime: Runtime, settings: Settings | None = None, *, namespace: str = NAMESPACE
+    ) -> None:
         self.runtime = runtime
         self.settings = settings or Settings.from_env()
+        self.namespace = namespace  # where this gateway's clients have their sessions
         self.gateway_id = secrets.token_hex(8)
         self._defaults: dict[str, str] = {}  # owner → default session name
         self._create_lock = asyncio.Lock()
@@ -108,7 +111,7 @@ class SessionService:
         if not isinstance(session_id, str) or not session_id:
             raise InvalidRequest("session_id must be a non-empty string")
         try:
-            session = await self.runtime.get(session_id, NAMESPACE)
+            session = await self.runtime.get(session_id, self.namespace)
         except SessionNotFound:
             session = None
         if session is None or not self.may_use(client, session):
@@ -116,7 +119,7 @@ class SessionService:
         return session
 
     async def list(self, client: Client) -> builtins.list[KernelSession]:
-        return [s for s in await self.runtime.list(NAMESPACE) if self.may_use(client, s)]
+        return [s for s in await self.runtime.list(self.namespace) if self.may_use(client, s)]
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return await self.runtime.memory_usage(sessions)
@@ -148,7 +151,7 @@ class SessionService:
             "kind": resource.KIND,
             "metadata": {
                 "name": name,
-                "namespace": NAMESPACE,
+                "namespace": self.namespace,
                 "annotations": {OWNER: client.owner, CREATED_BY: self.gateway_id},
             },
             "spec": spec,
@@ -163,14 +166,14 @@ class SessionService:
         if request.shared_group is not None:
             body["spec"]["sharedGroup"] = self._shared_group(client, request.shared_group)
         async with self._create_lock:  # the quota and the name check hold until created
-            owned = [s for s in await self.runtime.list(NAMESPACE) if self.owns(client, s)]
+            owned = [s for s in await self.runtime.list(self.namespace) if self.owns(client, s)]
             if len(owned) >= s.sessions_per_client_max:
                 raise InvalidRequest(
                     f"you have {len(owned)} sessions, the most a client may have; "
                     "close one (close_session) first"
                 )
             try:
-                await self.runtime.get(name, NAMESPACE)
+                await self.runtime.get(name, self.namespace)
             except SessionNotFound:
                 return await self.runtime.create(body)
         raise InvalidSession(f"the name {name!r} is taken; choose another", field="name")
@@ -211,7 +214,7 @@ class SessionService:
         (a stdio client gives its server a few seconds after closing stdin)."""
         mine = [
             s
-            for s in await self.runtime.list(NAMESPACE)
+            for s in await self.runtime.list(self.namespace)
             if _annotations(s).get(CREATED_BY) == self.gateway_id
         ]
         return sum(await asyncio.gather(*(self._delete_quietly(s) for s in mine)))

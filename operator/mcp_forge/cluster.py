@@ -1,0 +1,236 @@
+"""The gateway's side of a cluster: KernelSessions through the Kubernetes API.
+
+The operator realizes sessions; this only reads them, creates and deletes them for
+agents, and reports activity on each session's Lease. Everything it needs is in the API
+(status.connection plus the Secret it names), so a gateway holds no store: a restarted
+replica, or a second one, reaches every running kernel as the first did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import datetime as dt
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import resource
+from .connection import ConnectionInfo
+from .errors import InvalidSession, SessionNotFound, SessionNotReady
+from .kube import BUSY, RESTART, ApiError, Kube, key_of
+from .render import child_name, secret_name
+from .resource import KernelSession
+from .runtime import Termination
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+KIND = "KernelSession"
+DEFAULT_NAMESPACE = "mcp-forge-sessions"
+WATCH_CHUNK = 5.0  # a watch thread outlives a cancelled wait by at most this
+BUSY_LEASE = 3  # a busy mark lasts this many renew intervals unless renewed
+
+
+def _micro_now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class KubernetesRuntime:
+    """The Runtime protocol (runtime.py) on a cluster run by `mcp-forge operator`."""
+
+    def __init__(self, settings: Settings | None = None, kube: Kube | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        if self.settings.kube_connect not in ("service", "pod-ip"):
+            raise InvalidSession(
+                f"MCPFORGE_KUBE_CONNECT must be service or pod-ip, got "
+                f"{self.settings.kube_connect!r}"
+            )
+        self.kube = kube or Kube()
+        self.namespace = self.settings.session_namespace or DEFAULT_NAMESPACE
+        self.identity = os.environ.get("POD_NAME") or socket.gethostname()
+        self._renewed: dict[tuple[str, str], tuple[float, bool]] = {}
+
+    def close(self) -> None:
+        self.kube.close()
+
+    # ---- reading -------------------------------------------------------------------------
+
+    @staticmethod
+    def _load(body: dict[str, Any], namespace: str) -> KernelSession:
+        body.setdefault("apiVersion", resource.API_VERSION)
+        body.setdefault("kind", KIND)
+        return resource.load(resource.validate(body, default_namespace=namespace))
+
+    async def get(self, name: str, namespace: str = "default") -> KernelSession:
+        body = await asyncio.to_thread(self.kube.get, KIND, namespace, name)
+        if body is None:
+            raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+        return self._load(body, namespace)
+
+    async def list(self, namespace: str | None = None) -> builtins.list[KernelSession]:
+        ns = namespace or self.namespace
+        listed = await asyncio.to_thread(self.kube.list, KIND, ns)
+        out = []
+        for body in listed.get("items") or []:
+            try:
+                out.append(self._load(body, ns))
+            except InvalidSession as exc:  # shown by the operator in its status
+                log.debug("skipping an invalid KernelSession: %s", exc)
+        return out
+
+    # ---- create / delete -----------------------------------------------------------------
+
+    async def create(self, body: dict[str, Any]) -> KernelSession:
+        """Create the KernelSession and wait until the operator has made it Ready."""
+        body = resource.validate(body, default_namespace=self.namespace)
+        body.pop("status", None)
+        meta = body["metadata"]
+        try:
+            made = await asyncio.to_thread(self.kube.create, body)
+        except ApiError as exc:
+            if exc.conflict:
+                raise InvalidSession(
+                    f"a session named {meta['name']!r} exists already", field="metadata.name"
+                ) from None
+            if exc.status in (400, 422):
+                raise InvalidSession(f"the API server refused it: {exc}") from None
+            raise
+        uid = made["metadata"].get("uid", "")
+        return await self._wait_ready(meta["namespace"], meta["name"], lambda s: True, uid=uid)
+
+    async def delete(self, name: str, namespace: str = "default") -> None:
+        """Delete it; the API server's garbage collector removes the pod and the rest."""
+        if not await asyncio.to_thread(self.kube.delete, KIND, namespace, name):
+            raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+        self._renewed.pop((namespace, name), None)
+
+    # ---- the kernel ----------------------------------------------------------------------
+
+    async def connection(self, session: KernelSession) -> ConnectionInfo:
+        conn = session.status.get("connection") or {}
+        name = conn.get("secretName") or secret_name(session)
+        secret = await asyncio.to_thread(self.kube.get, "Secret", session.namespace, name)
+        key = key_of(secret)
+        if key is None:
+            raise SessionNotReady(f"session {session.name!r} has no readable key in {name}")
+        if self.settings.kube_connect == "pod-ip":
+            host = session.status.get("podIP")
+        else:
+            host = conn.get("host") or f"{child_name(session)}.{session.namespace}.svc"
+        if not host:
+            raise SessionNotReady(f"session {session.name!r} has no address yet")
+        return ConnectionInfo("tcp", str(host), key)
+
+    async def refresh(self, session: KernelSession, *, restart: bool = True) -> KernelSession:
+        """The session now; with `restart`, wait while the operator (re)starts its kernel,
+        and wake a session suspended for idleness (that is what a use does)."""
+        fresh = await self.get(session.name, session.namespace)
+        phase, reason = fresh.status.get("phase"), fresh.status.get("reason")
+        if phase == "Ready" or not restart:
+            return fresh
+        if phase == "Suspended" and reason == "Idle":
+            await self.record_activity(fresh)
+        elif phase not in ("Pending", "Starting", "Restarting"):
+            return fresh
+        return await self._wait_ready(fresh.namespace, fresh.name, lambda s: True, uid=fresh.uid)
+
+    async def termination(self, session: KernelSession) -> Termination | None:
+        """Why the kernel stopped, once the operator has seen it (None until then)."""
+        fresh = await self.get(session.name, session.namespace)
+        last = fresh.status.get("lastTermination") or {}
+        kernel = session.status.get("kernelId")
+        if kernel and last.get("podUID") == kernel:
+            code = last.get("exitCode")
+            return Termination(
+                str(last.get("reason") or "Error"),
+                code if isinstance(code, int) else None,
+                str(last.get("message") or "the kernel stopped"),
+            )
+        if fresh.status.get("kernelId") != kernel:
+            return Termination("PodMissing", None, "the kernel's pod was replaced")
+        return None
+
+    async def restart_kernel(
+        self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
+    ) -> None:
+        """Ask the operator (through the Lease) for a new kernel pod; wait until it runs."""
+        fresh = await self.get(session.name, session.namespace)
+        kernel = fresh.status.get("kernelId")
+        log.info("restarting the kernel of %s (%s) %s", session.name, reason, message)
+        if kernel:
+            await self._patch_lease(fresh, {"metadata": {"annotations": {RESTART: kernel}}})
+        await self._wait_ready(
+            fresh.namespace, fresh.name, lambda s: s.status.get("kernelId") != kernel, uid=fresh.uid
+        )
+
+    async def record_activity(self, session: KernelSession, *, busy: bool = False) -> None:
+        key = (session.namespace, session.name)
+        now = time.monotonic()
+        last = self._renewed.get(key)
+        if last is not None and last[1] == busy and now - last[0] < self.settings.lease_renew:
+            return
+        self._renewed[key] = (now, busy)
+        patch = {
+            "metadata": {"annotations": {BUSY: "true" if busy else "false"}},
+            "spec": {
+                "holderIdentity": self.identity,
+                "renewTime": _micro_now(),
+                "leaseDurationSeconds": max(1, int(self.settings.lease_renew * BUSY_LEASE)),
+            },
+        }
+        await self._patch_lease(session, patch)
+
+    async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
+        return {}  # the metrics API is not asked: the gateway may not read pods
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    async def _patch_lease(self, session: KernelSession, patch: dict[str, Any]) -> None:
+        try:
+            await asyncio.to_thread(
+                self.kube.patch, "Lease", session.namespace, child_name(session), patch
+            )
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            log.info("no Lease for %s yet: the operator makes it", session.name)
+
+    async def _wait_ready(
+        self, namespace: str, name: str, also: Callable[[KernelSession], bool], *, uid: str
+    ) -> KernelSession:
+        """Wait until the session is Ready (and `also` holds); raise if it fails or goes."""
+        deadline = time.monotonic() + self.settings.kernel_ready_timeout
+        while True:
+            body = await asyncio.to_thread(self.kube.get, KIND, namespace, name)
+            if body is None or (uid and body["metadata"].get("uid") != uid):
+                raise SessionNotFound(f"session {name!r} was deleted")
+            session = self._load(body, namespace)
+            status = session.status
+            generation = body["metadata"].get("generation")
+            current = status.get("observedGeneration") == generation
+            if current and status.get("phase") == "Ready" and also(session):
+                return session
+            if (current and status.get("phase") in ("Failed", "Expired")) or (
+                status.get("phase") == "Suspended" and status.get("reason") != "Idle"
+            ):
+                raise SessionNotReady(
+                    f"session {name!r} is {status.get('phase')}: {status.get('message', '')}"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SessionNotReady(
+                    f"session {name!r} was not Ready within "
+                    f"{self.settings.kernel_ready_timeout:.0f}s: {status.get('phase')}, "
+                    f"{status.get('message', '')}"
+                )
+            rv = str(body["metadata"].get("resourceVersion") or "")
+            await asyncio.to_thread(self._next_change, namespace, name, rv, min(left, WATCH_CHUNK))
+
+    def _next_change(self, namespace: str, name: str, rv: str, timeout: float) -> None:
+        """Block until the session changes after `rv` (or `timeout` passes)."""
+        for _ in self.kube.watch(KIND, namespace, resource_version=rv, name=name, timeout=timeout):
+            return

@@ -1,0 +1,197 @@
+"""End to end on the test cluster, with real kernels.
+
+The API server is the test API (kube_api); the operator is the real one (kopf, in a
+thread); the test kubelet plays the pods the operator makes with Podman; the gateway is
+the real `mcp-forge gateway --kubernetes` (a subprocess), driven over streamable HTTP by
+the official MCP SDK client. It dials kernels at their pod IPs (`MCPFORGE_KUBE_CONNECT=
+pod-ip`): the test has no cluster DNS for the Services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import kubernetes
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import TextContent
+
+from mcp_forge.kube import Kube
+
+from .harness import KS, eventually, running_operator
+from .kubelet import Kubelet
+
+pytestmark = pytest.mark.podman
+
+NS = "sessions"
+GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
+START_DEADLINE = 60.0
+CALL_DEADLINE = 120.0
+STOP_DEADLINE = 30.0
+
+
+@dataclass
+class Gateway:
+    process: asyncio.subprocess.Process
+    url: str
+    token: str
+    log: list[str]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _read(process: asyncio.subprocess.Process, log: list[str], until: str = "") -> bool:
+    assert process.stderr is not None
+    while line := (await process.stderr.readline()).decode():
+        log.append(line)
+        if until and until in line:
+            return True
+    return False
+
+
+@asynccontextmanager
+async def cluster_gateway(kube_api: Any, tokens_file: Path, token: str) -> AsyncIterator[Gateway]:
+    port = free_port()
+    env = {
+        **kube_api.env(),
+        "MCPFORGE_SESSION_NAMESPACE": NS,
+        "MCPFORGE_KUBE_CONNECT": "pod-ip",
+    }
+    process = await asyncio.create_subprocess_exec(
+        *(GATEWAY, "gateway", "--kubernetes", "--http", f"127.0.0.1:{port}"),
+        *("--tokens-file", str(tokens_file)),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    gw = Gateway(process, f"http://127.0.0.1:{port}/mcp", token, [])
+    try:
+        async with asyncio.timeout(START_DEADLINE):
+            if not await _read(process, gw.log, until="MCP over HTTP at"):
+                pytest.fail(f"the gateway exited ({await process.wait()}):\n" + "".join(gw.log))
+        drain = asyncio.create_task(_read(process, gw.log))
+        yield gw
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(STOP_DEADLINE):
+            assert await process.wait() == 0, "".join(gw.log)
+            await drain
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+@asynccontextmanager
+async def connect(gw: Gateway) -> AsyncIterator[Client]:
+    http = httpx2.AsyncClient(
+        headers={"Authorization": f"Bearer {gw.token}"},
+        timeout=httpx2.Timeout(30.0, read=CALL_DEADLINE),
+    )
+    async with (
+        http,
+        Client(
+            streamable_http_client(gw.url, http_client=http), read_timeout_seconds=CALL_DEADLINE
+        ) as c,
+    ):
+        yield c
+
+
+def text(result: Any) -> str:
+    return "\n".join(c.text for c in result.content if isinstance(c, TextContent))
+
+
+@pytest.fixture
+async def kube(kube_api: Any) -> AsyncIterator[Kube]:
+    config = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(str(kube_api.kubeconfig), client_configuration=config)
+    k = Kube(config)
+    yield k
+    k.close()
+
+
+async def test_a_cluster_gateway_runs_code_survives_its_restart_and_deletes(
+    kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
+) -> None:
+    token = secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"agent {token}\n")
+    async with running_operator(kube), Kubelet(kube_api.kubeconfig, [NS]) as kubelet:
+        async with cluster_gateway(kube_api, tokens, token) as gw, connect(gw) as agent:
+            made = await agent.call_tool("create_session", {"variant": "minimal"})
+            assert not made.is_error, text(made)
+            sid = made.structured_content["session_id"]
+            ran = await agent.call_tool("execute_code", {"session_id": sid, "code": "x = 41"})
+            assert not ran.is_error, text(ran)
+        obj = await asyncio.to_thread(kube.get, KS, NS, sid)
+        assert obj is not None, "a cluster gateway leaves its sessions to the cluster"
+        assert obj["status"]["phase"] == "Ready"
+        lease = await asyncio.to_thread(kube.get, "Lease", NS, f"ks-{sid}")
+        assert lease is not None and lease["spec"]["renewTime"], "activity is on the Lease"
+        # A new gateway process, no store: it reattaches to the same kernel.
+        async with cluster_gateway(kube_api, tokens, token) as gw, connect(gw) as agent:
+            listed = await agent.call_tool("list_sessions", {})
+            assert sid in [s["session_id"] for s in listed.structured_content["sessions"]]
+            ran = await agent.call_tool("execute_code", {"session_id": sid, "code": "print(x + 1)"})
+            assert "42" in text(ran), text(ran)
+            # A kernel restart goes through the operator: a new pod, variables gone.
+            restarted = await agent.call_tool("restart_kernel", {"session_id": sid})
+            assert not restarted.is_error, text(restarted)
+            ran = await agent.call_tool(
+                "execute_code", {"session_id": sid, "code": "print('x' in dir())"}
+            )
+            assert "False" in text(ran), text(ran)
+            after = await asyncio.to_thread(kube.get, KS, NS, sid)
+            assert after is not None
+            assert after["status"]["kernelId"] != obj["status"]["kernelId"]
+            assert after["status"]["connection"]["generation"] == 2
+            closed = await agent.call_tool("close_session", {"session_id": sid})
+            assert not closed.is_error, text(closed)
+        await eventually(kube, KS, NS, sid, lambda o: o is None, what="deleted")
+        await eventually(kube, "Pod", NS, f"ks-{sid}", lambda p: p is None, what="pod gone")
+        await kubelet.wait_removed(NS, f"ks-{sid}", timeout=60)
+        assert kubelet.errors == []
+
+
+async def test_a_kernel_killed_on_the_cluster_is_reported_and_restarted(
+    kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
+) -> None:
+    token = secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"agent {token}\n")
+    async with (
+        running_operator(kube),
+        Kubelet(kube_api.kubeconfig, [NS]),
+        cluster_gateway(kube_api, tokens, token) as gw,
+        connect(gw) as agent,
+    ):
+        made = await agent.call_tool("create_session", {"variant": "minimal"})
+        sid = made.structured_content["session_id"]
+        died = await agent.call_tool(
+            "execute_code", {"session_id": sid, "code": "import os; os.kill(os.getpid(), 9)"}
+        )
+        assert "SIGKILL" in text(died), text(died)
+        assert "restarted" in text(died), text(died)
+        ran = await agent.call_tool("execute_code", {"session_id": sid, "code": "print(6 * 7)"})
+        assert "42" in text(ran), text(ran)
+        obj = await asyncio.to_thread(kube.get, KS, NS, sid)
+        assert obj is not None
+        assert obj["status"]["lastTermination"]["exitCode"] == 137
+        assert obj["status"]["restarts"] == 1
+        await agent.call_tool("close_session", {"session_id": sid})
