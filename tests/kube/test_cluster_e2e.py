@@ -195,3 +195,28 @@ async def test_a_kernel_killed_on_the_cluster_is_reported_and_restarted(
         assert obj["status"]["lastTermination"]["exitCode"] == 137
         assert obj["status"]["restarts"] == 1
         await agent.call_tool("close_session", {"session_id": sid})
+
+
+async def test_two_gateway_replicas_serve_the_same_session(
+    kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
+) -> None:
+    token = secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"agent {token}\n")
+    async with (
+        running_operator(kube),
+        Kubelet(kube_api.kubeconfig, [NS]),
+        cluster_gateway(kube_api, tokens, token) as one,
+        cluster_gateway(kube_api, tokens, token) as two,
+        connect(one) as via_one,
+        connect(two) as via_two,
+    ):
+        made = await via_one.call_tool("create_session", {"variant": "minimal"})
+        sid = made.structured_content["session_id"]
+        await via_one.call_tool("execute_code", {"session_id": sid, "code": "y = 'from one'"})
+        ran = await via_two.call_tool("execute_code", {"session_id": sid, "code": "print(y)"})
+        assert "from one" in text(ran), text(ran)
+        closed = await via_two.call_tool("close_session", {"session_id": sid})
+        assert not closed.is_error, text(closed)
+        gone = await via_one.call_tool("execute_code", {"session_id": sid, "code": "1"})
+        assert gone.is_error

@@ -39,6 +39,8 @@ def test_defaults_fill_an_empty_spec() -> None:
     assert typed.memory_bytes == 2**30
     assert typed.cpu_milli == 1000
     assert typed.idle_timeout == 1800
+    assert (typed.operating_mode, typed.idle_action) == ("Running", "Delete")
+    assert (typed.max_lifetime, typed.update_strategy) == (0.0, "OnRestart")
 
 
 def test_the_input_object_is_not_modified() -> None:
@@ -154,3 +156,25 @@ def test_the_crd_carries_the_rules_local_mode_checks_in_code() -> None:
     messages = " ".join(rule["message"] for rule in spec["x-kubernetes-validations"])
     for words in ("at least 64Mi", "at least 50m", "env names must be unique", "reserved"):
         assert words in messages
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"operatingMode": "Suspended"}, "spec.operatingMode"),
+        ({"idleAction": "Suspend"}, "spec.idleAction"),
+        ({"maxLifetime": "8h"}, "spec.maxLifetime"),
+    ],
+)
+async def test_local_mode_refuses_what_only_the_operator_does(
+    tmp_path: Path, spec: dict[str, Any], field: str
+) -> None:
+    from mcp_forge.local import LocalRuntime
+    from mcp_forge.settings import Settings
+
+    runtime = LocalRuntime(Settings(state_dir=tmp_path / "state"))
+    with pytest.raises(InvalidSession) as err:
+        await runtime.apply({**BASE, "spec": spec})
+    assert err.value.field == field
+    assert "local mode" in str(err.value)
+    assert runtime.store.list(None) == [], "nothing stored"
