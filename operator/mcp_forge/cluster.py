@@ -133,6 +133,7 @@ class KubernetesRuntime:
         if phase == "Ready" or not restart:
             return fresh
         if phase == "Suspended" and reason == "Idle":
+            self._renewed.pop((fresh.namespace, fresh.name), None)  # renew now, whatever
             await self.record_activity(fresh)
         elif phase not in ("Pending", "Starting", "Restarting"):
             return fresh

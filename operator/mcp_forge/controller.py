@@ -307,7 +307,11 @@ class Reconciler:
         created = parse_time(body["metadata"].get("creationTimestamp")) or now
         act = _activity(lease, created, now)
         expires = created + spec.max_lifetime if spec.max_lifetime else None
-        idle_for = now - act.last
+        # Idle time counts from the last use, or from when the kernel came up: never while
+        # a kernel starts (a slow pull or a busy node is not idleness).
+        started = parse_time(old.get("startedAt")) or 0.0
+        idle_for = now - max(act.last, started)
+        settled = old.get("phase") in ("Ready", "Suspended", "Failed")
         due: list[float] = []
 
         stop: Observation | None = None
@@ -319,7 +323,7 @@ class Reconciler:
             )
         elif spec.operating_mode == "Suspended":
             stop = Observation("Suspended", "UserRequested", "spec.operatingMode is Suspended")
-        elif spec.idle_timeout and not act.busy and idle_for >= spec.idle_timeout:
+        elif spec.idle_timeout and not act.busy and settled and idle_for >= spec.idle_timeout:
             why = f"no activity for {body['spec']['idleTimeout']}"
             if spec.idle_action == "Delete":
                 log.info("deleting %s/%s: %s", ns, session.name, why)
@@ -329,7 +333,7 @@ class Reconciler:
         if expires is not None and stop is None:
             due.append(expires)
         if spec.idle_timeout and stop is None:
-            due.append(act.last + spec.idle_timeout)
+            due.append(max(act.last, started) + spec.idle_timeout)
         if act.busy and act.busy_until:
             due.append(act.busy_until)
 
@@ -416,7 +420,7 @@ class Reconciler:
             serviceName=child_name(session),
             podName=child_name(session) if pod is not None else None,
             podIP=seen.pod_ip,
-            kernelId=(pod["metadata"].get("uid") if pod is not None else old.get("kernelId")),
+            kernelId=pod["metadata"].get("uid") if pod is not None else None,
             templateHash=(
                 (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH)
                 if pod is not None

@@ -72,7 +72,9 @@ class Gateway:
     async def _session(self, name: str, namespace: str) -> KernelSession:
         session = await self.runtime.get(name, namespace)
         phase = session.status.get("phase")
-        if phase in ("Failed", "Terminating", "Pending"):
+        if phase in ("Failed", "Terminating", "Pending", "Expired") or (
+            phase == "Suspended" and session.status.get("reason") != "Idle"
+        ):
             why = session.status.get("message") or session.status.get("reason") or ""
             raise SessionNotReady(f"session {name!r} is {phase}" + (f": {why}" if why else ""))
         return session
@@ -82,7 +84,8 @@ class Gateway:
         return KernelConnection(info, max_frame=s.frame_max, max_message=s.message_max)
 
     async def _connect(self, handle: _Handle, session: KernelSession) -> KernelConnection:
-        if handle.conn is not None and handle.kernel == _kernel_of(session):
+        current = handle.kernel == _kernel_of(session) and session.status.get("phase") == "Ready"
+        if handle.conn is not None and current:
             return handle.conn
         self._drop(handle)
         session = await self.runtime.refresh(session)

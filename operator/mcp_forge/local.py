@@ -62,12 +62,17 @@ log = logging.getLogger(__name__)
 LABEL_SELECTOR = "app.kubernetes.io/managed-by=mcp-forge"
 # Spec fields that change no pod: applied without touching the kernel. Local mode
 # applies every other change at once (there is no updateStrategy to wait on here).
-_LIVE_FIELDS = ("idleTimeout", "mcpServers", "idleAction", "maxLifetime", "updateStrategy")
-# Cluster-only settings, refused locally with a reason rather than ignored.
-_CLUSTER_ONLY = {
-    ("operatingMode", "Suspended"): "suspending a session",
-    ("idleAction", "Suspend"): "idleAction Suspend",
-}
+_LIVE_FIELDS = (
+    "idleTimeout",
+    "mcpServers",
+    "idleAction",
+    "maxLifetime",
+    "updateStrategy",
+    "operatingMode",
+)
+
+
+_USER_SUSPENDED = ("Suspended", "UserRequested", "spec.operatingMode is Suspended")
 
 
 def now() -> str:
@@ -183,18 +188,6 @@ class LocalRuntime:
                 "bridge could reach each other",
                 field="spec.network.egress",
             )
-        for (field, value), what in _CLUSTER_ONLY.items():
-            if body["spec"][field] == value:
-                raise InvalidSession(
-                    f"{what} is not available in local mode yet (it is on Kubernetes)",
-                    field=f"spec.{field}",
-                )
-        if body["spec"]["maxLifetime"] != "0":
-            raise InvalidSession(
-                "maxLifetime is not available in local mode yet (it is on Kubernetes); "
-                "idleTimeout is",
-                field="spec.maxLifetime",
-            )
         meta = body["metadata"]
         try:
             current = self.store.get(meta["namespace"], meta["name"])
@@ -207,7 +200,10 @@ class LocalRuntime:
             self.store.create(body, new_key())
             session = resource.load(body)
             async with self._locked(session, create=True):
-                await self._realize(session, wait=wait)
+                if session.spec.operating_mode == "Suspended":
+                    await self._stop_locked(session, *_USER_SUSPENDED)
+                else:
+                    await self._realize(session, wait=wait)
             return Applied(
                 await self.get(session.name, session.namespace),
                 "created",
@@ -237,7 +233,10 @@ class LocalRuntime:
                 current["metadata"][k] = meta.get(k) or {}
             self.store.replace(current)
             session = resource.load(current)
-            if needs_pod:
+            phase = session.status.get("phase")
+            if session.spec.operating_mode == "Suspended":
+                await self._stop_locked(session, *_USER_SUSPENDED)
+            elif needs_pod or (phase == "Suspended" and session.status.get("reason") != "Idle"):
                 await self._remove_pod(session)
                 await self._realize(session, wait=wait)
             else:
@@ -609,6 +608,9 @@ class LocalRuntime:
 
     async def _refresh_locked(self, session: KernelSession, *, restart: bool) -> KernelSession:
         phase = session.status.get("phase")
+        if phase == "Suspended" and session.status.get("reason") == "Idle" and restart:
+            await self._realize(session, wait=True)  # used again: it resumes
+            return await self.get(session.name, session.namespace)
         if phase not in ("Ready", "Starting", "Restarting"):
             return session
         term = await self.termination(session)
@@ -674,20 +676,36 @@ class LocalRuntime:
         self._patch(session, lastActivity=now())
 
     async def cull_idle(self) -> builtins.list[str]:
-        """Delete sessions idle past their idleTimeout; return their names."""
+        """Expire sessions past their maxLifetime; delete or suspend (idleAction) those idle
+        past their idleTimeout. Returns their names."""
         culled = []
         for session in await self.list():
-            timeout = session.spec.idle_timeout
-            last = session.status.get("lastActivity") or session.body["metadata"].get(
-                "creationTimestamp"
-            )
-            if timeout <= 0 or not last or time.time() - parse_time(last) < timeout:
+            spec, status = session.spec, session.status
+            if status.get("phase") in ("Suspended", "Expired", "Terminating"):
                 continue
-            log.info(
-                "culling %s/%s: idle for more than %ss", session.namespace, session.name, timeout
-            )
+            created = parse_time(session.body["metadata"]["creationTimestamp"])
+            last = status.get("lastActivity")
+            idle_for = time.time() - (parse_time(last) if last else created)
             try:
-                await self.delete(session.name, session.namespace)
+                if spec.max_lifetime and time.time() >= created + spec.max_lifetime:
+                    lifetime = session.body["spec"]["maxLifetime"]
+                    why = f"the session reached its maxLifetime of {lifetime}"
+                    log.info("expiring %s/%s: %s", session.namespace, session.name, why)
+                    await self._stop(session, "Expired", "Expired", why)
+                elif spec.idle_timeout <= 0 or idle_for < spec.idle_timeout:
+                    continue
+                elif spec.idle_action == "Suspend":
+                    why = f"no activity for {session.body['spec']['idleTimeout']}"
+                    log.info("suspending %s/%s: %s", session.namespace, session.name, why)
+                    await self._stop(session, "Suspended", "Idle", f"{why}; used again, it resumes")
+                else:
+                    log.info(
+                        "culling %s/%s: idle for more than %ss",
+                        session.namespace,
+                        session.name,
+                        spec.idle_timeout,
+                    )
+                    await self.delete(session.name, session.namespace)
             except SessionNotFound:
                 continue
             except ForgeError as exc:
@@ -695,6 +713,26 @@ class LocalRuntime:
                 continue
             culled.append(session.name)
         return culled
+
+    async def _stop(self, session: KernelSession, phase: str, reason: str, message: str) -> None:
+        async with self._locked(session):
+            await self._stop_locked(session, phase, reason, message)
+
+    async def _stop_locked(
+        self, session: KernelSession, phase: str, reason: str, message: str
+    ) -> None:
+        """No kernel, the session kept: Suspended or Expired. Variables are lost."""
+        await self._remove_pod(session)
+        self._patch(
+            session,
+            phase=phase,
+            reason=reason,
+            message=message,
+            kernelId=None,
+            podName=None,
+            suspendedAt=now() if phase == "Suspended" else None,
+            **self._ready_condition(session, False, reason, message),
+        )
 
     def _patch(self, session: KernelSession, **patch: Any) -> None:
         with contextlib.suppress(SessionNotFound):

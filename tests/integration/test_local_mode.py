@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mcp_forge import podman
-from mcp_forge.errors import ImageError, InvalidRequest, SessionNotFound
+from mcp_forge.errors import ImageError, InvalidRequest, SessionNotFound, SessionNotReady
 from mcp_forge.supervisor import supervise_once
 
 pytestmark = pytest.mark.podman
@@ -206,6 +206,68 @@ async def test_idle_sessions_are_culled_and_active_ones_kept(runtime, make_sessi
     with pytest.raises(SessionNotFound):
         await runtime.get(idle)
     assert (await runtime.get(busy)).status["phase"] == "Ready"
+
+
+async def pod_exists(runtime, name: str) -> bool:
+    session = await runtime.get(name)
+    done = await podman.run("pod", "exists", runtime.pod_name(session), check=False)
+    return done.returncode == 0
+
+
+async def test_idle_suspend_keeps_the_session_and_a_use_resumes_it(
+    runtime, gateway, make_session
+) -> None:
+    name = await make_session(idleTimeout="60s", idleAction="Suspend")
+    await gateway.execute(name, "x = 1")
+    runtime.store.patch_status("default", name, {"lastActivity": "2000-01-01T00:00:00Z"})
+    assert await supervise_once(runtime) == [name]
+    session = await runtime.get(name)
+    assert (session.status["phase"], session.status["reason"]) == ("Suspended", "Idle")
+    assert not await pod_exists(runtime, name)
+    assert await supervise_once(runtime) == [], "a suspended session is left alone"
+    # Used again: a new kernel (variables gone), the workspace kept.
+    result = await gateway.execute(name, "print('x' in dir())")
+    assert (result.status, result.stdout) == ("ok", "False\n")
+    assert (await runtime.get(name)).status["phase"] == "Ready"
+
+
+async def test_operating_mode_suspended_removes_the_pod_until_running_again(
+    runtime, gateway, make_session, images
+) -> None:
+    name = await make_session()
+    body = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": name},
+        "spec": {
+            "image": images["minimal"],
+            "resources": {"memory": "512Mi", "cpu": "1"},
+            "operatingMode": "Suspended",
+        },
+    }
+    await runtime.apply(body)
+    session = await runtime.get(name)
+    assert (session.status["phase"], session.status["reason"]) == ("Suspended", "UserRequested")
+    assert not await pod_exists(runtime, name)
+    with pytest.raises(SessionNotReady, match="Suspended"):
+        await gateway.execute(name, "1")
+    body["spec"]["operatingMode"] = "Running"
+    await runtime.apply(body)
+    assert (await gateway.execute(name, "print(6 * 7)")).stdout == "42\n"
+
+
+async def test_max_lifetime_expires_a_session(runtime, gateway, make_session) -> None:
+    name = await make_session(maxLifetime="1h")
+    stored = runtime.store.get("default", name)
+    stored["metadata"]["creationTimestamp"] = "2000-01-01T00:00:00Z"  # not waiting an hour
+    runtime.store.replace(stored)
+    assert await supervise_once(runtime) == [name]
+    session = await runtime.get(name)
+    assert session.status["phase"] == "Expired"
+    assert "maxLifetime of 1h" in session.status["message"]
+    assert not await pod_exists(runtime, name)
+    with pytest.raises(SessionNotReady, match="Expired"):
+        await gateway.execute(name, "1")
 
 
 async def test_delete_leaves_nothing_behind(runtime, make_session) -> None:

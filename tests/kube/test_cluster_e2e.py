@@ -30,7 +30,7 @@ from mcp_types import TextContent
 
 from mcp_forge.kube import Kube
 
-from .harness import KS, eventually, running_operator
+from .harness import KS, eventually, phase, running_operator
 from .kubelet import Kubelet
 
 pytestmark = pytest.mark.podman
@@ -220,3 +220,44 @@ async def test_two_gateway_replicas_serve_the_same_session(
         assert not closed.is_error, text(closed)
         gone = await via_one.call_tool("execute_code", {"session_id": sid, "code": "1"})
         assert gone.is_error
+
+
+async def test_a_declared_session_suspended_for_idleness_resumes_when_used(
+    kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
+) -> None:
+    token = secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"agent {token}\n")
+    declared = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": KS,
+        "metadata": {
+            "name": "declared",
+            "namespace": NS,
+            "annotations": {"mcpforge.dev/clients": "agent"},
+        },
+        "spec": {"image": images["minimal"], "idleTimeout": "3s", "idleAction": "Suspend"},
+    }
+    async with (
+        running_operator(kube),
+        Kubelet(kube_api.kubeconfig, [NS]),
+        cluster_gateway(kube_api, tokens, token) as gw,
+        connect(gw) as agent,
+    ):
+        await asyncio.to_thread(kube.create, declared)
+        await eventually(kube, KS, NS, "declared", lambda o: phase(o) == "Ready", timeout=60)
+        ran = await agent.call_tool("execute_code", {"session_id": "declared", "code": "x = 1"})
+        assert not ran.is_error, text(ran)
+        asleep = await eventually(
+            kube, KS, NS, "declared", lambda o: phase(o) == "Suspended", timeout=60
+        )
+        assert asleep is not None and asleep["status"]["reason"] == "Idle"
+        ran = await agent.call_tool(
+            "execute_code", {"session_id": "declared", "code": "print('x' in dir())"}
+        )
+        assert not ran.is_error and "False" in text(ran), text(ran)
+        awake = await asyncio.to_thread(kube.get, KS, NS, "declared")
+        assert phase(awake) == "Ready"
+        closed = await agent.call_tool("close_session", {"session_id": "declared"})
+        assert closed.is_error, "agents cannot close a declared session"
+        await asyncio.to_thread(kube.delete, KS, NS, "declared")

@@ -156,25 +156,3 @@ def test_the_crd_carries_the_rules_local_mode_checks_in_code() -> None:
     messages = " ".join(rule["message"] for rule in spec["x-kubernetes-validations"])
     for words in ("at least 64Mi", "at least 50m", "env names must be unique", "reserved"):
         assert words in messages
-
-
-@pytest.mark.parametrize(
-    ("spec", "field"),
-    [
-        ({"operatingMode": "Suspended"}, "spec.operatingMode"),
-        ({"idleAction": "Suspend"}, "spec.idleAction"),
-        ({"maxLifetime": "8h"}, "spec.maxLifetime"),
-    ],
-)
-async def test_local_mode_refuses_what_only_the_operator_does(
-    tmp_path: Path, spec: dict[str, Any], field: str
-) -> None:
-    from mcp_forge.local import LocalRuntime
-    from mcp_forge.settings import Settings
-
-    runtime = LocalRuntime(Settings(state_dir=tmp_path / "state"))
-    with pytest.raises(InvalidSession) as err:
-        await runtime.apply({**BASE, "spec": spec})
-    assert err.value.field == field
-    assert "local mode" in str(err.value)
-    assert runtime.store.list(None) == [], "nothing stored"
