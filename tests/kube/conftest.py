@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,9 @@ class KubeAPI:
 
 
 def declare_resources(emulator: Emulator, crd: dict[str, Any]) -> None:
-    emulator.resources.load_bundled()
+    with warnings.catch_warnings():  # kmock 0.8 uses the deprecated importlib.resources API
+        warnings.simplefilter("ignore", DeprecationWarning)
+        emulator.resources.load_bundled()
     names, spec = crd["spec"]["names"], crd["spec"]
     for version in spec["versions"]:
         emulator.resources[f"{spec['group']}/{version['name']}/{names['plural']}"] = (
