@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import concurrent.futures
+import contextlib
 import datetime as dt
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -21,7 +24,7 @@ from typing import Any
 from . import resource
 from .connection import ConnectionInfo
 from .errors import InvalidSession, SessionNotFound, SessionNotReady
-from .kube import BUSY, RESTART, ApiError, Kube, key_of
+from .kube import BUSY_PREFIX, RESTART, ApiError, Kube, key_of
 from .render import child_name, secret_name
 from .resource import KernelSession
 from .runtime import Termination
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 KIND = "KernelSession"
 DEFAULT_NAMESPACE = "mcp-forge-sessions"
 WATCH_CHUNK = 5.0  # a watch thread outlives a cancelled wait by at most this
+WATCHERS = 16  # waits at once
 BUSY_LEASE = 3  # a busy mark lasts this many renew intervals unless renewed
 
 
@@ -51,10 +55,17 @@ class KubernetesRuntime:
             )
         self.kube = kube or Kube()
         self.namespace = self.settings.session_namespace or DEFAULT_NAMESPACE
-        self.identity = os.environ.get("POD_NAME") or socket.gethostname()
+        # Who marks a session busy: this process (two replicas, or two gateways on one host,
+        # must not clear each other's marks). An annotation name: <= 63 of [A-Za-z0-9-_.].
+        who = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+        self.identity = re.sub(r"[^A-Za-z0-9_.-]", "-", who)[:63].strip("-_.") or "gateway"
         self._renewed: dict[tuple[str, str], tuple[float, bool]] = {}
+        # Waits block a thread on a watch: their own threads, so a burst of creates never
+        # starves the other API calls (which use the default executor).
+        self._watchers = concurrent.futures.ThreadPoolExecutor(WATCHERS, "mcp-forge-watch")
 
     def close(self) -> None:
+        self._watchers.shutdown(wait=False, cancel_futures=True)
         self.kube.close()
 
     # ---- reading -------------------------------------------------------------------------
@@ -68,6 +79,7 @@ class KubernetesRuntime:
     async def get(self, name: str, namespace: str = "default") -> KernelSession:
         body = await asyncio.to_thread(self.kube.get, KIND, namespace, name)
         if body is None:
+            self._renewed.pop((namespace, name), None)
             raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
         return self._load(body, namespace)
 
@@ -100,7 +112,16 @@ class KubernetesRuntime:
                 raise InvalidSession(f"the API server refused it: {exc}") from None
             raise
         uid = made["metadata"].get("uid", "")
-        return await self._wait_ready(meta["namespace"], meta["name"], lambda s: True, uid=uid)
+        try:
+            return await self._wait_ready(meta["namespace"], meta["name"], lambda s: True, uid=uid)
+        except BaseException:
+            # The caller gets the error and no session: do not leave a half-made one
+            # counting against its quota.
+            with contextlib.suppress(ApiError):
+                await asyncio.to_thread(
+                    self.kube.delete, KIND, meta["namespace"], meta["name"], uid=uid
+                )
+            raise
 
     async def delete(self, name: str, namespace: str = "default") -> None:
         """Delete it; the API server's garbage collector removes the pod and the rest."""
@@ -175,8 +196,12 @@ class KubernetesRuntime:
         if last is not None and last[1] == busy and now - last[0] < self.settings.lease_renew:
             return
         self._renewed[key] = (now, busy)
+        until = None
+        if busy:  # renewed while the code runs; lapses by itself if this gateway goes away
+            expiry = time.time() + self.settings.lease_renew * BUSY_LEASE
+            until = dt.datetime.fromtimestamp(expiry, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         patch = {
-            "metadata": {"annotations": {BUSY: "true" if busy else "false"}},
+            "metadata": {"annotations": {BUSY_PREFIX + self.identity: until}},
             "spec": {
                 "holderIdentity": self.identity,
                 "renewTime": _micro_now(),
@@ -228,10 +253,30 @@ class KubernetesRuntime:
                     f"{self.settings.kernel_ready_timeout:.0f}s: {status.get('phase')}, "
                     f"{status.get('message', '')}"
                 )
-            rv = str(body["metadata"].get("resourceVersion") or "")
-            await asyncio.to_thread(self._next_change, namespace, name, rv, min(left, WATCH_CHUNK))
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                self._watchers, self._next_change, namespace, name, body, min(left, WATCH_CHUNK)
+            )
 
-    def _next_change(self, namespace: str, name: str, rv: str, timeout: float) -> None:
-        """Block until the session changes after `rv` (or `timeout` passes)."""
-        for _ in self.kube.watch(KIND, namespace, resource_version=rv, name=name, timeout=timeout):
+    def _next_change(self, namespace: str, name: str, seen: dict[str, Any], timeout: float) -> None:
+        """Block until the session may differ from `seen` (or `timeout` passes).
+
+        The watch starts at the list's resourceVersion (an object's own may be too old
+        for the API server to replay from: 410 Gone); a change between the two reads is
+        caught by comparing.
+        """
+        listed = self.kube.list(KIND, namespace, fields={"metadata.name": name})
+        items = listed.get("items") or []
+        if not items or items[0]["metadata"].get("resourceVersion") != seen["metadata"].get(
+            "resourceVersion"
+        ):
             return
+        rv = str(listed["metadata"].get("resourceVersion") or "")
+        try:
+            for _ in self.kube.watch(
+                KIND, namespace, resource_version=rv, name=name, timeout=timeout
+            ):
+                return
+        except ApiError as exc:
+            if exc.status != 410:
+                raise

@@ -29,7 +29,7 @@ import kopf
 from . import resource
 from .connection import PORTS, ConnectionInfo, new_key
 from .errors import InvalidSession
-from .kube import BUSY, RESTART, ApiError, Kube, key_of, parse_time
+from .kube import BUSY_PREFIX, RESTART, ApiError, Kube, key_of, parse_time
 from .observe import Observation, observe, ready_condition
 from .render import (
     LABEL_COMPONENT,
@@ -56,6 +56,11 @@ STARTING_RECHECK = 15.0  # a pod not Ready after this is looked at again, events
 BACKOFF_MAX = 60.0
 LAST_ACTIVITY_STEP = 30.0  # status.lastActivity mirrors the Lease to this resolution
 WORKERS = 16  # reconciles running at once
+QUICK_DEATH = 10.0  # a kernel that dies sooner after starting is crash-looping
+CRASH_BACKOFF = 5.0  # ... and is started again after this, doubling per death
+CRASH_BACKOFF_MAX = 300.0
+BUSY_MAX = 600.0  # a busy mark counts for at most this long ahead
+START_GRACE = 120.0  # a starting pod is not idle for this long
 
 Key = tuple[str, str]
 
@@ -131,13 +136,34 @@ class Activity:
 
 
 def _activity(lease: dict[str, Any], created: float, now: float) -> Activity:
+    """What gateways wrote on the Lease, bounded: a time in the future counts as now."""
     spec = lease.get("spec") or {}
     notes = (lease.get("metadata") or {}).get("annotations") or {}
-    renewed = parse_time(spec.get("renewTime")) or 0.0
-    duration = spec.get("leaseDurationSeconds")
-    until = renewed + duration if isinstance(duration, int) else None
-    busy = notes.get(BUSY) == "true" and until is not None and until > now
+    renewed = min(now, parse_time(spec.get("renewTime")) or 0.0)
+    marks = [parse_time(v) for k, v in notes.items() if k.startswith(BUSY_PREFIX)]
+    until = max((min(t, now + BUSY_MAX) for t in marks if t), default=None)
+    busy = until is not None and until > now
     return Activity(max(created, renewed), busy, str(notes.get(RESTART) or ""), until)
+
+
+def _lifetime(pod: dict[str, Any]) -> float | None:
+    """How long the pod's kernel ran before it stopped, if the kubelet says."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        ended = (status.get("state") or {}).get("terminated") or {}
+        start, end = parse_time(ended.get("startedAt")), parse_time(ended.get("finishedAt"))
+        if start is not None and end is not None:
+            return end - start
+    return None
+
+
+def _differs(current: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Whether a child's spec lacks what we want (an API server adds fields of its own,
+    and drops empty lists such as a NetworkPolicy's `egress: []`)."""
+    empty: tuple[Any, ...] = ([], {}, None)
+    return any(
+        not (v in empty and current.get(k) in empty) and current.get(k) != v
+        for k, v in want.items()
+    )
 
 
 class Reconciler:
@@ -263,10 +289,44 @@ class Reconciler:
         )
         return status
 
+    def _owned(self, obj: dict[str, Any] | None, session: KernelSession) -> dict[str, Any] | None:
+        """`obj` if it belongs to this session; an earlier session's leftover is deleted.
+
+        Without a finalizer a KernelSession is gone at once while the garbage collector
+        removes its children later: a new session of the same name must not take over
+        the old one's key, or its running kernel.
+        """
+        if obj is None or not session.uid:
+            return obj
+        refs = obj["metadata"].get("ownerReferences") or []
+        if any(r.get("uid") == session.uid and r.get("controller") for r in refs):
+            return obj
+        meta = obj["metadata"]
+        log.info(
+            "removing %s %s/%s, left by an earlier session of that name",
+            obj.get("kind"),
+            meta.get("namespace"),
+            meta.get("name"),
+        )
+        self.kube.delete(obj["kind"], meta["namespace"], meta["name"], uid=meta.get("uid", ""))
+        return None
+
+    def _ensure(self, want: dict[str, Any], session: KernelSession) -> dict[str, Any]:
+        meta = want["metadata"]
+        current = self._owned(self.kube.get(want["kind"], meta["namespace"], meta["name"]), session)
+        if current is not None:
+            return current
+        made, _ = self.kube.ensure(want)
+        if self._owned(made, session) is None:  # the old one is still on its way out
+            raise ApiError(
+                409, "Conflict", f"an earlier {want['kind']} {meta['name']} is being removed"
+            )
+        return made
+
     def _children(self, session: KernelSession) -> tuple[dict[str, Any], str]:
         """Make Secret, Service, NetworkPolicy and Lease right; the Pod as it should be."""
         ns = session.namespace
-        secret = self.kube.get("Secret", ns, secret_name(session))
+        secret = self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
         key = key_of(secret) or new_key()
         host = f"{child_name(session)}.{ns}.svc"
         rendered = render_kubernetes(
@@ -277,17 +337,14 @@ class Reconciler:
         )
         want_secret, service, policy, pod = rendered
         if secret is None:
-            self.kube.ensure(want_secret)
+            self._ensure(want_secret, session)
         elif key_of(secret) is None:  # unreadable: a kernel cannot start with it
             self.kube.patch(
                 "Secret", ns, secret_name(session), {"stringData": want_secret["stringData"]}
             )
         for child in (service, policy):
-            current, created = self.kube.ensure(child)
-            if not created and current.get("spec", {}) != {
-                **current.get("spec", {}),
-                **child["spec"],
-            }:
+            current = self._ensure(child, session)
+            if _differs(current.get("spec") or {}, child["spec"]):
                 self.kube.patch(
                     child["kind"], ns, child["metadata"]["name"], {"spec": child["spec"]}
                 )
@@ -303,15 +360,19 @@ class Reconciler:
     ) -> Outcome:
         ns, spec = session.namespace, session.spec
         want_pod, host = self._children(session)
-        lease, _ = self.kube.ensure(render_lease(session))
+        lease = self._ensure(render_lease(session), session)
         created = parse_time(body["metadata"].get("creationTimestamp")) or now
         act = _activity(lease, created, now)
         expires = created + spec.max_lifetime if spec.max_lifetime else None
-        # Idle time counts from the last use, or from when the kernel came up: never while
-        # a kernel starts (a slow pull or a busy node is not idleness).
-        started = parse_time(old.get("startedAt")) or 0.0
-        idle_for = now - max(act.last, started)
-        settled = old.get("phase") in ("Ready", "Suspended", "Failed")
+        pod = self._owned(self.kube.get("Pod", ns, child_name(session)), session)
+        # Idle time counts from the last use, or from when the current kernel came up,
+        # whichever is later; a pod still starting gets START_GRACE more (a slow pull or a
+        # busy node is not idleness, but a pod that never starts is culled in the end).
+        floor = max(act.last, parse_time(old.get("startedAt")) or 0.0)
+        if pod is not None and old.get("phase") in (None, "Pending", "Starting", "Restarting"):
+            made = parse_time(pod["metadata"].get("creationTimestamp")) or now
+            floor = max(floor, made + START_GRACE)
+        idle_for = now - floor
         due: list[float] = []
 
         stop: Observation | None = None
@@ -323,7 +384,7 @@ class Reconciler:
             )
         elif spec.operating_mode == "Suspended":
             stop = Observation("Suspended", "UserRequested", "spec.operatingMode is Suspended")
-        elif spec.idle_timeout and not act.busy and settled and idle_for >= spec.idle_timeout:
+        elif spec.idle_timeout and not act.busy and idle_for >= spec.idle_timeout:
             why = f"no activity for {body['spec']['idleTimeout']}"
             if spec.idle_action == "Delete":
                 log.info("deleting %s/%s: %s", ns, session.name, why)
@@ -333,14 +394,13 @@ class Reconciler:
         if expires is not None and stop is None:
             due.append(expires)
         if spec.idle_timeout and stop is None:
-            due.append(max(act.last, started) + spec.idle_timeout)
+            due.append(floor + spec.idle_timeout)
         if act.busy and act.busy_until:
             due.append(act.busy_until)
 
         status = dict(old)
         conn = dict(old.get("connection") or {})
         kernel_gen = int(conn.get("generation") or 0)
-        pod = self.kube.get("Pod", ns, child_name(session))
         pending: tuple[str, str] | None = None
         if stop is not None:
             if pod is not None and not pod["metadata"].get("deletionTimestamp"):
@@ -371,29 +431,52 @@ class Reconciler:
                 term = seen.termination
                 last = old.get("lastTermination") or {}
                 if last.get("podUID") != uid:
+                    lived = _lifetime(pod)
+                    quick = term.exit_code != 0 and lived is not None and lived < QUICK_DEATH
                     log.info("kernel of %s/%s died: %s", ns, session.name, term.message)
-                    status["lastTermination"] = {
+                    last = {
                         "reason": term.reason,
                         "exitCode": term.exit_code,
                         "message": term.message,
                         "at": stamp(now),
                         "podUID": uid,
+                        "quickDeaths": int(last.get("quickDeaths") or 0) + 1 if quick else 0,
                     }
-                # An exit 0 is a restart a gateway asked for (or the user's exit()).
-                again = spec.restart_policy == "Always" or term.exit_code == 0
-                if again and not deleting:
-                    self.kube.delete("Pod", ns, child_name(session), grace=0, uid=uid)
+                    status["lastTermination"] = last
+                # An exit 0 is a restart a gateway asked for (or the user's exit()); a pod
+                # for an older spec is replaced whatever restartPolicy says.
+                again = spec.restart_policy == "Always" or term.exit_code == 0 or outdated
+                quick_deaths = int(last.get("quickDeaths") or 0)
+                wait_until = (parse_time(last.get("at")) or now) + (
+                    min(CRASH_BACKOFF_MAX, CRASH_BACKOFF * 2 ** (quick_deaths - 1))
+                    if quick_deaths
+                    else 0.0
+                )
+                if again and not deleting and now < wait_until:
+                    seen = Observation(
+                        "Restarting",
+                        "CrashLoopBackOff",
+                        f"{term.message}; it died {quick_deaths} time(s) in a row within "
+                        f"{QUICK_DEATH:.0f}s of starting, next start in "
+                        f"{wait_until - now:.0f}s",
+                        term,
+                    )
+                    due.append(wait_until)
+                elif again and not deleting:
+                    self.kube.delete("Pod", ns, child_name(session), uid=uid)
                     seen = Observation("Restarting", term.reason, term.message, term)
             elif deleting:
                 seen = Observation(
                     "Restarting", "PodTerminating", "the kernel's pod is being deleted"
                 )
             elif act.restart and act.restart == uid:
-                self.kube.delete("Pod", ns, child_name(session), grace=0, uid=uid)
+                self.kube.delete("Pod", ns, child_name(session), uid=uid)
                 seen = Observation(
                     "Restarting", "RestartRequested", "a gateway restarts the kernel"
                 )
-            elif outdated and spec.update_strategy == "Recreate" and not act.busy:
+            elif outdated and (
+                not seen.ready or (spec.update_strategy == "Recreate" and not act.busy)
+            ):  # no kernel to keep (not started, stuck), or one Recreate may replace
                 self.kube.delete("Pod", ns, child_name(session), uid=uid)
                 seen = Observation(
                     "Restarting", "Updating", "the kernel's pod is replaced for a new spec"

@@ -21,7 +21,13 @@ from typing import Any
 import anyio
 
 from . import introspection
-from .errors import ForgeError, InvalidRequest, KernelProtocolError, SessionNotReady
+from .errors import (
+    ForgeError,
+    InvalidRequest,
+    KernelProtocolError,
+    SessionNotFound,
+    SessionNotReady,
+)
 from .execution import Collector, ExecutionResult
 from .kernel import KernelConnection
 from .resource import KernelSession
@@ -64,13 +70,29 @@ class Gateway:
         key = (session.namespace, session.name, session.uid)
         return self._handles.setdefault(key, _Handle())
 
+    def _forget(self, namespace: str, name: str, *, keep: str | None = None) -> None:
+        """Drop connections to incarnations of this session other than `keep`.
+
+        Only an idle one: a handle whose lock is held is in use by a call in flight.
+        """
+        for key in [k for k in self._handles if k[:2] == (namespace, name) and k[2] != keep]:
+            handle = self._handles[key]
+            if not handle.lock.locked():
+                self._drop(handle)
+                del self._handles[key]
+
     async def close(self) -> None:
         for handle in self._handles.values():
             self._drop(handle)
         self._handles.clear()
 
     async def _session(self, name: str, namespace: str) -> KernelSession:
-        session = await self.runtime.get(name, namespace)
+        try:
+            session = await self.runtime.get(name, namespace)
+        except SessionNotFound:
+            self._forget(namespace, name)  # deleted elsewhere: close what we held
+            raise
+        self._forget(namespace, name, keep=session.uid)
         phase = session.status.get("phase")
         if phase in ("Failed", "Terminating", "Pending", "Expired") or (
             phase == "Suspended" and session.status.get("reason") != "Idle"

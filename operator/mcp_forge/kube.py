@@ -42,7 +42,7 @@ BODY_MAX = 64_000_000  # one list of 200 sessions is ~1 MB; refuse a runaway ans
 
 
 # Set on a session's activity Lease by a gateway, read by the operator.
-BUSY = "mcpforge.dev/busy"  # "true" while it runs code in the kernel
+BUSY_PREFIX = "busy.mcpforge.dev/"  # + its identity: until when it runs code in the kernel
 RESTART = "mcpforge.dev/restart"  # the kernelId (pod uid) it wants restarted
 
 
@@ -193,12 +193,19 @@ class Kube:
         return obj
 
     def list(
-        self, kind: str, namespace: str, *, labels: dict[str, str] | None = None
+        self,
+        kind: str,
+        namespace: str,
+        *,
+        labels: dict[str, str] | None = None,
+        fields: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """The list object (items and metadata.resourceVersion)."""
         query = []
         if labels:
             query.append(("labelSelector", ",".join(f"{k}={v}" for k, v in labels.items())))
+        if fields:
+            query.append(("fieldSelector", ",".join(f"{k}={v}" for k, v in fields.items())))
         result: dict[str, Any] = self._call("GET", self.path(kind, namespace), query=query)
         return result
 

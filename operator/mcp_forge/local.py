@@ -236,7 +236,11 @@ class LocalRuntime:
             phase = session.status.get("phase")
             if session.spec.operating_mode == "Suspended":
                 await self._stop_locked(session, *_USER_SUSPENDED)
-            elif needs_pod or (phase == "Suspended" and session.status.get("reason") != "Idle"):
+            elif (
+                needs_pod
+                or phase == "Expired"  # a longer maxLifetime, or a changed spec: a new start
+                or (phase == "Suspended" and session.status.get("reason") != "Idle")
+            ):
                 await self._remove_pod(session)
                 await self._realize(session, wait=wait)
             else:

@@ -86,7 +86,6 @@ def _owner(session: KernelSession) -> list[dict[str, Any]]:
             "name": session.name,
             "uid": session.uid,
             "controller": True,
-            "blockOwnerDeletion": True,
         }
     ]
 

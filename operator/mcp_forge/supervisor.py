@@ -35,10 +35,13 @@ async def supervise_once(runtime: LocalRuntime) -> list[str]:
             except ForgeError as exc:
                 log.warning("could not refresh %s: %s", session.name, exc)
 
+    # Suspended and Expired sessions have no kernel on purpose: nothing to make true
+    # (a refresh would resume an idle-suspended one).
     stale = [
         s
         for s in await runtime.list()
-        if s.status.get("phase") != "Ready" or runtime.container_name(s) not in running
+        if s.status.get("phase") not in ("Suspended", "Expired")
+        and (s.status.get("phase") != "Ready" or runtime.container_name(s) not in running)
     ]
     async with asyncio.TaskGroup() as group:
         for session in stale:

@@ -225,6 +225,8 @@ async def test_idle_suspend_keeps_the_session_and_a_use_resumes_it(
     assert (session.status["phase"], session.status["reason"]) == ("Suspended", "Idle")
     assert not await pod_exists(runtime, name)
     assert await supervise_once(runtime) == [], "a suspended session is left alone"
+    assert not await pod_exists(runtime, name), "housekeeping does not resume it"
+    assert (await runtime.get(name)).status["phase"] == "Suspended"
     # Used again: a new kernel (variables gone), the workspace kept.
     result = await gateway.execute(name, "print('x' in dir())")
     assert (result.status, result.stdout) == ("ok", "False\n")
@@ -268,6 +270,11 @@ async def test_max_lifetime_expires_a_session(runtime, gateway, make_session) ->
     assert not await pod_exists(runtime, name)
     with pytest.raises(SessionNotReady, match="Expired"):
         await gateway.execute(name, "1")
+    # A longer lifetime brings it back.
+    body = {k: stored[k] for k in ("apiVersion", "kind", "metadata", "spec")}
+    body["spec"] = {**body["spec"], "maxLifetime": "999999h"}
+    await runtime.apply(body)
+    assert (await gateway.execute(name, "print(6 * 7)")).stdout == "42\n"
 
 
 async def test_delete_leaves_nothing_behind(runtime, make_session) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from mcp_forge.kube import BUSY, RESTART, Kube
+from mcp_forge.kube import BUSY_PREFIX, RESTART, Kube
 
 from .harness import (
     KS,
@@ -213,14 +213,15 @@ async def test_recreate_strategy_waits_while_the_kernel_is_busy(kube: Kube, oper
     await create(kube, "eps", updateStrategy="Recreate")
     first = await ready(kube, "eps")
     now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+    far = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 300))
     await asyncio.to_thread(
         kube.patch,
         "Lease",
         NS,
         "ks-eps",
         {
-            "metadata": {"annotations": {BUSY: "true"}},
-            "spec": {"renewTime": now, "leaseDurationSeconds": 300, "holderIdentity": "t"},
+            "metadata": {"annotations": {BUSY_PREFIX + "gw-1": far, BUSY_PREFIX + "gw-2": None}},
+            "spec": {"renewTime": now, "holderIdentity": "gw-1"},
         },
     )
     await asyncio.to_thread(kube.patch, KS, NS, "eps", {"spec": {"env": [{"name": "A"}]}})
@@ -229,7 +230,11 @@ async def test_recreate_strategy_waits_while_the_kernel_is_busy(kube: Kube, oper
     )
     assert obj is not None and obj["status"]["kernelId"] == first["status"]["kernelId"]
     await asyncio.to_thread(
-        kube.patch, "Lease", NS, "ks-eps", {"metadata": {"annotations": {BUSY: "false"}}}
+        kube.patch,
+        "Lease",
+        NS,
+        "ks-eps",
+        {"metadata": {"annotations": {BUSY_PREFIX + "gw-1": None}}},
     )
     pod = await eventually(
         kube,
@@ -358,3 +363,109 @@ async def test_an_operator_restart_resumes_without_duplicates(kube_api: Any, kub
     assert after is not None and key_in(after) == key_in(secret)
     if emulator is not None:
         assert len(emulator["post", emulator.resource("v1/pods")]) == posts_before
+
+
+async def test_a_new_session_never_takes_over_an_earlier_ones_children(
+    kube: Kube, operator: Any
+) -> None:
+    # An earlier "again" whose children the garbage collector has not removed yet: they
+    # name an owner that still exists (here a stand-in), so they are not collected.
+    ghost = await asyncio.to_thread(
+        kube.create,
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "ghost", "namespace": NS}},
+    )
+    owner = [
+        {
+            "apiVersion": "mcpforge.dev/v1alpha1",
+            "kind": KS,
+            "name": "again",
+            "uid": ghost["metadata"]["uid"],
+            "controller": True,
+        }
+    ]
+    stale_key = "0" * 64
+    await asyncio.to_thread(
+        kube.create,
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "ks-again-conn", "namespace": NS, "ownerReferences": owner},
+            "stringData": {"connection.json": json.dumps({"key": stale_key})},
+        },
+    )
+    made = await create(kube, "again")
+    obj = await ready(kube, "again")
+    secret = await asyncio.to_thread(kube.get, "Secret", NS, "ks-again-conn")
+    assert secret is not None and key_in(secret) != stale_key, "the old key is not reused"
+    (ref,) = secret["metadata"]["ownerReferences"]
+    assert ref["uid"] == made["metadata"]["uid"]
+    assert obj["status"]["connection"]["generation"] == 1
+
+
+async def test_a_kernel_that_keeps_dying_at_start_is_restarted_with_backoff(
+    kube: Kube, operator: Any
+) -> None:
+    await create(kube, "loop")
+    first = await ready(kube, "loop")
+    died = terminated_status(1, "Error")
+    died["containerStatuses"][0]["state"]["terminated"].update(
+        startedAt="2026-11-29T20:00:00Z", finishedAt="2026-11-29T20:00:01Z"
+    )
+    await play_pod(kube, "loop", died)
+    obj = await eventually(
+        kube,
+        KS,
+        NS,
+        "loop",
+        lambda o: (o or {}).get("status", {}).get("reason") == "CrashLoopBackOff",
+    )
+    assert obj is not None
+    assert obj["status"]["lastTermination"]["quickDeaths"] == 1
+    assert "next start in" in obj["status"]["message"]
+    pod = await asyncio.to_thread(kube.get, "Pod", NS, "ks-loop")
+    assert pod is not None and pod["metadata"]["uid"] == first["status"]["kernelId"], "not yet"
+    # After the backoff (5 s for a first quick death) a new pod comes.
+    pod = await eventually(
+        kube,
+        "Pod",
+        NS,
+        "ks-loop",
+        lambda p: p is not None and p["metadata"]["uid"] != first["status"]["kernelId"],
+        timeout=20,
+        what="recreated after the backoff",
+    )
+    assert pod is not None
+
+
+async def test_a_pod_that_never_ran_takes_a_fixed_spec_at_once(kube: Kube, operator: Any) -> None:
+    await create(kube, "typo", image="localhost/no-such-image:1")
+    pod = await eventually(kube, "Pod", NS, "ks-typo", lambda p: p is not None)
+    assert pod is not None
+    waiting = {
+        "phase": "Pending",
+        "containerStatuses": [
+            {
+                "name": "kernel",
+                "ready": False,
+                "restartCount": 0,
+                "image": "x",
+                "imageID": "",
+                "state": {"waiting": {"reason": "ErrImagePull", "message": "no such image"}},
+            }
+        ],
+    }
+    await play_pod(kube, "typo", waiting)
+    await eventually(kube, KS, NS, "typo", lambda o: phase(o) == "Failed")
+    await asyncio.to_thread(
+        kube.patch, KS, NS, "typo", {"spec": {"image": "localhost/mcp-forge-kernel:0.1.0"}}
+    )
+    fixed = await eventually(
+        kube,
+        "Pod",
+        NS,
+        "ks-typo",
+        lambda p: p is not None and p["metadata"]["uid"] != pod["metadata"]["uid"],
+        what="replaced although updateStrategy is OnRestart",
+    )
+    assert fixed is not None
+    assert fixed["spec"]["containers"][0]["image"] == "localhost/mcp-forge-kernel:0.1.0"
