@@ -362,6 +362,13 @@ def _endpoint(value: str) -> tuple[str, int]:
     help="Extra allowed Host header, e.g. gw.example:8765 (repeatable).",
 )
 @click.option(
+    "--mcp-config",
+    "mcp_config",
+    default=None,
+    metavar="FILE",
+    help='Code mode: upstream MCP servers ({"mcpServers": {...}}) kernel code may call.',
+)
+@click.option(
     "--kubernetes",
     is_flag=True,
     help="Cluster mode: sessions are KernelSessions in the API, realized by the operator.",
@@ -379,6 +386,7 @@ def gateway(
     tokens_file: str | None,
     allow_origin: tuple[str, ...],
     allow_host: tuple[str, ...],
+    mcp_config: str | None,
     kubernetes: bool,
     cull_interval: float,
 ) -> None:
@@ -397,6 +405,7 @@ def gateway(
     from .sessions import SessionService
     from .supervisor import supervise
     from .tokens import load as load_tokens
+    from .upstream import Upstream, UpstreamError, load_config
 
     def say(message: str) -> None:
         click.echo(message, err=True)
@@ -411,7 +420,21 @@ def gateway(
         else:
             runtime = _local()
             service = SessionService(runtime, runtime.settings)
-        gw = Gateway(runtime, runtime.settings)
+        upstreams: dict[str, Upstream] = {}
+        if mcp_config is not None:
+            upstreams = {n: Upstream(c) for n, c in load_config(mcp_config).items()}
+            service.mcp_servers = set(upstreams)
+        gw = Gateway(runtime, runtime.settings, upstreams=upstreams)
+
+        async def connect_upstreams() -> None:
+            for name, upstream in upstreams.items():
+                try:
+                    await upstream.connect()
+                    say(f"upstream MCP server {name}: {len(upstream.tools)} tools")
+                except UpstreamError as exc:
+                    say(f"upstream MCP server {name}: {exc} (tried again when used)")
+
+        upstart = asyncio.ensure_future(connect_upstreams())
         server = build_server(service, gw, transport="stdio" if http is None else "http")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -452,6 +475,7 @@ def gateway(
             await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             ended.cancel()
+            upstart.cancel()
             stop.set()
             housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -464,6 +488,7 @@ def gateway(
                 deleted = await service.cleanup()
                 await gw.close()
                 say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
+            await asyncio.gather(*(u.close() for u in upstreams.values()))
             if not serving.done():  # stdio, ended by a signal: its reader thread never returns
                 sys.stderr.flush()
                 os._exit(0)

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from . import resource
-from .connection import ConnectionInfo
+from .bridge import Address
+from .connection import BRIDGE_PORT, ConnectionInfo
 from .errors import InvalidSession, SessionNotFound, SessionNotReady
 from .kube import BUSY_PREFIX, RESTART, ApiError, Kube, key_of
 from .render import child_name, secret_name
@@ -209,6 +210,11 @@ class KubernetesRuntime:
             },
         }
         await self._patch_lease(session, patch)
+
+    async def bridge_address(self, session: KernelSession) -> tuple[tuple[str | int, ...], Address]:
+        """TCP 5560 of the kernel's pod, reached as the Jupyter channels are."""
+        info = await self.connection(session)
+        return ("tcp", "0.0.0.0", BRIDGE_PORT), Address("tcp", host=info.host, port=BRIDGE_PORT)
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return {}  # the metrics API is not asked: the gateway may not read pods

@@ -22,6 +22,13 @@ PORTS: dict[str, int] = {
     "hb": 5559,
 }
 
+# Code mode's bridge (docs/bridge.md): the kernel listens, the gateway dials, as for the
+# five channels. TCP on a cluster; locally a Unix socket in a directory of the run dir
+# that the kernel's uid may write.
+BRIDGE_PORT = 5560
+BRIDGE_DIR_IN_POD = "/run/mcp-forge/bridge"
+BRIDGE_SOCKET = "bridge.sock"
+
 CONF_DIR_IN_POD = "/etc/mcp-forge"  # read-only: the connection file (a Secret on Kubernetes)
 CONNECTION_FILE_IN_POD = f"{CONF_DIR_IN_POD}/connection.json"
 RUN_DIR_IN_POD = "/run/mcp-forge"  # local mode only: the kernel's Unix sockets

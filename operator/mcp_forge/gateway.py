@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 
 from . import introspection
+from .bridge import Bridge
 from .errors import (
     ForgeError,
     InvalidRequest,
@@ -30,9 +31,11 @@ from .errors import (
 )
 from .execution import Collector, ExecutionResult
 from .kernel import KernelConnection
+from .policy import policies_of
 from .resource import KernelSession
 from .runtime import Runtime
 from .settings import Settings
+from .upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class _Handle:
     kernel: tuple[Any, Any] = (None, None)  # (connection generation, kernel id) of conn
     activity_recorded: float = float("-inf")  # monotonic time of the last record_activity
     busy: bool = False  # as last recorded
+    bridge: Bridge | None = None  # code mode: this kernel's bridge, if the session has one
     execution_count: int | None = None  # the kernel's, after this gateway's last call
 
 
@@ -61,9 +65,16 @@ def _kernel_of(session: KernelSession) -> tuple[Any, Any]:
 class Gateway:
     """Execution, interruption, restart, introspection and files, per session."""
 
-    def __init__(self, runtime: Runtime, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        settings: Settings | None = None,
+        *,
+        upstreams: dict[str, Upstream] | None = None,
+    ) -> None:
         self.runtime = runtime
         self.settings = settings or Settings.from_env()
+        self.upstreams = upstreams or {}  # code mode: the servers of --mcp-config
         self._handles: dict[tuple[str, str, str], _Handle] = {}
 
     def _handle(self, session: KernelSession) -> _Handle:
@@ -125,9 +136,56 @@ class Gateway:
             conn.close()
             raise
         handle.conn, handle.kernel = conn, _kernel_of(session)
+        if session.spec.mcp_servers:
+            try:
+                await self._attach_bridge(handle, session, conn)
+            except BaseException:
+                self._drop(handle)
+                raise
         return conn
 
+    async def _attach_bridge(
+        self, handle: _Handle, session: KernelSession, conn: KernelConnection
+    ) -> None:
+        """Start `mcp_tools` in the kernel (silently) and dial its bridge (docs/bridge.md)."""
+        policies = policies_of(session.spec.mcp_servers)
+        missing = sorted(set(policies) - set(self.upstreams))
+        if missing:
+            log.warning(
+                "session %s names MCP servers this gateway does not have: %s",
+                session.name,
+                ", ".join(missing),
+            )
+        inside, address = await self.runtime.bridge_address(session)
+        await self._silently(
+            conn, introspection.bridge_program(inside), "the kernel could not start its MCP bridge"
+        )
+        bridge = Bridge(session.name, self.upstreams, policies)
+        await bridge.open(address)
+        handle.bridge = bridge
+        # The user's next cell must find the tools: wait until the kernel applied the hello.
+        await self._silently(
+            conn,
+            "assert __import__('sys').modules['mcp_tools'].wait_connected(10), "
+            "'the MCP bridge did not connect'",
+            "the kernel's MCP bridge did not take the gateway's connection",
+        )
+
+    async def _silently(self, conn: KernelConnection, code: str, failure: str) -> None:
+        collector = Collector("", budget=10_000, spool_max=0, data_budget=0)
+        collector.msg_id = conn.send_execute(code, silent=True, store_history=False)
+        if not await conn.pump(collector, self.settings.helper_timeout):
+            raise SessionNotReady(f"{failure} (no answer in {self.settings.helper_timeout:.0f}s)")
+        result = collector.finish(duration=0)
+        if result.status != "ok":
+            err = result.error
+            why = result.message or (f"{err.ename}: {err.evalue}" if err else result.status)
+            raise SessionNotReady(f"{failure}: {why}")
+
     def _drop(self, handle: _Handle) -> None:
+        if handle.bridge is not None:
+            handle.bridge.abort()
+            handle.bridge = None
         if handle.conn is not None:
             handle.conn.close()
         handle.conn = None
@@ -200,6 +258,8 @@ class Gateway:
                 on_stream=on_stream,
             )
             await self._record_activity(handle, session, busy=True)
+            if handle.bridge is not None:
+                handle.bridge.new_execution()
             try:
                 result = await self._run(handle, conn, session, code, seconds, collector)
             except asyncio.CancelledError:
@@ -431,6 +491,15 @@ class Gateway:
         if "error" in reply:
             raise InvalidRequest(f"{reply['error']}: {reply.get('message', '')}")
         return reply
+
+    async def kernel_tools(self, name: str, *, namespace: str = "default") -> dict[str, Any]:
+        """The `mcp_tools` stubs (signatures, docstrings) code in this session may call."""
+        reply = await self._helper(name, namespace, "tools", max=self.settings.helper_reply_max)
+        servers = reply.get("servers")
+        stubs = reply.get("stubs")
+        if not isinstance(servers, list) or not isinstance(stubs, str):
+            raise KernelProtocolError("the kernel's tool listing is malformed")
+        return {"servers": [str(s) for s in servers], "stubs": stubs}
 
     async def variables(self, name: str, *, namespace: str = "default") -> list[dict[str, Any]]:
         """The user's variables: name, type, shape, dtype, length, size, bounded repr."""

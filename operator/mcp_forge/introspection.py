@@ -140,6 +140,11 @@ def _run():
         for f in old:
             _os.remove(f)
         return {"removed": len(old)}
+    if op == "tools":
+        m = _sys.modules.get("mcp_tools")
+        if m is None:
+            return {"servers": [], "stubs": ""}
+        return {"servers": [str(n) for n in m.servers()], "stubs": str(m.describe())[: A["max"]]}
     return {"error": "UnknownOp", "message": op}
 
 try:
@@ -200,3 +205,14 @@ def workspace_path(path: str) -> str:
     if norm == ".." or norm.startswith("../"):
         raise InvalidRequest(f"{path!r} leaves the workspace")
     return norm
+
+
+def bridge_program(address: tuple[str | int, ...]) -> str:
+    """The silent code that starts code mode's bridge in a kernel (kernel_bridge.SOURCE),
+    listening at `address`; like the helpers, it leaves no name in the user's namespace."""
+    from .kernel_bridge import SOURCE
+
+    return (
+        f"exec(compile({SOURCE!r}, '<mcp_tools>', 'exec'), "
+        f"{{'__builtins__': __builtins__, 'BRIDGE_ADDRESS': {tuple(address)!r}}})"
+    )

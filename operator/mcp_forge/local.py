@@ -40,7 +40,15 @@ from typing import Any
 import yaml
 
 from . import podman, resource
-from .connection import IPC_PATH_MAX, PORTS, ConnectionInfo, new_key
+from .bridge import Address
+from .connection import (
+    BRIDGE_DIR_IN_POD,
+    BRIDGE_SOCKET,
+    IPC_PATH_MAX,
+    PORTS,
+    ConnectionInfo,
+    new_key,
+)
 from .errors import (
     ForgeError,
     ImageError,
@@ -176,6 +184,23 @@ class LocalRuntime:
         key = self.store.key(session.namespace, session.name)
         return ConnectionInfo("ipc", str(run / "kernel"), key)
 
+    async def bridge_address(self, session: KernelSession) -> tuple[tuple[str | int, ...], Address]:
+        """A Unix socket in the session's run dir; the peer must be its kernel container."""
+        private = self.store.private(session.namespace, session.name)
+        cgroup = str(private.get("cgroup") or "").strip("/")
+
+        def ours(pid: int) -> bool:
+            try:
+                text = Path(f"/proc/{pid}/cgroup").read_text()
+            except OSError:
+                return False
+            paths = [line.split(":", 2)[-1].strip("/") for line in text.splitlines()]
+            return bool(cgroup) and any(p == cgroup or p.startswith(cgroup + "/") for p in paths)
+
+        host = Path(self.host_paths(session).run) / "bridge" / BRIDGE_SOCKET
+        inside = ("unix", f"{BRIDGE_DIR_IN_POD}/{BRIDGE_SOCKET}")
+        return inside, Address("unix", path=str(host), peer_check=ours)
+
     # ---- apply / delete --------------------------------------------------------------------
 
     async def apply(self, body: dict[str, Any], *, wait: bool = True) -> Applied:
@@ -306,6 +331,9 @@ class LocalRuntime:
         shutil.rmtree(run, ignore_errors=True)
         run.mkdir(mode=0o700)
         os.chown(run, KERNEL_UID, KERNEL_UID)
+        bridge = run / "bridge"  # code mode: the kernel binds its bridge socket here
+        bridge.mkdir(mode=0o700)
+        os.chown(bridge, KERNEL_UID, KERNEL_UID)
 
     def _seal(self, session: KernelSession) -> None:
         """Once the kernel has bound its sockets, take run/ back (root, 0755)."""
@@ -751,6 +779,13 @@ def _unsealed(run: Path) -> str:
         return "its kernel has no sockets yet"
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or stat.S_IMODE(st.st_mode) != 0o755:
         return "its kernel is starting"
+    bridge = run / "bridge"
+    try:
+        st = bridge.lstat()
+    except FileNotFoundError:
+        return "its bridge directory is missing"
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != KERNEL_UID:
+        return "its bridge directory was replaced"  # e.g. by a symlink, while unsealed
     for port in PORTS.values():
         try:
             mode = (run / f"kernel-{port}").lstat().st_mode

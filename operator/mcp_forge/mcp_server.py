@@ -111,6 +111,12 @@ class Variable(BaseModel):
     repr: str | None = None
 
 
+class KernelTools(BaseModel):
+    session_id: str
+    servers: list[str]
+    stubs: str
+
+
 class Variables(BaseModel):
     session_id: str
     variables: list[Variable]
@@ -314,6 +320,17 @@ def build_server(
             str | None,
             Field(description="Sessions with the same shared_group see one /shared directory."),
         ] = None,
+        mcp_servers: Annotated[
+            list[dict[str, Any]] | None,
+            Field(
+                description=(
+                    "Code mode: upstream MCP servers code in this session may call through "
+                    "`import mcp_tools`, each {name, allow?: [glob], deny?: [glob], readOnly?: "
+                    "bool, callsPerExecution?: int, callsPerMinute?: int}; names are the "
+                    "gateway's configured servers. None: no upstream server."
+                )
+            ),
+        ] = None,
     ) -> SessionInfo:
         """Create a new isolated Python session and wait until its kernel is ready (~1-2 s).
 
@@ -330,6 +347,7 @@ def build_server(
                 cpu=cpu,
                 env=env,
                 shared_group=shared_group,
+                mcp_servers=mcp_servers,
             ),
         )
         return _info(session, client, service, gateway)
@@ -398,6 +416,8 @@ def build_server(
         timeout the code is interrupted and variables are kept; if it does not stop, the
         kernel is restarted and variables are lost (state_lost). status 'died' means the
         kernel crashed or ran out of memory: it was restarted, variables are lost.
+        In a session created with mcp_servers, code can call those servers' tools with
+        `import mcp_tools` (code mode): see list_kernel_tools for what it may call.
         The kernel has no network access."""
         limit = gateway.check_code(code, timeout)  # bad input is refused before a kernel starts
         session = await session_for(ctx, session_id)
@@ -481,6 +501,23 @@ def build_server(
             restarted=True,
             message="variables cleared; workspace files kept",
         )
+
+    @tool(annotations=read_only)
+    async def list_kernel_tools(
+        ctx: Context,
+        session_id: Annotated[
+            str | None, Field(description="Session; omit for your default session.")
+        ] = None,
+    ) -> KernelTools:
+        """Code mode: the Python functions code in this session may call through
+        `import mcp_tools` (one per upstream MCP server tool, with signatures and
+        docstrings), as stubs. Call them from execute_code, e.g.
+        `import mcp_tools; mcp_tools.files.read_text_file(path="a.txt")`; many at once
+        with `await mcp_tools.<server>.<tool>.aio(...)`. Filter and combine results in
+        the kernel and return only what matters."""
+        session = await session_for(ctx, session_id)
+        listing = await gateway.kernel_tools(session.name, namespace=session.namespace)
+        return KernelTools(session_id=session.name, **listing)
 
     @tool(annotations=read_only)
     async def list_variables(ctx: Context, session_id: str) -> Variables:

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .connection import CONF_DIR_IN_POD, PORTS, RUN_DIR_IN_POD, ConnectionInfo
+from .connection import BRIDGE_PORT, CONF_DIR_IN_POD, PORTS, RUN_DIR_IN_POD, ConnectionInfo
 from .image import KERNEL_CMD
 from .resource import API_VERSION, KIND, KernelSession
 
@@ -144,7 +144,8 @@ def _container(session: KernelSession, target: Target) -> dict[str, Any]:
     }
     if target == "kubernetes":
         container["ports"] = [
-            {"name": name, "containerPort": port, "protocol": "TCP"} for name, port in PORTS.items()
+            {"name": name, "containerPort": port, "protocol": "TCP"}
+            for name, port in {**PORTS, "bridge": BRIDGE_PORT}.items()
         ]
     return container
 
@@ -216,7 +217,8 @@ def render_kubernetes(
             "type": "ClusterIP",
             "selector": {LABEL_SESSION: session.name, LABEL_COMPONENT: "kernel"},
             "ports": [
-                {"name": p, "port": n, "targetPort": n, "protocol": "TCP"} for p, n in PORTS.items()
+                {"name": p, "port": n, "targetPort": n, "protocol": "TCP"}
+                for p, n in {**PORTS, "bridge": BRIDGE_PORT}.items()
             ],
         },
     }
@@ -233,7 +235,9 @@ def render_kubernetes(
             "ingress": [
                 {
                     "from": [gateways],
-                    "ports": [{"port": n, "protocol": "TCP"} for n in PORTS.values()],
+                    "ports": [
+                        {"port": n, "protocol": "TCP"} for n in [*PORTS.values(), BRIDGE_PORT]
+                    ],
                 }
             ],
             "egress": egress,

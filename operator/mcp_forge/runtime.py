@@ -13,6 +13,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .bridge import Address
 from .connection import ConnectionInfo
 from .resource import KernelSession
 
@@ -83,6 +84,11 @@ class Runtime(Protocol):
 
     async def record_activity(self, session: KernelSession, *, busy: bool = False) -> None:
         """The session is in use (`busy`: its kernel runs code now): not idle."""
+        ...
+
+    async def bridge_address(self, session: KernelSession) -> tuple[tuple[str | int, ...], Address]:
+        """Code mode: where the kernel's bridge listens (inside its pod), and how the
+        gateway reaches it."""
         ...
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:

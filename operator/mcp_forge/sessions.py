@@ -67,6 +67,7 @@ class SessionRequest:
     cpu: str | None = None
     env: dict[str, str] | None = None
     shared_group: str | None = None
+    mcp_servers: list[dict[str, Any]] | None = None  # code mode: spec.mcpServers
 
 
 def _annotations(session: KernelSession) -> dict[str, Any]:
@@ -88,6 +89,7 @@ class SessionService:
         self.runtime = runtime
         self.settings = settings or Settings.from_env()
         self.namespace = namespace  # where this gateway's clients have their sessions
+        self.mcp_servers: set[str] = set()  # code mode: the upstream servers configured
         self.gateway_id = secrets.token_hex(8)
         self._defaults: dict[str, str] = {}  # owner → default session name
         self._create_lock = asyncio.Lock()
@@ -146,6 +148,18 @@ class SessionService:
             spec["env"] = [{"name": k, "value": v} for k, v in request.env.items()]
         if request.shared_group is not None:
             spec["sharedGroup"] = request.shared_group
+        if request.mcp_servers:
+            unknown = sorted(
+                {str(m.get("name")) for m in request.mcp_servers if isinstance(m, dict)}
+                - set(self.mcp_servers)
+            )
+            if unknown:
+                have = ", ".join(sorted(self.mcp_servers)) or "none"
+                raise InvalidSession(
+                    f"no MCP server named {', '.join(unknown)} here (configured: {have})",
+                    field="mcp_servers",
+                )
+            spec["mcpServers"] = request.mcp_servers
         draft: dict[str, Any] = {
             "apiVersion": resource.API_VERSION,
             "kind": resource.KIND,

@@ -268,6 +268,7 @@ async def test_a_client_neither_sees_nor_uses_another_clients_session(
             ("write_file", {"path": "secret.txt", "content": "bob's"}),
             ("list_files", {}),
             ("list_variables", {}),
+            ("list_kernel_tools", {}),
             ("inspect_variable", {"name": "x"}),
             ("interrupt_kernel", {}),
             ("restart_kernel", {}),

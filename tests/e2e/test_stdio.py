@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import subprocess
 import sys
@@ -24,14 +25,16 @@ GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
 TOOLS = {
     "create_session", "list_sessions", "close_session", "execute_code", "interrupt_kernel",
     "restart_kernel", "list_variables", "inspect_variable", "read_file", "write_file",
-    "list_files",
+    "list_files", "list_kernel_tools",
 }  # fmt: skip
 
 
 @asynccontextmanager
-async def gateway(state_dir: Path, **client: Any) -> AsyncIterator[Client]:
+async def gateway(
+    state_dir: Path, *, args: tuple[str, ...] = (), **client: Any
+) -> AsyncIterator[Client]:
     env = {**os.environ, "MCPFORGE_STATE_DIR": str(state_dir)}
-    params = StdioServerParameters(command=GATEWAY, args=["gateway"], env=env)
+    params = StdioServerParameters(command=GATEWAY, args=["gateway", *args], env=env)
     async with Client(params, **client) as c:
         yield c
 
@@ -316,3 +319,32 @@ async def test_sigterm_with_stdin_still_open_cleans_up_and_exits(state_dir) -> N
         subprocess.run, ["podman", "pod", "exists", f"mcpforge-default-{sid}"]
     )
     assert exists.returncode == 1
+
+
+async def test_code_mode_from_an_mcp_client(state_dir, tmp_path) -> None:
+    """execute_code with code that calls an upstream server's tools through mcp_tools."""
+    from mcp_servers.config import missing_servers, upstream_config
+
+    config = upstream_config(tmp_path)
+    assert not missing_servers(config), missing_servers(config)
+    path = tmp_path / "mcp.json"
+    path.write_text(json.dumps(config))
+    async with gateway(state_dir, args=("--mcp-config", str(path))) as c:
+        made = await c.call_tool(
+            "create_session",
+            {"variant": "minimal", "mcp_servers": [{"name": "edge", "deny": ["crash"]}]},
+        )
+        assert not made.is_error, text(made)
+        sid = made.structured_content["session_id"]
+        stubs = await c.call_tool("list_kernel_tools", {"session_id": sid})
+        assert "def add(" in stubs.structured_content["stubs"], stubs.structured_content
+        assert stubs.structured_content["servers"] == ["edge"]
+        ran = await c.call_tool(
+            "execute_code",
+            {"session_id": sid, "code": "import mcp_tools\nmcp_tools.edge.add(a=40)['sum']"},
+        )
+        assert "42" in text(ran), text(ran)
+        bad = await c.call_tool(
+            "create_session", {"variant": "minimal", "mcp_servers": [{"name": "nope"}]}
+        )
+        assert bad.is_error and "no MCP server named nope" in text(bad), text(bad)

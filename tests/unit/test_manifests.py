@@ -28,7 +28,7 @@ import yaml
 
 from mcp_forge import resource
 from mcp_forge.cli import main as cli
-from mcp_forge.connection import PORTS, ConnectionInfo
+from mcp_forge.connection import BRIDGE_PORT, PORTS, ConnectionInfo
 from mcp_forge.errors import InvalidSession
 from mcp_forge.render import GATEWAY_SELECTOR, labels, render_kubernetes
 from mcp_forge.settings import Settings
@@ -519,7 +519,7 @@ def test_the_gateway_may_reach_kernels_only_on_their_zmq_ports() -> None:
     assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": SESSIONS}
     kernel = labels(_session())
     assert peer["podSelector"]["matchLabels"].items() <= kernel.items()
-    assert sorted(p["port"] for p in egress["ports"]) == sorted(PORTS.values())
+    assert sorted(p["port"] for p in egress["ports"]) == sorted([*PORTS.values(), BRIDGE_PORT])
     assert {p["protocol"] for p in egress["ports"]} == {"TCP"}
     (ingress,) = policy["ingress"]
     assert "from" not in ingress, "any MCP client; the token is the check"

@@ -98,9 +98,12 @@ def test_an_invalid_session_names_the_field(body: dict[str, Any], field: str, wo
     assert words in str(err.value)
 
 
-def test_mcp_servers_keep_fields_a_later_version_adds() -> None:
+def test_mcp_servers_carry_a_policy_and_a_typo_is_named() -> None:
     body = resource.validate(with_spec(mcpServers=[{"name": "time", "readOnly": True}]))
     assert body["spec"]["mcpServers"] == [{"name": "time", "readOnly": True}]
+    with pytest.raises(InvalidSession) as err:
+        resource.validate(with_spec(mcpServers=[{"name": "time", "readonly": True}]))
+    assert "readonly" in str(err.value)
 
 
 def test_durations_parse_into_seconds() -> None:

@@ -1,0 +1,970 @@
+"""Code mode's bridge, kernel side (docs/bridge.md), and the framing both sides share.
+
+`SOURCE` is a stdlib-only program the gateway runs silently in a kernel, in a private
+namespace holding `BRIDGE_ADDRESS` (``("tcp", host, port)`` or ``("unix", path)``). It
+registers the module `mcp_tools` in `sys.modules` and starts the listener the gateway
+dials. Running it again (a gateway reconnect) finds the running bridge and changes
+nothing; after a kernel restart it starts afresh. It leaves no name behind in the
+namespace it runs in: the module's code runs in a dictionary of its own.
+
+`encode` and `FrameReader` are the gateway's half of framing version 1: a 4-byte
+big-endian length, then that many bytes of UTF-8 JSON (an object with ``"v": 1``); at
+most KERNEL_FRAME_MAX bytes from the kernel, GATEWAY_FRAME_MAX from the gateway.
+FrameReader raises FrameError (a KernelProtocolError) for a frame it refuses. The
+kernel's half lives inside `SOURCE`, which imports nothing from here.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Mapping
+from typing import Any, NoReturn
+
+from .errors import KernelProtocolError
+
+VERSION = 1
+KERNEL_FRAME_MAX = 1 << 20  # a frame from the kernel (a call, a cancel): 1 MiB
+GATEWAY_FRAME_MAX = 16 << 20  # a frame from the gateway (a hello, a result): 16 MiB
+
+_HEADER = struct.Struct(">I")
+
+
+def encode(obj: Mapping[str, Any], *, limit: int | None = None) -> bytes:
+    """One frame holding `obj`: its length, then compact UTF-8 JSON.
+
+    Raises ValueError when `obj` is not a JSON object of strict JSON values (no NaN, no
+    lone surrogates), or when `limit` is given and the JSON is over it. Without a limit
+    the caller checks the size (GATEWAY_FRAME_MAX for what goes to a kernel) and sends
+    an error result in place of a result that is too large.
+    """
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"a frame holds a JSON object, not {type(obj).__name__}")
+    try:
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        payload = text.encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"the frame cannot be sent as JSON: {exc}") from exc
+    if limit is not None and len(payload) > limit:
+        raise ValueError(f"the frame is {len(payload)} bytes, over the limit of {limit}")
+    return _HEADER.pack(len(payload)) + payload
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")
+
+
+class FrameError(KernelProtocolError, ValueError):
+    """A frame from the kernel that FrameReader refuses (a ValueError too, as bad data)."""
+
+
+class FrameReader:
+    """Splits the bytes of one connection into frames.
+
+    Feed it whatever the socket returns; iterate what `feed` returns for the frames
+    completed so far. A frame over `limit` bytes (refused as soon as its length is
+    known), bad UTF-8 or JSON, anything but an object, or a version other than 1
+    raises FrameError, then and on every later feed: close the connection.
+    """
+
+    def __init__(self, limit: int = KERNEL_FRAME_MAX) -> None:
+        self.limit = limit
+        self._buffer = bytearray()
+        self._broken: str | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame held back (non-zero at EOF: the peer cut a frame)."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes) -> Iterator[dict[str, Any]]:
+        """Take `data` now; yield each frame it completes, in order."""
+        if self._broken is None:
+            self._buffer += data
+        return self._frames()
+
+    def _frames(self) -> Iterator[dict[str, Any]]:
+        while True:
+            if self._broken is not None:
+                raise FrameError(self._broken)
+            if len(self._buffer) < _HEADER.size:
+                return
+            (size,) = _HEADER.unpack_from(self._buffer)
+            if size > self.limit:
+                self._fail(f"a bridge frame of {size} bytes is over the limit of {self.limit}")
+            end = _HEADER.size + size
+            if len(self._buffer) < end:
+                return
+            payload = bytes(self._buffer[_HEADER.size : end])
+            del self._buffer[:end]
+            yield self._decode(payload)
+
+    def _decode(self, payload: bytes) -> dict[str, Any]:
+        try:
+            frame = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            self._fail(f"a bridge frame is not JSON: {str(exc)[:200]}")
+        if not isinstance(frame, dict):
+            self._fail(f"a bridge frame is a JSON {type(frame).__name__}, not an object")
+        version = frame.get("v")
+        if type(version) is not int or version != VERSION:
+            self._fail(f"a bridge frame of version {str(version)[:20]!r}; this is version 1")
+        return frame
+
+    def _fail(self, message: str) -> NoReturn:
+        self._broken = message
+        self._buffer.clear()
+        raise FrameError(message)
+
+
+# The module mcp_tools, as run inside the kernel: Python 3.11, the standard library only.
+# Its own docstring (help(mcp_tools)) is the user's documentation.
+_BODY = r'''
+"""Call the tools of the MCP servers the MCP-Forge gateway is connected to.
+
+    mcp_tools.<server>.<tool>(**arguments)             call a tool, wait for its result
+    await mcp_tools.<server>.<tool>.aio(**arguments)   the same for asyncio; many at once
+    mcp_tools.aio.<server>.<tool>                      the asyncio form, by another path
+    mcp_tools.servers()                                {server: [tool, ...]} (Python names)
+    mcp_tools.describe()                               every tool's stub, as Python source
+    mcp_tools.wait_connected(timeout)                  wait for the gateway's list of tools
+
+A call returns the tool's structured content when it gives one, else its text (text
+items joined by newlines), else its content items as dicts (an image: base64 "data" and
+"mimeType"), or None when it returns nothing. Arguments are keyword-only. An optional
+argument left out, or passed as None when its default is None, is not sent: the server
+applies its own default.
+
+Errors:
+    ToolError         the tool reported an error (.kind "tool"); its server is down, the
+                      call timed out, a budget or rate limit ran out, the result was too
+                      large (.kind "unavailable"); the bridge is not connected, or its
+                      connection closed or was replaced while the call waited.
+                      .server and .tool are the names as the server spells them.
+    PermissionError   the session's policy does not allow the call.
+    ValueError        the gateway refused the request as invalid, or it is over 1 MiB.
+    TypeError         a missing, unknown or positional argument, or one not JSON-able.
+A KeyboardInterrupt while a call waits cancels it upstream, then propagates.
+
+Names: a server's, tool's or parameter's name becomes a Python identifier. ASCII
+letters, digits and _ are kept and any other character becomes _; a leading digit gets
+a leading _; a keyword, or a name that starts and ends with __, gets a trailing _.
+Names that need no change claim theirs first; then, in sorted order, a name already
+taken (by another one, or by one of mcp_tools' own: ToolError, servers, describe, aio,
+wait_connected) gets more trailing _ until it is free. So "my-server" is my_server,
+unless a server is named my_server: then it is my_server_.
+
+Limits: a request is at most 1 MiB of JSON, a result 16 MiB; the bridge takes up to 256
+servers of 2048 tools of 512 parameters each, and clips long descriptions.
+"""
+
+import asyncio
+import contextlib
+import errno
+import functools
+import inspect
+import itertools
+import json
+import keyword
+import operator
+import os
+import queue
+import socket
+import stat
+import struct
+import threading
+import time
+import types
+
+VERSION = @VERSION@
+MAX_REQUEST = @KERNEL_FRAME_MAX@
+MAX_RESULT = @GATEWAY_FRAME_MAX@
+MAX_SERVERS = 256
+MAX_TOOLS = 2048
+MAX_PARAMS = 512
+MAX_NAME = 256
+MAX_DESCRIPTION = 16384
+MAX_PARAM_DESCRIPTION = 2048
+MAX_MESSAGE = 65536
+SEND_TIMEOUT = 60.0  # a gateway that takes no bytes for this long has gone: close
+WAIT_SLICE = 0.25  # the main thread wakes this often, so a KeyboardInterrupt is never missed
+NOT_CONNECTED = "the MCP bridge is not connected"
+REPLACED = "the MCP bridge connection was replaced"
+CLOSED = "the MCP bridge connection was closed"
+OWN_NAMES = ("ToolError", "servers", "describe", "aio", "wait_connected")
+EMPTY = inspect.Parameter.empty
+JSON_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict, "null": None}
+HINTS = (("readOnlyHint", "read-only"), ("destructiveHint", "destructive"), ("idempotentHint", "idempotent"), ("openWorldHint", "open-world"))
+
+
+class ToolError(Exception):
+    """A call to an MCP tool failed; the message says why.
+
+    .kind is "tool" when the tool itself reported the error, "unavailable" when it could
+    not run or answer (server down, timeout, budget, rate limit, result too large, no
+    bridge connection). .server and .tool name it as its server spells them.
+    """
+
+    def __init__(self, message, *, server=None, tool=None, kind="tool"):
+        super().__init__(message)
+        self.server = server
+        self.tool = tool
+        self.kind = kind
+
+
+class ProtocolError(Exception):
+    """The gateway sent something the bridge refuses: the connection closes."""
+
+
+def clip(text, limit):
+    """text cut to limit characters; anything but a string is empty."""
+    if not isinstance(text, str):
+        return ""
+    return text if len(text) <= limit else text[:limit] + "...[truncated]"
+
+
+# -- names and signatures ------------------------------------------------------------
+
+
+def identifier(name):
+    """name as a Python identifier, before collisions (the rule: the module docstring)."""
+    ident = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in name) or "_"
+    if ident[0].isdigit():
+        ident = "_" + ident
+    if keyword.iskeyword(ident) or (ident.startswith("__") and ident.endswith("__")):
+        ident += "_"
+    return ident
+
+
+def identifiers(names, reserved=()):
+    """{name: identifier} for distinct names, none of them in reserved nor shared."""
+    taken = set(reserved)
+    idents = {}
+    for name in sorted(names, key=lambda n: (identifier(n) != n, n)):
+        ident = identifier(name)
+        while ident in taken:
+            ident += "_"
+        taken.add(ident)
+        idents[name] = ident
+    return idents
+
+
+def annotation(schema, depth=0):
+    """The Python annotation for a JSON schema's type, or EMPTY when there is none."""
+    if not isinstance(schema, dict) or depth > 3:
+        return EMPTY
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        if kind == "array":
+            item = annotation(schema.get("items"), depth + 1)
+            return list if item is EMPTY else list[item]
+        return JSON_TYPES.get(kind, EMPTY)
+    if isinstance(kind, list):
+        return union([JSON_TYPES.get(k, EMPTY) if isinstance(k, str) else EMPTY for k in kind[:8]])
+    for key in ("anyOf", "oneOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and options:
+            return union([annotation(option, depth + 1) for option in options[:8]])
+    return EMPTY
+
+
+def union(options):
+    """X | Y | None for known options; EMPTY if any is unknown."""
+    if not options or any(option is EMPTY for option in options):
+        return EMPTY
+    distinct = []
+    for option in options:
+        if option not in distinct:
+            distinct.append(option)
+    real = [option for option in distinct if option is not None]
+    if not real:
+        return None
+    result = functools.reduce(operator.or_, real)
+    return result | None if None in distinct else result
+
+
+def optional(ann):
+    """ann for a parameter whose default is None."""
+    if ann is EMPTY or ann is None:
+        return ann
+    if isinstance(ann, types.UnionType) and type(None) in ann.__args__:
+        return ann
+    return ann | None
+
+
+class Tool:
+    """One upstream tool: its names, its signature and docstring, its JSON argument names."""
+
+    def __init__(self, server, server_ident, spec, ident):
+        self.server = server
+        self.name = spec["name"]
+        self.ident = ident
+        self.qualname = server_ident + "." + ident
+        schema = spec.get("inputSchema")
+        schema = schema if isinstance(schema, dict) else {}
+        props = schema.get("properties")
+        props = props if isinstance(props, dict) else {}
+        required = schema.get("required")
+        required = [r for r in required if isinstance(r, str)] if isinstance(required, list) else []
+        names = list(props) + [r for r in dict.fromkeys(required) if r not in props]
+        names = [n for n in names if len(n) <= MAX_NAME][:MAX_PARAMS]
+        py = identifiers(names)
+        self.json_names = {py[n]: n for n in names}
+        params = []
+        for name in sorted(names, key=lambda n: n not in required):  # required first
+            prop = props.get(name)
+            prop = prop if isinstance(prop, dict) else {}
+            ann = annotation(prop)
+            if name in required:
+                default = EMPTY
+            else:
+                default = prop.get("default")
+                if default is None:
+                    ann = optional(ann)
+            params.append(inspect.Parameter(py[name], inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann))
+        # Declared open (additionalProperties true or a schema): **kwargs pass through as they are.
+        self.extra = None
+        more = schema.get("additionalProperties")
+        if more is True or isinstance(more, dict):
+            self.extra = "kwargs"
+            while self.extra in self.json_names:
+                self.extra += "_"
+            params.append(inspect.Parameter(self.extra, inspect.Parameter.VAR_KEYWORD))
+        self.signature = inspect.Signature(params)
+        self.doc = self.docstring(spec, props)
+
+    def docstring(self, spec, props):
+        lines = [clip(spec.get("description"), MAX_DESCRIPTION).strip() or f"The tool {self.name!r} of the MCP server {self.server!r}."]
+        if self.signature.parameters:
+            lines += ["", "Parameters:"]
+        for param in self.signature.parameters.values():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                lines.append(f"    **{param.name}: further arguments, sent as they are")
+                continue
+            json_name = self.json_names[param.name]
+            prop = props.get(json_name)
+            prop = prop if isinstance(prop, dict) else {}
+            ann = annotation(prop)  # as the schema says: "optional" stands for the None
+            facts = [] if ann is EMPTY else [inspect.formatannotation(ann)]
+            if param.default is EMPTY:
+                facts.append("required")
+            elif "default" in prop:
+                facts.append("default " + clip(repr(param.default), 200))
+            else:
+                facts.append("optional")
+            if json_name != param.name:
+                facts.append(f"sent as {json_name!r}")
+            text = clip(prop.get("description"), MAX_PARAM_DESCRIPTION).strip()
+            enum = prop.get("enum")
+            if isinstance(enum, list) and enum:
+                values = ", ".join(clip(repr(v), 100) for v in enum[:20]) + (", ..." if len(enum) > 20 else "")
+                text = (text + " " if text else "") + "One of: " + values + "."
+            line = f"    {param.name} ({', '.join(facts)})"
+            lines.append(line + ": " + text.replace("\n", "\n        ") if text else line)
+        notes = spec.get("annotations")
+        hints = [label for key, label in HINTS if isinstance(notes, dict) and notes.get(key) is True]
+        lines += [""] + (["Hints: " + ", ".join(hints) + "."] if hints else [])
+        lines.append(f"MCP tool {self.name!r} of server {self.server!r}.")
+        return "\n".join(lines)
+
+    def arguments(self, args, kwargs):
+        """The call's JSON arguments, or TypeError as a Python function would raise it."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"mcp_tools.{self.qualname}(): {exc}") from None
+        out = {}
+        for name, value in bound.arguments.items():
+            if name == self.extra:
+                out.update(value)
+            elif value is not None or self.signature.parameters[name].default is not None:
+                out[self.json_names[name]] = value
+        return out
+
+
+def functions(bridge, tool):
+    """The function that calls tool, and its asyncio twin."""
+
+    def call(*args, **kwargs):
+        return bridge.call(tool, tool.arguments(args, kwargs))
+
+    async def call_aio(*args, **kwargs):
+        return await bridge.acall(tool, tool.arguments(args, kwargs))
+
+    for function, qualname in ((call, tool.qualname), (call_aio, tool.qualname + ".aio")):
+        function.__name__ = tool.ident
+        function.__qualname__ = qualname
+        function.__module__ = "mcp_tools"
+        function.__doc__ = tool.doc
+        function.__signature__ = tool.signature
+    call.aio = call_aio
+    return call, call_aio
+
+
+class Namespace:
+    """The tools of one MCP server as functions; under mcp_tools.aio, the servers."""
+
+    def __init__(self, label, members):
+        self.__dict__["__mcp_label__"] = label
+        self.__dict__.update(members)
+
+    def __repr__(self):
+        names = sorted(name for name in vars(self) if name != "__mcp_label__")
+        return f"<{self.__dict__['__mcp_label__']}: {', '.join(names)}>"
+
+
+class Server:
+    """One upstream server, as the hello lists it."""
+
+    def __init__(self, bridge, name, ident, specs):
+        self.name = name
+        self.ident = ident
+        idents = identifiers(list(specs))
+        self.tools = {idents[n]: Tool(name, ident, spec, idents[n]) for n, spec in specs.items()}
+        made = {t_ident: functions(bridge, tool) for t_ident, tool in self.tools.items()}
+        self.namespace = Namespace("mcp_tools." + ident, {i: f[0] for i, f in made.items()})
+        self.aio_namespace = Namespace("mcp_tools.aio." + ident, {i: f[1] for i, f in made.items()})
+
+
+def docstring(text, indent):
+    """text as a docstring literal at indent, safe to paste into source."""
+    text = text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+    text = "".join(c if c in "\n\t" or " " <= c != "\x7f" else f"\\x{ord(c):02x}" for c in text)
+    if text.endswith('"'):
+        text = text[:-1] + '\\"'
+    pad = " " * indent
+    lines = text.split("\n")
+    if len(lines) == 1:
+        return f'{pad}"""{text}"""'
+    rest = [pad + line if line.strip() else "" for line in lines[1:]]
+    return "\n".join([f'{pad}"""{lines[0]}', *rest, f'{pad}"""'])
+
+
+# -- framing -------------------------------------------------------------------------
+
+
+def frame_bytes(frame):
+    payload = json.dumps(frame, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return struct.pack(">I", len(payload)) + payload
+
+
+def reject_constant(name):
+    raise ValueError(name + " is not JSON")
+
+
+def decode(payload):
+    try:
+        frame = json.loads(payload.decode("utf-8"), parse_constant=reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError("a frame that is not JSON: " + clip(str(exc), 200)) from None
+    if not isinstance(frame, dict):
+        raise ProtocolError("a frame that is not a JSON object")
+    version = frame.get("v")
+    if type(version) is not int or version != VERSION:
+        raise ProtocolError(f"a frame of version {clip(repr(version), 20)}, not {VERSION}")
+    return frame
+
+
+def frames(buffer):
+    """Take the whole frames off the front of buffer (a bytearray), as objects."""
+    while len(buffer) >= 4:
+        (size,) = struct.unpack_from(">I", buffer)
+        if size > MAX_RESULT:
+            raise ProtocolError(f"a frame of {size} bytes, over the limit of {MAX_RESULT}")
+        if len(buffer) < 4 + size:
+            return
+        payload = bytes(buffer[4 : 4 + size])
+        del buffer[: 4 + size]
+        yield decode(payload)
+
+
+def failure(kind, message, server, tool):
+    """The exception for an error result of that kind."""
+    if kind == "denied":
+        exc = PermissionError(message)
+    elif kind == "invalid":
+        exc = ValueError(message)
+    else:
+        return ToolError(message, server=server, tool=tool, kind=kind)
+    exc.server, exc.tool, exc.kind = server, tool, kind
+    return exc
+
+
+def outcome(frame, server, tool):
+    """(value, None) or (None, exception) for a result frame."""
+    ok = frame.get("ok")
+    if ok is False:
+        error = frame.get("error")
+        error = error if isinstance(error, dict) else {}
+        kind = clip(error.get("kind"), 40) or "tool"
+        message = clip(error.get("message"), MAX_MESSAGE) or f"the call failed ({kind})"
+        return None, failure(kind, message, server, tool)
+    content = frame.get("content")
+    content = [] if content is None else content
+    if ok is not True or not isinstance(content, list) or not all(isinstance(item, dict) for item in content):
+        return None, ToolError("the gateway sent a malformed result", server=server, tool=tool, kind="unavailable")
+    texts = [item.get("text") for item in content if item.get("type") == "text" and isinstance(item.get("text"), str)]
+    if frame.get("isError") is True:
+        message = clip("\n".join(texts), MAX_MESSAGE) or "the tool reported an error"
+        return None, ToolError(message, server=server, tool=tool, kind="tool")
+    structured = frame.get("structured")
+    if structured is not None:
+        return structured, None
+    if content and len(texts) == len(content):
+        return "\n".join(texts), None
+    return (content or None), None
+
+
+# -- waiting ---------------------------------------------------------------------------
+
+
+class Waiter:
+    """A thread waiting for one result."""
+
+    def __init__(self, server, tool):
+        self.server = server
+        self.tool = tool
+        self.event = threading.Event()
+        self.value = None
+        self.error = None
+
+    def deliver(self, value, error):
+        self.value, self.error = value, error
+        self.event.set()
+
+    def wait(self):
+        if threading.current_thread() is threading.main_thread():
+            # Slices: SIGINT may reach another thread, or be simulated (interrupt_main).
+            while not self.event.wait(WAIT_SLICE):
+                pass
+        else:
+            self.event.wait()  # bounded by the gateway's deadlines and the connection's life
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return self.value
+
+
+class AsyncWaiter:
+    """An asyncio task waiting for one result: the reader hands it over to the task's loop."""
+
+    def __init__(self, loop, server, tool):
+        self.server = server
+        self.tool = tool
+        self.loop = loop
+        self.future = loop.create_future()
+
+    def deliver(self, value, error):
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self.loop.call_soon_threadsafe(self.settle, value, error)
+
+    def settle(self, value, error):
+        if self.future.done():
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(value)
+
+
+# -- the bridge ------------------------------------------------------------------------
+
+
+def listen(address):
+    """A listening socket at ("tcp", host, port) or ("unix", path)."""
+    if isinstance(address, (tuple, list)) and len(address) == 3 and address[0] == "tcp":
+        host, port = address[1], address[2]
+        if not isinstance(host, str) or type(port) is not int or not 0 <= port < 65536:
+            raise ValueError(f"BRIDGE_ADDRESS: bad host or port in {address!r}")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind((host, port))
+            sock.listen(8)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    if isinstance(address, (tuple, list)) and len(address) == 2 and address[0] == "unix":
+        path = address[1]
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"BRIDGE_ADDRESS: bad path in {address!r}")
+        return listen_unix(path)
+    raise ValueError(f"BRIDGE_ADDRESS is ('tcp', host, port) or ('unix', path), not {address!r}")
+
+
+def listen_unix(path):
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISSOCK(mode):
+        raise FileExistsError(errno.EEXIST, "exists and is not a socket", path)
+    # Bound under a temporary name, made 0600, then renamed over the path: nobody can
+    # connect before the mode is set, and a stale socket of an earlier kernel goes in one step.
+    temp = os.path.join(parent, f".b{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temp)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(temp)
+        os.chmod(temp, 0o600)
+        os.replace(temp, path)
+        sock.listen(8)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    return sock
+
+
+class Connection:
+    """One gateway connection: its socket, its calls in flight, a reader and a writer."""
+
+    def __init__(self, bridge, sock):
+        self.sock = sock
+        self.pending = {}  # id -> waiter, under the bridge's lock
+        self.closed = None  # why, once closed
+        self.ready = False  # its hello is applied
+        self.outbox = queue.SimpleQueue()
+        self.writer = threading.Thread(target=self.write, args=(bridge,), name="mcp-forge-bridge-writer", daemon=True)
+        self.reader = threading.Thread(target=bridge.read, args=(self,), name="mcp-forge-bridge-reader", daemon=True)
+
+    def write(self, bridge):
+        # Frames leave from this thread only: an interrupted caller never cuts one in half.
+        while True:
+            data = self.outbox.get()
+            if data is None:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError as exc:
+                bridge.close(self, f"{CLOSED}: sending failed: {exc}")
+                return
+
+
+class Bridge:
+    """The listener, the current connection, the tools of its hello, the calls in flight."""
+
+    def __init__(self, module):
+        self.module = module
+        self.aio = Namespace("mcp_tools.aio", {})
+        self.lock = threading.Lock()  # guards everything below, and each connection's pending
+        self.changed = threading.Condition(self.lock)
+        self.ids = itertools.count(1)
+        self.listener = None
+        self.conn = None
+        self.last_reason = None
+        self.catalog = {}  # server identifier -> Server
+
+    # -- the connection ---------------------------------------------------------------
+
+    def start(self, address):
+        """Listen at address, unless already listening (then address is not looked at)."""
+        with self.lock:
+            if self.listener is not None and self.listener.is_alive():
+                return
+            lsock = listen(address)
+            thread = threading.Thread(target=self.accept, args=(lsock,), name="mcp-forge-bridge", daemon=True)
+            thread.mcp_forge_bridge = self  # how the bootstrap finds it if sys.modules lost it
+            self.listener = thread
+            thread.start()
+
+    def accept(self, lsock):
+        while True:
+            try:
+                sock, _ = lsock.accept()
+            except OSError as exc:
+                if exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # the listening socket is gone
+                if exc.errno != errno.ECONNABORTED:
+                    time.sleep(0.1)  # out of descriptors or memory: do not spin
+                continue
+            self.adopt(sock)
+
+    def adopt(self, sock):
+        """sock is the connection now; the one before it closes, failing its calls."""
+        sock.settimeout(SEND_TIMEOUT)
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a gateway that vanished
+            for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+                if hasattr(socket, option):
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        conn = Connection(self, sock)
+        with self.lock:
+            old, self.conn = self.conn, conn
+            self.last_reason = None
+            self.changed.notify_all()
+        if old is not None:
+            self.close(old, REPLACED)
+        conn.writer.start()
+        conn.reader.start()
+
+    def close(self, conn, reason):
+        """Close conn (once; the first reason stays) and fail its calls with reason."""
+        with self.lock:
+            if conn.closed is not None:
+                return
+            conn.closed = reason
+            pending, conn.pending = conn.pending, {}
+            if self.conn is conn:
+                self.conn = None
+                self.last_reason = reason
+            self.changed.notify_all()
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; the reader closes the socket
+        conn.outbox.put(None)
+        for waiter in pending.values():
+            waiter.deliver(None, ToolError(reason, server=waiter.server, tool=waiter.tool, kind="unavailable"))
+
+    def read(self, conn):
+        reason = CLOSED
+        buffer = bytearray()
+        try:
+            while conn.closed is None:
+                try:
+                    chunk = conn.sock.recv(1 << 16)
+                except TimeoutError:
+                    continue  # the socket's timeout is for sending; reading waits on
+                except OSError as exc:
+                    reason = f"{CLOSED}: {exc}"
+                    break
+                if not chunk:
+                    break
+                buffer += chunk
+                for frame in frames(buffer):
+                    self.dispatch(conn, frame)
+        except ProtocolError as exc:
+            reason = f"{CLOSED}: the gateway sent {exc}"
+        finally:
+            self.close(conn, reason)
+            conn.writer.join(SEND_TIMEOUT)
+            conn.sock.close()
+
+    def dispatch(self, conn, frame):
+        kind = frame.get("type")
+        if not conn.ready and kind != "hello":
+            raise ProtocolError("a first frame that is not a hello")
+        if kind == "hello":
+            self.hello(conn, frame)
+        elif kind == "result":
+            self.result(conn, frame)
+        # Other types are for later versions of the gateway: ignored.
+
+    def hello(self, conn, frame):
+        listed = frame.get("servers")
+        if not isinstance(listed, dict):
+            raise ProtocolError("a hello without a servers object")
+        if len(listed) > MAX_SERVERS:
+            raise ProtocolError(f"a hello of {len(listed)} servers, over the limit of {MAX_SERVERS}")
+        specs = {}
+        for name, server in listed.items():
+            tools = server.get("tools") if isinstance(server, dict) else None
+            if not isinstance(tools, list):
+                raise ProtocolError(f"a hello whose server {clip(name, 100)!r} has no list of tools")
+            if len(tools) > MAX_TOOLS:
+                raise ProtocolError(f"a hello whose server {clip(name, 100)!r} has {len(tools)} tools, over the limit of {MAX_TOOLS}")
+            if len(name) > MAX_NAME:
+                continue
+            by_name = {}
+            for tool in tools:
+                tool_name = tool.get("name") if isinstance(tool, dict) else None
+                if isinstance(tool_name, str) and 0 < len(tool_name) <= MAX_NAME and tool_name not in by_name:
+                    by_name[tool_name] = tool
+            specs[name] = by_name
+        idents = identifiers(list(specs), OWN_NAMES)
+        catalog = {idents[name]: Server(self, name, idents[name], specs[name]) for name in specs}
+        with self.lock:
+            conn.ready = True
+            if self.conn is conn:
+                self.publish(catalog)
+            self.changed.notify_all()
+
+    def publish(self, catalog):
+        """Put catalog's servers on mcp_tools and mcp_tools.aio, in place of the last ones."""
+        module, aio = self.module.__dict__, self.aio.__dict__
+        for ident in self.catalog:
+            module.pop(ident, None)
+            aio.pop(ident, None)
+        for ident, server in catalog.items():
+            module[ident] = server.namespace
+            aio[ident] = server.aio_namespace
+        self.catalog = catalog
+
+    def result(self, conn, frame):
+        call_id = frame.get("id")
+        if type(call_id) is not int or call_id <= 0:
+            raise ProtocolError("a result without a positive integer id")
+        with self.lock:
+            waiter = conn.pending.pop(call_id, None)
+        if waiter is not None:  # else cancelled: the gateway may answer what it could not stop
+            waiter.deliver(*outcome(frame, waiter.server, waiter.tool))
+
+    # -- calls ------------------------------------------------------------------------
+
+    def request(self, tool, arguments):
+        """A new call id and the call's frame, or TypeError/ValueError if it cannot go."""
+        call_id = next(self.ids)
+        label = f"mcp_tools.{tool.qualname}()"
+        frame = {"v": VERSION, "type": "call", "id": call_id, "server": tool.server, "tool": tool.name, "arguments": arguments}
+        try:
+            data = frame_bytes(frame)
+        except TypeError as exc:
+            raise TypeError(f"{label}: an argument is not JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{label}: the arguments cannot be sent as JSON: {exc}") from None
+        if len(data) - 4 > MAX_REQUEST:
+            raise ValueError(f"{label}: the request is {len(data) - 4} bytes of JSON, over the MCP bridge's limit of {MAX_REQUEST} (1 MiB)")
+        return call_id, data
+
+    def register(self, call_id, waiter):
+        with self.lock:
+            conn = self.conn
+            if conn is None:
+                message = NOT_CONNECTED
+                if self.last_reason not in (None, CLOSED, REPLACED):
+                    message += f" ({self.last_reason})"
+                raise ToolError(message, server=waiter.server, tool=waiter.tool, kind="unavailable")
+            conn.pending[call_id] = waiter
+            return conn
+
+    def abandon(self, conn, call_id):
+        """The caller stopped waiting: if the call is still open, cancel it upstream."""
+        with self.lock:
+            if conn.pending.pop(call_id, None) is None:
+                return
+        conn.outbox.put(frame_bytes({"v": VERSION, "type": "cancel", "id": call_id}))
+
+    def call(self, tool, arguments):
+        call_id, data = self.request(tool, arguments)
+        waiter = Waiter(tool.server, tool.name)
+        conn = None
+        try:
+            conn = self.register(call_id, waiter)
+            conn.outbox.put(data)
+            return waiter.wait()
+        except BaseException:  # KeyboardInterrupt above all; always re-raised
+            if conn is not None:
+                self.abandon(conn, call_id)
+            raise
+
+    async def acall(self, tool, arguments):
+        call_id, data = self.request(tool, arguments)
+        waiter = AsyncWaiter(asyncio.get_running_loop(), tool.server, tool.name)
+        conn = None
+        try:
+            conn = self.register(call_id, waiter)
+            conn.outbox.put(data)
+            return await waiter.future
+        except BaseException:  # CancelledError, KeyboardInterrupt; always re-raised
+            if conn is not None:
+                self.abandon(conn, call_id)
+            raise
+
+    # -- looking ----------------------------------------------------------------------
+
+    def servers(self):
+        with self.lock:
+            return {ident: sorted(server.tools) for ident, server in sorted(self.catalog.items())}
+
+    def describe(self, name):
+        with self.lock:
+            catalog = dict(self.catalog)
+            connected = self.conn is not None
+        chosen = [s for s in catalog.values() if name is None or name in (s.ident, s.name)]
+        if name is not None and not chosen:
+            raise ValueError(f"no MCP server {name!r}; there are: {', '.join(sorted(catalog)) or 'none'}")
+        if not chosen:
+            return "# No MCP tools: " + ("the gateway lists no servers" if connected else NOT_CONNECTED) + ".\n"
+        out = ['"""MCP tools: mcp_tools.<server>.<tool>(...), or await mcp_tools.<server>.<tool>.aio(...)."""']
+        for server in chosen:
+            out += ["", "", f"class {server.ident}:", docstring(f"MCP server {server.name!r}.", 4)]
+            for tool in server.tools.values():
+                out += ["", f"    def {tool.ident}{tool.signature}:", docstring(tool.doc, 8)]
+        return "\n".join(out) + "\n"
+
+    def wait_connected(self, timeout):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ValueError(f"timeout is a number of seconds, not {timeout!r}")
+        with self.changed:
+            return self.changed.wait_for(lambda: self.conn is not None and self.conn.ready, timeout)
+
+
+BRIDGE = Bridge(types.ModuleType("mcp_tools", __doc__))
+
+
+def servers():
+    """The MCP servers and their tools, by the Python names mcp_tools gives them.
+
+    Returns {server: [tool, ...]}, sorted. describe() shows the names the servers use.
+    """
+    return BRIDGE.servers()
+
+
+def describe(server=None):
+    """Every tool's stub as Python source: def lines and docstrings, a class per server.
+
+    server: only that one, by its Python name or its own. Without a connection the text
+    says so; a server that does not exist raises ValueError.
+    """
+    return BRIDGE.describe(server)
+
+
+def wait_connected(timeout=10.0):
+    """Wait up to timeout seconds for the gateway's connection and its list of tools.
+
+    True once a connection is open and its tools are on mcp_tools, else False.
+    """
+    return BRIDGE.wait_connected(timeout)
+
+
+BRIDGE.module.__dict__.update(
+    ToolError=ToolError,
+    servers=servers,
+    describe=describe,
+    wait_connected=wait_connected,
+    aio=BRIDGE.aio,
+    __mcp_forge_bridge__=BRIDGE,
+)
+'''
+
+# Run in the gateway's private namespace: finds the running bridge (sys.modules, else its
+# listener thread) or builds one, and deletes its own name whatever happens.
+_BOOTSTRAP = r"""
+def _mcp_forge_bridge(address, body):
+    import builtins, sys, threading
+    bridge = getattr(sys.modules.get("mcp_tools"), "__mcp_forge_bridge__", None)
+    if bridge is None:
+        for thread in threading.enumerate():
+            bridge = getattr(thread, "mcp_forge_bridge", None)
+            if bridge is not None:
+                break
+    if bridge is None:
+        namespace = {"__name__": "mcp_tools", "__builtins__": builtins}
+        exec(compile(body, "<mcp_tools>", "exec"), namespace)
+        bridge = namespace["BRIDGE"]
+    bridge.start(address)
+    sys.modules["mcp_tools"] = bridge.module
+
+
+try:
+    _mcp_forge_bridge(BRIDGE_ADDRESS, @BODY@)
+finally:
+    del _mcp_forge_bridge
+"""
+
+SOURCE: str = _BOOTSTRAP.replace(
+    "@BODY@",
+    repr(
+        _BODY.replace("@VERSION@", str(VERSION))
+        .replace("@KERNEL_FRAME_MAX@", str(KERNEL_FRAME_MAX))
+        .replace("@GATEWAY_FRAME_MAX@", str(GATEWAY_FRAME_MAX))
+    ),
+)

@@ -1,0 +1,131 @@
+"""Code mode, locally: kernel code calls real upstream MCP servers through the bridge.
+
+The servers are real: `mcp-server-time` (PyPI), `@modelcontextprotocol/server-filesystem`
+(npm) and tests/mcp_servers/edge_server.py, started by the gateway's SDK client from the
+`mcpServers` config; the kernel runs in a real Podman pod with no network at all.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mcp_forge.gateway import Gateway
+from mcp_forge.upstream import Upstream, parse_config
+from mcp_servers.config import missing_servers, upstream_config
+
+pytestmark = pytest.mark.podman
+
+
+@pytest.fixture(scope="module")
+def files_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("files")
+    for i in range(50):
+        (d / f"note-{i:02d}.txt").write_text(f"note {i}\n" + "word " * i)
+    return d
+
+
+@pytest.fixture(scope="module")
+async def upstreams(files_dir: Path) -> AsyncIterator[dict[str, Upstream]]:
+    config = upstream_config(files_dir)
+    missing = missing_servers(config)
+    if missing:
+        pytest.fail("; ".join(missing.values()))
+    ups = {n: Upstream(c) for n, c in parse_config(config).items()}
+    yield ups
+    for u in ups.values():
+        await u.close()
+
+
+@pytest.fixture
+async def coder(
+    runtime: Any, settings: Any, upstreams: dict[str, Upstream]
+) -> AsyncIterator[Gateway]:
+    gw = Gateway(runtime, settings, upstreams=upstreams)
+    yield gw
+    await gw.close()
+
+
+async def value(gw: Gateway, session: str, code: str) -> Any:
+    r = await gw.execute(session, code + "\nprint(__import__('json').dumps(_out))")
+    assert r.status == "ok", (r.error, r.stderr)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+async def test_kernel_code_calls_real_upstream_servers(make_session, coder: Gateway) -> None:
+    name = await make_session(mcpServers=[{"name": "time"}, {"name": "files"}, {"name": "edge"}])
+    out = await value(
+        coder,
+        name,
+        "import mcp_tools\n"
+        "_out = {'sum': mcp_tools.edge.add(a=40),\n"
+        "        'tz': mcp_tools.time.get_current_time(timezone='UTC')['timezone'],\n"
+        "        'servers': sorted(mcp_tools.servers())}",
+    )
+    assert out == {"sum": {"sum": 42}, "tz": "UTC", "servers": ["edge", "files", "time"]}
+
+
+async def test_a_cell_reads_50_files_and_returns_only_a_summary(
+    make_session, coder: Gateway, files_dir: Path
+) -> None:
+    name = await make_session(mcpServers=[{"name": "files", "readOnly": True}])
+    out = await value(
+        coder,
+        name,
+        "import mcp_tools, re\n"
+        f"root = {str(files_dir)!r}\n"
+        "listing = mcp_tools.files.list_directory(path=root)\n"
+        "text = listing['content'] if isinstance(listing, dict) else listing\n"
+        "names = re.findall(r'\\[FILE\\] (\\S+)', text)\n"
+        "words = 0\n"
+        "for n in names:\n"
+        "    body = mcp_tools.files.read_text_file(path=root + '/' + n)\n"
+        "    body = body['content'] if isinstance(body, dict) else body\n"
+        "    words += body.count('word')\n"
+        "_out = {'files': len(names), 'words': words}",
+    )
+    assert out == {"files": 50, "words": sum(range(50))}
+
+
+async def test_denied_and_read_only_tools_raise_permission_errors(
+    make_session, coder: Gateway
+) -> None:
+    name = await make_session(mcpServers=[{"name": "edge", "deny": ["add"], "readOnly": True}])
+    out = await value(
+        coder,
+        name,
+        "import mcp_tools\n"
+        "_out = {}\n"
+        "calls = (lambda: mcp_tools.edge.add(a=1), lambda: mcp_tools.edge.write_note(text='x'))\n"
+        "for call in calls:\n"
+        "    try:\n"
+        "        call()\n"
+        "    except PermissionError as e:\n"
+        "        _out[len(_out)] = str(e)\n"
+        "_out['echo'] = mcp_tools.edge.echo(text='hi')",
+    )
+    assert "denied" in out["0"]
+    assert "read-only" in out["1"]
+    assert out["echo"] == {"text": "hi"}
+
+
+async def test_the_kernel_never_sees_the_servers_secrets(make_session, coder: Gateway) -> None:
+    name = await make_session(mcpServers=[{"name": "edge"}])
+    out = await value(
+        coder,
+        name,
+        "import mcp_tools, os\n"
+        "_out = {'server_has_it': mcp_tools.edge.env_has_secret()['present'],\n"
+        "        'kernel_has_it': 'EDGE_SECRET' in os.environ}",
+    )
+    assert out == {"server_has_it": True, "kernel_has_it": False}
+
+
+async def test_a_session_without_mcp_servers_has_no_bridge(make_session, coder: Gateway) -> None:
+    name = await make_session()
+    out = await value(coder, name, "import sys\n_out = 'mcp_tools' in sys.modules")
+    assert out is False

@@ -1,0 +1,1 @@
+"""Upstream MCP servers for code mode's tests: their configuration and our edge server."""

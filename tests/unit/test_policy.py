@@ -1,0 +1,87 @@
+"""Code mode's pure parts: the upstream config and the per-session policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mcp_forge.errors import InvalidRequest, InvalidSession
+from mcp_forge.policy import Meter, ServerPolicy, policies_of
+from mcp_forge.upstream import parse_config
+
+READ = {"name": "read_file", "annotations": {"readOnlyHint": True}}
+WRITE = {"name": "write_file", "annotations": {"destructiveHint": True}}
+
+
+def test_the_mcp_servers_format_clients_use_is_read() -> None:
+    servers = parse_config(
+        {
+            "mcpServers": {
+                "time": {"command": "mcp-server-time", "args": ["--x"], "env": {"A": "1"}},
+                "remote": {"url": "https://h.example/mcp", "headers": {"Authorization": "B t"}},
+            }
+        }
+    )
+    assert servers["time"].transport == "stdio"
+    assert servers["time"].args == ("--x",) and dict(servers["time"].env) == {"A": "1"}
+    assert servers["remote"].transport == "http"
+    assert dict(servers["remote"].headers) == {"Authorization": "B t"}
+
+
+@pytest.mark.parametrize(
+    ("doc", "words"),
+    [
+        ({}, "mcpServers"),
+        ({"mcpServers": {"a": {}}}, "either command (stdio) or url"),
+        ({"mcpServers": {"a": {"command": "x", "url": "http://h"}}}, "either command"),
+        ({"mcpServers": {"a": {"command": "x", "args": "-v"}}}, "mcpServers.a.args"),
+        ({"mcpServers": {"a": {"command": "x", "env": {"A": 1}}}}, "mcpServers.a.env"),
+        ({"mcpServers": {"a": {"url": "ftp://h"}}}, "mcpServers.a.url"),
+        ({"mcpServers": {"a": {"command": "x", "bogus": 1}}}, "unknown field(s) bogus"),
+        ({"mcpServers": {"bad name": {"command": "x"}}}, "mcpServers.bad name"),
+    ],
+)
+def test_a_bad_mcp_config_names_what_is_wrong(doc: dict[str, Any], words: str) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        parse_config(doc)
+    assert words in str(err.value)
+
+
+def test_allow_deny_and_read_only() -> None:
+    assert ServerPolicy("f").refusal(WRITE) is None
+    only_read = ServerPolicy("f", allow=("read_*",))
+    assert only_read.refusal(READ) is None
+    assert "not in the session's allowed tools" in (only_read.refusal(WRITE) or "")
+    denied = ServerPolicy("f", deny=("*_file",))
+    assert "denied" in (denied.refusal(READ) or "")
+    read_only = ServerPolicy("f", read_only=True)
+    assert read_only.refusal(READ) is None
+    assert "read-only" in (read_only.refusal(WRITE) or "")
+
+
+def test_policies_come_from_the_spec_and_bad_ones_name_the_field() -> None:
+    got = policies_of([{"name": "files", "readOnly": True, "callsPerExecution": 3}])
+    assert got["files"].read_only and got["files"].calls_per_execution == 3
+    for raw, field in [
+        ({"name": "f", "allow": "x"}, "spec.mcpServers[0].allow"),
+        ({"name": "f", "readOnly": "yes"}, "spec.mcpServers[0].readOnly"),
+        ({"name": "f", "callsPerMinute": 0}, "spec.mcpServers[0].callsPerMinute"),
+        ({"name": "f", "extra": 1}, "spec.mcpServers[0]"),
+    ]:
+        with pytest.raises(InvalidSession) as err:
+            policies_of([raw])
+        assert err.value.field == field
+
+
+def test_the_budget_is_per_execution_and_the_rate_per_minute() -> None:
+    meter = Meter()
+    budget = ServerPolicy("f", calls_per_execution=2)
+    assert meter.take(budget) is None and meter.take(budget) is None
+    assert "budget of 2 calls" in (meter.take(budget) or "")
+    meter.new_execution()
+    assert meter.take(budget) is None
+    rate = ServerPolicy("g", calls_per_minute=2)
+    assert meter.take(rate, now=0.0) is None and meter.take(rate, now=1.0) is None
+    assert "rate limit of 2 calls" in (meter.take(rate, now=2.0) or "")
+    assert meter.take(rate, now=60.5) is None  # the first call left the window
