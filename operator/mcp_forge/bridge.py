@@ -16,10 +16,9 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from .connection import Address
 from .errors import KernelProtocolError
 from .kernel_bridge import KERNEL_FRAME_MAX, FrameReader, encode
 from .policy import Meter, ServerPolicy
@@ -30,18 +29,6 @@ log = logging.getLogger("mcp_forge.bridge")
 CONCURRENT_MAX = 16  # calls in flight per session
 CALL_TIMEOUT = 60.0
 CONNECT_TIMEOUT = 10.0
-
-
-@dataclass(frozen=True)
-class Address:
-    """Where a kernel's bridge listens, as the gateway reaches it."""
-
-    kind: str  # "unix" or "tcp"
-    path: str = ""
-    host: str = ""
-    port: int = 0
-    # Locally: does this pid belong to the session's kernel container? (SO_PEERCRED)
-    peer_check: Callable[[int], bool] | None = None
 
 
 class Bridge:

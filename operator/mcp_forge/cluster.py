@@ -22,8 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import resource
-from .bridge import Address
-from .connection import BRIDGE_PORT, ConnectionInfo
+from .connection import BRIDGE_PORT, Address, ConnectionInfo
 from .errors import InvalidSession, SessionNotFound, SessionNotReady
 from .kube import BUSY_PREFIX, RESTART, ApiError, Kube, key_of
 from .render import child_name, secret_name

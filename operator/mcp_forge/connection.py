@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -74,3 +75,15 @@ class ConnectionInfo:
     def public(self) -> dict[str, Any]:
         """What may be shown in status: everything but the key."""
         return {"transport": self.transport, "host": self.host, "ports": dict(PORTS)}
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where a kernel's bridge listens, as the gateway reaches it."""
+
+    kind: str  # "unix" or "tcp"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+    # Locally: does this pid belong to the session's kernel container? (SO_PEERCRED)
+    peer_check: Callable[[int], bool] | None = None

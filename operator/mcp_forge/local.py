@@ -40,12 +40,12 @@ from typing import Any
 import yaml
 
 from . import podman, resource
-from .bridge import Address
 from .connection import (
     BRIDGE_DIR_IN_POD,
     BRIDGE_SOCKET,
     IPC_PATH_MAX,
     PORTS,
+    Address,
     ConnectionInfo,
     new_key,
 )

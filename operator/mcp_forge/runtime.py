@@ -13,8 +13,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .bridge import Address
-from .connection import ConnectionInfo
+from .connection import Address, ConnectionInfo
 from .resource import KernelSession
 
 
