@@ -51,6 +51,8 @@ class Bridge:
         self._slots = asyncio.Semaphore(CONCURRENT_MAX)
         self._write_lock = asyncio.Lock()
         self.tools: dict[str, list[dict[str, Any]]] = {}  # server -> tools this session may call
+        self.started = 0  # calls served so far (observability, and tests wait on it)
+        self.call_started = asyncio.Event()  # set (and replaced) as each call starts
 
     @property
     def connected(self) -> bool:
@@ -163,6 +165,9 @@ class Bridge:
             if task is not None:
                 task.cancel()
         elif kind == "call" and call_id not in self._calls:
+            self.started += 1
+            self.call_started.set()
+            self.call_started = asyncio.Event()
             task = asyncio.create_task(self._serve(call_id, frame))
             self._calls[call_id] = task
 

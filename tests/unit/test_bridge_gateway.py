@@ -1,0 +1,157 @@
+"""Code mode's bridge, gateway side, against the real kernel module and a real server.
+
+The kernel is the stand-in process of test_kernel_bridge.py (SOURCE executed in a plain
+`python -I -S`, cells on its stdin); the gateway side is `mcp_forge.bridge.Bridge`; the
+upstream is tests/mcp_servers/edge_server.py through the SDK client. No Podman: the
+pod-based flow is tests/integration/test_code_mode.py. Blocking waits on the stand-in
+run in threads; waits have deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_kernel_bridge import Kernel
+
+from mcp_forge.bridge import Bridge
+from mcp_forge.connection import Address
+from mcp_forge.policy import ServerPolicy
+from mcp_forge.upstream import Upstream, parse_config
+from mcp_servers.config import upstream_config
+
+DEADLINE = 20.0
+
+
+@pytest.fixture
+async def edge(tmp_path: Path) -> AsyncIterator[Upstream]:
+    upstream = Upstream(parse_config(upstream_config(tmp_path))["edge"])
+    yield upstream
+    await upstream.close()
+
+
+@pytest.fixture
+def kernel(tmp_path: Path) -> Iterator[Kernel]:
+    k = Kernel(tmp_path, tmp_path / "bridge" / "bridge.sock")
+    yield k
+    k.close()
+
+
+async def connect(kernel: Kernel, edge: Upstream, policy: ServerPolicy) -> Bridge:
+    bridge = Bridge("s1", {"edge": edge}, {"edge": policy}, call_timeout=DEADLINE)
+    await bridge.open(
+        Address("unix", path=str(kernel.socket_path), peer_check=lambda pid: pid == kernel.proc.pid)
+    )
+    assert await run(kernel, "import mcp_tools\nresult = mcp_tools.wait_connected(10)") is True
+    return bridge
+
+
+async def run(kernel: Kernel, code: str) -> Any:
+    return await asyncio.to_thread(kernel.run, code)
+
+
+async def fails(kernel: Kernel, code: str) -> dict[str, Any]:
+    return await asyncio.to_thread(kernel.fails, code)
+
+
+async def test_the_budget_is_per_execution(kernel: Kernel, edge: Upstream) -> None:
+    bridge = await connect(kernel, edge, ServerPolicy("edge", calls_per_execution=3))
+    try:
+        got = await run(kernel, "result = [mcp_tools.edge.add(a=i)['sum'] for i in range(3)]")
+        assert got == [2, 3, 4]
+        spent = await fails(kernel, "mcp_tools.edge.add(a=1)")
+        assert spent["type"] == "ToolError" and "budget of 3 calls" in spent["message"]
+        bridge.new_execution()
+        assert await run(kernel, "result = mcp_tools.edge.add(a=1)") == {"sum": 3}
+    finally:
+        await bridge.close()
+
+
+async def test_the_rate_limit_holds(kernel: Kernel, edge: Upstream) -> None:
+    bridge = await connect(kernel, edge, ServerPolicy("edge", calls_per_minute=2))
+    try:
+        await run(kernel, "mcp_tools.edge.echo(text='1'); mcp_tools.edge.echo(text='2')")
+        limited = await fails(kernel, "mcp_tools.edge.echo(text='3')")
+        assert "rate limit of 2 calls a minute" in limited["message"]
+    finally:
+        await bridge.close()
+
+
+async def test_an_oversized_request_is_refused_and_the_bridge_still_works(
+    kernel: Kernel, edge: Upstream
+) -> None:
+    bridge = await connect(kernel, edge, ServerPolicy("edge"))
+    try:
+        big = await fails(kernel, "mcp_tools.edge.echo(text='x' * (2 << 20))")
+        assert big["type"] == "ValueError", big
+        assert await run(kernel, "result = mcp_tools.edge.echo(text='after')") == {"text": "after"}
+        assert bridge.started == 1, "the oversized request never reached the gateway"
+    finally:
+        await bridge.close()
+
+
+async def test_an_upstream_that_dies_is_an_error_then_comes_back(
+    kernel: Kernel, edge: Upstream
+) -> None:
+    bridge = await connect(kernel, edge, ServerPolicy("edge"))
+    try:
+        died = await fails(kernel, "mcp_tools.edge.crash()")
+        assert died["type"] == "ToolError" and "edge.crash failed" in died["message"], died
+        # The next call starts the server again: a fresh process has served one call.
+        assert (await run(kernel, "result = mcp_tools.edge.count()"))["calls"] == 1
+    finally:
+        await bridge.close()
+
+
+async def test_an_interrupt_cancels_the_call_in_flight(
+    kernel: Kernel, edge: Upstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mcp_forge.bridge")
+    bridge = await connect(kernel, edge, ServerPolicy("edge"))
+    try:
+        started = bridge.call_started
+        await asyncio.to_thread(kernel.start, "mcp_tools.edge.slow(seconds=60)")
+        await asyncio.wait_for(started.wait(), DEADLINE)
+        kernel.proc.send_signal(signal.SIGINT)
+        interrupted = await asyncio.to_thread(kernel.reply)
+        assert interrupted["type"] == "KeyboardInterrupt", interrupted
+        assert await run(kernel, "result = mcp_tools.edge.echo(text='next')") == {"text": "next"}
+        lines = [r.getMessage() for r in caplog.records if "tool=slow" in r.getMessage()]
+        assert lines and "status=cancelled" in lines[0], lines
+    finally:
+        await bridge.close()
+
+
+async def test_every_call_is_logged_and_denials_name_the_rule(
+    kernel: Kernel, edge: Upstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mcp_forge.bridge")
+    bridge = await connect(kernel, edge, ServerPolicy("edge", deny=("add",)))
+    try:
+        denied = await fails(kernel, "mcp_tools.edge.add(a=1)")
+        assert denied["type"] == "PermissionError" and "denied" in denied["message"]
+        assert await run(kernel, "result = mcp_tools.edge.echo(text='hi')") == {"text": "hi"}
+        logged = [
+            r.getMessage() for r in caplog.records if r.getMessage().startswith("bridge call")
+        ]
+        assert any("tool=add status=denied" in m for m in logged), logged
+        assert any("tool=echo status=ok" in m and "session=s1" in m for m in logged), logged
+    finally:
+        await bridge.close()
+
+
+async def test_a_bridge_served_by_another_process_is_refused(
+    kernel: Kernel, edge: Upstream
+) -> None:
+    """Locally the socket's peer must be the session's kernel (SO_PEERCRED): a socket
+    swapped for another session's is not believed."""
+    bridge = Bridge("s1", {"edge": edge}, {"edge": ServerPolicy("edge")})
+    address = Address("unix", path=str(kernel.socket_path), peer_check=lambda pid: False)
+    with pytest.raises(ConnectionError, match="outside its kernel's container"):
+        await bridge.open(address)
+    assert not bridge.connected
