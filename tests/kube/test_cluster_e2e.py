@@ -66,7 +66,9 @@ async def _read(process: asyncio.subprocess.Process, log: list[str], until: str 
 
 
 @asynccontextmanager
-async def cluster_gateway(kube_api: Any, tokens_file: Path, token: str) -> AsyncIterator[Gateway]:
+async def cluster_gateway(
+    kube_api: Any, tokens_file: Path, token: str, *extra: str
+) -> AsyncIterator[Gateway]:
     port = free_port()
     env = {
         **kube_api.env(),
@@ -76,6 +78,7 @@ async def cluster_gateway(kube_api: Any, tokens_file: Path, token: str) -> Async
     process = await asyncio.create_subprocess_exec(
         *(GATEWAY, "gateway", "--kubernetes", "--http", f"127.0.0.1:{port}"),
         *("--tokens-file", str(tokens_file)),
+        *extra,
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -261,3 +264,37 @@ async def test_a_declared_session_suspended_for_idleness_resumes_when_used(
         closed = await agent.call_tool("close_session", {"session_id": "declared"})
         assert closed.is_error, "agents cannot close a declared session"
         await asyncio.to_thread(kube.delete, KS, NS, "declared")
+
+
+async def test_code_mode_on_the_cluster_and_after_a_kernel_restart(
+    kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
+) -> None:
+    """The gateway dials the kernel pod's bridge (TCP 5560) as it dials its channels."""
+    import json
+
+    from mcp_servers.config import upstream_config
+
+    token = secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"agent {token}\n")
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps(upstream_config(tmp_path)))
+    add = "import mcp_tools\nprint(mcp_tools.edge.add(a=40)['sum'])"
+    async with (
+        running_operator(kube),
+        Kubelet(kube_api.kubeconfig, [NS]),
+        cluster_gateway(kube_api, tokens, token, "--mcp-config", str(config)) as gw,
+        connect(gw) as agent,
+    ):
+        made = await agent.call_tool(
+            "create_session", {"variant": "minimal", "mcp_servers": [{"name": "edge"}]}
+        )
+        assert not made.is_error, text(made)
+        sid = made.structured_content["session_id"]
+        ran = await agent.call_tool("execute_code", {"session_id": sid, "code": add})
+        assert "42" in text(ran), text(ran)
+        restarted = await agent.call_tool("restart_kernel", {"session_id": sid})
+        assert not restarted.is_error, text(restarted)
+        ran = await agent.call_tool("execute_code", {"session_id": sid, "code": add})
+        assert "42" in text(ran), "the module is injected again after a restart: " + text(ran)
+        await agent.call_tool("close_session", {"session_id": sid})

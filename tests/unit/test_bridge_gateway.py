@@ -22,7 +22,7 @@ from test_kernel_bridge import Kernel
 from mcp_forge.bridge import Bridge
 from mcp_forge.connection import Address
 from mcp_forge.policy import ServerPolicy
-from mcp_forge.upstream import Upstream, parse_config
+from mcp_forge.upstream import Upstream, UpstreamError, parse_config
 from mcp_servers.config import upstream_config
 
 DEADLINE = 20.0
@@ -155,3 +155,23 @@ async def test_a_bridge_served_by_another_process_is_refused(
     with pytest.raises(ConnectionError, match="outside its kernel's container"):
         await bridge.open(address)
     assert not bridge.connected
+
+
+async def test_an_http_upstream_gets_its_headers_and_large_results() -> None:
+    from mcp_servers.config import edge_over_http
+
+    async with edge_over_http() as entry:
+        good = Upstream(parse_config({"mcpServers": {"web": entry}})["web"])
+        bad_entry = {"url": entry["url"], "headers": {"Authorization": "Bearer wrong"}}
+        bad = Upstream(parse_config({"mcpServers": {"web": bad_entry}})["web"])
+        try:
+            result = await good.call("echo", {"text": "over http"}, timeout=DEADLINE)
+            assert result.structured_content == {"text": "over http"}
+            # Over the SDK's default 1 MiB per SSE event, under the bridge's 16 MiB.
+            huge = await good.call("huge", {"size": 3 << 20}, timeout=DEADLINE)
+            assert sum(len(getattr(c, "text", "")) for c in huge.content) == 3 << 20
+            with pytest.raises(UpstreamError, match="unavailable"):
+                await bad.call("echo", {"text": "x"}, timeout=DEADLINE)
+        finally:
+            await good.close()
+            await bad.close()
