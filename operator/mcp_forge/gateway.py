@@ -160,7 +160,9 @@ class Gateway:
         await self._silently(
             conn, introspection.bridge_program(inside), "the kernel could not start its MCP bridge"
         )
-        bridge = Bridge(session.name, self.upstreams, policies)
+        bridge = Bridge(
+            session.name, self.upstreams, policies, call_timeout=self.settings.bridge_call_timeout
+        )
         await bridge.open(address)
         handle.bridge = bridge
         # The user's next cell must find the tools: wait until the kernel applied the hello.

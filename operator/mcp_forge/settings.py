@@ -58,6 +58,8 @@ class Settings:
     kube_connect: str = "service"  # the gateway dials the session's Service, or "pod-ip"
     lease_renew: float = 10.0  # the gateway renews a session's activity Lease at most this often
     operator_resync: float = 60.0  # every session is reconciled at least this often
+    # Code mode.
+    bridge_call_timeout: float = 60.0  # one upstream tool call made by kernel code
 
     @classmethod
     def from_env(cls) -> Settings:

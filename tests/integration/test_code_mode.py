@@ -129,3 +129,60 @@ async def test_a_session_without_mcp_servers_has_no_bridge(make_session, coder: 
     name = await make_session()
     out = await value(coder, name, "import sys\n_out = 'mcp_tools' in sys.modules")
     assert out is False
+
+
+async def test_50_concurrent_calls_from_threads_and_from_asyncio(
+    make_session, coder: Gateway
+) -> None:
+    name = await make_session(mcpServers=[{"name": "edge"}])
+    out = await value(
+        coder,
+        name,
+        "import mcp_tools, asyncio\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "with ThreadPoolExecutor(50) as pool:\n"
+        "    threaded = list(pool.map(lambda i: mcp_tools.edge.add(a=i, b=i)['sum'], range(50)))\n"
+        "async def burst():\n"
+        "    got = await asyncio.gather(*(mcp_tools.edge.add.aio(a=i) for i in range(50)))\n"
+        "    return [g['sum'] for g in got]\n"
+        "_out = {'threads': threaded, 'aio': await burst()}",
+    )
+    assert out == {"threads": [2 * i for i in range(50)], "aio": [i + 2 for i in range(50)]}
+
+
+async def test_an_interrupt_stops_a_slow_tool_call_and_the_session_goes_on(
+    make_session, coder: Gateway
+) -> None:
+    name = await make_session(mcpServers=[{"name": "edge"}])
+    result = await coder.execute(
+        name, "import mcp_tools\nmcp_tools.edge.slow(seconds=120)", timeout=3
+    )
+    assert result.status == "timeout", (result.status, result.message)
+    assert not result.state_lost, "interrupted, not restarted: the variables are kept"
+    out = await value(coder, name, "_out = mcp_tools.edge.echo(text='after')")
+    assert out == {"text": "after"}
+
+
+async def test_a_restart_injects_the_module_again(make_session, coder: Gateway) -> None:
+    name = await make_session(mcpServers=[{"name": "edge"}])
+    await coder.execute(name, "import mcp_tools\nx = 1")
+    await coder.restart(name)
+    out = await value(
+        coder,
+        name,
+        "import mcp_tools\n_out = {'x': 'x' in dir(), 'sum': mcp_tools.edge.add(a=1)['sum']}",
+    )
+    assert out == {"x": False, "sum": 3}
+
+
+async def test_a_code_mode_kernel_still_has_no_network(make_session, coder: Gateway) -> None:
+    name = await make_session(mcpServers=[{"name": "edge"}])
+    out = await value(
+        coder,
+        name,
+        "import os, mcp_tools\n"
+        "mcp_tools.edge.echo(text='bridge up')\n"
+        "_out = {'interfaces': sorted(os.listdir('/sys/class/net')),\n"
+        "        'routes': open('/proc/net/route').read().splitlines()[1:]}",
+    )
+    assert out == {"interfaces": ["lo"], "routes": []}

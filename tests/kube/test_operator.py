@@ -100,7 +100,8 @@ async def test_create_makes_every_child_owned_and_ready_follows_the_pod(
     assert pod["spec"]["volumes"][0]["secret"]["secretName"] == "ks-alpha-conn"
     service = await asyncio.to_thread(kube.get, "Service", NS, "ks-alpha")
     assert service is not None
-    assert sorted(p["port"] for p in service["spec"]["ports"]) == [5555, 5556, 5557, 5558, 5559]
+    ports = sorted(p["port"] for p in service["spec"]["ports"])
+    assert ports == [5555, 5556, 5557, 5558, 5559, 5560]  # the channels, code mode's bridge
     policy = await asyncio.to_thread(kube.get, "NetworkPolicy", NS, "ks-alpha")
     assert policy is not None and policy["spec"]["egress"] == []
 
