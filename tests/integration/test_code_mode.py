@@ -186,3 +186,38 @@ async def test_a_code_mode_kernel_still_has_no_network(make_session, coder: Gate
         "        'routes': open('/proc/net/route').read().splitlines()[1:]}",
     )
     assert out == {"interfaces": ["lo"], "routes": []}
+
+
+async def test_budgets_sizes_and_a_dead_server_in_a_real_session(
+    make_session, coder: Gateway
+) -> None:
+    name = await make_session(mcpServers=[{"name": "edge", "callsPerExecution": 2}])
+    out = await value(
+        coder,
+        name,
+        "import mcp_tools\n"
+        "_out = {}\n"
+        "mcp_tools.edge.echo(text='1'); mcp_tools.edge.echo(text='2')\n"
+        "try:\n"
+        "    mcp_tools.edge.echo(text='3')\n"
+        "except mcp_tools.ToolError as e:\n"
+        "    _out['budget'] = str(e)\n",
+    )
+    assert "budget of 2 calls" in out["budget"]
+    out = await value(
+        coder,
+        name,
+        "_out = {}\n"
+        "try:\n"
+        "    mcp_tools.edge.echo(text='x' * (2 << 20))\n"
+        "except ValueError as e:\n"
+        "    _out['big'] = str(e)\n"
+        "try:\n"
+        "    mcp_tools.edge.crash()\n"
+        "except mcp_tools.ToolError as e:\n"
+        "    _out['dead'] = str(e)\n",
+    )
+    assert out["big"] and "edge.crash failed" in out["dead"], out
+    # A new execution, a new budget; the server comes back on the next call.
+    out = await value(coder, name, "_out = mcp_tools.edge.count()['calls']")
+    assert out == 1
