@@ -606,21 +606,7 @@ class LocalRuntime:
         return oom
 
     async def _oom_count(self, container_id: str) -> int:
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                "dmesg", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-            )
-        except OSError:  # no dmesg: deaths are reported by exit code only
-            return 0
-        try:
-            async with asyncio.timeout(10):
-                out, _ = await proc.communicate()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            return 0
-        needle = f"libpod-{container_id}".encode()
-        return sum(1 for line in out.splitlines() if b"oom-kill:" in line and needle in line)
+        return await oom_kills(container_id)
 
     def _set_oom(self, session: KernelSession, value: dict[str, Any]) -> None:
         private = self.store.private(session.namespace, session.name)
@@ -769,6 +755,25 @@ class LocalRuntime:
     def _patch(self, session: KernelSession, **patch: Any) -> None:
         with contextlib.suppress(SessionNotFound):
             self.store.patch_status(session.namespace, session.name, patch)
+
+
+async def oom_kills(container_id: str) -> int:
+    """How many memory-cgroup OOM kills the kernel log records for this container."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "dmesg", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        )
+    except OSError:  # no dmesg: deaths are reported by exit code only
+        return 0
+    try:
+        async with asyncio.timeout(10):
+            out, _ = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return 0
+    needle = f"libpod-{container_id}".encode()
+    return sum(1 for line in out.splitlines() if b"oom-kill:" in line and needle in line)
 
 
 def _unsealed(run: Path) -> str:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import time
 import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +20,8 @@ import kmock
 import kubernetes
 import pytest
 import yaml
+
+from mcp_forge.kube import Kube
 
 from .emulator import Emulator
 
@@ -107,19 +108,23 @@ def prepare_cluster(kubeconfig: Path, crd: dict[str, Any], real: bool) -> None:
         for name in NAMESPACES:
             _create_if_missing(core.create_namespace, {"metadata": {"name": name}})
         _create_if_missing(ext.create_custom_resource_definition, crd)
-        if real:  # a real cluster serves a new CRD after a moment
-            group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
-            version = crd["spec"]["versions"][0]["name"]
-            custom = kubernetes.client.CustomObjectsApi(client)
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    custom.list_namespaced_custom_object(group, version, "default", plural)
-                    break
-                except kubernetes.client.ApiException as e:
-                    if e.status != 404 or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)  # a thread of its own, not the event loop
+        if real:  # a real cluster serves a new CRD once it is Established
+            _wait_established(ext, crd["metadata"]["name"])
+
+
+def _wait_established(ext: Any, name: str, timeout: int = 30) -> None:
+    """Block (in a thread) until the CRD's Established condition is True: a watch."""
+    watch = kubernetes.watch.Watch()
+    for event in watch.stream(
+        ext.list_custom_resource_definition,
+        field_selector=f"metadata.name={name}",
+        timeout_seconds=timeout,
+    ):
+        conditions = event["object"].status.conditions or []
+        if any(c.type == "Established" and c.status == "True" for c in conditions):
+            watch.stop()
+            return
+    raise TimeoutError(f"CRD {name} was not Established within {timeout}s")
 
 
 def _create_if_missing(create: Any, body: dict[str, Any]) -> None:
@@ -164,3 +169,13 @@ async def kube_api(
 
         await asyncio.to_thread(prepare_cluster, kubeconfig, crd, real=emulator is None)
         yield KubeAPI(url=url, kubeconfig=kubeconfig, emulator=emulator)
+
+
+@pytest.fixture
+async def kube(kube_api: KubeAPI) -> AsyncIterator[Kube]:
+    """The project's own API client (mcp_forge.kube) for that API server."""
+    config = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(str(kube_api.kubeconfig), client_configuration=config)
+    k = Kube(config)
+    yield k
+    k.close()

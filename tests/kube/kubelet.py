@@ -63,6 +63,7 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from mcp_forge import podman
 from mcp_forge.errors import PodmanError
+from mcp_forge.local import oom_kills
 
 log = logging.getLogger(__name__)
 
@@ -586,7 +587,7 @@ class Kubelet:
         # Podman's OOMKilled is not set when tini (PID 1) outlives the killed kernel on
         # cgroup v1; the Linux kernel's record of memory-cgroup OOM kills names the
         # container. A container runs once here (no restarts), so any record is this death.
-        oom = bool(state.get("OOMKilled")) or (code == 137 and await _oom_kills(info["Id"]) > 0)
+        oom = bool(state.get("OOMKilled")) or (code == 137 and await oom_kills(info["Id"]) > 0)
         reason = "OOMKilled" if oom else ("Completed" if code == 0 else "Error")
         run.states[container] = {
             "terminated": {
@@ -883,22 +884,3 @@ def _limit_pids(info: Mapping[str, Any], limit: int) -> None:
                 target.write_text(str(limit))
             return
     log.warning("no pids cgroup for container %s: its pids limit is not applied", info.get("Id"))
-
-
-async def _oom_kills(container_id: str) -> int:
-    """How many memory-cgroup OOM kills the kernel log records for this container."""
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            "dmesg", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-        )
-    except OSError:  # no dmesg: deaths are reported by exit code only
-        return 0
-    try:
-        async with asyncio.timeout(10):
-            out, _ = await proc.communicate()
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return 0
-    needle = f"libpod-{container_id}".encode()
-    return sum(1 for line in out.splitlines() if b"oom-kill:" in line and needle in line)

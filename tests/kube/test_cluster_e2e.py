@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
-import kubernetes
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -118,15 +117,6 @@ async def connect(gw: Gateway) -> AsyncIterator[Client]:
 
 def text(result: Any) -> str:
     return "\n".join(c.text for c in result.content if isinstance(c, TextContent))
-
-
-@pytest.fixture
-async def kube(kube_api: Any) -> AsyncIterator[Kube]:
-    config = kubernetes.client.Configuration()
-    kubernetes.config.load_kube_config(str(kube_api.kubeconfig), client_configuration=config)
-    k = Kube(config)
-    yield k
-    k.close()
 
 
 async def test_a_cluster_gateway_runs_code_survives_its_restart_and_deletes(

@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import kubernetes
 import pytest
 
 from mcp_forge.kube import BUSY_PREFIX, RESTART, Kube
@@ -30,15 +29,6 @@ from .harness import (
 )
 
 NS = "default"
-
-
-@pytest.fixture
-async def kube(kube_api: Any) -> AsyncIterator[Kube]:
-    config = kubernetes.client.Configuration()
-    kubernetes.config.load_kube_config(str(kube_api.kubeconfig), client_configuration=config)
-    k = Kube(config)
-    yield k
-    k.close()
 
 
 @pytest.fixture
