@@ -301,16 +301,29 @@ def image() -> None:
     show_default=True,
 )
 @click.option("--force", is_flag=True, help="Rebuild even if the image is up to date.")
-def image_build(variant: str, force: bool) -> None:
+@click.option(
+    "--control-plane",
+    is_flag=True,
+    help="Build the operator and gateway images (ghcr.io/mcp-forge/{operator,gateway}) "
+    "from this checkout instead of a kernel image.",
+)
+def image_build(variant: str, force: bool, control_plane: bool) -> None:
     """Build localhost/mcp-forge-kernel from Debian packages and wheels (no registry needed)."""
+    from .control_plane_image import build_control_plane
     from .image import VARIANTS, build_image
 
     def progress(line: str) -> None:
         click.echo(line, err=True)
 
     async def go() -> None:
-        for v in VARIANTS if variant == "all" else (variant,):
-            res = await build_image(v, force=force, progress=progress)
+        if control_plane:
+            results = await build_control_plane(force=force, progress=progress)
+        else:
+            results = [
+                await build_image(v, force=force, progress=progress)
+                for v in (VARIANTS if variant == "all" else (variant,))
+            ]
+        for res in results:
             state = "built" if res.built else "up to date"
             click.echo(f"{res.ref} {state} ({res.seconds:.1f}s)")
 

@@ -520,6 +520,11 @@ class Reconciler:
         )
         if seen.ready and seen.started_at:
             status["startedAt"] = seen.started_at
+            # The floor above was a starting pod's (START_GRACE): now that the kernel runs,
+            # idleness counts from its start, or nothing would wake us before the grace ends.
+            if spec.idle_timeout and stop is None:
+                started = parse_time(seen.started_at) or now
+                due.append(max(act.last, started) + spec.idle_timeout)
         status.setdefault("restarts", 0)
         if stop is None:
             status["suspendedAt"] = None

@@ -1,17 +1,21 @@
-"""Benchmark: the operator against the test API, with and without real kernels.
+"""Benchmark: the operator on the real test cluster, with real kernels on its real kubelet.
 
     sudo .venv/bin/python tests/bench/bench_operator.py [--runs 10] [--sessions 200]
 
-The API server is the emulator of tests/kube (KMock); the operator is `mcp-forge
-operator` (a subprocess, as it runs in a cluster); pods are played with Podman by the
-test kubelet. In one run, medians (and p90) of:
-  * the API's own cost: one object created and read back (a Secret), the baseline;
-  * the operator's reaction: a KernelSession created → its kernel Pod exists, and the
-    Pod reported running → the KernelSession Ready (no containers: the API only);
-  * create → Ready with a real kernel in a Podman pod, next to a bare local ipykernel's
-    start and local mode's create → Ready (`mcp-forge apply`'s path);
-  * the operator's memory (RSS) with no session and with --sessions KernelSessions, all
-    reconciled, and how long reconciling them all took.
+It uses the running test cluster (tests/kube/cluster up), or starts one and stops it at the
+end. The operator is `mcp-forge operator` (a subprocess, as it runs in a cluster) with a
+ServiceAccount token of its own, so the API server's audit log tells its requests from
+everyone else's. In one run, medians (and p90) of:
+  * baseline: one object created and read back (a Secret) by this script;
+  * KernelSession created -> its kernel Pod exists; Pod running (as the kubelet reports
+    it) -> KernelSession Ready;
+  * create -> the kernel answering kernel_info at its pod IP (operator, scheduler, kubelet,
+    containerd, runc), next to a bare local ipykernel start (jupyter-client) and local
+    mode's create -> Ready (`mcp-forge apply`'s path);
+  * N KernelSessions created and reconciled (operatingMode Suspended: every child but the
+    pod, so that N kernels need not fit in memory): the time, the operator's memory (RSS)
+    and its API requests per session;
+  * the operator's writes in a quiet minute after that, while it resyncs all N (zero).
 The machines are shared and noisy: compare ratios, not absolute numbers.
 """
 
@@ -20,34 +24,43 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
+import secrets
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import kmock
 import kubernetes
-import yaml
 
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_local import bare_start  # noqa: E402
 
-from kube.conftest import CRD_PATH, declare_resources, prepare_cluster, write_kubeconfig  # noqa: E402
-from kube.emulator import Emulator  # noqa: E402
-from kube.harness import KS, condition, eventually, running_status, session_body  # noqa: E402
-from kube.kubelet import Kubelet  # noqa: E402
+from kube import testcluster  # noqa: E402
+from kube.conftest import (  # noqa: E402
+    KERNEL_IMAGES,
+    delete_namespace,
+    install_crd,
+    make_namespace,
+)
+from kube.harness import KS, condition, eventually, kernel, session_body  # noqa: E402
 from mcp_forge.kube import Kube  # noqa: E402
 
-NS = "default"
 OPERATOR = str(Path(sys.executable).parent / "mcp-forge")
 MINIMAL = "localhost/mcp-forge-kernel:0.1.0-minimal"
+CLUSTER = str(ROOT / "tests" / "kube" / "cluster")
+AUDIT = testcluster.ROOT / "logs" / "audit.log"
+WRITES = {"create", "update", "patch", "delete", "deletecollection"}
+QUIET = 60.0
 
 
 def stats(xs: list[float]) -> tuple[float, float]:
@@ -62,30 +75,62 @@ def rss(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-@contextlib.asynccontextmanager
-async def api() -> AsyncIterator[tuple[Path, Kube]]:
-    crd = yaml.safe_load(CRD_PATH.read_text())
-    async with Emulator(keep_requests=1) as emulator, kmock.Server(emulator):
-        declare_resources(emulator, crd)
-        kubeconfig = Path(tempfile.mkdtemp(prefix="bench-kube-")) / "kubeconfig"
-        write_kubeconfig(kubeconfig, str(emulator.url).rstrip("/"))
-        await asyncio.to_thread(prepare_cluster, kubeconfig, crd, False)
-        config = kubernetes.client.Configuration()
-        kubernetes.config.load_kube_config(str(kubeconfig), client_configuration=config)
-        kube = Kube(config)
-        try:
-            yield kubeconfig, kube
-        finally:
-            kube.close()
+@contextlib.contextmanager
+def cluster() -> Iterator[Path]:
+    """The running test cluster, or one started for this run."""
+    already = subprocess.run([CLUSTER, "status"], capture_output=True).returncode == 0
+    if not already:
+        subprocess.run([CLUSTER, "up"], check=True, stdout=subprocess.DEVNULL)
+    try:
+        subprocess.run([CLUSTER, "import", *KERNEL_IMAGES], check=True)
+        kubeconfig = testcluster.ROOT / "conf" / "admin.kubeconfig"
+        install_crd(kubeconfig)
+        yield kubeconfig
+    finally:
+        if not already:
+            subprocess.run([CLUSTER, "down"], check=False)
+
+
+def operator_identity(admin: Path, ns: str, out: Path) -> str:
+    """A ServiceAccount (cluster-admin) and a kubeconfig with its token; its user name."""
+    kubectl = str(testcluster.ROOT / "bin" / "kubectl")
+    base = [kubectl, f"--kubeconfig={admin}"]
+    subprocess.run([*base, "-n", ns, "create", "serviceaccount", "bench-operator"], check=True)
+    subprocess.run(
+        [*base, "create", "clusterrolebinding", f"bench-operator-{ns}", "--clusterrole",
+         "cluster-admin", f"--serviceaccount={ns}:bench-operator"],
+        check=True,
+    )  # fmt: skip
+    token = subprocess.run(
+        [*base, "-n", ns, "create", "token", "bench-operator", "--duration=2h"],
+        check=True,
+        text=True,
+        capture_output=True,
+    ).stdout.strip()
+    config = json.loads(admin.read_text())
+    config["users"] = [{"name": "bench-operator", "user": {"token": token}}]
+    config["contexts"][0]["context"]["user"] = "bench-operator"
+    out.write_text(json.dumps(config))
+    out.chmod(0o600)
+    return f"system:serviceaccount:{ns}:bench-operator"
+
+
+def forget_operator(admin: Path, ns: str) -> None:
+    kubectl = str(testcluster.ROOT / "bin" / "kubectl")
+    subprocess.run(
+        [kubectl, f"--kubeconfig={admin}", "delete", "clusterrolebinding", f"bench-operator-{ns}"],
+        check=False,
+        capture_output=True,
+    )
 
 
 @contextlib.asynccontextmanager
-async def operator(kubeconfig: Path) -> AsyncIterator[asyncio.subprocess.Process]:
+async def operator(kubeconfig: Path, ns: str) -> AsyncIterator[asyncio.subprocess.Process]:
     env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
     env["KUBECONFIG"] = str(kubeconfig)
     log = open(kubeconfig.parent / "operator.log", "wb")  # noqa: SIM115, ASYNC230
     proc = await asyncio.create_subprocess_exec(
-        OPERATOR, "operator", "--all-namespaces", env=env, stdout=log, stderr=log
+        OPERATOR, "operator", "--namespace", ns, env=env, stdout=log, stderr=log
     )
     try:
         yield proc
@@ -99,61 +144,74 @@ async def operator(kubeconfig: Path) -> AsyncIterator[asyncio.subprocess.Process
         log.close()
 
 
+class Audit:
+    """The operator's requests, read from the API server's audit log between two marks."""
+
+    def __init__(self, user: str) -> None:
+        self.user = user
+        self.at = AUDIT.stat().st_size if AUDIT.exists() else 0
+
+    def since(self) -> Counter[str]:
+        """Requests since the last call, by verb (the log is appended as requests finish)."""
+        with AUDIT.open("rb") as f:
+            f.seek(self.at)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.at += end
+        verbs: Counter[str] = Counter()
+        for line in data[:end].splitlines():
+            event = json.loads(line)
+            if event.get("user", {}).get("username") == self.user:
+                verbs[event["verb"]] += 1
+        return verbs
+
+
 def ready(o: dict[str, Any] | None) -> bool:
     return condition(o, "Ready").get("status") == "True"
 
 
-async def operator_up(kube: Kube) -> None:
+def running(p: dict[str, Any] | None) -> bool:
+    return ((p or {}).get("status") or {}).get("phase") == "Running"
+
+
+async def operator_up(kube: Kube, ns: str) -> None:
     """The operator watches: a probe session gets its pod."""
-    name = "probe"
-    await asyncio.to_thread(kube.create, session_body(name, NS))
-    await eventually(kube, "Pod", NS, f"ks-{name}", lambda p: p is not None, timeout=60)
-    await asyncio.to_thread(kube.delete, KS, NS, name)
+    await asyncio.to_thread(kube.create, session_body("probe", ns, operatingMode="Suspended"))
+    await eventually(kube, KS, ns, "probe", lambda o: bool((o or {}).get("status")), timeout=60)
+    await asyncio.to_thread(kube.delete, KS, ns, "probe")
 
 
-async def api_baseline(kube: Kube, runs: int) -> list[float]:
+async def api_baseline(kube: Kube, ns: str, runs: int) -> list[float]:
     out = []
     for _ in range(runs):
         name = f"s-{uuid.uuid4().hex[:8]}"
-        body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NS}}
+        body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": ns}}
         t = time.perf_counter()
         await asyncio.to_thread(kube.create, body)
-        await asyncio.to_thread(kube.get, "Secret", NS, name)
+        await asyncio.to_thread(kube.get, "Secret", ns, name)
         out.append(time.perf_counter() - t)
     return out
 
 
-async def reaction(kube: Kube, runs: int) -> tuple[list[float], list[float]]:
-    to_pod, to_ready = [], []
+async def with_kernels(
+    kube: Kube, ns: str, runs: int
+) -> tuple[list[float], list[float], list[float]]:
+    to_pod, to_ready, to_answer = [], [], []
     for _ in range(runs):
-        name = f"r-{uuid.uuid4().hex[:8]}"
-        t = time.perf_counter()
-        await asyncio.to_thread(kube.create, session_body(name, NS))
-        await eventually(kube, "Pod", NS, f"ks-{name}", lambda p: p is not None)
-        to_pod.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        await asyncio.to_thread(
-            kube.patch, "Pod", NS, f"ks-{name}", {"status": running_status()}, status=True
-        )
-        await eventually(kube, KS, NS, name, ready)
-        to_ready.append(time.perf_counter() - t)
-        await asyncio.to_thread(kube.delete, KS, NS, name)
-    return to_pod, to_ready
-
-
-async def with_kernels(kube: Kube, kubeconfig: Path, runs: int) -> list[float]:
-    out = []
-    async with Kubelet(kubeconfig, [NS]) as kubelet:
-        for _ in range(runs):
-            name = f"k-{uuid.uuid4().hex[:8]}"
-            t = time.perf_counter()
-            await asyncio.to_thread(kube.create, session_body(name, NS, image=MINIMAL))
-            await eventually(kube, KS, NS, name, ready, timeout=120)
-            out.append(time.perf_counter() - t)
-            await asyncio.to_thread(kube.delete, KS, NS, name)
-            await kubelet.wait_removed(NS, f"ks-{name}", timeout=60)
-        assert kubelet.errors == [], kubelet.errors
-    return out
+        name = f"k-{uuid.uuid4().hex[:8]}"
+        t0 = time.perf_counter()
+        await asyncio.to_thread(kube.create, session_body(name, ns, image=MINIMAL))
+        await eventually(kube, "Pod", ns, f"ks-{name}", lambda p: p is not None, timeout=60)
+        to_pod.append(time.perf_counter() - t0)
+        await eventually(kube, "Pod", ns, f"ks-{name}", running, timeout=120)
+        t1 = time.perf_counter()
+        await eventually(kube, KS, ns, name, ready, timeout=60)
+        to_ready.append(time.perf_counter() - t1)
+        async with kernel(kube, ns, name):  # kernel_info answered
+            to_answer.append(time.perf_counter() - t0)
+        await asyncio.to_thread(kube.delete, KS, ns, name)
+        await eventually(kube, "Pod", ns, f"ks-{name}", lambda p: p is None, timeout=120)
+    return to_pod, to_ready, to_answer
 
 
 async def local_baseline(runs: int) -> list[float]:
@@ -178,28 +236,17 @@ async def local_baseline(runs: int) -> list[float]:
     return out
 
 
-async def memory(
-    kube: Kube, proc: asyncio.subprocess.Process, count: int
-) -> tuple[int, int, float]:
-    before = rss(proc.pid)
+async def many(kube: Kube, ns: str, count: int) -> float:
     names = [f"m-{i:04d}" for i in range(count)]
     t = time.perf_counter()
     for name in names:
-        await asyncio.to_thread(kube.create, session_body(name, NS))
-    for name in names:
-        await eventually(
-            kube,
-            KS,
-            NS,
-            name,
-            lambda o: bool((o or {}).get("status", {}).get("phase")),
-            timeout=300,
+        await asyncio.to_thread(
+            kube.create, session_body(name, ns, image=MINIMAL, operatingMode="Suspended")
         )
-    took = time.perf_counter() - t
-    after = rss(proc.pid)
     for name in names:
-        await asyncio.to_thread(kube.delete, KS, NS, name)
-    return before, after, took
+        await eventually(kube, KS, ns, name, lambda o: bool((o or {}).get("status")), timeout=300)
+        await eventually(kube, "Lease", ns, f"ks-{name}", lambda o: o is not None, timeout=300)
+    return time.perf_counter() - t
 
 
 async def main(runs: int, sessions: int) -> None:
@@ -209,35 +256,61 @@ async def main(runs: int, sessions: int) -> None:
         bare.append(took)
         await km.shutdown_kernel(now=True)
     local = await local_baseline(runs)
-    async with api() as (kubeconfig, kube), operator(kubeconfig) as proc:
-        await operator_up(kube)
-        idle_rss = rss(proc.pid)
-        base = await api_baseline(kube, runs * 5)
-        to_pod, to_ready = await reaction(kube, runs * 2)
-        cluster = await with_kernels(kube, kubeconfig, runs)
-        before, after, took = await memory(kube, proc, sessions)
+    with cluster() as admin:
+        ns = f"bench-{secrets.token_hex(3)}"
+        make_namespace(admin, ns, {})
+        work = Path(tempfile.mkdtemp(prefix="bench-operator-"))
+        user = operator_identity(admin, ns, work / "kubeconfig")
+        config = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(str(admin), client_configuration=config)
+        kube = Kube(config)
+        try:
+            async with operator(work / "kubeconfig", ns) as proc:
+                await operator_up(kube, ns)
+                idle_rss = rss(proc.pid)
+                base = await api_baseline(kube, ns, runs * 5)
+                to_pod, to_ready, to_answer = await with_kernels(kube, ns, runs)
+                audit = Audit(user)
+                before = rss(proc.pid)
+                took = await many(kube, ns, sessions)
+                after = rss(proc.pid)
+                burst = audit.since()
+                await asyncio.sleep(QUIET)  # the measurement: a minute with nothing to do
+                quiet = audit.since()
+        finally:
+            kube.close()
+            delete_namespace(admin, ns)
+            forget_operator(admin, ns)
 
     def row(label: str, xs: list[float], ref: float | None = None) -> None:
         med, p90 = stats(xs)
         ratio = f"{med / ref:6.2f}x" if ref else "  1.00x"
         print(f"  {label:<58} {med * 1000:9.1f} ms  p90 {p90 * 1000:9.1f} ms  {ratio}")
 
-    print(f"\noperator against the KMock-based emulator (medians, {runs} runs per kernel figure)")
-    print("API round trip and the operator's reaction (no containers):")
+    print(f"\noperator on the real test cluster (medians, {runs} runs per kernel figure)")
+    print("the operator's reaction, next to one API round trip:")
     row("baseline: create + get one object (API only)", base)
     api_ref = stats(base)[0]
     row("KernelSession created -> kernel Pod exists", to_pod, api_ref)
-    row("Pod reported running -> KernelSession Ready", to_ready, api_ref)
-    print("create -> Ready with a real kernel (minimal image):")
+    row("Pod running (kubelet) -> KernelSession Ready", to_ready, api_ref)
+    print("create -> kernel answering, minimal image:")
     row("baseline: bare local ipykernel start (jupyter-client)", bare)
     ref = stats(bare)[0]
     row("local mode: mcp-forge apply -> Ready (podman kube play)", local, ref)
-    row("cluster: KernelSession -> operator -> test kubelet -> Ready", cluster, ref)
+    row("cluster: KernelSession -> kernel_info answered", to_answer, ref)
+    total = sum(burst.values())
+    writes = sum(n for verb, n in quiet.items() if verb in WRITES)
     print(
-        f"operator memory (RSS): idle {idle_rss / 2**20:.1f} MiB; before {before / 2**20:.1f} MiB; "
-        f"with {sessions} KernelSessions {after / 2**20:.1f} MiB "
+        f"{sessions} KernelSessions (Suspended: Secret, Service, NetworkPolicy, Lease) "
+        f"reconciled in {took:.1f} s; operator RSS idle {idle_rss / 2**20:.1f} MiB, "
+        f"{before / 2**20:.1f} -> {after / 2**20:.1f} MiB "
         f"(+{(after - before) / 2**10 / sessions:.1f} KiB per session); "
-        f"{sessions} reconciled in {took:.1f} s"
+        f"its API requests: {total} ({total / sessions:.1f} per session: "
+        f"{dict(burst.most_common())})"
+    )
+    print(
+        f"a quiet minute after: {sum(quiet.values())} requests, {writes} writes "
+        f"({dict(quiet.most_common())})"
     )
 
 

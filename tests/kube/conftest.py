@@ -1,53 +1,69 @@
-"""The Kubernetes API for tests: the emulator (tests/kube/emulator.py), or a real cluster.
+"""The Kubernetes cluster for tests: a real one.
 
-``kube_api`` is the one place the API server is chosen. By default it starts an ``Emulator`` on a
-random local port, in the test's event loop. With ``MCPFORGE_TEST_KUBECONFIG=/path/to/kubeconfig``
-it uses that cluster instead (no emulator; ``.emulator`` is None; nothing is cleaned up).
+``test_cluster`` is the one place the cluster is chosen, once per test session:
+
+* by default, the single-node cluster of tests/kube/testcluster.py on this machine (etcd, the
+  API server, controller manager, scheduler, containerd, kubelet, kube-proxy, kube-router,
+  CoreDNS; built from the Go module proxy by tests/kube/node/build). If `tests/kube/cluster up`
+  already runs it, it is used and left running; otherwise it is started here and torn down,
+  completely, when the session ends. The kernel images are imported into its containerd.
+* with ``MCPFORGE_TEST_KUBECONFIG=/path/to/kubeconfig``, that cluster (kind, k3d, a cloud):
+  nothing is started or stopped. Its nodes must have the kernel images
+  (``localhost/mcp-forge-kernel:0.1.0`` and ``…-minimal``), the host running the tests must
+  reach its pod IPs, and it must enforce NetworkPolicies for the policy tests to pass.
+
+``kube_api`` gives each test a namespace of its own (``kube_api.namespace``), labelled to
+enforce the "restricted" Pod Security Standard, deleted after the test.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import copy
 import dataclasses
 import os
-import warnings
-from collections.abc import AsyncIterator
+import re
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import kmock
 import kubernetes
 import pytest
 import yaml
 
 from mcp_forge.kube import Kube
 
-from .emulator import Emulator
+from . import testcluster
 
 CRD_PATH = Path(__file__).parents[2] / "crds" / "kernelsession.yaml"
-NAMESPACES = ("default", "sessions")
-VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
+CLUSTER = Path(__file__).parent / "cluster"
+KERNEL_IMAGES = ("localhost/mcp-forge-kernel:0.1.0", "localhost/mcp-forge-kernel:0.1.0-minimal")
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
 
-# Declared unless load_bundled() has them: (group/version/plural, kind, namespaced).
-REQUIRED = [
-    ("v1/pods", "Pod", True),
-    ("v1/services", "Service", True),
-    ("v1/secrets", "Secret", True),
-    ("v1/events", "Event", True),
-    ("v1/namespaces", "Namespace", False),
-    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True),
-    ("coordination.k8s.io/v1/leases", "Lease", True),
-    ("kopf.dev/v1/kopfpeerings", "KopfPeering", True),
-    ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False),
-]
+
+@dataclasses.dataclass(frozen=True)
+class ClusterUnderTest:
+    kubeconfig: Path
+    own: bool  # ours (tests/kube/cluster): the tests may import images, read node state
+
+    def bin(self, name: str) -> str:
+        """A binary of the test cluster's build (kubectl, ctr), or the one on PATH."""
+        local = testcluster.ROOT / "bin" / name
+        return str(local) if self.own and local.exists() else name
 
 
 @dataclasses.dataclass(frozen=True)
 class KubeAPI:
-    url: str  # e.g. http://127.0.0.1:40123 (no trailing slash)
+    url: str  # e.g. https://192.0.2.2:6443 (no trailing slash)
     kubeconfig: Path
-    emulator: Emulator | None  # None against a real cluster
+    namespace: str  # this test's own
+    cluster: ClusterUnderTest
 
     def env(self) -> dict[str, str]:
         """os.environ for a subprocess: KUBECONFIG set, KUBERNETES_SERVICE_HOST removed."""
@@ -58,58 +74,72 @@ class KubeAPI:
         """A new client of the official library for this API (sync: call it in a thread)."""
         return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
 
-
-def declare_resources(emulator: Emulator, crd: dict[str, Any]) -> None:
-    with warnings.catch_warnings():  # kmock 0.8 uses the deprecated importlib.resources API
-        warnings.simplefilter("ignore", DeprecationWarning)
-        emulator.resources.load_bundled()
-    names, spec = crd["spec"]["names"], crd["spec"]
-    for version in spec["versions"]:
-        emulator.resources[f"{spec['group']}/{version['name']}/{names['plural']}"] = (
-            kmock.ResourceInfo(
-                kind=names["kind"],
-                singular=names.get("singular"),
-                namespaced=spec["scope"] == "Namespaced",
-                shortnames=names.get("shortNames", []),
-                categories=names.get("categories", []),
-                subresources=version.get("subresources", {}).keys(),
-                verbs=VERBS,
-            )
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
+        """kubectl against this cluster, in this test's namespace (sync)."""
+        done = subprocess.run(
+            [
+                self.cluster.bin("kubectl"),
+                f"--kubeconfig={self.kubeconfig}",
+                "-n",
+                self.namespace,
+                *args,
+            ],
+            input=input,
+            text=True,
+            capture_output=True,
+            check=False,
         )
-    for key, kind, namespaced in REQUIRED:
-        if key not in emulator.resources:
-            emulator.resources[key] = kmock.ResourceInfo(
-                kind=kind, namespaced=namespaced, verbs=VERBS
-            )
+        if check and done.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {done.stderr}")
+        return done.stdout + (done.stderr if not check else "")
 
 
-def write_kubeconfig(path: Path, url: str) -> None:
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "emulator", "cluster": {"server": url}}],
-        "users": [{"name": "tester", "user": {"token": "dummy-token"}}],
-        "contexts": [
-            {
-                "name": "emulator",
-                "context": {"cluster": "emulator", "user": "tester", "namespace": "default"},
-            }
-        ],
-        "current-context": "emulator",
-    }
-    path.write_text(yaml.safe_dump(config))
+def _cluster_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(CLUSTER), *args], text=True, capture_output=True, check=False)
 
 
-def prepare_cluster(kubeconfig: Path, crd: dict[str, Any], real: bool) -> None:
-    """Ensure the namespaces and the CRD object exist (sync: called in a thread)."""
+@pytest.fixture(scope="session")
+def test_cluster() -> Iterator[ClusterUnderTest]:
+    external = os.environ.get("MCPFORGE_TEST_KUBECONFIG")
+    if external:
+        cluster = ClusterUnderTest(Path(external), own=False)
+        install_crd(cluster.kubeconfig)
+        yield cluster
+        return
+    already = _cluster_cli("status").returncode == 0
+    if not already:
+        up = _cluster_cli("up")
+        if up.returncode != 0:
+            pytest.fail(f"tests/kube/cluster up failed:\n{up.stderr}")
+    try:
+        imported = _cluster_cli("import", *KERNEL_IMAGES)
+        if imported.returncode != 0:
+            pytest.fail(f"importing the kernel images failed:\n{imported.stderr}")
+        cluster = ClusterUnderTest(testcluster.ROOT / "conf" / "admin.kubeconfig", own=True)
+        install_crd(cluster.kubeconfig)
+        yield cluster
+    finally:
+        if not already:
+            down = _cluster_cli("down")
+            if down.returncode != 0:
+                print(f"tests/kube/cluster down failed:\n{down.stderr}", file=sys.stderr)
+
+
+def install_crd(kubeconfig: Path, crd: dict[str, Any] | None = None) -> None:
+    """Create or update the CRD (ours by default), then wait until the API serves it."""
+    crd = copy.deepcopy(crd) if crd else yaml.safe_load(CRD_PATH.read_text())
     with kubernetes.config.new_client_from_config(config_file=str(kubeconfig)) as client:
-        core = kubernetes.client.CoreV1Api(client)
         ext = kubernetes.client.ApiextensionsV1Api(client)
-        for name in NAMESPACES:
-            _create_if_missing(core.create_namespace, {"metadata": {"name": name}})
-        _create_if_missing(ext.create_custom_resource_definition, crd)
-        if real:  # a real cluster serves a new CRD once it is Established
-            _wait_established(ext, crd["metadata"]["name"])
+        name = crd["metadata"]["name"]
+        try:
+            ext.create_custom_resource_definition(crd)
+        except kubernetes.client.ApiException as e:
+            if e.status != 409:
+                raise
+            current = ext.read_custom_resource_definition(name)
+            crd["metadata"]["resourceVersion"] = current.metadata.resource_version
+            ext.replace_custom_resource_definition(name, crd)
+        _wait_established(ext, name)
 
 
 def _wait_established(ext: Any, name: str, timeout: int = 30) -> None:
@@ -127,48 +157,64 @@ def _wait_established(ext: Any, name: str, timeout: int = 30) -> None:
     raise TimeoutError(f"CRD {name} was not Established within {timeout}s")
 
 
-def _create_if_missing(create: Any, body: dict[str, Any]) -> None:
-    try:
-        create(body)
-    except kubernetes.client.ApiException as e:
-        if e.status != 409:
-            raise
+def _namespace_for(nodeid: str) -> str:
+    """A DNS label from the test's name, unique: t-<words>-<random>."""
+    words = re.sub(r"[^a-z0-9]+", "-", nodeid.split("::")[-1].lower()).strip("-")
+    return f"t-{words[:40].strip('-')}-{secrets.token_hex(3)}"
+
+
+def make_namespace(kubeconfig: Path, name: str, labels: dict[str, str]) -> None:
+    """Create it and wait for its default ServiceAccount (pods are refused until it exists)."""
+    with kubernetes.config.new_client_from_config(config_file=str(kubeconfig)) as client:
+        core = kubernetes.client.CoreV1Api(client)
+        core.create_namespace({"metadata": {"name": name, "labels": labels}})
+        watch = kubernetes.watch.Watch()
+        for event in watch.stream(
+            core.list_namespaced_service_account,
+            name,
+            field_selector="metadata.name=default",
+            timeout_seconds=30,
+        ):
+            if event["type"] in ("ADDED", "MODIFIED"):
+                watch.stop()
+                return
+        raise TimeoutError(f"namespace {name}: no default ServiceAccount within 30s")
+
+
+def delete_namespace(kubeconfig: Path, name: str) -> None:
+    """Delete it in the background: pods end on their own time, the next test does not wait."""
+    with kubernetes.config.new_client_from_config(config_file=str(kubeconfig)) as client:
+        try:
+            kubernetes.client.CoreV1Api(client).delete_namespace(name)
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
 
 
 @pytest.fixture
 async def kube_api(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    test_cluster: ClusterUnderTest, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[KubeAPI]:
-    crd = yaml.safe_load(CRD_PATH.read_text())
-    real_kubeconfig = os.environ.get("MCPFORGE_TEST_KUBECONFIG")
-    async with contextlib.AsyncExitStack() as stack:
-        emulator: Emulator | None = None
-        if real_kubeconfig:
-            kubeconfig = Path(real_kubeconfig)
-            config = kubernetes.client.Configuration()
-            kubernetes.config.load_kube_config(str(kubeconfig), client_configuration=config)
-            url = config.host
-        else:
-            emulator = await stack.enter_async_context(Emulator())
-            await stack.enter_async_context(kmock.Server(emulator))
-            kubeconfig = tmp_path_factory.mktemp("kube") / "kubeconfig"
-            url = str(emulator.url).rstrip("/")
-            declare_resources(emulator, crd)
-            write_kubeconfig(kubeconfig, url)
+    kubeconfig = test_cluster.kubeconfig
+    config = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(str(kubeconfig), client_configuration=config)
+    # The kubernetes library reads $KUBECONFIG at import: patch its copies too (kopf uses them).
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(kubernetes.config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.setattr(
+        kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig)
+    )
+    # Make CoreV1Api() etc. (default configuration) reach it too; restored afterwards.
+    monkeypatch.setattr(kubernetes.client.Configuration, "_default", None)
+    kubernetes.config.load_kube_config(str(kubeconfig))
 
-        # The kubernetes library reads $KUBECONFIG at import: patch its copies too.
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        monkeypatch.setattr(kubernetes.config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-        monkeypatch.setattr(
-            kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig)
-        )
-        # Make CoreV1Api() etc. (default configuration) reach it too; restored afterwards.
-        monkeypatch.setattr(kubernetes.client.Configuration, "_default", None)
-        kubernetes.config.load_kube_config(str(kubeconfig))
-
-        await asyncio.to_thread(prepare_cluster, kubeconfig, crd, real=emulator is None)
-        yield KubeAPI(url=url, kubeconfig=kubeconfig, emulator=emulator)
+    namespace = _namespace_for(request.node.nodeid)
+    await asyncio.to_thread(make_namespace, kubeconfig, namespace, RESTRICTED)
+    try:
+        yield KubeAPI(config.host.rstrip("/"), kubeconfig, namespace, test_cluster)
+    finally:
+        await asyncio.to_thread(delete_namespace, kubeconfig, namespace)
 
 
 @pytest.fixture

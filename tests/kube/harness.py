@@ -1,14 +1,17 @@
-"""Running the real operator (kopf, in a thread) against the test API, and waiting on it.
+"""Running the real operator (kopf, in a thread) against the test cluster, and waiting on it.
 
-The API server runs in the test's event loop (the emulator), so kopf gets a thread and
-loop of its own, and every blocking client call goes through `asyncio.to_thread`.
-Waiting is on the API's watch streams, under a deadline: never a sleep.
+kopf gets a thread and loop of its own, as `mcp-forge operator` would have a process, and
+every blocking client call goes through `asyncio.to_thread`. Waiting is on the API's watch
+streams, under a deadline: never a sleep. Kernels are real: `kernel` connects to one over
+its own ZMQ channels at its pod IP, as a gateway does (the host reaches pod IPs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,9 +19,13 @@ from typing import Any
 
 import kopf
 
-from mcp_forge.kube import Kube
+from mcp_forge.connection import ConnectionInfo
+from mcp_forge.execution import Collector
+from mcp_forge.kernel import KernelConnection
+from mcp_forge.kube import ApiError, Kube
 
 KS = "KernelSession"
+KERNEL_DEADLINE = 60.0
 
 
 class OperatorThread:
@@ -103,8 +110,12 @@ async def eventually(
 
 
 def _next_event(kube: Kube, kind: str, namespace: str, name: str, rv: str, timeout: float) -> None:
-    for _ in kube.watch(kind, namespace, resource_version=rv, name=name, timeout=timeout):
-        return
+    try:
+        for _ in kube.watch(kind, namespace, resource_version=rv, name=name, timeout=timeout):
+            return
+    except ApiError as exc:
+        if exc.status != 410:  # Gone: too old to replay from (a CRD replaced): read again
+            raise
 
 
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
@@ -118,7 +129,7 @@ def phase(obj: dict[str, Any] | None) -> str | None:
     return ((obj or {}).get("status") or {}).get("phase")
 
 
-def session_body(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
+def session_body(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": "mcpforge.dev/v1alpha1",
         "kind": KS,
@@ -127,35 +138,107 @@ def session_body(name: str, namespace: str = "default", **spec: Any) -> dict[str
     }
 
 
-def running_status(pod_ip: str = "10.88.0.7") -> dict[str, Any]:
-    """What a kubelet reports for a kernel that runs."""
+def key_in(secret: dict[str, Any]) -> str:
+    data = secret.get("data") or {}
+    text = (
+        base64.b64decode(data["connection.json"]).decode()
+        if "connection.json" in data
+        else secret["stringData"]["connection.json"]
+    )
+    key: str = json.loads(text)["key"]
+    return key
+
+
+@contextlib.asynccontextmanager
+async def kernel(kube: Kube, namespace: str, name: str) -> AsyncIterator[KernelConnection]:
+    """The session's kernel, answering: connected at its pod IP with the key of its Secret."""
+    obj = await asyncio.to_thread(kube.get, KS, namespace, name)
+    assert obj is not None and obj["status"].get("podIP"), f"{name} has no pod IP: {obj}"
+    secret = await asyncio.to_thread(kube.get, "Secret", namespace, f"ks-{name}-conn")
+    assert secret is not None
+    info = ConnectionInfo("tcp", obj["status"]["podIP"], key_in(secret))
+    conn = KernelConnection(info, max_frame=16 << 20, max_message=32 << 20)
+    try:
+        await conn.wait_ready(KERNEL_DEADLINE)
+        yield conn
+    finally:
+        conn.close()
+
+
+async def kernel_dies(kube: Kube, namespace: str, name: str, code: str) -> dict[str, Any]:
+    """Run `code` (which ends the kernel) and return the pod once its container terminated."""
+    async with kernel(kube, namespace, name) as conn:
+        conn.send_execute(code, silent=False, store_history=False)
+        pod = await eventually(kube, "Pod", namespace, f"ks-{name}", terminated, timeout=60)
+    assert pod is not None
+    return pod
+
+
+def terminated(pod: dict[str, Any] | None) -> bool:
+    statuses = ((pod or {}).get("status") or {}).get("containerStatuses") or []
+    return any("terminated" in (c.get("state") or {}) for c in statuses)
+
+
+async def run_in_kernel(conn: KernelConnection, code: str, timeout: float = 30.0) -> str:
+    """Run `code` in the kernel; its stdout (an error's traceback fails the test)."""
+    collector = Collector(conn.send_execute(code, silent=False, store_history=False), 100_000, 0)
+    assert await conn.pump(collector, timeout), f"no reply within {timeout}s to {code!r}"
+    assert collector.error is None, collector.error
+    return "".join(collector.stdout)
+
+
+PROBE_IMAGE = "localhost/mcp-forge-kernel:0.1.0-minimal"
+
+
+def probe_pod(name: str, namespace: str, labels: dict[str, str], code: str) -> dict[str, Any]:
+    """A pod that runs `python3 -c code` once, as "restricted" admits it."""
     return {
-        "phase": "Running",
-        "podIP": pod_ip,
-        "containerStatuses": [
-            {
-                "name": "kernel",
-                "ready": True,
-                "restartCount": 0,
-                "image": "localhost/mcp-forge-kernel:0.1.0",
-                "imageID": "",
-                "state": {"running": {"startedAt": "2026-11-29T20:00:00Z"}},
-            }
-        ],
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": "probe",
+                    "image": PROBE_IMAGE,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["python3", "-c", code],
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "readOnlyRootFilesystem": True,
+                        "capabilities": {"drop": ["ALL"]},
+                    },
+                }
+            ],
+        },
     }
 
 
-def terminated_status(exit_code: int, reason: str) -> dict[str, Any]:
-    return {
-        "phase": "Failed",
-        "containerStatuses": [
-            {
-                "name": "kernel",
-                "ready": False,
-                "restartCount": 0,
-                "image": "localhost/mcp-forge-kernel:0.1.0",
-                "imageID": "",
-                "state": {"terminated": {"exitCode": exit_code, "reason": reason}},
-            }
-        ],
-    }
+def connect_code(host: str, port: int, until_open: float = 0) -> str:
+    """Python that prints `open` if a TCP connection to host:port succeeds within 3 s, else
+    `closed` and why; with `until_open`, it tries again for that many seconds first."""
+    return (
+        "import socket, time\n"
+        f"deadline = time.monotonic() + {until_open}\n"
+        "while True:\n"
+        "    s = socket.socket()\n"
+        "    s.settimeout(3)\n"
+        "    try:\n"
+        f"        s.connect(({host!r}, {port}))\n"
+        "        print('open')\n"
+        "        break\n"
+        "    except OSError as e:\n"
+        "        if time.monotonic() > deadline:\n"
+        "            print('closed', type(e).__name__)\n"
+        "            break\n"
+        "        time.sleep(0.5)  # a policy being applied elsewhere: nothing to wait on\n"
+        "    finally:\n"
+        "        s.close()\n"
+    )

@@ -1,10 +1,10 @@
-"""End to end on the test cluster, with real kernels.
+"""End to end on the real test cluster, with real kernel pods on its real kubelet.
 
-The API server is the test API (kube_api); the operator is the real one (kopf, in a
-thread); the test kubelet plays the pods the operator makes with Podman; the gateway is
-the real `mcp-forge gateway --kubernetes` (a subprocess), driven over streamable HTTP by
-the official MCP SDK client. It dials kernels at their pod IPs (`MCPFORGE_KUBE_CONNECT=
-pod-ip`): the test has no cluster DNS for the Services.
+The operator is the real one (kopf, in a thread); the gateway is the real `mcp-forge
+gateway --kubernetes`, run on this host as a subprocess and driven over streamable HTTP by
+the official MCP SDK client. From the host it dials kernels at their pod IPs
+(`MCPFORGE_KUBE_CONNECT=pod-ip`): Service names resolve inside the cluster only.
+tests/kube/test_install.py runs the gateway as users do, in a pod, through the Services.
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ from mcp_types import TextContent
 from mcp_forge.kube import Kube
 
 from .harness import KS, eventually, phase, running_operator
-from .kubelet import Kubelet
 
 pytestmark = pytest.mark.podman
 
-NS = "sessions"
 GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
 START_DEADLINE = 60.0
 CALL_DEADLINE = 120.0
@@ -71,7 +69,7 @@ async def cluster_gateway(
     port = free_port()
     env = {
         **kube_api.env(),
-        "MCPFORGE_SESSION_NAMESPACE": NS,
+        "MCPFORGE_SESSION_NAMESPACE": kube_api.namespace,
         "MCPFORGE_KUBE_CONNECT": "pod-ip",
     }
     process = await asyncio.create_subprocess_exec(
@@ -122,20 +120,21 @@ def text(result: Any) -> str:
 async def test_a_cluster_gateway_runs_code_survives_its_restart_and_deletes(
     kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
 ) -> None:
+    ns = kube_api.namespace
     token = secrets.token_urlsafe(24)
     tokens = tmp_path / "tokens"
     tokens.write_text(f"agent {token}\n")
-    async with running_operator(kube), Kubelet(kube_api.kubeconfig, [NS]) as kubelet:
+    async with running_operator(kube):
         async with cluster_gateway(kube_api, tokens, token) as gw, connect(gw) as agent:
             made = await agent.call_tool("create_session", {"variant": "minimal"})
             assert not made.is_error, text(made)
             sid = made.structured_content["session_id"]
             ran = await agent.call_tool("execute_code", {"session_id": sid, "code": "x = 41"})
             assert not ran.is_error, text(ran)
-        obj = await asyncio.to_thread(kube.get, KS, NS, sid)
+        obj = await asyncio.to_thread(kube.get, KS, ns, sid)
         assert obj is not None, "a cluster gateway leaves its sessions to the cluster"
         assert obj["status"]["phase"] == "Ready"
-        lease = await asyncio.to_thread(kube.get, "Lease", NS, f"ks-{sid}")
+        lease = await asyncio.to_thread(kube.get, "Lease", ns, f"ks-{sid}")
         assert lease is not None and lease["spec"]["renewTime"], "activity is on the Lease"
         # A new gateway process, no store: it reattaches to the same kernel.
         async with cluster_gateway(kube_api, tokens, token) as gw, connect(gw) as agent:
@@ -150,27 +149,27 @@ async def test_a_cluster_gateway_runs_code_survives_its_restart_and_deletes(
                 "execute_code", {"session_id": sid, "code": "print('x' in dir())"}
             )
             assert "False" in text(ran), text(ran)
-            after = await asyncio.to_thread(kube.get, KS, NS, sid)
+            after = await asyncio.to_thread(kube.get, KS, ns, sid)
             assert after is not None
             assert after["status"]["kernelId"] != obj["status"]["kernelId"]
             assert after["status"]["connection"]["generation"] == 2
             closed = await agent.call_tool("close_session", {"session_id": sid})
             assert not closed.is_error, text(closed)
-        await eventually(kube, KS, NS, sid, lambda o: o is None, what="deleted")
-        await eventually(kube, "Pod", NS, f"ks-{sid}", lambda p: p is None, what="pod gone")
-        await kubelet.wait_removed(NS, f"ks-{sid}", timeout=60)
-        assert kubelet.errors == []
+        await eventually(kube, KS, ns, sid, lambda o: o is None, what="deleted")
+        await eventually(
+            kube, "Pod", ns, f"ks-{sid}", lambda p: p is None, timeout=60, what="pod gone"
+        )
 
 
 async def test_a_kernel_killed_on_the_cluster_is_reported_and_restarted(
     kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
 ) -> None:
+    ns = kube_api.namespace
     token = secrets.token_urlsafe(24)
     tokens = tmp_path / "tokens"
     tokens.write_text(f"agent {token}\n")
     async with (
         running_operator(kube),
-        Kubelet(kube_api.kubeconfig, [NS]),
         cluster_gateway(kube_api, tokens, token) as gw,
         connect(gw) as agent,
     ):
@@ -183,7 +182,7 @@ async def test_a_kernel_killed_on_the_cluster_is_reported_and_restarted(
         assert "restarted" in text(died), text(died)
         ran = await agent.call_tool("execute_code", {"session_id": sid, "code": "print(6 * 7)"})
         assert "42" in text(ran), text(ran)
-        obj = await asyncio.to_thread(kube.get, KS, NS, sid)
+        obj = await asyncio.to_thread(kube.get, KS, ns, sid)
         assert obj is not None
         assert obj["status"]["lastTermination"]["exitCode"] == 137
         assert obj["status"]["restarts"] == 1
@@ -198,7 +197,6 @@ async def test_two_gateway_replicas_serve_the_same_session(
     tokens.write_text(f"agent {token}\n")
     async with (
         running_operator(kube),
-        Kubelet(kube_api.kubeconfig, [NS]),
         cluster_gateway(kube_api, tokens, token) as one,
         cluster_gateway(kube_api, tokens, token) as two,
         connect(one) as via_one,
@@ -218,6 +216,7 @@ async def test_two_gateway_replicas_serve_the_same_session(
 async def test_a_declared_session_suspended_for_idleness_resumes_when_used(
     kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
 ) -> None:
+    ns = kube_api.namespace
     token = secrets.token_urlsafe(24)
     tokens = tmp_path / "tokens"
     tokens.write_text(f"agent {token}\n")
@@ -226,34 +225,33 @@ async def test_a_declared_session_suspended_for_idleness_resumes_when_used(
         "kind": KS,
         "metadata": {
             "name": "declared",
-            "namespace": NS,
+            "namespace": ns,
             "annotations": {"mcpforge.dev/clients": "agent"},
         },
         "spec": {"image": images["minimal"], "idleTimeout": "3s", "idleAction": "Suspend"},
     }
     async with (
         running_operator(kube),
-        Kubelet(kube_api.kubeconfig, [NS]),
         cluster_gateway(kube_api, tokens, token) as gw,
         connect(gw) as agent,
     ):
         await asyncio.to_thread(kube.create, declared)
-        await eventually(kube, KS, NS, "declared", lambda o: phase(o) == "Ready", timeout=60)
+        await eventually(kube, KS, ns, "declared", lambda o: phase(o) == "Ready", timeout=60)
         ran = await agent.call_tool("execute_code", {"session_id": "declared", "code": "x = 1"})
         assert not ran.is_error, text(ran)
         asleep = await eventually(
-            kube, KS, NS, "declared", lambda o: phase(o) == "Suspended", timeout=60
+            kube, KS, ns, "declared", lambda o: phase(o) == "Suspended", timeout=60
         )
         assert asleep is not None and asleep["status"]["reason"] == "Idle"
         ran = await agent.call_tool(
             "execute_code", {"session_id": "declared", "code": "print('x' in dir())"}
         )
         assert not ran.is_error and "False" in text(ran), text(ran)
-        awake = await asyncio.to_thread(kube.get, KS, NS, "declared")
+        awake = await asyncio.to_thread(kube.get, KS, ns, "declared")
         assert phase(awake) == "Ready"
         closed = await agent.call_tool("close_session", {"session_id": "declared"})
         assert closed.is_error, "agents cannot close a declared session"
-        await asyncio.to_thread(kube.delete, KS, NS, "declared")
+        await asyncio.to_thread(kube.delete, KS, ns, "declared")
 
 
 async def test_code_mode_on_the_cluster_and_after_a_kernel_restart(
@@ -272,7 +270,6 @@ async def test_code_mode_on_the_cluster_and_after_a_kernel_restart(
     add = "import mcp_tools\nprint(mcp_tools.edge.add(a=40)['sum'])"
     async with (
         running_operator(kube),
-        Kubelet(kube_api.kubeconfig, [NS]),
         cluster_gateway(kube_api, tokens, token, "--mcp-config", str(config)) as gw,
         connect(gw) as agent,
     ):

@@ -49,7 +49,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = Path(os.environ.get("MCPFORGE_TEST_CLUSTER_DIR", "/var/lib/mcp-forge/test-cluster"))
 NODE = "mcpforge-test-node"
-API_PORT = 16443
+API_PORT = 6443  # where most control planes listen (manifests/ admit it)
 ETCD_PORT = 23790
 POD_CIDR = "10.244.0.0/24"
 SERVICE_CIDR = "10.97.0.0/16"
@@ -284,6 +284,24 @@ state = '{ROOT}/containerd/state'
 """
     )
 
+    audit = {
+        "apiVersion": "audit.k8s.io/v1",
+        "kind": "Policy",
+        "omitStages": ["RequestReceived"],
+        "rules": [
+            # The node's own chatter is not what anyone here wants to count.
+            {"level": "None", "userGroups": ["system:nodes"]},
+            {"level": "None", "users": ["system:kube-scheduler", "system:kube-proxy"]},
+            {
+                "level": "None",
+                "resources": [{"group": "coordination.k8s.io", "resources": ["leases"]}],
+                "namespaces": ["kube-system", "kube-node-lease"],
+            },
+            {"level": "Metadata"},
+        ],
+    }
+    (conf / "audit-policy.json").write_text(json.dumps(audit, indent=1))
+
     kubelet = {
         "kind": "KubeletConfiguration",
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -374,6 +392,11 @@ def commands(ip: str, bins: Path) -> dict[str, list[str]]:
             "--enable-admission-plugins=NodeRestriction",
             "--anonymous-auth=false",
             "--profiling=false",
+            # Who asked what (tests/bench/bench_operator.py counts the operator's requests).
+            f"--audit-policy-file={conf}/audit-policy.json",
+            f"--audit-log-path={ROOT}/logs/audit.log",
+            "--audit-log-maxsize=200",
+            "--audit-log-maxbackup=1",
             "--v=1",
         ],
         "kube-controller-manager": [
@@ -660,7 +683,7 @@ def static_image(bins: Path, image: str, binary: Path, entrypoint: list[str]) ->
     shutil.rmtree(work, ignore_errors=True)
 
 
-COREFILE = """.:1053 {
+COREFILE = """.:53 {
     errors
     ready :8181
     kubernetes cluster.local in-addr.arpa ip6.arpa {
@@ -676,8 +699,9 @@ COREFILE = """.:1053 {
 def start_dns(bins: Path) -> None:
     """CoreDNS as clusters run it: a Deployment in kube-system behind the kube-dns Service.
 
-    It listens on 1053 (no capability needed) and the Service maps 53 to it; it resolves
-    names in the cluster only (no upstream: nothing here resolves outside names).
+    It listens on 53 as clusters' DNS does (NetworkPolicies name that port), as uid 65534
+    with the namespaced sysctl that opens low ports, and resolves names in the cluster only
+    (no upstream: nothing here resolves outside names).
     """
     static_image(
         bins, COREDNS_IMAGE, bins / "coredns", ["/coredns", "-conf", "/etc/coredns/Corefile"]
@@ -718,8 +742,8 @@ def start_dns(bins: Path) -> None:
                 "clusterIP": DNS_SERVICE_IP,
                 "selector": labels,
                 "ports": [
-                    {"name": "dns", "port": 53, "targetPort": 1053, "protocol": "UDP"},
-                    {"name": "dns-tcp", "port": 53, "targetPort": 1053, "protocol": "TCP"},
+                    {"name": "dns", "port": 53, "targetPort": 53, "protocol": "UDP"},
+                    {"name": "dns-tcp", "port": 53, "targetPort": 53, "protocol": "TCP"},
                 ],
             },
         },
@@ -739,6 +763,9 @@ def start_dns(bins: Path) -> None:
                             "runAsNonRoot": True,
                             "runAsUser": 65534,
                             "seccompProfile": {"type": "RuntimeDefault"},
+                            "sysctls": [
+                                {"name": "net.ipv4.ip_unprivileged_port_start", "value": "0"}
+                            ],
                         },
                         "containers": [
                             {
@@ -746,8 +773,8 @@ def start_dns(bins: Path) -> None:
                                 "image": COREDNS_IMAGE,
                                 "imagePullPolicy": "Never",
                                 "ports": [
-                                    {"containerPort": 1053, "protocol": "UDP"},
-                                    {"containerPort": 1053, "protocol": "TCP"},
+                                    {"containerPort": 53, "protocol": "UDP"},
+                                    {"containerPort": 53, "protocol": "TCP"},
                                 ],
                                 "readinessProbe": {
                                     "httpGet": {"path": "/ready", "port": 8181},

@@ -156,6 +156,15 @@ def test_every_example_session_validates(path: Path) -> None:
 def test_the_crd_carries_the_rules_local_mode_checks_in_code() -> None:
     # The API server evaluates these CEL rules; local mode checks the same in spec_of.
     spec = resource.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    messages = " ".join(rule["message"] for rule in spec["x-kubernetes-validations"])
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            found.extend(rule["message"] for rule in node.get("x-kubernetes-validations", []))
+            for value in node.values():
+                walk(value)
+
+    walk(spec)
+    messages = " ".join(found)
     for words in ("at least 64Mi", "at least 50m", "env names must be unique", "reserved"):
         assert words in messages

@@ -1,0 +1,186 @@
+"""The install as users do it, on the real test cluster.
+
+The operator and gateway images are built from this checkout without a registry
+(`mcp-forge image build --control-plane`) and copied into the node; then, as
+manifests/README.md says: `kubectl apply -k manifests/base`, the gateway's tokens Secret,
+a KernelSession applied with kubectl, an MCP client through `kubectl port-forward
+svc/mcp-forge-gateway 8765` with a token from that Secret. The operator and the gateway run
+in pods with exactly the ServiceAccounts, RBAC and NetworkPolicies of manifests/base; the
+gateway dials kernels through their Services, resolved by the cluster's DNS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+import yaml
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import TextContent
+
+from mcp_forge.control_plane_image import TARGETS, build_control_plane, image_ref
+
+from .conftest import ClusterUnderTest, install_crd
+
+pytestmark = pytest.mark.podman
+
+ROOT = Path(__file__).parents[2]
+SYSTEM, SESSIONS = "mcp-forge-system", "mcp-forge-sessions"
+PORT = 8765  # the documented `kubectl port-forward svc/mcp-forge-gateway 8765`
+DEADLINE = "180s"
+
+
+def kubectl(cluster: ClusterUnderTest, *args: str, input: str | None = None) -> str:
+    done = subprocess.run(
+        [cluster.bin("kubectl"), f"--kubeconfig={cluster.kubeconfig}", *args],
+        input=input,
+        text=True,
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"kubectl {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def installed(test_cluster: ClusterUnderTest) -> Iterator[str]:
+    """manifests/base applied with the images on the node; the gateway's token."""
+    if not test_cluster.own:
+        pytest.skip("the images are copied into this machine's test cluster only")
+    asyncio.run(build_control_plane(progress=lambda line: None))
+    imported = subprocess.run(
+        [str(Path(__file__).parent / "cluster"), "import", *(image_ref(n) for n in TARGETS)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert imported.returncode == 0, imported.stderr
+    token = secrets.token_urlsafe(32)
+    try:
+        kubectl(test_cluster, "apply", "-k", str(ROOT / "manifests" / "base"))
+        kubectl(
+            test_cluster,
+            "-n",
+            SYSTEM,
+            "create",
+            "secret",
+            "generic",
+            "mcp-forge-gateway-tokens",
+            "--from-literal",
+            f"tokens=agent {token}\n",
+        )
+        for deployment in ("mcp-forge-operator", "mcp-forge-gateway"):
+            kubectl(
+                test_cluster, "-n", SYSTEM, "rollout", "status", f"deploy/{deployment}",
+                f"--timeout={DEADLINE}",
+            )  # fmt: skip
+        yield token
+    finally:
+        uninstall(test_cluster)
+
+
+def uninstall(cluster: ClusterUnderTest) -> None:
+    """Everything manifests/base made but the CRD, which the other tests share."""
+    built = kubectl(cluster, "kustomize", str(ROOT / "manifests" / "base"))
+    objects = [o for o in yaml.safe_load_all(built) if o]
+    for obj in objects:
+        if obj["kind"] in ("CustomResourceDefinition", "Namespace"):
+            continue
+        if obj["metadata"].get("namespace"):
+            continue  # goes with its namespace
+        kubectl(cluster, "delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found")
+    kubectl(cluster, "delete", "namespace", SYSTEM, SESSIONS, "--ignore-not-found", "--wait=true",
+            f"--timeout={DEADLINE}")  # fmt: skip
+    install_crd(cluster.kubeconfig)
+
+
+@pytest.fixture
+async def gateway_url(test_cluster: ClusterUnderTest, installed: str) -> AsyncIterator[str]:
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", PORT)) == 0:
+            pytest.fail(f"port {PORT} is taken on this host: the documented port-forward needs it")
+    proc = await asyncio.create_subprocess_exec(
+        test_cluster.bin("kubectl"), f"--kubeconfig={test_cluster.kubeconfig}", "-n", SYSTEM,
+        "port-forward", "svc/mcp-forge-gateway", str(PORT),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            line = (await proc.stdout.readline()).decode()
+        assert "Forwarding from" in line, line
+        yield f"http://localhost:{PORT}/mcp"
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
+def text(result: Any) -> str:
+    return "\n".join(c.text for c in result.content if isinstance(c, TextContent))
+
+
+async def test_kubectl_apply_k_manifests_base_serves_agents_through_the_gateway_service(
+    test_cluster: ClusterUnderTest, installed: str, gateway_url: str
+) -> None:
+    # A session a user declares with kubectl, for this client.
+    example = yaml.safe_load((ROOT / "manifests" / "examples" / "minimal.yaml").read_text())
+    example["metadata"]["annotations"] = {"mcpforge.dev/clients": "agent"}
+    kubectl(test_cluster, "-n", SESSIONS, "apply", "-f", "-", input=json.dumps(example))
+    kubectl(
+        test_cluster, "-n", SESSIONS, "wait", "--for=condition=Ready", "kernelsession/scratch",
+        f"--timeout={DEADLINE}",
+    )  # fmt: skip
+
+    http = httpx2.AsyncClient(
+        headers={"Authorization": f"Bearer {installed}"}, timeout=httpx2.Timeout(30, read=120)
+    )
+    async with http, Client(streamable_http_client(gateway_url, http_client=http)) as agent:
+        ran = await agent.call_tool(
+            "execute_code", {"session_id": "scratch", "code": "import socket\nx = 6 * 7\nprint(x)"}
+        )
+        assert not ran.is_error and "42" in text(ran), text(ran)
+        # The node has 2 CPUs, and `scratch` holds 1 of them (its default limit = request).
+        made = await agent.call_tool("create_session", {"variant": "minimal", "cpu": "250m"})
+        assert not made.is_error, text(made)
+        sid = made.structured_content["session_id"]
+        ran = await agent.call_tool("execute_code", {"session_id": sid, "code": "print('warm')"})
+        assert "warm" in text(ran), text(ran)
+        closed = await agent.call_tool("close_session", {"session_id": sid})
+        assert not closed.is_error, text(closed)
+
+    # What a user reads: the printer columns and the status.
+    table = kubectl(test_cluster, "-n", SESSIONS, "get", "ks")
+    header, *rows = table.splitlines()
+    assert header.split()[:3] == ["NAME", "PHASE", "RESTARTS"], header
+    row = next(r.split() for r in rows if r.startswith("scratch "))
+    assert row[1:3] == ["Ready", "0"], table
+    obj = json.loads(kubectl(test_cluster, "-n", SESSIONS, "get", "ks", "scratch", "-o", "json"))
+    status = obj["status"]
+    assert status["connection"]["host"] == f"ks-scratch.{SESSIONS}.svc"
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["status"] == "True"
+    assert conditions["Ready"]["observedGeneration"] == obj["metadata"]["generation"]
+    assert status["lastActivity"], "the gateway reported activity on the Lease"
+    # The gateway pod has the rights of its ServiceAccount and no more: no pods.
+    gateway = f"system:serviceaccount:{SYSTEM}:mcp-forge-gateway"
+    assert can_i(test_cluster, gateway, "list", "pods") == "no"
+    assert can_i(test_cluster, gateway, "create", "kernelsessions") == "yes"
+
+
+def can_i(cluster: ClusterUnderTest, user: str, verb: str, resource: str) -> str:
+    done = subprocess.run(
+        [cluster.bin("kubectl"), f"--kubeconfig={cluster.kubeconfig}", "auth", "can-i", verb,
+         resource, "-n", SESSIONS, f"--as={user}"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return done.stdout.strip()
