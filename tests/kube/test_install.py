@@ -1,4 +1,4 @@
-"""The install as users do it, on the real test cluster.
+"""The install as users do it, on the real test cluster, for each kustomization that runs here.
 
 The operator and gateway images are built from this checkout without a registry
 (`mcp-forge image build --control-plane`) and copied into the node; then, as
@@ -52,9 +52,14 @@ def kubectl(cluster: ClusterUnderTest, *args: str, input: str | None = None) -> 
     return done.stdout
 
 
-@pytest.fixture(scope="module")
-def installed(test_cluster: ClusterUnderTest) -> Iterator[str]:
-    """manifests/base applied with the images on the node; the gateway's token."""
+# Each kustomization that can run here (overlays/gvisor needs a gVisor runtime on the node).
+KUSTOMIZATIONS = ["base", "overlays/namespace-scoped"]
+
+
+@pytest.fixture(scope="module", params=KUSTOMIZATIONS)
+def installed(test_cluster: ClusterUnderTest, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A kustomization applied with the images on the node; the gateway's token."""
+    kustomization = ROOT / "manifests" / request.param
     if not test_cluster.own:
         pytest.skip("the images are copied into this machine's test cluster only")
     asyncio.run(build_control_plane(progress=lambda line: None))
@@ -67,7 +72,7 @@ def installed(test_cluster: ClusterUnderTest) -> Iterator[str]:
     assert imported.returncode == 0, imported.stderr
     token = secrets.token_urlsafe(32)
     try:
-        kubectl(test_cluster, "apply", "-k", str(ROOT / "manifests" / "base"))
+        kubectl(test_cluster, "apply", "-k", str(kustomization))
         kubectl(
             test_cluster,
             "-n",
@@ -86,12 +91,12 @@ def installed(test_cluster: ClusterUnderTest) -> Iterator[str]:
             )  # fmt: skip
         yield token
     finally:
-        uninstall(test_cluster)
+        uninstall(test_cluster, kustomization)
 
 
-def uninstall(cluster: ClusterUnderTest) -> None:
-    """Everything manifests/base made but the CRD, which the other tests share."""
-    built = kubectl(cluster, "kustomize", str(ROOT / "manifests" / "base"))
+def uninstall(cluster: ClusterUnderTest, kustomization: Path) -> None:
+    """Everything the kustomization made but the CRD, which the other tests share."""
+    built = kubectl(cluster, "kustomize", str(kustomization))
     objects = [o for o in yaml.safe_load_all(built) if o]
     for obj in objects:
         if obj["kind"] in ("CustomResourceDefinition", "Namespace"):
@@ -129,7 +134,7 @@ def text(result: Any) -> str:
     return "\n".join(c.text for c in result.content if isinstance(c, TextContent))
 
 
-async def test_kubectl_apply_k_manifests_base_serves_agents_through_the_gateway_service(
+async def test_kubectl_apply_k_serves_agents_through_the_gateway_service(
     test_cluster: ClusterUnderTest, installed: str, gateway_url: str
 ) -> None:
     # A session a user declares with kubectl, for this client.
