@@ -25,7 +25,6 @@ import os
 import re
 import secrets
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -119,10 +118,9 @@ def test_cluster() -> Iterator[ClusterUnderTest]:
         install_crd(cluster.kubeconfig)
         yield cluster
     finally:
-        if not already:
+        if not already:  # ours: gone completely, or the session ends in an error
             down = _cluster_cli("down")
-            if down.returncode != 0:
-                print(f"tests/kube/cluster down failed:\n{down.stderr}", file=sys.stderr)
+            assert down.returncode == 0, f"tests/kube/cluster down failed:\n{down.stderr}"
 
 
 def install_crd(kubeconfig: Path, crd: dict[str, Any] | None = None) -> None:

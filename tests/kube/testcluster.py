@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import hashlib
 import ipaddress
 import json
 import os
@@ -56,8 +57,6 @@ SERVICE_CIDR = "10.97.0.0/16"
 API_SERVICE_IP = "10.97.0.1"
 BRIDGE = "mcpft0"
 DNS_SERVICE_IP = "10.97.0.10"
-PAUSE_IMAGE = "localhost/mcp-forge-pause:1"
-COREDNS_IMAGE = "localhost/mcp-forge-coredns:1"
 # Deadlines, in seconds.
 START_TIMEOUT = 120.0
 STOP_TIMEOUT = 20.0
@@ -280,7 +279,7 @@ state = '{ROOT}/containerd/state'
   BinaryName = '/usr/sbin/runc'
   SystemdCgroup = false
 [plugins.'io.containerd.cri.v1.images'.pinned_images]
-  sandbox = '{PAUSE_IMAGE}'
+  sandbox = '{static_ref("pause", catatonit())}'
 """
     )
 
@@ -662,25 +661,36 @@ def ctr(bins: Path, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     return run(f"{bins}/ctr", f"--address={sock}", "--namespace=k8s.io", *args, **kw)
 
 
+def catatonit() -> Path:
+    return Path(shutil.which("catatonit") or "/usr/libexec/podman/catatonit")
+
+
 def ensure_pause_image(bins: Path) -> None:
     """The sandbox image: Debian's static catatonit, as Podman's own pause image is made."""
-    catatonit = shutil.which("catatonit") or "/usr/libexec/podman/catatonit"
-    static_image(bins, PAUSE_IMAGE, Path(catatonit), ["/catatonit", "-P"])
+    static_image(bins, static_ref("pause", catatonit()), catatonit(), ["/catatonit", "-P"])
+
+
+def static_ref(name: str, binary: Path) -> str:
+    """The image of one static binary, tagged with the binary's hash (a new build, a new tag)."""
+    digest = hashlib.sha256(binary.read_bytes()).hexdigest()[:12]
+    return f"localhost/mcp-forge-{name}:{digest}"
 
 
 def static_image(bins: Path, image: str, binary: Path, entrypoint: list[str]) -> None:
-    """An image of one static binary, made with Podman and imported into the node."""
+    """An image of one static binary, made with Podman (once) and imported into the node."""
     if image in ctr(bins, "images", "ls", "-q").stdout.split():
         return
-    work = ROOT / "image-build"
-    shutil.rmtree(work, ignore_errors=True)
-    (work / "rootfs").mkdir(parents=True)
-    shutil.copy(binary, work / "rootfs" / entrypoint[0].lstrip("/"))
-    tar = work / "rootfs.tar"
-    run("tar", "-C", str(work / "rootfs"), "--owner=0", "--group=0", "-cf", str(tar), ".")
-    run("podman", "import", "--change", f"ENTRYPOINT {json.dumps(entrypoint)}", str(tar), image)
+    if run("podman", "image", "exists", image, check=False).returncode != 0:
+        work = ROOT / "image-build"
+        shutil.rmtree(work, ignore_errors=True)
+        (work / "rootfs").mkdir(parents=True)
+        shutil.copy(binary, work / "rootfs" / entrypoint[0].lstrip("/"))
+        tar = work / "rootfs.tar"
+        run("tar", "-C", str(work / "rootfs"), "--owner=0", "--group=0", "-cf", str(tar), ".")
+        change = f"ENTRYPOINT {json.dumps(entrypoint)}"
+        run("podman", "import", "--change", change, str(tar), image)
+        shutil.rmtree(work, ignore_errors=True)
     import_images(bins, [image])
-    shutil.rmtree(work, ignore_errors=True)
 
 
 COREFILE = """.:53 {
@@ -703,9 +713,8 @@ def start_dns(bins: Path) -> None:
     with the namespaced sysctl that opens low ports, and resolves names in the cluster only
     (no upstream: nothing here resolves outside names).
     """
-    static_image(
-        bins, COREDNS_IMAGE, bins / "coredns", ["/coredns", "-conf", "/etc/coredns/Corefile"]
-    )
+    image = static_ref("coredns", bins / "coredns")
+    static_image(bins, image, bins / "coredns", ["/coredns", "-conf", "/etc/coredns/Corefile"])
     labels = {"k8s-app": "kube-dns"}
     meta = {"name": "coredns", "namespace": "kube-system"}
     items: list[dict[str, Any]] = [
@@ -770,7 +779,7 @@ def start_dns(bins: Path) -> None:
                         "containers": [
                             {
                                 "name": "coredns",
-                                "image": COREDNS_IMAGE,
+                                "image": image,
                                 "imagePullPolicy": "Never",
                                 "ports": [
                                     {"containerPort": 53, "protocol": "UDP"},
@@ -860,9 +869,37 @@ def down() -> None:
             os.rmdir(d)
     if ROOT.exists():
         shutil.rmtree(ROOT, ignore_errors=True)
-        if ROOT.exists():
-            raise ClusterError(f"{ROOT} could not be removed (a mount left?)")
+    left = leftovers()
+    if left:
+        raise ClusterError("down left traces behind:\n  " + "\n  ".join(left))
     log(f"cluster down in {time.monotonic() - t0:.1f}s")
+
+
+def leftovers() -> list[str]:
+    """Whatever of a cluster is still on this machine: empty after a complete `down`."""
+    left = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and os.readlink(proc / "exe").startswith(str(cache_dir())):
+                left.append(f"process {proc.name}: {os.readlink(proc / 'exe')}")
+    prefixes = (str(ROOT) + "/", "/run/containerd/", "/run/netns/cni-")
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        if line.split()[4].startswith(prefixes):
+            left.append(f"mount {line.split()[4]}")
+    left += [f"cgroup {d}" for d in cgroup_dirs()]
+    if Path(f"/sys/class/net/{BRIDGE}").exists():
+        left.append(f"bridge {BRIDGE}")
+    tables = run("nft", "list", "tables", check=False).stdout
+    left += [f"nftables {t}" for t in tables.splitlines() if t.endswith(" kube-proxy")]
+    for save in ("iptables-save", "ip6tables-save"):
+        if shutil.which(save):
+            chains = [x for x in run(save, check=False).stdout.splitlines() if "KUBE-" in x]
+            left += [f"{save}: {x}" for x in chains]
+    if shutil.which("ipset"):
+        sets = run("ipset", "list", "-n", check=False).stdout.split()
+        left += [f"ipset {n}" for n in sets if "KUBE-" in n or "kube-router" in n]
+    left += [f"directory {d}" for d in (str(ROOT), *STRAY_DIRS) if Path(d).exists()]
+    return left
 
 
 def cgroup_dirs() -> Iterator[Path]:

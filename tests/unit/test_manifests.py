@@ -26,7 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mcp_forge import resource
+from mcp_forge import control_plane_image, resource
 from mcp_forge.cli import main as cli
 from mcp_forge.connection import BRIDGE_PORT, PORTS, ConnectionInfo
 from mcp_forge.errors import InvalidSession
@@ -175,6 +175,17 @@ def test_the_images_run_the_operator_and_the_cluster_gateway(
         "gateway",
         "--kubernetes",
     ]
+
+
+def test_the_offline_build_makes_the_containerfiles_targets(
+    stages: dict[str, dict[str, Any]],
+) -> None:
+    """`mcp-forge image build --control-plane` and the Containerfile make the same images."""
+    for name, (entrypoint, cmd) in control_plane_image.TARGETS.items():
+        assert stages[name]["entrypoint"] == entrypoint, name
+        assert stages[name]["cmd"] == cmd, name
+        assert stages[name]["user"] == f"{control_plane_image.UID}:{control_plane_image.UID}"
+        assert control_plane_image.image_ref(name) == f"ghcr.io/mcp-forge/{name}:{VERSION}"
 
 
 def test_the_deployments_use_the_images_of_this_version() -> None:
