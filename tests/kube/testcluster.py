@@ -903,15 +903,13 @@ def leftovers() -> list[str]:
 
 
 def cgroup_dirs() -> Iterator[Path]:
-    """Every cgroup the kubelet made for pods (cgroupfs driver: `kubepods` under each hierarchy)."""
+    """Every cgroup the kubelet made for pods (cgroupfs driver: `kubepods` under each
+    hierarchy), deepest first. os.walk, not rglob: cgroups vanish while we walk."""
     base = Path("/sys/fs/cgroup")
-    for top in [base, *(p for p in base.iterdir() if p.is_dir())] if base.exists() else []:
-        root = top / "kubepods"
-        if root.is_dir():
-            yield from sorted(
-                (p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)
-            )
-            yield root
+    tops = [base, *(p for p in base.iterdir() if p.is_dir())] if base.exists() else []
+    for top in tops:
+        for path, _dirs, _files in os.walk(top / "kubepods", topdown=False):
+            yield Path(path)
 
 
 def kill_pods() -> None:
