@@ -545,7 +545,7 @@ def wait_until(what: str, check: Any, timeout: float = START_TIMEOUT) -> None:
         dead = [n for n in started_so_far if running(n) is None]
         if dead:
             raise ClusterError(f"{dead[0]} exited while waiting for {what}: see {logfile(dead[0])}")
-        time.sleep(0.2)
+        time.sleep(0.2)  # processes and an API we do not control: polled, under a deadline
     raise ClusterError(f"{what} not reached within {timeout:.0f}s (last error: {last})")
 
 
