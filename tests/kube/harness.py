@@ -38,35 +38,47 @@ class OperatorThread:
         self._thread = threading.Thread(target=self._main, name="kopf", daemon=True)
 
     def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # raised again by stop(): a crash fails the test
+            self.error = exc
+        finally:
+            self.ready_flag.set()  # wake a start() still waiting; it checks what happened
+
+    async def _serve(self) -> None:
         import mcp_forge.controller  # noqa: F401  (registers the handlers)
 
         settings = kopf.OperatorSettings()
         settings.scanning.disabled = True  # no CRD/namespace scanning: watch what is declared
         settings.posting.enabled = False
-        try:
-            asyncio.run(
-                kopf.operator(
-                    registry=kopf.get_default_registry(),
-                    settings=settings,
-                    standalone=True,
-                    clusterwide=True,
-                    stop_flag=self.stop_flag,
-                    ready_flag=self.ready_flag,
-                )
-            )
-        except BaseException as exc:  # shown by the test that stops it
-            self.error = exc
+        await kopf.operator(
+            registry=kopf.get_default_registry(),
+            settings=settings,
+            standalone=True,
+            clusterwide=True,
+            stop_flag=self.stop_flag,
+            ready_flag=self.ready_flag,
+        )
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise AssertionError(f"the operator crashed: {self.error!r}") from self.error
 
     async def start(self, kube: Kube, timeout: float = 20.0) -> None:
         self._thread.start()
         if not await asyncio.to_thread(self.ready_flag.wait, timeout):
             raise TimeoutError("kopf did not get ready")
+        self._check()
+        if not self._thread.is_alive():
+            raise AssertionError("the operator stopped as soon as it started")
 
     async def stop(self, timeout: float = 30.0) -> None:
+        """Stop it; an operator that crashed meanwhile fails the test here."""
         self.stop_flag.set()
         await asyncio.to_thread(self._thread.join, timeout)
         if self._thread.is_alive():
             raise TimeoutError("kopf did not stop")
+        self._check()
 
 
 @contextlib.asynccontextmanager
