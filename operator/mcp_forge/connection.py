@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from .errors import KernelProtocolError
+
 PORTS: dict[str, int] = {
     "shell": 5555,
     "iopub": 5556,
@@ -36,8 +38,21 @@ RUN_DIR_IN_POD = "/run/mcp-forge"  # local mode only: the kernel's Unix sockets
 IPC_PREFIX_IN_POD = f"{RUN_DIR_IN_POD}/kernel"
 # ZMQ ipc endpoints are Unix socket paths: at most 107 bytes on Linux.
 IPC_PATH_MAX = 100
+# Live keys are new_key()'s 64 characters; anything under 128 bits signs nothing worth
+# trusting (an empty key would make every signature check pass).
+KEY_MIN = 32
 
 Transport = Literal["tcp", "ipc"]
+
+
+def check_key(key: str) -> None:
+    """Refuse a key that cannot authenticate messages: empty, or shorter than KEY_MIN."""
+    if not isinstance(key, str) or len(key) < KEY_MIN:
+        size = len(key) if isinstance(key, str) else 0
+        raise KernelProtocolError(
+            f"the kernel's connection key is {size} characters; at least {KEY_MIN} are needed "
+            "(an empty or short key would let anyone forge the kernel's messages)"
+        )
 
 
 def new_key() -> str:

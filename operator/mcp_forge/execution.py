@@ -6,7 +6,13 @@ the execute_result and every display_data as mime bundles, the error with its
 traceback stripped of ANSI codes. Everything it keeps is bounded: text beyond the
 text budget is cut with a marker (and kept whole, up to a cap, for a file), other
 mime data (images, JSON) beyond the data budget is replaced by a note, metadata and
-tracebacks have caps of their own.
+tracebacks have caps of their own. Every display costs its metadata and a fixed
+overhead against an allowance as large as the larger budget, so memory follows the
+budgets, not the number of messages: displays past it are counted and dropped.
+
+The kernel-side guard (kernelside/guard.py) bounds output at the source; it says in the
+execute_reply's metadata how much it kept back and in which file. That file is only
+believed at the one path the gateway expects for the request (`spill_path`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,15 @@ METADATA_MAX = 16_384
 MIME_MAX = 100  # length of a mime type name
 EVALUE_MAX = 10_000
 TRACEBACK_MAX = 50_000
+DISPLAY_OVERHEAD = 200  # bytes charged per display against the data budget
+OUTPUT_DIR = ".mcp-forge/outputs"  # in the workspace: one full-output file per call
+WORKSPACE = "/workspace"
+GUARD_KEY = "mcp-forge"  # the guard's report in an execute_reply's metadata
+
+
+def spill_path(msg_id: str) -> str:
+    """Where the full output of request `msg_id` is kept, in the kernel's file system."""
+    return f"{WORKSPACE}/{OUTPUT_DIR}/{msg_id}.txt"
 
 
 def strip_ansi(text: str) -> str:
@@ -80,6 +95,10 @@ def _truncation_marker(dropped: int, saved_to: str | None) -> str:
     return f"\n[... output truncated: {dropped} more characters{where} ...]\n"
 
 
+def _displays_marker(omitted: int) -> str:
+    return f"\n[... {omitted} displays omitted: over the per-call output limit ...]\n"
+
+
 def _json_size(value: Any) -> int:
     try:
         return len(json.dumps(value))
@@ -109,6 +128,10 @@ class Collector:
     spooled: int = 0
     data_used: int = 0
     data_dropped: int = 0
+    displays_omitted: int = 0
+    overhead_used: int = 0  # what displays cost besides their data: metadata, envelope
+    kernel_spilled: int = 0  # characters the kernel's guard kept back (in its file)
+    kernel_spill_path: str | None = None
     on_stream: Callable[[str, str], None] | None = None  # (name, text) as output arrives
 
     @property
@@ -127,6 +150,21 @@ class Collector:
         self.used += len(kept)
         self.dropped += len(text) - len(kept)
         return kept
+
+    def _display(self, content: dict[str, Any], label: str) -> None:
+        """Keep a display if its overhead fits in the data budget and something of it is
+        kept; count it as omitted otherwise."""
+        metadata = content.get("metadata")
+        cost = DISPLAY_OVERHEAD + (_json_size(metadata) if isinstance(metadata, dict) else 0)
+        if self.overhead_used + cost > max(self.budget, self.data_budget):
+            self.displays_omitted += 1
+            return
+        self.overhead_used += cost
+        bundle = self._bundle(content, label)
+        if not any(bundle["data"].values()):
+            self.displays_omitted += 1
+            return
+        self.displays.append(bundle)
 
     def _bundle(self, content: dict[str, Any], label: str) -> dict[str, Any]:
         raw = content.get("data")
@@ -176,9 +214,9 @@ class Collector:
             if isinstance(count, int):
                 self.execution_count = count
         elif kind == "display_data":
-            self.displays.append(self._bundle(content, "display"))
+            self._display(content, "display")
         elif kind == "update_display_data":
-            self.displays.append(self._bundle(content, "display update"))
+            self._display(content, "display update")
         elif kind == "clear_output":
             pass  # outputs already returned stay in the record
         elif kind == "error":
@@ -195,6 +233,19 @@ class Collector:
                 self.execution_count = count
             if self.reply_status == "error" and self.error is None:
                 self.error = _error(content)
+            self._guard_report(msg.get("metadata"))
+
+    def _guard_report(self, metadata: Any) -> None:
+        report = metadata.get(GUARD_KEY) if isinstance(metadata, dict) else None
+        if not isinstance(report, dict):
+            return
+        spilled, omitted = report.get("spilled"), report.get("displays")
+        if isinstance(spilled, int) and 0 < spilled < 2**53:
+            self.kernel_spilled = spilled
+            if report.get("path") == spill_path(self.msg_id):
+                self.kernel_spill_path = spill_path(self.msg_id)
+        if isinstance(omitted, int) and 0 < omitted < 2**53:
+            self.displays_omitted += omitted
 
     def finish(
         self,
@@ -216,13 +267,17 @@ class Collector:
                 status = "error"
         stdout = "".join(self.stdout)
         stderr = "".join(self.stderr)
-        truncated = self.dropped > 0 or self.data_dropped > 0
-        if self.dropped > 0:
-            marker = _truncation_marker(self.dropped, saved_to)
+        saved_to = saved_to or self.kernel_spill_path
+        dropped = self.dropped + self.kernel_spilled
+        truncated = dropped > 0 or self.data_dropped > 0 or self.displays_omitted > 0
+        if dropped > 0:
+            marker = _truncation_marker(dropped, saved_to)
             if stderr and not stdout:
                 stderr += marker
             else:
                 stdout += marker
+        if self.displays_omitted:
+            stdout += _displays_marker(self.displays_omitted)
         return ExecutionResult(
             status=status,
             stdout=stdout,

@@ -6,8 +6,9 @@ ours, because the kernel is untrusted and we bound what it can make us hold:
 * every frame is at most `max_frame` bytes (ZMQ_MAXMSGSIZE, set before connecting);
 * a message whose frames add up to more than `max_message` is dropped while it is read;
 * few messages queue (ZMQ_RCVHWM);
-* a message that does not deserialize, or whose header, parent or content is not a
-  mapping, is dropped and logged, never raised into the caller.
+* a message that does not deserialize (nesting deep enough to exhaust the recursion
+  limit included), whose header, parent or content is not a mapping, or whose content
+  nests deeper than `DEPTH_MAX`, is dropped and logged, never raised into the caller.
 
 The kernel runs in a pod we cannot signal from here: readiness is a `kernel_info` reply
 on the control channel (answered even while the kernel is busy) together with an IOPub
@@ -27,13 +28,30 @@ import zmq
 import zmq.asyncio
 from jupyter_client.session import Session
 
-from .connection import PORTS, ConnectionInfo
+from .connection import PORTS, ConnectionInfo, check_key
 from .errors import SessionNotReady
 from .execution import Collector
 
 log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
+
+DEPTH_MAX = 100  # nesting of lists and mappings in a message's parts (JSON displays)
+
+
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """True if lists/mappings in `value` nest more than `limit` levels (iterative: no
+    recursion for the kernel to exhaust)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
+    return False
 
 
 class KernelConnection:
@@ -42,6 +60,7 @@ class KernelConnection:
     def __init__(
         self, info: ConnectionInfo, *, max_frame: int, max_message: int, queue: int = 64
     ) -> None:
+        check_key(info.key)
         self.info = info
         self.max_message = max_message
         self.session = Session(
@@ -118,13 +137,17 @@ class KernelConnection:
         try:
             _, parts = self.session.feed_identities(frames, copy=True)
             msg: Message = self.session.deserialize(parts, content=True, copy=True)
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            # Bad signature, replay, not JSON: the kernel's problem, never ours.
-            log.warning("dropped a malformed message from the kernel: %s", exc)
+        except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
+            # Bad signature, replay, not JSON, nested past the recursion limit: the
+            # kernel's problem, never ours.
+            log.warning("dropped a malformed message from the kernel: %.200s", exc)
             return None
         for part in ("header", "parent_header", "content", "metadata"):
             if not isinstance(msg.get(part), dict):
                 log.warning("dropped a message whose %s is not a mapping", part)
+                return None
+            if nested_deeper_than(msg[part], DEPTH_MAX):
+                log.warning("dropped a message whose %s nests over %d levels", part, DEPTH_MAX)
                 return None
         msg["msg_type"] = msg["header"].get("msg_type")
         return msg

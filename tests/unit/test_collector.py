@@ -169,3 +169,69 @@ def test_the_marker_names_the_saved_file_once_it_is_known() -> None:
     r = c.finish("ok", duration=0, saved_to="/workspace/out.txt")
     assert "full output saved to /workspace/out.txt" in r.stdout
     assert r.full_output_path == "/workspace/out.txt"
+
+
+def test_a_hundred_thousand_small_displays_cost_no_more_than_the_budget() -> None:
+    """Memory per call follows the output budgets, not the number of messages."""
+    c = Collector("m1", budget=1000, spool_max=1000, data_budget=10_000)
+    for i in range(100_000):
+        c.feed(msg("display_data", data={"text/plain": f"{i}"}, metadata={"k": "v" * 100}))
+    r = c.finish("ok", duration=0)
+    assert r.truncated
+    assert len(r.displays) < 200
+    assert r.displays[0]["data"]["text/plain"] == "0"
+    assert "displays omitted" in r.stdout
+
+
+def test_the_kernel_guard_s_spill_is_named_only_at_the_expected_path() -> None:
+    """The kernel says in the reply's metadata that it kept the rest in the call's file."""
+    c = Collector("m1", budget=1000, spool_max=1000)
+    path = "/workspace/.mcp-forge/outputs/m1.txt"
+    c.feed(msg("stream", name="stdout", text="head"))
+    c.feed(msg("status", execution_state="idle"))
+    reply = msg("execute_reply", status="ok")
+    reply["metadata"] = {"mcp-forge": {"spilled": 5_000_000, "path": path}}
+    c.feed(reply)
+    r = c.finish(duration=0)
+    assert r.truncated and r.full_output_path == path
+    assert r.stdout.startswith("head\n[... output truncated: 5000000 more characters")
+    assert path in r.stdout
+    # A path the gateway did not expect is never repeated.
+    c = Collector("m1", budget=1000, spool_max=1000)
+    reply["metadata"] = {"mcp-forge": {"spilled": 5, "path": "/etc/passwd"}}
+    c.feed(reply)
+    assert c.finish(duration=0).full_output_path is None
+
+
+def _frames(session: Any, content: bytes) -> list[bytes]:
+    m = session.msg("display_data", {}, parent={"msg_id": "m1"})
+    parts = [session.pack(m["header"]), session.pack(m["parent_header"]), b"{}", content]
+    return [b"<IDS|MSG>", session.sign(parts), *parts]
+
+
+@pytest.mark.parametrize("depth", [200, 100_000])
+def test_a_deeply_nested_signed_message_is_dropped_not_raised(depth: int) -> None:
+    from mcp_forge.connection import ConnectionInfo, new_key
+    from mcp_forge.kernel import KernelConnection
+
+    conn = KernelConnection(
+        ConnectionInfo("ipc", "/tmp/mf-none/kernel", new_key()), max_frame=10**6, max_message=10**7
+    )
+    try:
+        nested = b'{"data": {"application/json": ' + b"[" * depth + b"]" * depth + b"}}"
+        assert conn._parse(_frames(conn.session, nested)) is None
+        ok = conn._parse(_frames(conn.session, b'{"data": {"text/plain": "x"}}'))
+        assert ok is not None and ok["content"]["data"] == {"text/plain": "x"}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("key", ["", "short", "k" * 31])
+def test_a_kernel_connection_with_an_empty_or_short_key_is_refused(key: str) -> None:
+    from mcp_forge.connection import ConnectionInfo
+    from mcp_forge.kernel import KernelConnection
+
+    with pytest.raises(KernelProtocolError, match="key"):
+        KernelConnection(
+            ConnectionInfo("ipc", "/tmp/mf-none/kernel", key), max_frame=1, max_message=1
+        )
