@@ -1,0 +1,383 @@
+"""Fault drills: kill the parts of a local MCP-Forge mid-call and report what survives.
+
+    sudo .venv/bin/python tests/drills/faults.py [--rounds 20] [--image REF]
+
+Each drill runs against a fresh state directory and a declared session (`mcp-forge apply`),
+through the real gateway over stdio (JSON-RPC lines, no SDK to hide what happens):
+
+* gateway: SIGKILL the gateway while a cell runs, `--rounds` times; after each, a new
+  gateway must find the session Ready with its variables intact (a counter each round
+  increments, a value set once), and nothing may be left behind: no pod without a
+  session, no mount and no Unix socket more than before the first round.
+* kernel: SIGKILL the kernel's container mid-call: the call answers "died", names it,
+  and the next call runs in a restarted kernel.
+* infra: kill the pod's infra container mid-call: the call answers (died or ok), and the
+  session serves the next call.
+* conmon: kill the kernel container's conmon (Podman's monitor; Podman has no daemon
+  here) mid-call: the call answers and the session serves the next call.
+
+Prints one line per drill with its outcome, exits 1 if any drill failed. The adversarial
+suite runs a short form (tests/adversarial/test_drills.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
+CALL_DEADLINE = 120.0
+MINIMAL_IMAGE = "localhost/mcp-forge-kernel:0.1.0-minimal"
+RUNNING = "drill-cell-running"  # printed by each drill's cell as it starts
+CELL = f"import time\nprint({RUNNING!r}, flush=True)\ntime.sleep({{seconds}})\n"
+
+
+@dataclass
+class Outcome:
+    drill: str
+    ok: bool
+    detail: str
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        mark = "PASS" if self.ok else "FAIL"
+        return f"{mark} {self.drill}: {self.detail}"
+
+
+class Gateway:
+    """One `mcp-forge gateway` process over stdio, spoken to in JSON-RPC lines."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.next_id = 0
+        self.progress: dict[Any, asyncio.Event] = {}
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(msg).encode() + b"\n")
+        await self.process.stdin.drain()
+
+    async def start_call(self, tool: str, arguments: dict[str, Any]) -> int:
+        self.next_id += 1
+        await self.send(
+            {
+                "jsonrpc": "2.0",
+                "id": self.next_id,
+                "method": "tools/call",
+                "params": {
+                    "name": tool,
+                    "arguments": arguments,
+                    "_meta": {"progressToken": self.next_id},
+                },
+            }
+        )
+        return self.next_id
+
+    async def answer(self, request_id: int, *, running: asyncio.Event | None = None) -> Any:
+        """The response to `request_id`; `running` is set at its first progress notification."""
+        assert self.process.stdout is not None
+        async with asyncio.timeout(CALL_DEADLINE):
+            while True:
+                line = await self.process.stdout.readline()
+                if not line:
+                    raise ConnectionError("the gateway closed its stdout")
+                msg = json.loads(line)
+                said = msg.get("method") == "notifications/message"
+                if said and RUNNING in str(msg.get("params", {}).get("data")) and running:
+                    running.set()  # the cell printed it: the kernel is in the cell
+                if msg.get("id") == request_id:
+                    return msg
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        msg = await self.answer(await self.start_call(tool, arguments))
+        result = msg.get("result") or {}
+        return {
+            "error": result.get("isError", "error" in msg),
+            "structured": result.get("structuredContent") or {},
+            "text": " ".join(c.get("text", "") for c in result.get("content", [])),
+        }
+
+    async def run(self, session: str, code: str) -> dict[str, Any]:
+        return await self.call("execute_code", {"session_id": session, "code": code})
+
+
+async def runs(running: asyncio.Event, waiter: asyncio.Task[Any]) -> bool:
+    """True once the call runs (its first progress); False if it was answered before."""
+    seen = asyncio.create_task(running.wait())
+    await asyncio.wait({seen, waiter}, timeout=CALL_DEADLINE, return_when=asyncio.FIRST_COMPLETED)
+    seen.cancel()
+    if running.is_set():
+        return True
+    if waiter.done():
+        return False
+    raise TimeoutError(f"the call neither ran nor ended within {CALL_DEADLINE:.0f}s")
+
+
+@asynccontextmanager
+async def gateway(state_dir: Path) -> AsyncIterator[Gateway]:
+    process = await asyncio.create_subprocess_exec(
+        GATEWAY,
+        "gateway",
+        env={**os.environ, "MCPFORGE_STATE_DIR": str(state_dir)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        limit=2**24,
+    )
+    gw = Gateway(process)
+    try:
+        gw.next_id += 1
+        await gw.send(
+            {
+                "jsonrpc": "2.0",
+                "id": gw.next_id,
+                "method": "initialize",
+                "params": {
+                    "protocolVersion": "2025-06-18",
+                    "capabilities": {},
+                    "clientInfo": {"name": "drill", "version": "0"},
+                },
+            }
+        )
+        await gw.answer(gw.next_id)
+        await gw.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        gw.next_id += 1  # the cells' output comes as log messages: how we see one run
+        await gw.send(
+            {"jsonrpc": "2.0", "id": gw.next_id, "method": "logging/setLevel",
+             "params": {"level": "info"}}
+        )  # fmt: skip
+        await gw.answer(gw.next_id)
+        yield gw
+    finally:
+        if process.returncode is None:
+            if process.stdin is not None:
+                process.stdin.close()
+            try:
+                async with asyncio.timeout(60):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+def sh(*args: str, check: bool = True) -> str:
+    done = subprocess.run(args, capture_output=True, text=True, check=False)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def cli(state_dir: Path, *args: str, stdin: str | None = None) -> str:
+    done = subprocess.run(
+        [GATEWAY, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MCPFORGE_STATE_DIR": str(state_dir)},
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"mcp-forge {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def pods() -> set[str]:
+    out = sh("podman", "pod", "ls", "--filter", "label=app.kubernetes.io/managed-by=mcp-forge",
+             "--format", "{{.Name}}")  # fmt: skip
+    return set(out.split())
+
+
+def mounts(state_dir: Path) -> list[str]:
+    return [
+        line for line in Path("/proc/mounts").read_text().splitlines() if str(state_dir) in line
+    ]
+
+
+def unix_sockets(state_dir: Path) -> int:
+    """Unix sockets bound or connected under the state directory, host-wide."""
+    return sum(str(state_dir) in line for line in Path("/proc/net/unix").read_text().splitlines())
+
+
+def session_phase(state_dir: Path, name: str) -> str:
+    body = json.loads(cli(state_dir, "get", name, "-o", "json"))
+    return str(body.get("status", {}).get("phase"))
+
+
+def stored_sessions(state_dir: Path) -> set[str]:
+    out = json.loads(cli(state_dir, "get", "-o", "json"))
+    items = out.get("items", out) if isinstance(out, dict) else out
+    return {item["metadata"]["name"] for item in items}
+
+
+def declare(state_dir: Path, image: str) -> str:
+    name = f"drill-{uuid.uuid4().hex[:8]}"
+    manifest = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": name},
+        "spec": {"image": image, "resources": {"memory": "512Mi", "cpu": "1"}},
+    }
+    path = state_dir / f"{name}.json"
+    path.write_text(json.dumps(manifest))
+    cli(state_dir, "apply", "-f", str(path))
+    return name
+
+
+async def kill_gateway_mid_call(state_dir: Path, session: str, rounds: int) -> Outcome:
+    """SIGKILL the gateway while a cell increments the counter; a new gateway takes over."""
+    async with gateway(state_dir) as gw:
+        r = await gw.run(session, "kept = 'intact'\ncounter = 0")
+        if r["error"]:
+            return Outcome("gateway", False, f"could not set up: {r['text']}")
+    before_mounts, before_sockets = len(mounts(state_dir)), unix_sockets(state_dir)
+    before_pods = pods()
+    completed = 0
+    for _ in range(rounds):
+        async with gateway(state_dir) as gw:
+            running = asyncio.Event()
+            call = await gw.start_call(
+                "execute_code",
+                {"session_id": session, "code": CELL.format(seconds=1.5) + "counter += 1"},
+            )
+            waiter = asyncio.create_task(gw.answer(call, running=running))
+            if not await runs(running, waiter):
+                msg = waiter.result()
+                return Outcome("gateway", False, f"a call ended before it ran: {str(msg)[:300]}")
+            gw.process.send_signal(signal.SIGKILL)
+            await gw.process.wait()
+            waiter.cancel()
+            await asyncio.gather(waiter, return_exceptions=True)
+        completed += 1
+    async with gateway(state_dir) as gw:
+        r = await gw.run(session, "import json; print(json.dumps([kept, counter]))")
+    facts: dict[str, Any] = {
+        "rounds": completed,
+        "phase": session_phase(state_dir, session),
+        "orphan_pods": sorted(
+            p
+            for p in pods() - before_pods
+            if p.startswith("mcpforge-default-drill-")
+            and p.removeprefix("mcpforge-default-") not in stored_sessions(state_dir)
+        ),
+        "mounts_added": len(mounts(state_dir)) - before_mounts,
+        "sockets_added": unix_sockets(state_dir) - before_sockets,
+    }
+    try:
+        kept, counter = json.loads(r["structured"].get("stdout", "").strip())
+    except (ValueError, TypeError):
+        return Outcome("gateway", False, f"variables lost: {r['text'][:300]}", facts)
+    facts["counter"] = counter
+    ok = (
+        kept == "intact"
+        and counter == completed  # every cell the killed gateways started ran to its end
+        and facts["phase"] == "Ready"
+        and not facts["orphan_pods"]
+        and facts["mounts_added"] <= 0
+        and facts["sockets_added"] <= 0
+    )
+    detail = (
+        f"{completed} SIGKILLs mid-call; session {facts['phase']}, variables "
+        f"{'intact' if kept == 'intact' else 'LOST'}, counter {counter}/{completed}, "
+        f"{len(facts['orphan_pods'])} orphan pods, {facts['mounts_added']:+d} mounts, "
+        f"{facts['sockets_added']:+d} sockets"
+    )
+    return Outcome("gateway", ok, detail, facts)
+
+
+async def kill_mid_call(state_dir: Path, session: str, drill: str, target: str) -> Outcome:
+    """Kill `target` (a container, or a process by pid) while a cell runs; see what is said."""
+    async with gateway(state_dir) as gw:
+        running = asyncio.Event()
+        call = await gw.start_call(
+            "execute_code", {"session_id": session, "code": CELL.format(seconds=30)}
+        )
+        waiter = asyncio.create_task(gw.answer(call, running=running))
+        if not await runs(running, waiter):
+            msg = waiter.result()
+            return Outcome(drill, False, f"the call ended before it ran: {str(msg)[:300]}")
+        started = time.monotonic()
+        if target.isdigit():
+            os.kill(int(target), signal.SIGKILL)
+        else:
+            sh("podman", "kill", target)
+        msg = await waiter
+        answered = time.monotonic() - started
+        result = msg.get("result") or {}
+        status = (result.get("structuredContent") or {}).get("status", "?")
+        said = (result.get("structuredContent") or {}).get("message", "")
+        after = await gw.run(session, "'alive'")
+    ok = after["structured"].get("status") == "ok" and status in ("died", "ok")
+    detail = (
+        f"the call answered {status!r} in {answered:.1f}s ({said[:160]!r}); "
+        f"the next call: {after['structured'].get('status')!r}"
+    )
+    return Outcome(drill, ok, detail, {"status": status, "seconds": answered})
+
+
+def container_of(session: str) -> str:
+    return f"mcpforge-default-{session}-kernel"
+
+
+def conmon_pid(container: str) -> str:
+    return sh("podman", "inspect", "--format", "{{.State.ConmonPid}}", container).strip()
+
+
+def infra_of(session: str) -> str:
+    return sh("podman", "pod", "inspect", "--format", "{{.InfraContainerID}}",
+              f"mcpforge-default-{session}").strip()  # fmt: skip
+
+
+async def drills(rounds: int, image: str, only: set[str] | None = None) -> list[Outcome]:
+    state_dir = Path(tempfile.mkdtemp(prefix="mfd-", dir="/tmp"))
+    os.chmod(state_dir, 0o700)
+    outcomes: list[Outcome] = []
+    session = declare(state_dir, image)
+    try:
+        if not only or "gateway" in only:
+            outcomes.append(await kill_gateway_mid_call(state_dir, session, rounds))
+            print(outcomes[-1].line(), flush=True)
+        if not only or "kernel" in only:
+            outcomes.append(
+                await kill_mid_call(state_dir, session, "kernel", container_of(session))
+            )
+        if not only or "infra" in only:
+            outcomes.append(await kill_mid_call(state_dir, session, "infra", infra_of(session)))
+        if not only or "conmon" in only:
+            target = conmon_pid(container_of(session))
+            outcomes.append(await kill_mid_call(state_dir, session, "conmon", target))
+        for outcome in outcomes[1:]:
+            print(outcome.line(), flush=True)
+    finally:
+        cli(state_dir, "delete", session)
+        shutil.rmtree(state_dir, ignore_errors=True)
+    return outcomes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=20, help="gateway SIGKILLs (default 20)")
+    parser.add_argument("--image", default=MINIMAL_IMAGE)
+    parser.add_argument("--only", action="append", choices=["gateway", "kernel", "infra", "conmon"])
+    args = parser.parse_args()
+    outcomes = asyncio.run(drills(args.rounds, args.image, set(args.only or ())))
+    return 0 if all(o.ok for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
