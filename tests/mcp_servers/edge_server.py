@@ -7,7 +7,8 @@ EDGE_HTTP_TOKEN set, it answers 401 to requests without `Authorization: Bearer <
 
 Its tools are the cases a client of upstream servers must survive: structured results,
 a slow call to cancel, an error result, a result of 20 MB, an image, a destructive tool,
-a server that dies mid-call, and `env_has_secret` to prove the server got the secret
+a server that dies mid-call, a note (`write_note`) and `pid` to tell processes and their
+state apart, and `env_has_secret` to prove the server got the secret
 environment variable its configuration gave it (and the kernel did not).
 """
 
@@ -60,6 +61,10 @@ class NoteWritten(BaseModel):
 
 class SecretPresence(BaseModel):
     present: bool
+
+
+class Process(BaseModel):
+    pid: int
 
 
 def png(width: int = 4, height: int = 4, rgb: tuple[int, int, int] = (220, 40, 40)) -> bytes:
@@ -179,6 +184,13 @@ def build_server() -> MCPServer:
     )
     def count() -> Counts:
         return Counts(**counts)
+
+    @server.tool(
+        description="This server's process id (to tell processes apart, and see them end).",
+        annotations=READ_ONLY,
+    )
+    def pid() -> Process:
+        return Process(pid=os.getpid())
 
     @server.tool(
         description=f"Whether this server's environment has {SECRET_ENV} (its value is not sent).",

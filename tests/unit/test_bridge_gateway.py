@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from test_kernel_bridge import Kernel
 from mcp_forge.bridge import Bridge
 from mcp_forge.connection import Address
 from mcp_forge.policy import ServerPolicy
-from mcp_forge.upstream import Upstream, UpstreamError, parse_config
+from mcp_forge.upstream import Lease, Upstream, UpstreamError, UpstreamPool, parse_config
 from mcp_servers.config import upstream_config
 
 DEADLINE = 20.0
@@ -175,3 +176,108 @@ async def test_an_http_upstream_gets_its_headers_and_large_results() -> None:
         finally:
             await good.close()
             await bad.close()
+
+
+def isolated_configs(tmp_path: Path) -> dict[str, Any]:
+    """The edge server three times: isolated per session, per client (the default for a
+    stdio server), and shared."""
+    entry = upstream_config(tmp_path)["mcpServers"]["edge"]
+    return parse_config(
+        {
+            "mcpServers": {
+                "per_session": {**entry, "isolation": "session"},
+                "per_client": entry,
+                "shared": {**entry, "isolation": "shared"},
+            }
+        }
+    )
+
+
+async def note(lease: Lease, server: str, text: str) -> str | None:
+    """Write the server's note; the note it replaced (another session's, if shared)."""
+    result = await lease.upstreams[server].call("write_note", {"text": text}, timeout=DEADLINE)
+    assert result.structured_content is not None
+    previous: str | None = result.structured_content["previous"]
+    return previous
+
+
+async def test_isolated_upstreams_keep_notes_apart_and_shared_ones_do_not(tmp_path: Path) -> None:
+    """A note written through one session is read by another only where they share the
+    server's process: always with `shared`, within one client with `client`, never with
+    `session`."""
+    pool = UpstreamPool(isolated_configs(tmp_path), linger=0)
+    names = ["per_session", "per_client", "shared"]
+    try:
+        a = pool.lease(names, session="default/a/1", client="stdio:me")
+        b = pool.lease(names, session="default/b/2", client="stdio:me")
+        c = pool.lease(names, session="default/c/3", client="http:someone-else")
+        for server in names:
+            assert await note(a, server, f"a wrote to {server}") is None
+        assert await note(b, "per_session", "b") is None
+        assert await note(b, "per_client", "b") == "a wrote to per_client"  # same client
+        assert await note(b, "shared", "b") == "a wrote to shared"
+        assert await note(c, "per_session", "c") is None
+        assert await note(c, "per_client", "c") is None  # another client
+        assert await note(c, "shared", "c") == "b"
+        assert pool.isolated == 3 + 2  # a process per session, and per client
+        assert a.upstreams["shared"] is b.upstreams["shared"] is c.upstreams["shared"]
+    finally:
+        await pool.close()
+
+
+async def wait_exit(pid: int, seconds: float) -> bool:
+    """Whether process `pid` ends within `seconds` (its pidfd becomes readable)."""
+    fd = os.pidfd_open(pid)
+    ended = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_reader(fd, ended.set)
+    try:
+        await asyncio.wait_for(ended.wait(), seconds)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+async def test_an_isolated_upstream_ends_with_its_session_and_their_number_is_bounded(
+    tmp_path: Path,
+) -> None:
+    pool = UpstreamPool(isolated_configs(tmp_path), processes_max=1, linger=0)
+    try:
+        a = pool.lease(["per_session"], session="default/a/1", client=None)
+        result = await a.upstreams["per_session"].call("pid", {}, timeout=DEADLINE)
+        assert result.structured_content is not None
+        pid = result.structured_content["pid"]
+        b = pool.lease(["per_session"], session="default/b/2", client=None)
+        assert "per_session" not in b.upstreams
+        assert "its limit" in b.refused["per_session"], b.refused
+        b.release()
+        a.release()
+        assert await wait_exit(pid, DEADLINE), "the session's upstream process did not end"
+        assert pool.isolated == 0
+        again = pool.lease(["per_session"], session="default/b/2", client=None)
+        assert not again.refused and "per_session" in again.upstreams
+        again.release()
+    finally:
+        await pool.close()
+
+
+async def test_a_session_keeps_its_upstreams_and_meter_across_a_new_bridge(
+    tmp_path: Path,
+) -> None:
+    """A kernel restart makes a new bridge: the session's upstream process (its state)
+    and its call meter (its rate limit) are the same ones if it comes back in time."""
+    pool = UpstreamPool(isolated_configs(tmp_path), linger=30)
+    try:
+        first = pool.lease(["per_session"], session="default/a/1", client=None)
+        await note(first, "per_session", "kept")
+        meter = first.meter
+        first.release()
+        second = pool.lease(["per_session"], session="default/a/1", client=None)
+        assert second.meter is meter
+        assert await note(second, "per_session", "next") == "kept"
+        second.release()
+    finally:
+        await pool.close()

@@ -8,7 +8,7 @@ import pytest
 
 from mcp_forge.errors import InvalidRequest, InvalidSession
 from mcp_forge.policy import Meter, ServerPolicy, policies_of
-from mcp_forge.upstream import parse_config
+from mcp_forge.upstream import SCHEMA_MAX, argument_problem, parse_config, schema_validator
 
 READ = {"name": "read_file", "annotations": {"readOnlyHint": True}}
 WRITE = {"name": "write_file", "annotations": {"destructiveHint": True}}
@@ -29,6 +29,21 @@ def test_the_mcp_servers_format_clients_use_is_read() -> None:
     assert dict(servers["remote"].headers) == {"Authorization": "B t"}
 
 
+def test_isolation_defaults_to_client_for_stdio_and_shared_for_http() -> None:
+    servers = parse_config(
+        {
+            "mcpServers": {
+                "local": {"command": "x"},
+                "remote": {"url": "https://h.example/mcp"},
+                "mine": {"command": "x", "isolation": "session"},
+                "everyone": {"command": "x", "isolation": "shared"},
+            }
+        }
+    )
+    got = {name: config.isolation for name, config in servers.items()}
+    assert got == {"local": "client", "remote": "shared", "mine": "session", "everyone": "shared"}
+
+
 @pytest.mark.parametrize(
     ("doc", "words"),
     [
@@ -40,6 +55,8 @@ def test_the_mcp_servers_format_clients_use_is_read() -> None:
         ({"mcpServers": {"a": {"url": "ftp://h"}}}, "mcpServers.a.url"),
         ({"mcpServers": {"a": {"command": "x", "bogus": 1}}}, "unknown field(s) bogus"),
         ({"mcpServers": {"bad name": {"command": "x"}}}, "mcpServers.bad name"),
+        ({"mcpServers": {"a": {"command": "x", "isolation": "pod"}}}, "a.isolation must be one"),
+        ({"mcpServers": {"a": {"command": "x", "isolation": ["session"]}}}, "a.isolation"),
     ],
 )
 def test_a_bad_mcp_config_names_what_is_wrong(doc: dict[str, Any], words: str) -> None:
@@ -85,3 +102,66 @@ def test_the_budget_is_per_execution_and_the_rate_per_minute() -> None:
     assert meter.take(rate, now=0.0) is None and meter.take(rate, now=1.0) is None
     assert "rate limit of 2 calls" in (meter.take(rate, now=2.0) or "")
     assert meter.take(rate, now=60.5) is None  # the first call left the window
+
+
+ECHO_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}, "n": {"type": "integer"}},
+    "required": ["text"],
+}
+
+
+def problem(schema: Any, arguments: dict[str, Any]) -> str | None:
+    checker = schema_validator(schema)
+    if isinstance(checker, str):
+        return "schema: " + checker
+    return argument_problem(checker, arguments, "s.t")
+
+
+def test_arguments_are_checked_against_the_input_schema() -> None:
+    assert problem(ECHO_SCHEMA, {"text": "hi", "n": 3}) is None
+    assert "'smuggled' was unexpected" in (problem(ECHO_SCHEMA, {"text": "", "smuggled": 1}) or "")
+    assert "$.n" in (problem(ECHO_SCHEMA, {"text": "", "n": "3"}) or "")
+    assert "'text' is a required property" in (problem(ECHO_SCHEMA, {}) or "")
+    # A tool without parameters takes no arguments at all.
+    assert "unexpected" in (problem({"type": "object", "properties": {}}, {"x": 1}) or "")
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {**ECHO_SCHEMA, "additionalProperties": True},
+        {**ECHO_SCHEMA, "additionalProperties": {"type": "integer"}},
+        {**ECHO_SCHEMA, "patternProperties": {"^x_": {}}},
+        {"allOf": [ECHO_SCHEMA]},  # composed: the parts decide, not a closed top level
+    ],
+)
+def test_unknown_fields_pass_only_where_the_schema_allows_them(schema: dict[str, Any]) -> None:
+    assert problem(schema, {"text": "hi", "x_extra": 7}) is None
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "no-such-type"}}}, "schema is invalid"),
+        ({"type": "object", "properties": {"a": {"minLength": -1}}}, "schema is invalid"),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "x": "y" * SCHEMA_MAX},
+         "over the limit"),
+        ([1, 2], "not a JSON object"),
+        ({"type": "object", "properties": {"a": {"$ref": "https://example.invalid/s.json"}}},
+         "cannot be checked"),
+    ],
+)  # fmt: skip
+def test_a_schema_that_is_invalid_huge_or_unresolvable_refuses_calls(
+    schema: Any, words: str
+) -> None:
+    assert words in (problem(schema, {"a": "x"}) or "")
+
+
+def test_deep_arguments_under_a_recursive_schema_are_refused_not_a_crash() -> None:
+    tree = {"type": "object", "properties": {"child": {"$ref": "#"}}}
+    deep: dict[str, Any] = {}
+    for _ in range(5000):
+        deep = {"child": deep}
+    assert problem(tree, {"child": {"child": {}}}) is None
+    assert "cannot be checked" in (problem(tree, deep) or "")

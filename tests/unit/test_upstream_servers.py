@@ -39,7 +39,7 @@ from mcp_servers.config import (
 CALL_DEADLINE = 60.0  # one MCP request, the handshake's included
 EDGE_TOOLS = {
     "echo", "slow", "fail", "huge", "image", "add", "write_note", "crash", "count",
-    "env_has_secret",
+    "env_has_secret", "pid",
 }  # fmt: skip
 
 
@@ -238,6 +238,7 @@ async def test_every_edge_tool_answers_as_described(edge: dict[str, Any]) -> Non
         first_note = await c.call_tool("write_note", {"text": "one"})
         second_note = await c.call_tool("write_note", {"text": "two"})
         secret = await c.call_tool("env_has_secret", {})
+        pid = await c.call_tool("pid", {})
         count = await c.call_tool("count", {})
     assert echo.structured_content == {"text": "héllo"}
     assert added.structured_content == {"sum": 42}
@@ -254,7 +255,8 @@ async def test_every_edge_tool_answers_as_described(edge: dict[str, Any]) -> Non
     assert first_note.structured_content == {"previous": None}
     assert second_note.structured_content == {"previous": "one"}
     assert secret.structured_content == {"present": True}
-    assert count.structured_content == {"calls": 11, "cancelled": 0}
+    assert pid.structured_content is not None and pid.structured_content["pid"] > 1
+    assert count.structured_content == {"calls": 12, "cancelled": 0}
 
 
 async def test_a_cancelled_call_stops_the_slow_tool_on_the_server(edge: dict[str, Any]) -> None:
