@@ -4,8 +4,14 @@ One `Bridge` per session: the gateway dials the kernel's bridge listener (a Unix
 in the session's run directory locally, TCP 5560 of its pod on a cluster), says which
 tools the session may call, and serves the kernel's calls through the upstream servers.
 Which session calls is known from the connection the gateway opened, never from what
-the kernel says. Every call is checked against the session's policy, budget and rate,
-bounded in size, time and concurrency, and logged.
+the kernel says. Every call is checked against the session's policy, budget and rate
+and the tool's input schema, bounded in size, time and concurrency, and logged.
+
+A connection that breaks the framing (a frame too large, not JSON, or not arriving
+whole within FRAME_DEADLINE) is closed, and the gateway dials again (at most
+REDIALS_PER_MINUTE times a minute, and again at the next execution): a kernel that
+sends garbage loses the calls in flight on that connection, nothing more. Locally the
+socket is opened without following links (the kernel owns the directory it is in).
 """
 
 from __future__ import annotations
@@ -14,8 +20,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
+import stat
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .connection import Address
@@ -26,9 +35,14 @@ from .upstream import Upstream, UpstreamError, result_frame
 
 log = logging.getLogger("mcp_forge.bridge")
 
-CONCURRENT_MAX = 16  # calls in flight per session
+CONCURRENT_MAX = 16  # upstream calls at once per session
+CALLS_MAX = 64  # calls accepted at once per session (running or waiting): more are refused
 CALL_TIMEOUT = 60.0
 CONNECT_TIMEOUT = 10.0
+FRAME_DEADLINE = 10.0  # a frame's bytes, once it started, must all arrive within this
+REDIALS_PER_MINUTE = 10
+WRITE_BUFFER_MAX = 4 << 20  # answers the kernel does not read: past this, close
+ID_MAX = 2**53  # call ids are JSON-safe integers
 
 
 class Bridge:
@@ -39,12 +53,27 @@ class Bridge:
         policies: dict[str, ServerPolicy],
         *,
         call_timeout: float = CALL_TIMEOUT,
+        meter: Meter | None = None,
+        refused: dict[str, str] | None = None,
+        validate: bool = True,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
+        """`meter` counts the session's calls (give the same one to the session's next
+        bridge, so a new bridge is no new budget); `refused` names servers the session
+        may use but has no upstream for, and why; `on_close` runs once, when the bridge
+        is closed for good."""
         self.session = session
         self.upstreams = {n: u for n, u in upstreams.items() if n in policies}
         self.policies = policies
         self.call_timeout = call_timeout
-        self.meter = Meter()
+        self.meter = meter if meter is not None else Meter()
+        self.refused = {n: why for n, why in (refused or {}).items() if n in policies}
+        self.validate = validate
+        self._on_close = on_close
+        self._address: Address | None = None
+        self._closing = False
+        self._redials: list[float] = []
+        self._redial_task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._calls: dict[int, asyncio.Task[None]] = {}
@@ -79,15 +108,22 @@ class Bridge:
                 tools.append(tool)
             self.tools[name] = tools
             servers[name] = {"tools": tools}
+            if not upstream.tools:
+                servers[name]["unavailable"] = f"the MCP server {name!r} lists no tools (down?)"
+        for name, why in self.refused.items():
+            servers[name] = {"tools": [], "unavailable": why}
         return {"v": 1, "type": "hello", "servers": servers}
 
     async def open(self, address: Address) -> None:
         """Dial the kernel's listener, check who answers, send the hello, serve calls."""
-        await self.close()
+        await self._disconnect()
+        self._closing = False
+        self._address = address
+        await self._dial(address)
+
+    async def _dial(self, address: Address) -> None:
         if address.kind == "unix":
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(address.path), CONNECT_TIMEOUT
-            )
+            reader, writer = await asyncio.wait_for(_open_unix(address.path), CONNECT_TIMEOUT)
             sock = writer.get_extra_info("socket")
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
             pid = int.from_bytes(creds[:4], "little")
@@ -103,9 +139,52 @@ class Bridge:
             )
         self._writer = writer
         await self._send(await self.hello())
-        self._reader_task = asyncio.create_task(self._read(reader), name=f"bridge {self.session}")
+        self._reader_task = asyncio.create_task(
+            self._read(reader, writer), name=f"bridge {self.session}"
+        )
+
+    async def _redial(self) -> None:
+        """Dial again after a connection closed, unless it happened too often lately."""
+        if self._closing or self._address is None or self.connected:
+            return
+        now = time.monotonic()
+        self._redials = [t for t in self._redials if t > now - 60.0]
+        if len(self._redials) >= REDIALS_PER_MINUTE:
+            log.warning(
+                "bridge of %s: %d reconnections in a minute; the next execution dials again",
+                self.session,
+                len(self._redials),
+            )
+            return
+        self._redials.append(now)
+        try:
+            await self._dial(self._address)
+        except (OSError, TimeoutError) as exc:  # ConnectionError is an OSError
+            # The kernel is gone (or its socket is not one): so is this bridge. What the
+            # session holds (isolated upstreams, its meter) lingers for its next kernel.
+            log.warning("bridge of %s: dialing again failed, closed: %s", self.session, exc)
+            self._closing = True
+            self._released()
+
+    def _start_redial(self) -> None:
+        if self._closing or (self._redial_task is not None and not self._redial_task.done()):
+            return
+        self._redial_task = asyncio.get_running_loop().create_task(
+            self._redial(), name=f"bridge {self.session} redial"
+        )
 
     async def close(self) -> None:
+        """Close for good: the connection, the calls in flight, the session's lease."""
+        await self._disconnect()
+        self._released()
+
+    async def _disconnect(self) -> None:
+        self._closing = True
+        if self._redial_task is not None:
+            self._redial_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._redial_task
+            self._redial_task = None
         for task in list(self._calls.values()):
             task.cancel()
         self._calls.clear()
@@ -118,8 +197,17 @@ class Bridge:
             self._writer.close()
             self._writer = None
 
+    def _released(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
     def abort(self) -> None:
         """Close now, from synchronous code (the kernel connection is being dropped)."""
+        self._closing = True
+        if self._redial_task is not None:
+            self._redial_task.cancel()
+            self._redial_task = None
         for task in list(self._calls.values()):
             task.cancel()
         self._calls.clear()
@@ -129,10 +217,15 @@ class Bridge:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        self._released()
 
     def new_execution(self) -> None:
-        """A new execute_code call: the per-execution budgets start again."""
+        """A new execute_code call: the per-execution budgets start again, and a bridge
+        that lost its connection dials again."""
         self.meter.new_execution()
+        if not self.connected and self._address is not None and not self._closing:
+            self._redials.clear()
+            self._start_redial()
 
     async def _send(self, frame: dict[str, Any]) -> None:
         await self._send_bytes(encode(frame))
@@ -144,27 +237,62 @@ class Bridge:
             self._writer.write(data)
             await self._writer.drain()
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         frames = FrameReader(KERNEL_FRAME_MAX)
+        started: float | None = None  # when the frame now arriving began
         try:
-            while chunk := await reader.read(65536):
+            while True:
+                if started is None:
+                    chunk = await reader.read(65536)
+                else:
+                    left = started + FRAME_DEADLINE - time.monotonic()
+                    try:
+                        chunk = await asyncio.wait_for(reader.read(65536), max(left, 0.0))
+                    except TimeoutError:
+                        raise KernelProtocolError(
+                            f"a bridge frame did not arrive whole within {FRAME_DEADLINE:g}s"
+                        ) from None
+                if not chunk:
+                    break
+                done = 0
                 for frame in frames.feed(chunk):
-                    self._dispatch(frame)
-        except (KernelProtocolError, ConnectionError) as exc:  # a broken or oversized frame
+                    done += 1
+                    self._dispatch(frame, writer)
+                if frames.buffered == 0:
+                    started = None
+                elif done or started is None:  # what is left began in this chunk
+                    started = time.monotonic()
+        except (KernelProtocolError, ConnectionError) as exc:  # a broken, slow or huge frame
             log.warning("bridge of %s closed: %s", self.session, exc)
         finally:
             for task in list(self._calls.values()):
                 task.cancel()
+            writer.close()  # the kernel sees its connection closed, and fails what waits
+            if self._writer is writer:
+                self._writer = None
+            self._start_redial()
 
-    def _dispatch(self, frame: dict[str, Any]) -> None:
+    def _dispatch(self, frame: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         kind, call_id = frame.get("type"), frame.get("id")
-        if not isinstance(call_id, int) or isinstance(call_id, bool) or call_id <= 0:
+        if type(call_id) is not int or not 0 < call_id < ID_MAX:
             return  # nothing to answer to
         if kind == "cancel":
             task = self._calls.pop(call_id, None)
             if task is not None:
                 task.cancel()
         elif kind == "call" and call_id not in self._calls:
+            if len(self._calls) >= CALLS_MAX:
+                # No task for it: answered at once, on the spot.
+                why = (
+                    f"{len(self._calls)} calls of this session are in flight, the most the "
+                    "MCP bridge takes; wait for some to finish"
+                )
+                writer.write(
+                    encode({"v": 1, "type": "result", "id": call_id, **_error("unavailable", why)})
+                )
+                if writer.transport.get_write_buffer_size() > WRITE_BUFFER_MAX:
+                    raise KernelProtocolError("the kernel does not read the bridge's answers")
+                return
             self.started += 1
             self.call_started.set()
             self.call_started = asyncio.Event()
@@ -172,7 +300,8 @@ class Bridge:
             self._calls[call_id] = task
 
             def done(_: asyncio.Task[None], i: int = call_id) -> None:
-                self._calls.pop(i, None)
+                if self._calls.get(i) is _:
+                    del self._calls[i]
 
             task.add_done_callback(done)
 
@@ -215,22 +344,54 @@ class Bridge:
         if not isinstance(server, str) or not isinstance(tool, str) or not isinstance(args, dict):
             return _error("invalid", "a call names a server, a tool and an arguments object")
         policy = self.policies.get(server)
+        if policy is not None and server in self.refused:
+            return _error("unavailable", self.refused[server])
         upstream = self.upstreams.get(server)
         if policy is None or upstream is None:
             return _error("denied", f"this session may not use the MCP server {server!r}")
         known = next((t for t in upstream.tools if t.get("name") == tool), None)
         if known is None:
             return _error("invalid", f"{server} has no tool {tool!r}")
-        why = policy.refusal(known) or self.meter.take(policy)
-        if why is not None:
-            kind = "denied" if policy.refusal(known) else "unavailable"
-            return _error(kind, why)
+        denied = policy.refusal(known)
+        if denied is not None:
+            return _error("denied", denied)
+        if self.validate and (problem := upstream.argument_problem(known, args)) is not None:
+            return _error("invalid", problem)
+        spent = self.meter.take(policy)
+        if spent is not None:
+            return _error("unavailable", spent)
         async with self._slots:
             try:
                 result = await upstream.call(tool, args, timeout=self.call_timeout)
             except UpstreamError as exc:
                 return _error("unavailable", str(exc))
         return result_frame(result)
+
+
+async def _open_unix(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to the Unix socket at `path`, never through a symbolic link.
+
+    The kernel owns the directory the socket is in, and could put a link to any host
+    socket in its place: the socket is opened as a path (O_PATH|O_NOFOLLOW, in its
+    directory, itself opened without following a link), checked to be a socket, and
+    connected to through /proc/self/fd, which names that very inode.
+    """
+    parent, name = os.path.split(path)
+    nofollow = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+    directory = os.open(parent, nofollow | os.O_DIRECTORY)
+    try:
+        fd = os.open(name, nofollow, dir_fd=directory)
+    finally:
+        os.close(directory)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise ConnectionError(
+                f"the bridge socket {path} is not a socket (a symlink, or another file): "
+                "not connecting"
+            )
+        return await asyncio.open_unix_connection(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
 
 
 def _error(kind: str, message: str) -> dict[str, Any]:

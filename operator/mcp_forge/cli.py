@@ -379,7 +379,15 @@ def _endpoint(value: str) -> tuple[str, int]:
     "mcp_config",
     default=None,
     metavar="FILE",
-    help='Code mode: upstream MCP servers ({"mcpServers": {...}}) kernel code may call.',
+    help='Code mode: upstream MCP servers ({"mcpServers": {...}}) kernel code may call; '
+    'each with "isolation": "client" (stdio default), "session" or "shared" (HTTP default).',
+)
+@click.option(
+    "--mcp-processes-max",
+    type=click.IntRange(1, 10_000),
+    default=None,
+    help="Code mode: most upstream server processes started per client or per session, "
+    "all together (default 32).",
 )
 @click.option(
     "--kubernetes",
@@ -400,6 +408,7 @@ def gateway(
     allow_origin: tuple[str, ...],
     allow_host: tuple[str, ...],
     mcp_config: str | None,
+    mcp_processes_max: int | None,
     kubernetes: bool,
     cull_interval: float,
 ) -> None:
@@ -418,7 +427,7 @@ def gateway(
     from .sessions import SessionService
     from .supervisor import supervise
     from .tokens import load as load_tokens
-    from .upstream import Upstream, UpstreamError, load_config
+    from .upstream import UpstreamError, UpstreamPool, load_config
 
     def say(message: str) -> None:
         click.echo(message, err=True)
@@ -433,14 +442,19 @@ def gateway(
         else:
             runtime = _local()
             service = SessionService(runtime, runtime.settings)
-        upstreams: dict[str, Upstream] = {}
-        if mcp_config is not None:
-            upstreams = {n: Upstream(c) for n, c in load_config(mcp_config).items()}
-            service.mcp_servers = set(upstreams)
+        configs = load_config(mcp_config) if mcp_config is not None else {}
+        upstreams = UpstreamPool(configs)
+        if mcp_processes_max is not None:
+            upstreams.processes_max = mcp_processes_max
+        service.mcp_servers = set(configs)
         gw = Gateway(runtime, runtime.settings, upstreams=upstreams)
 
         async def connect_upstreams() -> None:
-            for name, upstream in upstreams.items():
+            for name in configs:
+                upstream = upstreams.shared.get(name)
+                if upstream is None:  # isolated: started for a session when it needs it
+                    say(f"upstream MCP server {name}: one per {upstreams.isolation(name)}")
+                    continue
                 try:
                     await upstream.connect()
                     say(f"upstream MCP server {name}: {len(upstream.tools)} tools")
@@ -501,7 +515,7 @@ def gateway(
                 deleted = await service.cleanup()
                 await gw.close()
                 say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
-            await asyncio.gather(*(u.close() for u in upstreams.values()))
+            await upstreams.close()
             if not serving.done():  # stdio, ended by a signal: its reader thread never returns
                 sys.stderr.flush()
                 os._exit(0)

@@ -34,8 +34,9 @@ from .kernel import KernelConnection
 from .policy import policies_of
 from .resource import KernelSession
 from .runtime import Runtime
+from .sessions import owner_of
 from .settings import Settings
-from .upstream import Upstream
+from .upstream import Upstream, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,14 @@ class Gateway:
         runtime: Runtime,
         settings: Settings | None = None,
         *,
-        upstreams: dict[str, Upstream] | None = None,
+        upstreams: UpstreamPool | dict[str, Upstream] | None = None,
     ) -> None:
         self.runtime = runtime
         self.settings = settings or Settings.from_env()
-        self.upstreams = upstreams or {}  # code mode: the servers of --mcp-config
+        # Code mode: the servers of --mcp-config (a plain dict: every session shares them).
+        self.upstreams = (
+            upstreams if isinstance(upstreams, UpstreamPool) else UpstreamPool.of(upstreams or {})
+        )
         self._handles: dict[tuple[str, str, str], _Handle] = {}
 
     def _handle(self, session: KernelSession) -> _Handle:
@@ -149,7 +153,7 @@ class Gateway:
     ) -> None:
         """Start `mcp_tools` in the kernel (silently) and dial its bridge (docs/bridge.md)."""
         policies = policies_of(session.spec.mcp_servers)
-        missing = sorted(set(policies) - set(self.upstreams))
+        missing = sorted(n for n in policies if n not in self.upstreams)
         if missing:
             log.warning(
                 "session %s names MCP servers this gateway does not have: %s",
@@ -160,11 +164,27 @@ class Gateway:
         await self._silently(
             conn, introspection.bridge_program(inside), "the kernel could not start its MCP bridge"
         )
-        bridge = Bridge(
-            session.name, self.upstreams, policies, call_timeout=self.settings.bridge_call_timeout
+        # Per-session state outlives this bridge (a restart, a dropped connection): the
+        # upstreams of isolated servers, and the meter of budgets and rates.
+        lease = self.upstreams.lease(
+            [n for n in policies if n in self.upstreams],
+            session=f"{session.namespace}/{session.name}/{session.uid}",
+            client=owner_of(session),
         )
-        await bridge.open(address)
-        handle.bridge = bridge
+        bridge = Bridge(
+            session.name,
+            lease.upstreams,
+            policies,
+            call_timeout=self.settings.bridge_call_timeout,
+            meter=lease.meter,
+            refused=lease.refused,
+            on_close=lease.release,
+        )
+        handle.bridge = bridge  # dropped with the handle, which releases the lease
+        try:
+            await bridge.open(address)
+        except (OSError, TimeoutError) as exc:  # ConnectionError is an OSError
+            raise SessionNotReady(f"the kernel's MCP bridge cannot be reached: {exc}") from exc
         # The user's next cell must find the tools: wait until the kernel applied the hello.
         await self._silently(
             conn,

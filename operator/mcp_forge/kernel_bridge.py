@@ -187,6 +187,7 @@ MAX_DESCRIPTION = 16384
 MAX_PARAM_DESCRIPTION = 2048
 MAX_MESSAGE = 65536
 SEND_TIMEOUT = 60.0  # a gateway that takes no bytes for this long has gone: close
+RECONNECT_WAIT = 5.0  # a call made just after the connection closed waits this for the next
 WAIT_SLICE = 0.25  # the main thread wakes this often, so a KeyboardInterrupt is never missed
 NOT_CONNECTED = "the MCP bridge is not connected"
 REPLACED = "the MCP bridge connection was replaced"
@@ -404,26 +405,32 @@ def functions(bridge, tool):
 class Namespace:
     """The tools of one MCP server as functions; under mcp_tools.aio, the servers."""
 
-    def __init__(self, label, members):
+    def __init__(self, label, members, unavailable=None):
         self.__dict__["__mcp_label__"] = label
+        self.__dict__["__mcp_unavailable__"] = unavailable
         self.__dict__.update(members)
 
+    def __getattr__(self, name):
+        # Only for names it does not have: say why a server has no tools, if it is known.
+        label, why = self.__dict__["__mcp_label__"], self.__dict__["__mcp_unavailable__"]
+        raise AttributeError(f"{label} has no {name!r}" + (f": {why}" if why else ""))
+
     def __repr__(self):
-        names = sorted(name for name in vars(self) if name != "__mcp_label__")
+        names = sorted(name for name in vars(self) if not name.startswith("__mcp_"))
         return f"<{self.__dict__['__mcp_label__']}: {', '.join(names)}>"
 
 
 class Server:
     """One upstream server, as the hello lists it."""
 
-    def __init__(self, bridge, name, ident, specs):
+    def __init__(self, bridge, name, ident, specs, unavailable=None):
         self.name = name
         self.ident = ident
         idents = identifiers(list(specs))
         self.tools = {idents[n]: Tool(name, ident, spec, idents[n]) for n, spec in specs.items()}
         made = {t_ident: functions(bridge, tool) for t_ident, tool in self.tools.items()}
-        self.namespace = Namespace("mcp_tools." + ident, {i: f[0] for i, f in made.items()})
-        self.aio_namespace = Namespace("mcp_tools.aio." + ident, {i: f[1] for i, f in made.items()})
+        self.namespace = Namespace("mcp_tools." + ident, {i: f[0] for i, f in made.items()}, unavailable)
+        self.aio_namespace = Namespace("mcp_tools.aio." + ident, {i: f[1] for i, f in made.items()}, unavailable)
 
 
 def docstring(text, indent):
@@ -603,7 +610,8 @@ def listen_unix(path):
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         mode = None
-    if mode is not None and not stat.S_ISSOCK(mode):
+    # A link left in its place (code in the kernel can write here) is replaced like a socket.
+    if mode is not None and not (stat.S_ISSOCK(mode) or stat.S_ISLNK(mode)):
         raise FileExistsError(errno.EEXIST, "exists and is not a socket", path)
     # Bound under a temporary name, made 0600, then renamed over the path: nobody can
     # connect before the mode is set, and a stale socket of an earlier kernel goes in one step.
@@ -764,7 +772,7 @@ class Bridge:
             raise ProtocolError("a hello without a servers object")
         if len(listed) > MAX_SERVERS:
             raise ProtocolError(f"a hello of {len(listed)} servers, over the limit of {MAX_SERVERS}")
-        specs = {}
+        specs, unavailable = {}, {}
         for name, server in listed.items():
             tools = server.get("tools") if isinstance(server, dict) else None
             if not isinstance(tools, list):
@@ -779,8 +787,9 @@ class Bridge:
                 if isinstance(tool_name, str) and 0 < len(tool_name) <= MAX_NAME and tool_name not in by_name:
                     by_name[tool_name] = tool
             specs[name] = by_name
+            unavailable[name] = clip(server.get("unavailable"), MAX_MESSAGE) or None
         idents = identifiers(list(specs), OWN_NAMES)
-        catalog = {idents[name]: Server(self, name, idents[name], specs[name]) for name in specs}
+        catalog = {idents[name]: Server(self, name, idents[name], specs[name], unavailable[name]) for name in specs}
         with self.lock:
             conn.ready = True
             if self.conn is conn:
@@ -825,7 +834,10 @@ class Bridge:
         return call_id, data
 
     def register(self, call_id, waiter):
-        with self.lock:
+        with self.changed:
+            if self.conn is None and self.last_reason is not None:
+                # The gateway closed the connection (it refused a frame): it dials again.
+                self.changed.wait_for(lambda: self.conn is not None, RECONNECT_WAIT)
             conn = self.conn
             if conn is None:
                 message = NOT_CONNECTED
