@@ -55,7 +55,6 @@ class Bridge:
         call_timeout: float = CALL_TIMEOUT,
         meter: Meter | None = None,
         refused: dict[str, str] | None = None,
-        validate: bool = True,
         on_close: Callable[[], None] | None = None,
     ) -> None:
         """`meter` counts the session's calls (give the same one to the session's next
@@ -68,7 +67,6 @@ class Bridge:
         self.call_timeout = call_timeout
         self.meter = meter if meter is not None else Meter()
         self.refused = {n: why for n, why in (refused or {}).items() if n in policies}
-        self.validate = validate
         self._on_close = on_close
         self._address: Address | None = None
         self._closing = False
@@ -355,7 +353,7 @@ class Bridge:
         denied = policy.refusal(known)
         if denied is not None:
             return _error("denied", denied)
-        if self.validate and (problem := upstream.argument_problem(known, args)) is not None:
+        if (problem := upstream.argument_problem(known, args)) is not None:
             return _error("invalid", problem)
         spent = self.meter.take(policy)
         if spent is not None:

@@ -7,15 +7,21 @@ The servers are real: `mcp-server-time` (PyPI), `@modelcontextprotocol/server-fi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from mcp_forge.errors import SessionNotFound
 from mcp_forge.gateway import Gateway
-from mcp_forge.upstream import Upstream, parse_config
+from mcp_forge.sessions import OWNER
+from mcp_forge.upstream import Upstream, UpstreamPool, parse_config
 from mcp_servers.config import missing_servers, upstream_config
 
 pytestmark = pytest.mark.podman
@@ -221,3 +227,65 @@ async def test_budgets_sizes_and_a_dead_server_in_a_real_session(
     # A new execution, a new budget; the server comes back on the next call.
     out = await value(coder, name, "_out = mcp_tools.edge.count()['calls']")
     assert out == 1
+
+
+async def test_per_client_upstreams_keep_clients_apart_and_end_with_their_sessions(
+    runtime: Any, settings: Any, images: dict[str, str], files_dir: Path
+) -> None:
+    """With `client` isolation two sessions of one client share the server's process (a
+    note one writes, the other reads), another client's session has its own; when the
+    client's sessions are deleted, its process ends (linger 0 here)."""
+    entry = upstream_config(files_dir)["mcpServers"]["edge"]
+    pool = UpstreamPool(parse_config({"mcpServers": {"edge": entry}}), linger=0)
+    gw = Gateway(runtime, settings, upstreams=pool)
+    names: list[str] = []
+
+    async def session_of(owner: str) -> str:
+        name = f"t-{uuid.uuid4().hex[:10]}"
+        await runtime.apply(
+            {
+                "apiVersion": "mcpforge.dev/v1alpha1",
+                "kind": "KernelSession",
+                "metadata": {"name": name, "annotations": {OWNER: owner}},
+                "spec": {
+                    "image": images["minimal"],
+                    "resources": {"memory": "512Mi", "cpu": "1"},
+                    "mcpServers": [{"name": "edge"}],
+                },
+            }
+        )
+        names.append(name)
+        return name
+
+    write = "_out = [mcp_tools.edge.write_note(text={!r})['previous'], mcp_tools.edge.pid()['pid']]"
+    try:
+        alice1, alice2, bob = (
+            await session_of("http:alice"),
+            await session_of("http:alice"),
+            await session_of("http:bob"),
+        )
+        first = await value(gw, alice1, "import mcp_tools\n" + write.format("alice's"))
+        second = await value(gw, alice2, "import mcp_tools\n" + write.format("alice again"))
+        other = await value(gw, bob, "import mcp_tools\n" + write.format("bob's"))
+        assert first[0] is None and second == ["alice's", first[1]], (first, second)
+        assert other[0] is None and other[1] != first[1], other
+        assert pool.isolated == 2
+        fd = os.pidfd_open(first[1])
+        try:
+            for name in (alice1, alice2):
+                await runtime.delete(name)
+                with pytest.raises(SessionNotFound):  # the gateway learns it is gone
+                    await gw.execute(name, "1")
+            ended = asyncio.Event()
+            asyncio.get_running_loop().add_reader(fd, ended.set)
+            await asyncio.wait_for(ended.wait(), 30)
+        finally:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+        assert pool.isolated == 1  # bob's
+    finally:
+        for name in names:
+            with contextlib.suppress(SessionNotFound):
+                await runtime.delete(name)
+        await gw.close()
+        await pool.close()
