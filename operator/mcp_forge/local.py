@@ -7,9 +7,16 @@ Layout under the state directory (0700, root):
     k/<id>/pod.yaml               what was played (no key in it)
     k/<id>/conf/connection.json   root-owned, mounted read-only at /etc/mcp-forge
     k/<id>/run/                   the kernel's Unix sockets, mounted at /run/mcp-forge
-    k/<id>/workspace/             uid 1000: /workspace in the pod, kept across restarts
-    k/<id>/tmp/                   uid 1000: /tmp in the pod (its own: see render.HostPaths)
-    shared/<namespace>/<group>/   uid 1000: /shared for sessions of one sharedGroup
+    k/<id>/workspace.img          the workspace's filesystem (sparse ext4, spec.workspace.size)
+    k/<id>/workspace/             its mount point: /workspace in the pod, kept across restarts
+    k/<id>/tmp/                   a tmpfs (256Mi, charged to the kernel): /tmp in the pod
+    shared/<namespace>/<group>/   /shared for sessions of one sharedGroup
+
+(see volumes.py for the two filesystems). Each pod runs in a user namespace of its own
+(`podman kube play --userns=auto`): the kernel's uid 1000 is a host uid that no account
+and no other session's kernel has, recorded with the session on its first start and
+reused for every later pod, so its files keep their owner. Everything the kernel must
+own on the host (workspace, tmp, run/, the connection file's group) is given that uid.
 
 The pod's network is `none`; the gateway reaches the kernel through the Unix sockets
 in run/. run/ is writable by the kernel only while it starts and binds them: once it
@@ -28,6 +35,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import time
@@ -39,7 +47,7 @@ from typing import Any
 
 import yaml
 
-from . import podman, resource
+from . import podman, resource, volumes
 from .connection import (
     BRIDGE_DIR_IN_POD,
     BRIDGE_SOCKET,
@@ -60,7 +68,8 @@ from .errors import (
 from .image import missing_image_message
 from .kernel import KernelConnection
 from .render import CONTAINER, KERNEL_UID, HostPaths, podman_pod_name, render_podman
-from .resource import KernelSession
+from .resource import KernelSession, parse_quantity
+from .restarts import QUICK_DEATH, local_backoff, local_gives_up
 from .runtime import Termination, termination_of
 from .settings import Settings
 from .store import Store
@@ -81,6 +90,8 @@ _LIVE_FIELDS = (
 
 
 _USER_SUSPENDED = ("Suspended", "UserRequested", "spec.operatingMode is Suspended")
+# Podman allocates user namespaces from the subordinate ids of this user (/etc/subuid).
+USERNS_USER = "containers"
 
 
 def now() -> str:
@@ -146,6 +157,35 @@ class LocalRuntime:
     def container_name(self, session: KernelSession) -> str:
         return f"{self.pod_name(session)}-{CONTAINER}"
 
+    def idmap(self, session: KernelSession) -> dict[str, int] | None:
+        """The user namespace of the session's pods ({uid, gid, size}: host ids of 0..size).
+
+        None before its first start, and for a pod played before user namespaces (its
+        kernel is host uid 1000 until the next new pod).
+        """
+        idmap = self.store.private(session.namespace, session.name).get("idmap")
+        return dict(idmap) if isinstance(idmap, dict) else None
+
+    def kernel_ids(self, session: KernelSession) -> tuple[int, int]:
+        """The host uid and gid of the kernel's uid and gid 1000."""
+        idmap = self.idmap(session)
+        if idmap is None:
+            return KERNEL_UID, KERNEL_UID
+        return idmap["uid"] + KERNEL_UID, idmap["gid"] + KERNEL_UID
+
+    def _group_idmap(self, session: KernelSession) -> dict[str, int] | None:
+        """Sessions of one sharedGroup share a user namespace, so they can share /shared."""
+        group = session.spec.shared_group
+        if not group:
+            return None
+        for body in self.store.list(session.namespace):
+            other = resource.load(body)
+            if other.uid != session.uid and other.spec.shared_group == group:
+                idmap = self.idmap(other)
+                if idmap is not None:
+                    return idmap
+        return None
+
     @contextlib.asynccontextmanager
     async def _locked(self, session: KernelSession, *, create: bool = False) -> AsyncIterator[None]:
         """Hold the session's lock file, so two processes never realize it at once.
@@ -178,7 +218,7 @@ class LocalRuntime:
     async def connection(self, session: KernelSession) -> ConnectionInfo:
         """The kernel's sockets and key, once its run directory is sealed."""
         run = Path(self.host_paths(session).run)
-        problem = _unsealed(run)
+        problem = _unsealed(run, self.kernel_ids(session)[0])
         if problem:
             raise SessionNotReady(f"session {session.name!r} is not ready: {problem}")
         key = self.store.key(session.namespace, session.name)
@@ -243,6 +283,7 @@ class LocalRuntime:
             ):
                 session = await self._refresh_locked(resource.load(current), restart=True)
                 if session.status.get("phase") == "Failed":
+                    self._patch(session, lastTermination=None)  # applied again: a new count
                     await self._realize(session, wait=wait)
                     return Applied(
                         await self.get(session.name, session.namespace),
@@ -293,6 +334,7 @@ class LocalRuntime:
             raise ImageError(missing_image_message(image))
 
     def _prepare_dirs(self, session: KernelSession, info: ConnectionInfo) -> HostPaths:
+        uid, gid = self.kernel_ids(session)
         paths = self.host_paths(session)
         if len(paths.run) + len("/kernel-5555") > IPC_PATH_MAX:
             raise InvalidSession(
@@ -309,31 +351,43 @@ class LocalRuntime:
         tmp = conf / f".connection.{uuid.uuid4().hex}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o440)
         with os.fdopen(fd, "w") as f:
-            os.fchown(f.fileno(), 0, KERNEL_UID)
+            os.fchown(f.fileno(), 0, gid)
             f.write(info.to_file())
         os.replace(tmp, conf / "connection.json")
         Path(paths.workspace).mkdir(exist_ok=True)
-        os.chown(paths.workspace, KERNEL_UID, KERNEL_UID)
         if paths.tmp:
             Path(paths.tmp).mkdir(exist_ok=True)
-            os.chown(paths.tmp, KERNEL_UID, KERNEL_UID)
-            os.chmod(paths.tmp, 0o1770)
         if paths.shared:
             Path(paths.shared).mkdir(parents=True, exist_ok=True)
-            os.chown(paths.shared, KERNEL_UID, KERNEL_UID)
+            os.chown(paths.shared, uid, gid)
             os.chmod(paths.shared, 0o770)
         self._unseal(session)
         return paths
+
+    async def _mount(self, session: KernelSession) -> None:
+        """The session's bounded /workspace and /tmp, mounted (again, after a reboot)."""
+        uid, gid = self.kernel_ids(session)
+        paths = self.host_paths(session)
+        size = parse_quantity(session.spec.workspace_size, field="spec.workspace.size")
+        workspace = Path(paths.workspace)
+        await volumes.ensure_workspace(
+            workspace.with_name("workspace.img"), workspace, size, uid, gid
+        )
+        # The volume's root (or a plain workspace kept from before) belongs to the kernel.
+        os.chown(workspace, uid, gid)
+        if paths.tmp:
+            await volumes.ensure_tmp(Path(paths.tmp), uid, gid)
 
     def _unseal(self, session: KernelSession) -> None:
         """Let a starting kernel bind its sockets: a fresh run/ that its uid owns."""
         run = Path(self.host_paths(session).run)
         shutil.rmtree(run, ignore_errors=True)
+        uid, gid = self.kernel_ids(session)
         run.mkdir(mode=0o700)
-        os.chown(run, KERNEL_UID, KERNEL_UID)
+        os.chown(run, uid, gid)
         bridge = run / "bridge"  # code mode: the kernel binds its bridge socket here
         bridge.mkdir(mode=0o700)
-        os.chown(bridge, KERNEL_UID, KERNEL_UID)
+        os.chown(bridge, uid, gid)
 
     def _seal(self, session: KernelSession) -> None:
         """Once the kernel has bound its sockets, take run/ back (root, 0755)."""
@@ -348,6 +402,9 @@ class LocalRuntime:
     async def _realize(self, session: KernelSession, *, wait: bool) -> None:
         key = self.store.key(session.namespace, session.name)
         info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
+        idmap = self.idmap(session) or self._group_idmap(session)
+        if idmap is not None:
+            self._set_idmap(session, idmap)
         paths = self._prepare_dirs(session, info)
         manifest = yaml.safe_dump_all(render_podman(session, paths), sort_keys=False)
         (self._dir(session) / "pod.yaml").write_text(manifest)
@@ -355,18 +412,55 @@ class LocalRuntime:
             session, phase="Starting", reason=None, message=None, podName=self.pod_name(session)
         )
         try:
+            if idmap is not None:
+                await self._mount(session)
+            # A first pod: Podman picks a free range of subordinate ids; it is created, not
+            # started, so that what the kernel must own can be given to its uid first.
+            # Later pods get the same range (uidmapping), so the workspace keeps its owner.
+            userns = userns_flag(idmap)
             await podman.run(
                 "kube",
                 "play",
                 "--replace",
                 "--network=none",
+                userns,
+                *(() if idmap is not None else ("--start=false",)),
                 str(self._dir(session) / "pod.yaml"),
                 timeout=self.settings.podman_timeout,
             )
-        except PodmanError as exc:
+            if idmap is None:
+                self._set_idmap(session, await self._played_idmap(session))
+                self._prepare_dirs(session, info)
+                await self._mount(session)
+                await podman.run(
+                    "pod", "start", self.pod_name(session), timeout=self.settings.podman_timeout
+                )
+        except (PodmanError, volumes.VolumeError) as exc:
             self._fail(session, "PlayFailed", str(exc))
             raise
         await self._started(session, wait=wait)
+
+    def _set_idmap(self, session: KernelSession, idmap: dict[str, int]) -> None:
+        private = self.store.private(session.namespace, session.name)
+        private["idmap"] = idmap
+        self.store.set_private(session.namespace, session.name, private)
+
+    async def _played_idmap(self, session: KernelSession) -> dict[str, int]:
+        """The user namespace Podman gave the kernel container just played."""
+        info = await self._inspect(session)
+        mappings = ((info or {}).get("HostConfig") or {}).get("IDMappings") or {}
+        try:
+            uid = _first_range(mappings.get("UidMap"))
+            gid = _first_range(mappings.get("GidMap"))
+        except ValueError as exc:
+            raise PodmanError(
+                ["container", "inspect"], 1, f"the kernel has no user namespace: {exc}"
+            ) from None
+        if uid[1] <= KERNEL_UID or gid[1] <= KERNEL_UID:
+            raise PodmanError(
+                ["container", "inspect"], 1, f"the kernel's user namespace is too small: {uid}"
+            )
+        return {"uid": uid[0], "gid": gid[0], "size": min(uid[1], gid[1])}
 
     async def _started(self, session: KernelSession, *, wait: bool) -> None:
         info = await self._inspect(session)
@@ -492,24 +586,40 @@ class LocalRuntime:
         async with self._locked(session):
             self._patch(session, phase="Terminating")
             await self._remove_pod(session)
+            await self._unmount(session)
             self.store.delete(namespace, name)
             await asyncio.to_thread(shutil.rmtree, self._dir(session), True)
+
+    async def _unmount(self, session: KernelSession) -> None:
+        """Unmount the session's filesystems (their loop devices go with them)."""
+        paths = self.host_paths(session)
+        workspace = Path(paths.workspace)
+        for target in (workspace, workspace.with_name("workspace.migrating"), paths.tmp):
+            if target:
+                await volumes.unmount(Path(target))
 
     async def _remove_pod(self, session: KernelSession) -> None:
         # -t 0: the kernel is being deleted, with its state; nothing to wait for.
         # Podman 4.3.1 sometimes panics (nil Volume in removePod) when pods are removed at
-        # the same time, leaving the pod half removed; a second `pod rm` finishes it.
-        for attempt in (1, 2):
+        # the same time, leaving the pod half removed; a second `pod rm` finishes it. In a
+        # user namespace it may also find the container's /dev/shm still busy while its
+        # processes die (EBUSY): the pod is left half removed the same way.
+        for attempt in (1, 2, 3):
             done = await podman.run(
                 "pod", "rm", "-f", "-t", "0", self.pod_name(session), check=False
             )
             if done.returncode == 0 or "no pod with name" in done.stderr.lower():
                 return
-            if "panic:" not in done.stderr or attempt == 2:
+            again = "panic:" in done.stderr or "resource busy" in done.stderr
+            if not again or attempt == 3:
                 raise PodmanError(
                     ["pod", "rm", self.pod_name(session)], done.returncode, done.stderr
                 )
-            log.warning("podman panicked removing %s; trying again", self.pod_name(session))
+            log.warning(
+                "podman failed removing %s (%s); trying again",
+                self.pod_name(session),
+                done.stderr.strip()[-200:],
+            )
 
     # ---- observing -------------------------------------------------------------------------
 
@@ -579,7 +689,8 @@ class LocalRuntime:
         """
         cgroup = str(info.get("State", {}).get("CgroupPath", "")).lstrip("/")
         if not cgroup:
-            raise PodmanError(["inspect"], 1, "the kernel container has no cgroup path")
+            # It died already (a kernel that exits at start): waiting for it says why.
+            return
         for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")):
             target = root / cgroup / "pids.max"
             if target.is_file():
@@ -642,22 +753,81 @@ class LocalRuntime:
                 session, reason=term.reason, crashed=True, message=term.message
             )
         elif phase == "Ready":
-            self._record_death(session, term.reason, term.message, phase="Restarting")
+            await self._record_death(session, term.reason, term.message, phase="Restarting")
         return await self.get(session.name, session.namespace)
 
-    def _record_death(
-        self, session: KernelSession, reason: str, message: str, *, phase: str
-    ) -> None:
+    async def _record_death(
+        self,
+        session: KernelSession,
+        reason: str,
+        message: str,
+        *,
+        phase: str,
+        quick: bool | None = None,
+    ) -> dict[str, Any]:
+        """Count a death; one within QUICK_DEATH of its start is one more in a crash loop.
+
+        Returns the new lastTermination (with quickDeaths, and nextStartAt: the backoff).
+        """
         body = self.store.get(session.namespace, session.name)
-        restarts = int(body.get("status", {}).get("restarts", 0)) + 1
+        status = body.get("status", {})
+        if quick is None:
+            lived = _lifetime(await self._inspect(session))
+            quick = lived is not None and lived < QUICK_DEATH
+        last = status.get("lastTermination") or {}
+        quick_deaths = int(last.get("quickDeaths") or 0) + 1 if quick else 0
+        at = time.time()
+        last = {
+            "reason": reason,
+            "message": message,
+            "at": now(),
+            "quickDeaths": quick_deaths,
+            "nextStartAt": _stamp(at + local_backoff(quick_deaths)),
+        }
         self._patch(
             session,
             phase=phase,
-            restarts=restarts,
+            restarts=int(status.get("restarts", 0)) + 1,
             reason=reason,
             message=message,
-            lastTermination={"reason": reason, "message": message, "at": now()},
+            lastTermination=last,
         )
+        return last
+
+    def _crash_loop(self, session: KernelSession) -> bool:
+        """Hold back a crash-looping kernel: True if it must not be started now.
+
+        In its backoff the session is Restarting (CrashLoopBackOff) and says when it starts
+        again; past the restart limit it is Failed (CrashLoop) and says why.
+        """
+        status = self.store.get(session.namespace, session.name).get("status", {})
+        last = status.get("lastTermination") or {}
+        quick = int(last.get("quickDeaths") or 0)
+        if not quick:
+            return False
+        why = (
+            f"{last.get('message') or last.get('reason')}; it died {quick} time(s) in a row "
+            f"within {QUICK_DEATH:.0f}s of starting"
+        )
+        if local_gives_up(quick):
+            self._fail(
+                session,
+                "CrashLoop",
+                f"{why}, so it is not started again. Fix the cause (the session's env, or a "
+                "sitecustomize or startup file its PYTHONPATH finds in the workspace) and "
+                "apply the session again",
+            )
+            return True
+        wait = parse_time(str(last.get("nextStartAt"))) - time.time()
+        if wait <= 0:
+            return False
+        self._patch(
+            session,
+            phase="Restarting",
+            reason="CrashLoopBackOff",
+            message=f"{why}; next start in {wait:.0f}s",
+        )
+        return True
 
     async def restart_kernel(
         self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
@@ -675,20 +845,41 @@ class LocalRuntime:
         self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
     ) -> None:
         if crashed and session.status.get("phase") != "Restarting":
-            self._record_death(session, reason, message or reason, phase="Restarting")
+            await self._record_death(session, reason, message or reason, phase="Restarting")
         else:
             self._patch(session, phase="Restarting")
-        if await self._inspect(session) is None:
+        if crashed and self._crash_loop(session):
+            return
+        try:
+            await self._start_again(session)
+        except SessionNotReady as exc:
+            if await self.termination(session) is None:
+                raise
+            # It died while starting: one more quick death, and a backoff before the next.
+            await self._record_death(
+                session, "StartFailed", str(exc)[:1500], phase="Restarting", quick=True
+            )
+            self._crash_loop(session)
+            status = self.store.get(session.namespace, session.name).get("status", {})
+            raise SessionNotReady(
+                f"session {session.name!r} is {status.get('phase')}: {status.get('message')}"
+            ) from None
+        if crashed:
+            self._patch(session, reason=reason, message=message or reason)
+
+    async def _start_again(self, session: KernelSession) -> None:
+        # A pod played before user namespaces is played again, in one.
+        if await self._inspect(session) is None or self.idmap(session) is None:
+            await self._remove_pod(session)
             await self._realize(session, wait=True)
             return
         # A kube-played pod stops with its last container: restart the pod, not the container.
         pod = self.pod_name(session)
         await podman.run("pod", "stop", "-t", "1", pod, timeout=self.settings.podman_timeout)
         self._unseal(session)
+        await self._mount(session)  # after a host reboot, nothing is mounted
         await podman.run("pod", "start", pod, timeout=self.settings.podman_timeout)
         await self._started(session, wait=True)
-        if crashed:
-            self._patch(session, reason=reason, message=message or reason)
 
     async def record_activity(self, session: KernelSession, *, busy: bool = False) -> None:
         self._patch(session, lastActivity=now())
@@ -741,6 +932,8 @@ class LocalRuntime:
     ) -> None:
         """No kernel, the session kept: Suspended or Expired. Variables are lost."""
         await self._remove_pod(session)
+        if self.host_paths(session).tmp:  # /tmp is memory: a stopped session holds none
+            await volumes.unmount(Path(str(self.host_paths(session).tmp)))
         self._patch(
             session,
             phase=phase,
@@ -776,7 +969,55 @@ async def oom_kills(container_id: str) -> int:
     return sum(1 for line in out.splitlines() if b"oom-kill:" in line and needle in line)
 
 
-def _unsealed(run: Path) -> str:
+def userns_flag(idmap: dict[str, int] | None) -> str:
+    """`podman kube play`'s --userns for a session's recorded map (a new one if None)."""
+    if idmap is None:
+        return "--userns=auto"
+    return (
+        f"--userns=auto:uidmapping=0:{idmap['uid']}:{idmap['size']},"
+        f"gidmapping=0:{idmap['gid']}:{idmap['size']}"
+    )
+
+
+def _stamp(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _lifetime(info: dict[str, Any] | None) -> float | None:
+    """Seconds the container ran before it stopped (None if it runs, or is unknown)."""
+    state = (info or {}).get("State") or {}
+    if state.get("Running"):
+        return None
+    try:
+        started, finished = (_podman_time(str(state.get(k))) for k in ("StartedAt", "FinishedAt"))
+    except ValueError:
+        return None
+    return finished - started if finished >= started else None
+
+
+def _podman_time(text: str) -> float:
+    """Podman's "2026-11-30T20:35:14.123456789Z" (or with an offset), in seconds."""
+    m = _PODMAN_TIME.match(text)
+    if not m:
+        raise ValueError(f"not a time: {text!r}")
+    whole, frac, tz = m.groups()
+    stamp = dt.datetime.fromisoformat(whole + ("+00:00" if tz == "Z" else tz))
+    return stamp.timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+_PODMAN_TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
+
+
+def _first_range(ranges: Any) -> tuple[int, int]:
+    """(host id, size) of the range that maps id 0, from Podman's ["0:HOST:SIZE"]."""
+    for text in ranges or []:
+        inside, host, size = (int(x) for x in str(text).split(":"))
+        if inside == 0:
+            return host, size
+    raise ValueError(f"no range maps id 0 in {ranges!r}")
+
+
+def _unsealed(run: Path, kernel_uid: int) -> str:
     """Why run/ cannot be trusted yet ("" if it can): root's, 0755, five real sockets."""
     try:
         st = run.lstat()
@@ -789,7 +1030,7 @@ def _unsealed(run: Path) -> str:
         st = bridge.lstat()
     except FileNotFoundError:
         return "its bridge directory is missing"
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != KERNEL_UID:
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != kernel_uid:
         return "its bridge directory was replaced"  # e.g. by a symlink, while unsealed
     for port in PORTS.values():
         try:

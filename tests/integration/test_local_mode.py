@@ -13,6 +13,7 @@ import yaml
 
 from mcp_forge import podman
 from mcp_forge.errors import ImageError, InvalidRequest, SessionNotFound, SessionNotReady
+from mcp_forge.local import userns_flag
 from mcp_forge.supervisor import supervise_once
 
 pytestmark = pytest.mark.podman
@@ -365,7 +366,14 @@ async def test_the_rendered_podman_pod_is_what_local_mode_plays_and_plays_by_han
     manifest.write_text(rendered.stdout)
     by_hand = await asyncio.to_thread(
         subprocess.run,
-        ["podman", "kube", "play", "--network=none", str(manifest)],
+        [
+            "podman",
+            "kube",
+            "play",
+            "--network=none",
+            userns_flag(runtime.idmap(session)),
+            str(manifest),
+        ],
         capture_output=True,
         text=True,
     )

@@ -1,0 +1,76 @@
+"""Local mode's limits as plain functions: crash-loop backoff, inode bounds, id maps."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcp_forge import controller, restarts
+from mcp_forge.local import _first_range, _lifetime, _podman_time
+from mcp_forge.volumes import MIN_INODES, workspace_inodes
+
+
+def test_local_mode_and_the_operator_share_one_crash_loop_policy() -> None:
+    assert (restarts.QUICK_DEATH, restarts.CRASH_BACKOFF, restarts.CRASH_BACKOFF_MAX) == (
+        controller.QUICK_DEATH,
+        controller.CRASH_BACKOFF,
+        controller.CRASH_BACKOFF_MAX,
+    )
+
+
+@pytest.mark.parametrize(
+    ("quick_deaths", "backoff", "gives_up"),
+    [
+        (0, 0.0, False),
+        (1, 5.0, False),
+        (2, 10.0, False),
+        (6, 160.0, False),
+        (7, 300.0, True),  # 320 s would pass the cap
+        (12, 300.0, True),
+    ],
+)
+def test_a_crash_loop_backs_off_doubling_up_to_the_cap(
+    quick_deaths: int, backoff: float, gives_up: bool
+) -> None:
+    assert restarts.crash_backoff(quick_deaths) == backoff
+    assert restarts.gives_up(quick_deaths) is gives_up
+
+
+@pytest.mark.parametrize(
+    ("quick_deaths", "backoff", "gives_up"),
+    [(0, 0.0, False), (1, 0.0, False), (2, 5.0, False), (7, 160.0, False), (8, 300.0, True)],
+)
+def test_local_mode_restarts_at_once_after_one_quick_death_then_backs_off_and_gives_up(
+    quick_deaths: int, backoff: float, gives_up: bool
+) -> None:
+    assert restarts.local_backoff(quick_deaths) == backoff
+    assert restarts.local_gives_up(quick_deaths) is gives_up
+
+
+def test_the_inode_bound_grows_with_the_workspace_and_has_a_floor() -> None:
+    assert workspace_inodes(2**30) == 32768
+    assert workspace_inodes(2**20) == MIN_INODES
+    assert workspace_inodes(10 * 2**30) == 10 * 32768
+
+
+def test_the_range_that_maps_id_zero_is_read_from_podmans_map() -> None:
+    assert _first_range(["0:2147483647:1024"]) == (2147483647, 1024)
+    assert _first_range(["1:5:2", "0:100:65536"]) == (100, 65536)
+    with pytest.raises(ValueError, match="no range maps id 0"):
+        _first_range([])
+    with pytest.raises(ValueError, match="invalid literal"):
+        _first_range(["0:x:1"])
+
+
+def test_a_containers_lifetime_comes_from_its_start_and_finish_times() -> None:
+    start = "2026-11-30T20:35:14.250000000Z"
+    assert _podman_time("2026-11-30T20:35:15.75Z") - _podman_time(start) == pytest.approx(1.5)
+    assert _podman_time("2026-11-30T20:35:14+00:00") == pytest.approx(
+        _podman_time("2026-11-30T20:35:14Z")
+    )
+    info = {
+        "State": {"Running": False, "StartedAt": start, "FinishedAt": "2026-11-30T20:35:17.25Z"}
+    }
+    assert _lifetime(info) == pytest.approx(3.0)
+    assert _lifetime({"State": {"Running": True, "StartedAt": start}}) is None
+    assert _lifetime(None) is None
+    assert _lifetime({"State": {"StartedAt": "0001-01-01T00:00:00Z", "FinishedAt": "?"}}) is None
