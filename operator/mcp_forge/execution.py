@@ -32,6 +32,8 @@ MIME_MAX = 100  # length of a mime type name
 EVALUE_MAX = 10_000
 TRACEBACK_MAX = 50_000
 DISPLAY_OVERHEAD = 200  # bytes charged per display against the data budget
+DISPLAYS_MAX = 1_000  # displays kept per call
+RESULT_TEXT_MIN = 2_000  # text of the execute_result kept even when streams used the budget
 OUTPUT_DIR = ".mcp-forge/outputs"  # in the workspace: one full-output file per call
 WORKSPACE = "/workspace"
 GUARD_KEY = "mcp-forge"  # the guard's report in an execute_reply's metadata
@@ -139,13 +141,14 @@ class Collector:
         """The kernel is idle for this request and has replied on shell."""
         return self.idle and self.reply_status is not None
 
-    def _keep(self, text: str) -> str:
-        """Account `text` against the budget; return the part that may be kept."""
+    def _keep(self, text: str, floor: int = 0) -> str:
+        """Account `text` against the budget (at least `floor` is kept); return the part
+        that may be kept."""
         if self.spooled < self.spool_max:
             piece = text[: self.spool_max - self.spooled]
             self.spool.append(piece)
             self.spooled += len(piece)
-        room = max(self.budget - self.used, 0)
+        room = max(self.budget - self.used, floor)
         kept = text[:room]
         self.used += len(kept)
         self.dropped += len(text) - len(kept)
@@ -156,7 +159,9 @@ class Collector:
         kept; count it as omitted otherwise."""
         metadata = content.get("metadata")
         cost = DISPLAY_OVERHEAD + (_json_size(metadata) if isinstance(metadata, dict) else 0)
-        if self.overhead_used + cost > max(self.budget, self.data_budget):
+        if len(self.displays) >= DISPLAYS_MAX or self.overhead_used + cost > max(
+            self.budget, self.data_budget
+        ):
             self.displays_omitted += 1
             return
         self.overhead_used += cost
@@ -175,7 +180,7 @@ class Collector:
                 continue
             if mime in TEXT_MIMES and isinstance(value, str):
                 self.spool_note(f"[{label} {mime}]\n")
-                data[mime] = self._keep(value)
+                data[mime] = self._keep(value, RESULT_TEXT_MIN if label == "result" else 0)
                 continue
             size = len(value) if isinstance(value, str) else _json_size(value)
             if size >= 0 and self.data_used + size <= self.data_budget:
@@ -239,7 +244,9 @@ class Collector:
         report = metadata.get(GUARD_KEY) if isinstance(metadata, dict) else None
         if not isinstance(report, dict):
             return
-        spilled, omitted = report.get("spilled"), report.get("displays")
+        spilled, omitted, data = report.get("spilled"), report.get("displays"), report.get("data")
+        if isinstance(data, int) and 0 < data < 2**53:
+            self.data_dropped += data
         if isinstance(spilled, int) and 0 < spilled < 2**53:
             self.kernel_spilled = spilled
             if report.get("path") == spill_path(self.msg_id):

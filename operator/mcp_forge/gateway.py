@@ -13,7 +13,6 @@ import base64
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +28,17 @@ from .errors import (
     SessionNotFound,
     SessionNotReady,
 )
-from .execution import Collector, ExecutionResult
+from .execution import (
+    EVALUE_MAX,
+    GUARD_KEY,
+    OUTPUT_DIR,
+    TRACEBACK_MAX,
+    WORKSPACE,
+    Collector,
+    ExecutionResult,
+)
 from .kernel import KernelConnection
+from .kernelside import source
 from .policy import policies_of
 from .resource import KernelSession
 from .runtime import Runtime
@@ -40,7 +48,6 @@ from .upstream import Upstream, UpstreamPool
 
 log = logging.getLogger(__name__)
 
-OUTPUT_DIR = ".mcp-forge/outputs"
 OUTPUT_FILES_KEPT = 20
 _WRITE_CHUNK = 1_000_000
 
@@ -80,6 +87,7 @@ class Gateway:
             upstreams if isinstance(upstreams, UpstreamPool) else UpstreamPool.of(upstreams or {})
         )
         self._handles: dict[tuple[str, str, str], _Handle] = {}
+        self._guard_code = guard_program(self.settings)
 
     def _handle(self, session: KernelSession) -> _Handle:
         key = (session.namespace, session.name, session.uid)
@@ -140,6 +148,11 @@ class Gateway:
             conn.close()
             raise
         handle.conn, handle.kernel = conn, _kernel_of(session)
+        try:
+            await self._silently(conn, self._guard_code, "the kernel's output guard failed")
+        except SessionNotReady as exc:
+            # Code may have broken what the guard wraps; the gateway's own bounds still hold.
+            log.warning("session %s runs without its output guard: %s", session.name, exc)
         if session.spec.mcp_servers:
             try:
                 await self._attach_bridge(handle, session, conn)
@@ -290,7 +303,7 @@ class Gateway:
             except BaseException:
                 await self._record_activity(handle, session)
                 raise
-            if result.truncated and collector.dropped:
+            if result.truncated and collector.dropped and collector.kernel_spill_path is None:
                 result = await self._save_full_output(handle, session, result, collector)
             if result.execution_count is not None:
                 handle.execution_count = result.execution_count
@@ -423,7 +436,7 @@ class Gateway:
         collector: Collector,
     ) -> ExecutionResult:
         text = collector.full_text().encode()
-        name = f"{OUTPUT_DIR}/{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}.txt"
+        name = f"{OUTPUT_DIR}/{collector.msg_id}.txt"  # where the kernel's guard spills too
         try:
             await self._write_locked(handle, session, name, text)
             await self._helper_locked(
@@ -609,6 +622,25 @@ class Gateway:
         if not isinstance(size, int):
             raise KernelProtocolError("the kernel's write reply is malformed")
         return size
+
+
+def guard_program(settings: Settings) -> str:
+    """The silent code that installs the kernel-side output guard (kernelside/guard.py)
+    with this gateway's limits; like the helpers, it leaves no name in the user's
+    namespace."""
+    limits = {
+        "text": settings.output_budget,
+        "data": settings.data_budget,
+        "spool": min(settings.output_spool_max, settings.file_max),  # read_file can open it
+        "evalue": EVALUE_MAX,
+        "traceback": TRACEBACK_MAX,
+        "spill_dir": f"{WORKSPACE}/{OUTPUT_DIR}",
+        "report_key": GUARD_KEY,
+    }
+    return (
+        f"exec(compile({source('guard')!r}, '<mcp-forge-guard>', 'exec'), "
+        f"{{'__builtins__': __builtins__, 'get_ipython': get_ipython, 'LIMITS': {limits!r}}})"
+    )
 
 
 _VAR_FIELDS: dict[str, type] = {
