@@ -11,8 +11,13 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from . import podman, resource
+from . import podman, resource, volumes
 from .errors import ForgeError
+from .local import USERNS_USER
+
+# Podman gives each pod's user namespace at least 1024 ids (the image's users):
+# room for many sessions at once.
+SUBORDINATE_MIN = 65536
 
 Say = Callable[[str], None]
 
@@ -53,6 +58,20 @@ async def run_checks(say: Say) -> bool:
         f"OCI runtime {runtime} (cgroup {cgroup})",
         "crun fails on cgroup v1 hosts: " + conf_fix,
     )
+    for path in (Path("/etc/subuid"), Path("/etc/subgid")):
+        size = subordinate_ids(path, USERNS_USER)
+        result(
+            size >= SUBORDINATE_MIN,
+            f"{path} gives {USERNS_USER!r} {size} ids (user namespaces: --userns=auto)",
+            f"echo '{USERNS_USER}:2147483647:2147483648' >> {path}",
+        )
+    missing = [t for t in volumes.TOOLS if shutil.which(t) is None]
+    result(
+        not missing and _loop_control(),
+        "mkfs.ext4, mount and loop devices (each workspace is a filesystem of its size)",
+        "apt-get install -y e2fsprogs mount; modprobe loop"
+        + (f" (missing: {', '.join(missing)})" if missing else " (no /dev/loop-control)"),
+    )
     dmesg = await _dmesg_readable()
     say(
         "ok   the kernel log is readable: OOM kills are named as such"
@@ -66,6 +85,24 @@ async def run_checks(say: Say) -> bool:
         return ok
     result(*await _session_check(image), conf_fix)
     return ok
+
+
+def _loop_control() -> bool:
+    return Path("/dev/loop-control").exists()
+
+
+def subordinate_ids(path: Path, user: str) -> int:
+    """How many subordinate ids `path` (/etc/subuid or /etc/subgid) gives `user`."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    total = 0
+    for line in lines:
+        fields = line.strip().split(":")
+        if len(fields) == 3 and fields[0] == user and fields[2].isdigit():
+            total += int(fields[2])
+    return total
 
 
 async def _dmesg_readable() -> bool:
@@ -93,14 +130,25 @@ async def _session_check(image: str) -> tuple[bool, str]:
         "metadata": {"name": name},
         "spec": {"image": image, "resources": {"memory": "256Mi"}},
     }
-    what = "a session starts and runs code (kube play, uid 1000, no network, read-only root)"
+    what = (
+        "a session starts and runs code (kube play, uid 1000 in a user namespace, no network,"
+        " read-only root, a bounded workspace)"
+    )
     gateway = Gateway(runtime, runtime.settings)
     try:
         applied = await runtime.apply(body)
-        r = await gateway.execute(name, "import os; os.getuid()")
-        uid = (r.result or {}).get("data", {}).get("text/plain")
-        if uid != "1000":
-            return False, f"{what}: the kernel runs as uid {uid}"
+        r = await gateway.execute(
+            name,
+            "import os; (os.getuid(), open('/proc/self/uid_map').read().split()[1],"
+            " [m.split()[2] for m in open('/proc/mounts') if m.split()[1] == '/workspace'])",
+        )
+        seen = (r.result or {}).get("data", {}).get("text/plain")
+        if seen is None or not seen.startswith("(1000, "):
+            return False, f"{what}: the kernel runs as uid {seen}"
+        if seen.startswith("(1000, '0',"):
+            return False, f"{what}: the kernel is not in a user namespace ({seen})"
+        if "ext4" not in seen:
+            return False, f"{what}: its workspace is not a filesystem of its own ({seen})"
         return True, f"{what}: ready in {applied.seconds:.1f}s"
     except ForgeError as exc:
         return False, f"{what}: {exc}"

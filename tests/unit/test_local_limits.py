@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mcp_forge import controller, restarts
+from mcp_forge.doctor import subordinate_ids
 from mcp_forge.local import _first_range, _lifetime, _podman_time
 from mcp_forge.volumes import MIN_INODES, workspace_inodes
 
@@ -74,3 +77,11 @@ def test_a_containers_lifetime_comes_from_its_start_and_finish_times() -> None:
     assert _lifetime({"State": {"Running": True, "StartedAt": start}}) is None
     assert _lifetime(None) is None
     assert _lifetime({"State": {"StartedAt": "0001-01-01T00:00:00Z", "FinishedAt": "?"}}) is None
+
+
+def test_subordinate_ids_are_counted_for_one_user(tmp_path: Path) -> None:
+    subuid = tmp_path / "subuid"
+    subuid.write_text("sandbox:100000:65536\ncontainers:2147483647:2147483648\nbad line\n")
+    assert subordinate_ids(subuid, "containers") == 2147483648
+    assert subordinate_ids(subuid, "nobody") == 0
+    assert subordinate_ids(tmp_path / "missing", "containers") == 0
