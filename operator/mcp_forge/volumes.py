@@ -34,6 +34,7 @@ BYTES_PER_INODE = 32768  # 32768 inodes per GiB of workspace
 MIN_INODES = 1024
 MOUNT_TIMEOUT = 60.0
 MOUNT_OPTIONS = "nosuid,nodev"
+UNMOUNT_LAYERS = 8  # mounts stacked on one mount point that unmount() takes off
 TOOLS = ("mkfs.ext4", "mount", "umount", "losetup")
 
 
@@ -237,9 +238,13 @@ async def ensure_tmp(target: Path, uid: int, gid: int) -> None:
 
 async def unmount(target: Path) -> None:
     """Unmount whatever is mounted at `target` (all layers); the loop device goes with it."""
-    while mounted(target):
+    for _ in range(UNMOUNT_LAYERS):
+        if not mounted(target):
+            return
         try:
             await _run("umount", str(target))
         except VolumeError:
             # Busy (a process that outlived its pod): detach now, freed when it lets go.
             await _run("umount", "-l", str(target))
+    if mounted(target):
+        raise VolumeError(f"{target} is still mounted after {UNMOUNT_LAYERS} unmounts")
