@@ -334,6 +334,7 @@ class Reconciler:
             ConnectionInfo("tcp", host, key),
             gateway_namespace=self.settings.gateway_namespace or None,
             runtime_class=self.settings.runtime_class or None,
+            seccomp_profile=self.settings.seccomp_profile or None,
         )
         want_secret, service, policy, pod = rendered
         if secret is None:

@@ -67,7 +67,14 @@ from .errors import (
 )
 from .image import missing_image_message
 from .kernel import KernelConnection
-from .render import CONTAINER, KERNEL_UID, HostPaths, podman_pod_name, render_podman
+from .render import (
+    CONTAINER,
+    KERNEL_UID,
+    SECCOMP_PROFILE_ROOT,
+    HostPaths,
+    podman_pod_name,
+    render_podman,
+)
 from .resource import KernelSession, parse_quantity
 from .restarts import QUICK_DEATH, local_backoff, local_gives_up
 from .runtime import Termination, termination_of
@@ -423,6 +430,7 @@ class LocalRuntime:
                 "play",
                 "--replace",
                 "--network=none",
+                f"--seccomp-profile-root={SECCOMP_PROFILE_ROOT}",
                 userns,
                 *(() if idmap is not None else ("--start=false",)),
                 str(self._dir(session) / "pod.yaml"),

@@ -17,11 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from .connection import BRIDGE_PORT, CONF_DIR_IN_POD, PORTS, RUN_DIR_IN_POD, ConnectionInfo
 from .image import KERNEL_CMD
-from .resource import API_VERSION, KIND, KernelSession
+from .resource import API_VERSION, KIND, KernelSession, parse_quantity
 
 Target = Literal["kubernetes", "podman"]
 TARGETS: tuple[Target, ...] = ("kubernetes", "podman")
@@ -36,7 +37,16 @@ LABEL_NAMESPACE = "mcpforge.dev/namespace"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 TEMPLATE_HASH = "mcpforge.dev/template-hash"
 GATEWAY_SELECTOR = {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "gateway"}
-KERNEL_ARGS = list(KERNEL_CMD)  # run by the image's entrypoint (tini in ours)
+# The project's seccomp profile (docs/seccomp.md): Podman's default less namespaces,
+# keyrings, mounts and tracing. Local mode plays pods with this directory as
+# --seccomp-profile-root; on clusters it is installed on each node and named by the
+# `seccomp_profile` setting.
+SECCOMP_PROFILE = "kernel-seccomp.json"
+SECCOMP_PROFILE_ROOT = str(Path(__file__).parent / "profiles")
+# Podman 4.3.1's kube play ignores securityContext.seccompProfile and reads a Localhost
+# profile only from this (deprecated in Kubernetes) annotation: "localhost/<file>".
+SECCOMP_ANNOTATION = f"container.seccomp.security.alpha.kubernetes.io/{CONTAINER}"
+RUNTIME_DEFAULT: dict[str, str] = {"type": "RuntimeDefault"}
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,17 @@ def _cpu(session: KernelSession) -> str:
     return f"{session.spec.cpu_milli}m"
 
 
-def _container(session: KernelSession, target: Target) -> dict[str, Any]:
+def kernel_args(session: KernelSession) -> list[str]:
+    """The kernel's command line, run by the image's entrypoint (tini in ours).
+
+    prlimit (util-linux) sets RLIMIT_FSIZE to the workspace size, soft and hard, then
+    execs the kernel: no file it writes can outgrow the workspace.
+    """
+    size = parse_quantity(session.spec.workspace_size, field="spec.workspace.size")
+    return ["prlimit", f"--fsize={size}", "--", *KERNEL_CMD]
+
+
+def _container(session: KernelSession, target: Target, seccomp: dict[str, str]) -> dict[str, Any]:
     spec = session.spec
     env = [
         {"name": "HOME", "value": WORKSPACE},
@@ -126,7 +146,7 @@ def _container(session: KernelSession, target: Target) -> dict[str, Any]:
         "name": CONTAINER,
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
-        "args": list(KERNEL_ARGS),
+        "args": kernel_args(session),
         "workingDir": WORKSPACE,
         "env": env,
         "resources": {"limits": dict(limits), "requests": dict(limits)},
@@ -138,7 +158,7 @@ def _container(session: KernelSession, target: Target) -> dict[str, Any]:
             "allowPrivilegeEscalation": False,
             "privileged": False,
             "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
+            "seccompProfile": dict(seccomp),
         },
         "volumeMounts": mounts,
     }
@@ -150,7 +170,12 @@ def _container(session: KernelSession, target: Target) -> dict[str, Any]:
     return container
 
 
-def _pod(session: KernelSession, target: Target, volumes: list[dict[str, Any]]) -> dict[str, Any]:
+def _pod(
+    session: KernelSession,
+    target: Target,
+    volumes: list[dict[str, Any]],
+    seccomp: dict[str, str],
+) -> dict[str, Any]:
     spec = session.spec
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",  # kernel death is seen and handled by us, then recreated
@@ -162,9 +187,9 @@ def _pod(session: KernelSession, target: Target, volumes: list[dict[str, Any]]) 
             "runAsGroup": KERNEL_UID,
             "runAsNonRoot": True,
             "fsGroup": KERNEL_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
+            "seccompProfile": dict(seccomp),
         },
-        "containers": [_container(session, target)],
+        "containers": [_container(session, target, seccomp)],
         "volumes": volumes,
     }
     if target == "kubernetes":
@@ -174,8 +199,11 @@ def _pod(session: KernelSession, target: Target, volumes: list[dict[str, Any]]) 
         meta = {
             "name": podman_pod_name(session.namespace, session.name),
             "labels": labels(session),
-            # Honoured by Podman >= 4.4; local mode also writes the cgroup limit itself.
-            "annotations": {f"io.podman.annotations.pids-limit/{CONTAINER}": str(spec.pids)},
+            "annotations": {
+                # Honoured by Podman >= 4.4; local mode also writes the cgroup limit itself.
+                f"io.podman.annotations.pids-limit/{CONTAINER}": str(spec.pids),
+                SECCOMP_ANNOTATION: f"localhost/{SECCOMP_PROFILE}",
+            },
         }
         pod_spec["hostname"] = "kernel"
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
@@ -187,13 +215,16 @@ def render_kubernetes(
     *,
     gateway_namespace: str | None = None,
     runtime_class: str | None = None,
+    seccomp_profile: str | None = None,
 ) -> list[dict[str, Any]]:
     """Secret, Service, NetworkPolicy and Pod for a cluster.
 
     The key comes in `connection` (the operator keeps it in the Secret across
     reconciles). The NetworkPolicy admits gateway pods of `gateway_namespace` (the
     session's own namespace if None). `runtime_class` (gVisor, Kata) is the cluster
-    admin's choice, not the session's: the operator is configured with it.
+    admin's choice, not the session's: the operator is configured with it. So is
+    `seccomp_profile`, the project's profile as installed on every node (a path below
+    the kubelet's seccomp root, docs/seccomp.md); None keeps the runtime's default.
     """
     spec = session.spec
     name = child_name(session)
@@ -262,7 +293,12 @@ def render_kubernetes(
                 "persistentVolumeClaim": {"claimName": f"mcpforge-shared-{spec.shared_group}"},
             }
         )
-    pod = _pod(session, "kubernetes", volumes)
+    seccomp = (
+        {"type": "Localhost", "localhostProfile": seccomp_profile}
+        if seccomp_profile
+        else RUNTIME_DEFAULT
+    )
+    pod = _pod(session, "kubernetes", volumes, seccomp)
     if runtime_class:
         pod["spec"]["runtimeClassName"] = runtime_class
     pod["metadata"]["annotations"] = {TEMPLATE_HASH: template_hash(pod)}
@@ -286,7 +322,8 @@ def render_lease(session: KernelSession) -> dict[str, Any]:
 
 
 def render_podman(session: KernelSession, paths: HostPaths) -> list[dict[str, Any]]:
-    """The Pod that `podman kube play --network none` runs."""
+    """The Pod that `podman kube play --network none --seccomp-profile-root
+    SECCOMP_PROFILE_ROOT` runs: with the project's seccomp profile, always."""
     volumes: list[dict[str, Any]] = [
         {"name": "conf", "hostPath": {"path": paths.conf, "type": "Directory"}},
         {"name": "run", "hostPath": {"path": paths.run, "type": "Directory"}},
@@ -301,4 +338,5 @@ def render_podman(session: KernelSession, paths: HostPaths) -> list[dict[str, An
         if paths.shared is None:
             raise ValueError("a session with sharedGroup needs a shared host path")
         volumes.append({"name": "shared", "hostPath": {"path": paths.shared, "type": "Directory"}})
-    return [_pod(session, "podman", volumes)]
+    seccomp = {"type": "Localhost", "localhostProfile": SECCOMP_PROFILE}
+    return [_pod(session, "podman", volumes, seccomp)]

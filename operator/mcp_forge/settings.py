@@ -55,6 +55,9 @@ class Settings:
     session_namespace: str = ""  # where the gateway makes sessions; "" is the mode's default
     gateway_namespace: str = ""  # kernel NetworkPolicies admit gateways of it ("" = their own)
     runtime_class: str = ""  # runtimeClassName of every kernel pod (gVisor, Kata); "" = none
+    # Kernel pods' Localhost seccomp profile below the kubelet's seccomp root, as installed
+    # on every node (docs/seccomp.md); "" = RuntimeDefault. Local mode always uses ours.
+    seccomp_profile: str = ""
     kube_connect: str = "service"  # the gateway dials the session's Service, or "pod-ip"
     lease_renew: float = 10.0  # the gateway renews a session's activity Lease at most this often
     operator_resync: float = 60.0  # every session is reconciled at least this often

@@ -15,6 +15,7 @@ import yaml
 from mcp_forge import podman, volumes
 from mcp_forge.errors import ImageError, InvalidRequest, SessionNotFound, SessionNotReady
 from mcp_forge.local import userns_flag
+from mcp_forge.render import SECCOMP_PROFILE_ROOT
 from mcp_forge.supervisor import supervise_once
 
 pytestmark = pytest.mark.podman
@@ -429,6 +430,7 @@ async def test_the_rendered_podman_pod_is_what_local_mode_plays_and_plays_by_han
             "kube",
             "play",
             "--network=none",
+            f"--seccomp-profile-root={SECCOMP_PROFILE_ROOT}",
             userns_flag(runtime.idmap(session)),
             str(manifest),
         ],

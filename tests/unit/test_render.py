@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -10,7 +12,14 @@ import yaml
 
 from mcp_forge import resource
 from mcp_forge.connection import PORTS, ConnectionInfo
-from mcp_forge.render import HostPaths, render_kubernetes, render_podman
+from mcp_forge.render import (
+    SECCOMP_ANNOTATION,
+    SECCOMP_PROFILE,
+    SECCOMP_PROFILE_ROOT,
+    HostPaths,
+    render_kubernetes,
+    render_podman,
+)
 
 K8S_VERSION = "1.33"
 
@@ -65,7 +74,6 @@ def test_the_pod_carries_the_restricted_security_profile(target: str) -> None:
     spec = pod["spec"]
     assert spec["automountServiceAccountToken"] is False
     assert spec["securityContext"]["runAsNonRoot"] is True
-    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     (c,) = spec["containers"]
     sc = c["securityContext"]
     assert sc["runAsUser"] == 1000
@@ -77,7 +85,8 @@ def test_the_pod_carries_the_restricted_security_profile(target: str) -> None:
     assert {"/workspace", "/tmp", "/etc/mcp-forge"} <= mounts
     conf = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/mcp-forge")
     assert conf["readOnly"] is True
-    assert c["args"][:3] == ["python", "-P", "-m"]
+    assert c["args"][:3] == ["prlimit", f"--fsize={2**30}", "--"]  # the default 1Gi
+    assert c["args"][3:6] == ["python", "-P", "-m"]
 
 
 def test_the_service_exposes_the_fixed_ports_and_the_secret_holds_the_key() -> None:
@@ -136,3 +145,111 @@ def test_the_network_policy_can_admit_gateways_of_another_namespace() -> None:
     assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
     for obj in objs:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def _seccomp_profiles(pod: dict[str, Any]) -> list[dict[str, str]]:
+    spec = pod["spec"]
+    return [spec["securityContext"]["seccompProfile"]] + [
+        c["securityContext"]["seccompProfile"] for c in spec["containers"]
+    ]
+
+
+def test_clusters_keep_the_runtime_default_profile_unless_ours_is_installed() -> None:
+    plain = by_kind(render_kubernetes(session(), CONN))["Pod"]
+    assert _seccomp_profiles(plain) == [{"type": "RuntimeDefault"}] * 2
+    ours = by_kind(
+        render_kubernetes(session(), CONN, seccomp_profile="mcp-forge/kernel-seccomp.json")
+    )["Pod"]
+    local = {"type": "Localhost", "localhostProfile": "mcp-forge/kernel-seccomp.json"}
+    assert _seccomp_profiles(ours) == [local] * 2
+    kubernetes_validate.validate(ours, K8S_VERSION, strict=True)
+    assert ours["metadata"]["annotations"] != plain["metadata"]["annotations"]  # a new template
+
+
+def test_local_pods_always_run_under_the_projects_profile() -> None:
+    (pod,) = render_podman(session(), PATHS)
+    # Podman 4.3.1 reads the annotation; later versions read the security contexts.
+    assert pod["metadata"]["annotations"][SECCOMP_ANNOTATION] == f"localhost/{SECCOMP_PROFILE}"
+    local = {"type": "Localhost", "localhostProfile": SECCOMP_PROFILE}
+    assert _seccomp_profiles(pod) == [local] * 2
+    assert (Path(SECCOMP_PROFILE_ROOT) / SECCOMP_PROFILE).is_file()
+
+
+def test_the_file_size_limit_is_the_workspace_size() -> None:
+    for size, limit in (("1Gi", 2**30), ("20Gi", 20 * 2**30), ("100Mi", 100 * 2**20)):
+        s = session(workspace={"size": size})
+        for pod in (by_kind(render_kubernetes(s, CONN))["Pod"], render_podman(s, PATHS)[0]):
+            (c,) = pod["spec"]["containers"]
+            assert c["args"][1] == f"--fsize={limit}"
+
+
+# The seccomp profile: Podman's default less what an unprivileged kernel never needs.
+
+PROFILE: dict[str, Any] = json.loads((Path(SECCOMP_PROFILE_ROOT) / SECCOMP_PROFILE).read_text())
+DENIED = {
+    "unshare", "setns", "keyctl", "add_key", "request_key", "mount", "umount", "umount2",
+    "pivot_root", "mount_setattr", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount",
+    "fspick", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "syslog",
+    "reboot",
+}  # fmt: skip
+CLONE_NEW_FLAGS = 0x7E020000  # NS, CGROUP, UTS, IPC, USER, PID, NET
+
+
+def _rules(name: str) -> list[dict[str, Any]]:
+    return [r for r in PROFILE["syscalls"] if name in r["names"]]
+
+
+def test_the_profile_denies_namespaces_keyrings_mounts_and_tracing_with_eperm() -> None:
+    assert PROFILE["defaultAction"] == "SCMP_ACT_ERRNO"
+    for name in DENIED:
+        (rule,) = _rules(name)
+        assert (rule["action"], rule["errnoRet"]) == ("SCMP_ACT_ERRNO", 1), name
+
+
+def test_clone_is_allowed_only_without_namespace_flags_and_clone3_is_enosys() -> None:
+    allow, *deny = _rules("clone")
+    assert allow["action"] == "SCMP_ACT_ALLOW"
+    assert allow["args"] == [
+        {"index": 0, "value": CLONE_NEW_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}
+    ]
+    # One EPERM rule per flag (seccomp has no "masked not equal"): else the default, ENOSYS.
+    flags = [rule["args"][0]["value"] for rule in deny]
+    assert sum(flags) == CLONE_NEW_FLAGS and all(f & (f - 1) == 0 for f in flags)
+    for rule, flag in zip(deny, flags, strict=True):
+        assert (rule["action"], rule["errnoRet"]) == ("SCMP_ACT_ERRNO", 1)
+        assert rule["args"] == [
+            {"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}
+        ]
+    (clone3,) = _rules("clone3")
+    assert (clone3["action"], clone3["errnoRet"]) == ("SCMP_ACT_ERRNO", 38)
+
+
+def test_the_profile_is_plain_oci_with_no_capability_conditions() -> None:
+    # containerd reads a Localhost profile as an OCI LinuxSeccomp and would drop
+    # "includes"/"excludes", turning a rule meant for CAP_SYS_ADMIN into one for all.
+    allowed_keys = {"names", "action", "errnoRet", "args"}
+    for rule in PROFILE["syscalls"]:
+        assert set(rule) <= allowed_keys, rule
+    assert set(PROFILE) == {"defaultAction", "defaultErrnoRet", "syscalls"}
+
+
+PODMAN_DEFAULT = Path("/usr/share/containers/seccomp.json")
+
+
+@pytest.mark.skipif(not PODMAN_DEFAULT.exists(), reason="no Podman default profile here")
+def test_everything_else_the_podman_default_allows_unconditionally_stays_allowed() -> None:
+    default = json.loads(PODMAN_DEFAULT.read_text())
+    plain = {
+        n
+        for r in default["syscalls"]
+        if r["action"] == "SCMP_ACT_ALLOW" and not r.get("args") and not r.get("includes")
+        for n in r["names"]
+    }
+    ours = {
+        n
+        for r in PROFILE["syscalls"]
+        if r["action"] == "SCMP_ACT_ALLOW" and not r.get("args")
+        for n in r["names"]
+    }
+    assert plain - ours == (DENIED | {"clone", "clone3"}) & plain
+    assert ours - plain <= {"arch_prctl", "modify_ldt"}  # per-arch rules of the default
