@@ -27,7 +27,7 @@ from mcp_forge.local import LocalRuntime, parse_time
 from mcp_forge.render import KERNEL_UID
 from mcp_forge.resource import KernelSession
 from mcp_forge.settings import Settings
-from mcp_forge.volumes import TMP_SIZE, workspace_inodes
+from mcp_forge.volumes import TMP_INODES, TMP_SIZE, workspace_inodes
 
 from .conftest import Deadline, gateway, run, text, value
 
@@ -445,3 +445,54 @@ async def test_delete_leaves_no_mount_loop_device_or_directory(
         assert str(base) not in mounts()
         assert str(base) not in loop_devices()
         assert not base.exists()
+
+
+async def test_many_small_files_in_tmp_stop_at_its_inode_bound(
+    declare: Any, host_dir: Path, runtime: LocalRuntime
+) -> None:
+    """Attack: empty files in /tmp (memory, with no byte to count) until it says no."""
+    async with gateway(host_dir) as client:
+        session = await declare()
+        r = await run(
+            client,
+            "n = 0\nerr = None\n"
+            f"while n < {TMP_INODES * 3}:\n"
+            "    try:\n"
+            "        open(f'/tmp/f{n}', 'w').close(); n += 1\n"
+            "    except OSError as e:\n"
+            "        err = e.errno; break\n"
+            "print(n, err)",
+            session_id=session.name,
+        )
+        assert r["status"] == "ok", r["_text"]
+        n, err = r["stdout"].split()
+        assert err == "28" and int(n) <= TMP_INODES, r["stdout"]
+        assert os.statvfs(runtime.host_paths(session).tmp or "").f_files <= TMP_INODES
+
+
+async def test_a_full_workspace_leaves_a_neighbours_workspace_writable(
+    declare: Any, host_dir: Path
+) -> None:
+    """Attack: fill one session's workspace to starve the sessions next to it."""
+    async with gateway(host_dir) as client:
+        a = await declare()
+        b = await declare()
+        r = await run(
+            client,
+            "import os\nerr = None\n"
+            "try:\n"
+            "    with open('/workspace/fill', 'wb') as f:\n"
+            "        for _ in range(256):  # bounded: without a volume it is the host's disk\n"
+            "            f.write(b'x' * 2**20)\n"
+            "except OSError as e:\n"
+            "    err = e.errno\n"
+            "print(err)",
+            session_id=a.name,
+        )
+        assert r["stdout"].strip() == "28", r["_text"]
+        n = await value(
+            client,
+            "open('/workspace/room', 'wb').write(b'y' * 8 * 2**20)",
+            session_id=b.name,
+        )
+        assert n == 8 * MiB
