@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import os
 import re
@@ -78,25 +79,37 @@ def _parts(rel: str) -> list[str]:
 def _open_step(name: str, dir_fd: int, rel: str) -> int:
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise Refused("FileNotFound", f"no such directory: {shown(rel)}") from None
-    except (NotADirectoryError, OSError) as exc:
-        # ELOOP (a link under O_NOFOLLOW) and ENOTDIR; a link is checked for the message.
-        if _is_link(name, dir_fd):
-            raise Refused(
-                "SymlinkRefused",
-                f"{shown(rel)}: {shown(name)} is a symbolic link; file tools do not follow links",
-            ) from None
-        if isinstance(exc, NotADirectoryError):
-            raise Refused("NotADirectory", f"not a directory: {shown(rel)}") from None
-        raise Refused(type(exc).__name__, f"{shown(rel)}: {exc.strerror}") from None
+    except OSError as exc:
+        raise _refusal(exc, name, dir_fd, rel) from None
 
 
-def _is_link(name: str, dir_fd: int) -> bool:
+def _refusal(exc: OSError, name: str, dir_fd: int, rel: str) -> Refused:
+    """What an open that failed means, said for the model. ELOOP under O_NOFOLLOW is a
+    link even if the name has been swapped back since; other kinds are looked up with
+    fstatat (no follow), which may be newer than the open: it only picks the message."""
+    if exc.errno == errno.ELOOP:
+        return Refused(
+            "SymlinkRefused",
+            f"{shown(rel)}: {shown(name)} is a symbolic link; file tools do not follow links",
+        )
+    if isinstance(exc, FileNotFoundError):
+        return Refused("FileNotFound", f"no such file or directory: {shown(rel)}")
     try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
     except OSError:
-        return False
+        mode = 0
+    if stat.S_ISLNK(mode):
+        return Refused(
+            "SymlinkRefused",
+            f"{shown(rel)}: {shown(name)} is a symbolic link; file tools do not follow links",
+        )
+    if mode and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        return Refused("NotARegularFile", f"{shown(rel)}: {shown(name)} is not a regular file")
+    if isinstance(exc, NotADirectoryError):
+        return Refused("NotADirectory", f"not a directory: {shown(rel)}")
+    if isinstance(exc, IsADirectoryError):
+        return Refused("IsADirectory", f"{shown(rel)} is a directory")
+    return Refused(type(exc).__name__, f"{shown(rel)}: {exc.strerror}")
 
 
 class Tree:
@@ -148,17 +161,8 @@ class Tree:
                     name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
                     0o644, dir_fd=dfd,
                 )  # fmt: skip
-            except FileNotFoundError:
-                raise Refused("FileNotFound", f"no such file: {shown(rel)}") from None
-            except IsADirectoryError:
-                raise Refused("IsADirectory", f"{shown(rel)} is a directory") from None
             except OSError as exc:
-                if _is_link(name, dfd):
-                    raise Refused(
-                        "SymlinkRefused",
-                        f"{shown(rel)} is a symbolic link; file tools do not follow links",
-                    ) from None
-                raise Refused(type(exc).__name__, f"{shown(rel)}: {exc.strerror}") from None
+                raise _refusal(exc, name, dfd, rel) from None
             try:
                 st = self._same_fs(fd, rel)
                 if not stat.S_ISREG(st.st_mode):
