@@ -522,7 +522,9 @@ def build_server(
     @tool(annotations=read_only)
     async def list_variables(ctx: Context, session_id: str) -> Variables:
         """The variables defined in a session: name, type, shape, dtype, length, size in
-        bytes and a short repr. Computed inside the kernel; nothing changes."""
+        bytes and a short repr. Computed inside the kernel; nothing changes. Each value
+        gets about 2 s of its own code (repr, len, shape): one that takes longer shows a
+        note in place of its repr."""
         session = await session_for(ctx, session_id)
         items = await gateway.variables(session.name, namespace=session.namespace)
         return Variables(session_id=session.name, variables=[Variable(**v) for v in items])
@@ -544,7 +546,9 @@ def build_server(
         ],
     ) -> Annotated[CallToolResult, FileRead]:
         """Read a file from the session's /workspace (up to 10 MB). Images come back as
-        image content, UTF-8 text as text, other files as base64."""
+        image content, UTF-8 text as text, other files as base64. Symbolic links are never
+        followed, even to a file inside /workspace (SymlinkRefused: read the target's own
+        path); FIFOs, sockets and devices are refused (NotARegularFile)."""
         session = await session_for(ctx, session_id)
         data = await gateway.read_file(session.name, path, namespace=session.namespace)
         mime = _sniff_image(data)
@@ -580,7 +584,9 @@ def build_server(
         ] = "text",
     ) -> FileWritten:
         """Write a file into the session's /workspace (up to 10 MB), replacing it if it
-        exists. Paths cannot leave /workspace."""
+        exists. Paths cannot leave /workspace; symbolic links on the path are never
+        followed (SymlinkRefused), and a file with other hard links is not written
+        (HardLinkRefused)."""
         session = await session_for(ctx, session_id)
         if encoding == "base64":
             try:
@@ -600,7 +606,10 @@ def build_server(
             str | None, Field(description="Directory in /workspace; the top if omitted.")
         ] = None,
     ) -> FileList:
-        """List a directory of the session's /workspace: name, type, size, mtime."""
+        """List a directory of the session's /workspace: name, type (file, dir, symlink,
+        other), size, mtime; at most 1,000 entries, sorted by name (truncated says there are
+        more). Links are listed, never followed. Name bytes that are not UTF-8 are shown as
+        \\xNN escapes."""
         session = await session_for(ctx, session_id)
         listing = await gateway.list_files(session.name, path or ".", namespace=session.namespace)
         return FileList(
