@@ -396,32 +396,69 @@ async def test_huge_names_reprs_and_lying_objects_are_bounded(state_dir: Path) -
         assert await value(c, "len(repr(big))", session_id=sid) == 50_000_000
 
 
-async def test_startup_files_planted_in_the_workspace_do_not_run_after_a_restart(
+PLANT_EVERYWHERE = """
+import os, site
+for d in ('/workspace/.ipython/profile_default/startup',
+          '/workspace/.config/ipython/profile_default/startup'):
+    os.makedirs(d, exist_ok=True)
+    open(d + '/00-planted.py', 'w').write('PLANTED_IPYTHON = 1\\n')
+os.makedirs('/workspace/.jupyter', exist_ok=True)
+open('/workspace/.jupyter/ipython_kernel_config.py', 'w').write(
+    'c.IPKernelApp.exec_lines = ["PLANTED_JUPYTER = 1"]\\n')
+_us = site.getusersitepackages()
+os.makedirs(_us, exist_ok=True)
+open(_us + '/usercustomize.py', 'w').write('import builtins; builtins.PLANTED_USER = 1\\n')
+before = 1
+"""
+PLANTED = (
+    "[n for n in ('PLANTED_IPYTHON', 'PLANTED_JUPYTER', 'PLANTED_TMP', 'before')"
+    " if n in globals()] + (['PLANTED_USER'] if hasattr(__import__('builtins'),"
+    " 'PLANTED_USER') else [])"
+)
+
+
+async def test_startup_code_planted_in_the_workspace_does_not_run_after_a_restart(
     state_dir: Path,
 ) -> None:
-    """IPython startup files planted under /workspace/.ipython (HOME's default IPYTHONDIR,
-    kept across restarts and reboots) do not run when the kernel restarts: the kernel's
-    IPYTHONDIR is /tmp/ipython, and the restarted namespace is empty. (A startup file in
-    /tmp/ipython, the session's own tmpfs, lives as long as the pod: see the report of
-    this suite's author and docs/security.md.)"""
+    """Code planted where a kernel start would look in the workspace (kept across
+    restarts): IPython startup files under ~/.ipython and ~/.config/ipython, a kernel
+    config with exec_lines in ~/.jupyter, a usercustomize in the user site. After
+    restart_kernel none of it ran and the namespace is empty (the files are still there)."""
+    async with session(state_dir) as (c, sid):
+        await ok(c, sid, PLANT_EVERYWHERE)
+        assert await value(c, PLANTED, session_id=sid) == ["before"]
+        r = await tool(c, sid, "restart_kernel")
+        assert not r.is_error, text(r)
+        assert await value(c, PLANTED, session_id=sid) == []
+        planted = "'/workspace/.jupyter/ipython_kernel_config.py'"
+        assert await value(c, f"__import__('os').path.exists({planted})", session_id=sid)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="open: IPYTHONDIR is /tmp/ipython, on the pod's tmpfs that outlives a kernel "
+    "restart, so a planted startup file runs in the restarted kernel (fix in render.py: "
+    "an IPYTHONDIR the kernel cannot write, e.g. one whose parent does not exist, which "
+    "makes IPython use a fresh temporary directory at every start)",
+)
+async def test_a_startup_file_planted_in_ipythondir_does_not_survive_a_restart(
+    state_dir: Path,
+) -> None:
+    """A startup file in $IPYTHONDIR/profile_default/startup: restart_kernel promises a
+    fresh interpreter, so it must not run there."""
     async with session(state_dir) as (c, sid):
         await ok(
             c,
             sid,
-            "import os\n"
-            "for d in ('/workspace/.ipython/profile_default/startup',\n"
-            "          '/workspace/.config/ipython/profile_default/startup'):\n"
-            "    os.makedirs(d, exist_ok=True)\n"
-            "    open(d + '/00-planted.py', 'w').write('PLANTED = 1\\n')\n"
-            "before = os.environ.get('IPYTHONDIR')",
+            "import os; _d = os.environ['IPYTHONDIR'] + '/profile_default/startup'\n"
+            "os.makedirs(_d, exist_ok=True)\n"
+            "open(_d + '/00-planted.py', 'w').write('PLANTED_TMP = 1\\n')",
         )
-        assert await value(c, "before", session_id=sid) == "/tmp/ipython"
         r = await tool(c, sid, "restart_kernel")
         assert not r.is_error, text(r)
-        assert await value(c, "'PLANTED' in globals()", session_id=sid) is False
-        assert await value(c, "'before' in globals()", session_id=sid) is False
-        planted = "'/workspace/.ipython/profile_default/startup/00-planted.py'"
-        assert await value(c, f"__import__('os').path.exists({planted})", session_id=sid)
+        found = await value(c, PLANTED, session_id=sid)
+    assert found == []  # outside the client's task group: a plain AssertionError
 
 
 async def test_binary_round_trip_and_append_write_chunks_stay_in_place(
