@@ -353,22 +353,7 @@ async def test_the_rate_limit_outlives_a_restart_and_a_cancelled_call(
         got = await out(c, sid, spend)
         assert got[:3] == ["0", "1", "2"] and "rate limit of 3" in got[3], got
         # A cancelled execute_code: the gateway drops its kernel connection (and bridge).
-        started = asyncio.Event()
-
-        async def on_progress(*_: Any) -> None:
-            started.set()
-
-        call = asyncio.create_task(
-            c.call_tool(
-                "execute_code",
-                {"code": "import time\ntime.sleep(120)", "session_id": sid},
-                progress_callback=on_progress,
-            )
-        )
-        await asyncio.wait_for(started.wait(), 60)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
+        await cancelled_call(c, sid)
         again = await out(c, sid, spend)
         assert all("rate limit of 3" in r for r in again), again
         restarted = await c.call_tool("restart_kernel", {"session_id": sid})
@@ -436,62 +421,82 @@ class HostListener:
         self.sock.close()
 
 
+async def cancelled_call(c: Client, sid: str) -> None:
+    """An execute_code call cancelled while it runs: the gateway drops its connections."""
+    started = asyncio.Event()
+
+    async def on_progress(*_: Any) -> None:
+        started.set()
+
+    call = asyncio.create_task(
+        c.call_tool(
+            "execute_code",
+            {"code": "import time\ntime.sleep(120)", "session_id": sid},
+            progress_callback=on_progress,
+        )
+    )
+    await asyncio.wait_for(started.wait(), 60)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+
+PLANT = (
+    "import os\n"
+    "p = '/run/mcp-forge/bridge/bridge.sock'\n"
+    "os.unlink(p)\n"
+    "os.symlink({target!r}, p)\n"
+    "_out = os.readlink(p)"
+)
+
+
 async def test_a_bridge_socket_swapped_for_a_symlink_is_never_followed(
     state_dir: Path, tmp_path: Path
 ) -> None:
     """Attack: after the run directory is sealed the kernel still owns the bridge directory;
     it replaces bridge.sock with a symlink to a host Unix socket, then gets the gateway to
-    dial again (a cancelled execute_code drops the connection; a broken frame too). The
-    gateway (root) opens the path without following links: the host listener never sees
-    a connection, and the gateway says the bridge is not a socket."""
+    dial again: a cancelled execute_code drops the connection and the next call dials
+    (and, a second time, a broken frame makes the gateway dial at once). The gateway
+    (root) opens the path without following links: the host listener never sees a
+    connection, and the gateway says the bridge is not a socket."""
     victim_dir = Path(tempfile.mkdtemp(prefix="mfv-", dir="/tmp"))
     listener = HostListener(victim_dir)
+    target = str(listener.path)
     try:
         async with code_gateway(state_dir, tmp_path) as c:
             sid = await session(c)
-            got = await out(
-                c,
-                sid,
-                "import os\n"
-                "p = '/run/mcp-forge/bridge/bridge.sock'\n"
-                "os.unlink(p)\n"
-                f"os.symlink({str(listener.path)!r}, p)\n"
-                "old = B.conn\n"
-                "raw(struct.pack('>I', 2 << 20))  # the gateway closes, then dials again\n"
-                "with B.changed:\n"
-                "    B.changed.wait_for(lambda: old.closed is not None, 30)\n"
-                "_out = {'closed': old.closed is not None, 'link': os.readlink(p)}",
-            )
-            assert got == {"closed": True, "link": str(listener.path)}, got
-            # A second way in: a cancelled call drops the connection; the next call dials.
-            started = asyncio.Event()
-
-            async def on_progress(*_: Any) -> None:
-                started.set()
-
-            call = asyncio.create_task(
-                c.call_tool(
-                    "execute_code",
-                    {"code": "import time\ntime.sleep(120)", "session_id": sid},
-                    progress_callback=on_progress,
-                )
-            )
-            await asyncio.wait_for(started.wait(), 60)
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await call
+            assert await out(c, sid, PLANT.format(target=target)) == target
+            await cancelled_call(c, sid)
             after = await asyncio.wait_for(
                 c.call_tool("execute_code", {"code": "1 + 1", "session_id": sid}),
                 CALL_DEADLINE,
             )
+            # Every dial happened before the gateway answered: a connect() is in the backlog.
+            assert listener.connections() == 0, "the gateway connected to a host socket"
             said = text(after)
             assert after.is_error and "is not a socket" in said, said
             # A restart replaces the link with the kernel's socket: code mode works again.
             restarted = await c.call_tool("restart_kernel", {"session_id": sid})
             assert not restarted.is_error, text(restarted)
             await still_serves(c, sid)
-        # Every dial happened before the gateway answered: a connect() is in the backlog.
-        assert listener.connections() == 0, "the gateway connected to a host socket via a link"
+            got = await out(
+                c,
+                sid,
+                PLANT.format(target=target) + "\n"
+                "old = B.conn\n"
+                "raw(struct.pack('>I', 2 << 20))  # the gateway closes, then dials again\n"
+                "with B.changed:\n"
+                "    B.changed.wait_for(lambda: old.closed is not None, 30)\n"
+                "_out = {'closed': old.closed is not None, 'link': _out}",
+            )
+            assert got == {"closed": True, "link": target}, got
+            # The redial is refused the same way (the next call dials no more: closed).
+            refused = await asyncio.wait_for(
+                c.call_tool("execute_code", {"code": "2 + 2", "session_id": sid}),
+                CALL_DEADLINE,
+            )
+            assert listener.connections() == 0, "the gateway connected to a host socket"
+            assert refused.structured_content is not None, text(refused)
     finally:
         listener.close()
         shutil.rmtree(victim_dir)
