@@ -6,7 +6,8 @@ profile lives in one place:
 * ``kubernetes``: Secret (connection file with the key), Service (the five ZMQ ports),
   NetworkPolicy (ingress from the gateway only; egress per spec), Pod. Valid for
   ``kubectl apply``.
-* ``podman``: the Pod alone, as ``podman kube play`` runs it. Podman ignores Services and
+* ``podman``: the Pod alone, as ``podman kube play`` runs it, with a keeper container
+  beside the kernel (see `_keeper`). Podman ignores Services and
   NetworkPolicies, and 4.3.1 crashes on secret volumes, so the connection file and the
   workspace are host directories (written by local mode) and the pod has no network:
   the kernel's channels are Unix sockets in its run directory.
@@ -47,6 +48,9 @@ SECCOMP_PROFILE_ROOT = str(Path(__file__).parent / "profiles")
 # profile only from this (deprecated in Kubernetes) annotation: "localhost/<file>".
 SECCOMP_ANNOTATION = f"container.seccomp.security.alpha.kubernetes.io/{CONTAINER}"
 RUNTIME_DEFAULT: dict[str, str] = {"type": "RuntimeDefault"}
+KEEPER = "keeper"  # local pods' second container: see _keeper
+KEEPER_UID = KERNEL_UID + 1  # not the kernel's uid, and within the 1,024 ids local pods map
+KEEPER_LIMITS = {"memory": "16Mi", "cpu": "10m"}
 
 
 @dataclass(frozen=True)
@@ -112,9 +116,11 @@ def _cpu(session: KernelSession) -> str:
     return f"{session.spec.cpu_milli}m"
 
 
-def kernel_args(session: KernelSession) -> list[str]:
-    """The kernel's command line, run by the image's entrypoint (tini in ours).
+def kernel_command(session: KernelSession) -> list[str]:
+    """The kernel's command line, replacing the image's entrypoint (tini in ours).
 
+    The pod shares one PID namespace, so its infra process (root: catatonit on Podman,
+    pause on Kubernetes) is PID 1 and reaps orphans, out of the kernel uid's reach.
     prlimit (util-linux) sets RLIMIT_FSIZE to the workspace size, soft and hard, then
     execs the kernel: no file it writes can outgrow the workspace.
     """
@@ -146,7 +152,7 @@ def _container(session: KernelSession, target: Target, seccomp: dict[str, str]) 
         "name": CONTAINER,
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
-        "args": kernel_args(session),
+        "command": kernel_command(session),
         "workingDir": WORKSPACE,
         "env": env,
         "resources": {"limits": dict(limits), "requests": dict(limits)},
@@ -181,6 +187,7 @@ def _pod(
         "restartPolicy": "Never",  # kernel death is seen and handled by us, then recreated
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
+        "shareProcessNamespace": True,  # PID 1 is the infra process: see kernel_command
         "terminationGracePeriodSeconds": 5,
         "securityContext": {
             "runAsUser": KERNEL_UID,
@@ -206,7 +213,40 @@ def _pod(
             },
         }
         pod_spec["hostname"] = "kernel"
+        pod_spec["containers"].append(_keeper(session, seccomp))
+        meta["annotations"][f"container.seccomp.security.alpha.kubernetes.io/{KEEPER}"] = (
+            f"localhost/{SECCOMP_PROFILE}"
+        )
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _keeper(session: KernelSession, seccomp: dict[str, str]) -> dict[str, Any]:
+    """Local pods only: a container that outlives every kernel of the pod.
+
+    `kube play` gives pods the exit policy "stop": once every container but the infra has
+    exited, a cleanup that Podman runs after each exit stops the pod. Local mode restarts a
+    kernel with `pod stop` + `pod start`, and a cleanup left over from the stop could land
+    after the infra came back but before the kernel did, stopping the pod again (with a
+    shared PID namespace, killing the new kernel with its PID 1). The keeper never exits,
+    so the pod is never down to its infra. Another uid: the kernel cannot signal it.
+    """
+    return {
+        "name": KEEPER,
+        "image": session.spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["sleep", "infinity"],
+        "resources": {"limits": dict(KEEPER_LIMITS), "requests": dict(KEEPER_LIMITS)},
+        "securityContext": {
+            "runAsUser": KEEPER_UID,
+            "runAsGroup": KEEPER_UID,
+            "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": dict(seccomp),
+        },
+    }
 
 
 def render_kubernetes(

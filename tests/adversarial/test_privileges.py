@@ -270,6 +270,90 @@ print(_j.dumps(joined))
     assert set(got.values()) == {errno.EPERM}, got
 
 
+async def test_pid_1_memory_is_unreadable(kernel: Client) -> None:
+    """The kernel against its pod's init: process_vm_readv, ptrace(PTRACE_SEIZE), open
+    /proc/1/mem, /proc/1/environ, /proc/1/maps and /proc/1/ns/* all fail; PID 1 is
+    another uid (the pod's infra process), and the kernel itself is not PID 1."""
+    got = await probe(
+        kernel,
+        f"""
+class _Iov(_c.Structure):
+    _fields_ = [("base", _c.c_void_p), ("len", _c.c_size_t)]
+buf = _c.create_string_buffer(64)
+local = _Iov(_c.cast(buf, _c.c_void_p), 64)
+try:
+    addr = int(open("/proc/1/maps").read().split("-", 1)[0], 16)
+except OSError:
+    addr = 0x400000  # a usual text address: the read must fail whatever the address
+remote = _Iov(addr, 64)
+vm = _errno(_libc.syscall(_c.c_long({SYS_PROCESS_VM_READV}), _c.c_long(1), _c.byref(local),
+                          _c.c_long(1), _c.byref(remote), _c.c_long(1), _c.c_long(0)))
+pt = _sys({SYS_PTRACE}, 0x4206, 1, 0, 0)
+opened = {{}}
+for f in ("mem", "environ", "maps"):
+    try:
+        _o.close(_o.open(f"/proc/1/{{f}}", _o.O_RDONLY)); opened[f] = 0
+    except OSError as e:
+        opened[f] = e.errno
+init = [l.split() for l in open("/proc/1/status") if l.startswith("Uid:")][0][1:]
+ns = {{}}
+for n in sorted(_o.listdir("/proc/self/ns")):
+    try:
+        _o.close(_o.open(f"/proc/1/ns/{{n}}", _o.O_RDONLY)); ns[n] = 0
+    except OSError as e:
+        ns[n] = e.errno
+print(_j.dumps([vm, pt, opened, init, _o.getpid(), _o.getuid(), ns]))
+""",
+    )
+    vm, pt, opened, init_uids, pid, uid, ns = got
+    assert vm == errno.EPERM and pt == errno.EPERM
+    assert opened == {"mem": errno.EACCES, "environ": errno.EACCES, "maps": errno.EACCES}
+    assert pid != 1
+    assert str(uid) not in init_uids  # PID 1 runs as another uid
+    assert ns and set(ns.values()) == {errno.EACCES}, ns  # nor can its namespaces be opened
+
+
+async def test_the_kernel_cannot_signal_the_other_processes_of_its_pod(kernel: Client) -> None:
+    """Every process the kernel sees that is not its own (the pod's init, and local pods'
+    keeper): kill(pid, 0) is EPERM, so it can neither stop them nor make its pod stop."""
+    got = await probe(
+        kernel,
+        """
+mine = _o.getuid()
+res = {}
+for d in _o.listdir("/proc"):
+    if not d.isdigit():
+        continue
+    try:
+        uid = int([l.split()[1] for l in open(f"/proc/{d}/status") if l.startswith("Uid:")][0])
+    except (OSError, IndexError):
+        continue
+    if uid != mine:
+        try:
+            _o.kill(int(d), 0); res[d] = 0
+        except OSError as e:
+            res[d] = e.errno
+print(_j.dumps(res))
+""",
+    )
+    assert "1" in got, got
+    assert set(got.values()) == {errno.EPERM}, got
+
+
+async def test_restarts_in_a_row_each_give_a_working_kernel(kernel: Client) -> None:
+    """Five restart_kernel calls in a row (the kernel is no longer its pod's PID 1, so each
+    restart stops and starts the pod around a shared PID namespace): each ends with a
+    fresh kernel that answers, and the workspace keeps its files."""
+    sid = (await run(kernel, "open('restart-note', 'w').write('kept')"))["session_id"]
+    pids = []
+    for _ in range(5):
+        r = await kernel.call_tool("restart_kernel", {"session_id": sid})
+        assert not r.is_error, r
+        pids.append(await value(kernel, "[__import__('os').getpid(), open('restart-note').read()]"))
+    assert all(note == "kept" for _, note in pids)
+    assert all(pid != 1 for pid, _ in pids)
+
+
 async def test_the_kernel_has_no_capabilities_and_no_new_privileges(kernel: Client) -> None:
     """Every capability set is empty (bounding set included, so no exec can regain any),
     no_new_privs is set, and a seccomp filter is in force."""

@@ -74,7 +74,9 @@ def test_the_pod_carries_the_restricted_security_profile(target: str) -> None:
     spec = pod["spec"]
     assert spec["automountServiceAccountToken"] is False
     assert spec["securityContext"]["runAsNonRoot"] is True
-    (c,) = spec["containers"]
+    assert spec["shareProcessNamespace"] is True  # the infra process is PID 1, not the kernel
+    c = spec["containers"][0]
+    assert c["name"] == "kernel"
     sc = c["securityContext"]
     assert sc["runAsUser"] == 1000
     assert sc["readOnlyRootFilesystem"] is True
@@ -85,8 +87,9 @@ def test_the_pod_carries_the_restricted_security_profile(target: str) -> None:
     assert {"/workspace", "/tmp", "/etc/mcp-forge"} <= mounts
     conf = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/mcp-forge")
     assert conf["readOnly"] is True
-    assert c["args"][:3] == ["prlimit", f"--fsize={2**30}", "--"]  # the default 1Gi
-    assert c["args"][3:6] == ["python", "-P", "-m"]
+    assert "args" not in c  # the command replaces the image's entrypoint (tini)
+    assert c["command"][:3] == ["prlimit", f"--fsize={2**30}", "--"]  # the default 1Gi
+    assert c["command"][3:6] == ["python", "-P", "-m"]
 
 
 def test_the_service_exposes_the_fixed_ports_and_the_secret_holds_the_key() -> None:
@@ -171,7 +174,10 @@ def test_local_pods_always_run_under_the_projects_profile() -> None:
     # Podman 4.3.1 reads the annotation; later versions read the security contexts.
     assert pod["metadata"]["annotations"][SECCOMP_ANNOTATION] == f"localhost/{SECCOMP_PROFILE}"
     local = {"type": "Localhost", "localhostProfile": SECCOMP_PROFILE}
-    assert _seccomp_profiles(pod) == [local] * 2
+    assert _seccomp_profiles(pod) == [local] * 3  # the pod, the kernel, the keeper
+    assert pod["metadata"]["annotations"][
+        "container.seccomp.security.alpha.kubernetes.io/keeper"
+    ] == (f"localhost/{SECCOMP_PROFILE}")
     assert (Path(SECCOMP_PROFILE_ROOT) / SECCOMP_PROFILE).is_file()
 
 
@@ -179,8 +185,8 @@ def test_the_file_size_limit_is_the_workspace_size() -> None:
     for size, limit in (("1Gi", 2**30), ("20Gi", 20 * 2**30), ("100Mi", 100 * 2**20)):
         s = session(workspace={"size": size})
         for pod in (by_kind(render_kubernetes(s, CONN))["Pod"], render_podman(s, PATHS)[0]):
-            (c,) = pod["spec"]["containers"]
-            assert c["args"][1] == f"--fsize={limit}"
+            c = pod["spec"]["containers"][0]
+            assert c["command"][1] == f"--fsize={limit}"
 
 
 # The seccomp profile: Podman's default less what an unprivileged kernel never needs.
@@ -253,3 +259,17 @@ def test_everything_else_the_podman_default_allows_unconditionally_stays_allowed
     }
     assert plain - ours == (DENIED | {"clone", "clone3"}) & plain
     assert ours - plain <= {"arch_prctl", "modify_ldt"}  # per-arch rules of the default
+
+
+def test_local_pods_have_a_keeper_of_another_uid_and_clusters_none() -> None:
+    """The keeper keeps a local pod from stopping between `pod stop` and `pod start`."""
+    (pod,) = render_podman(session(), PATHS)
+    kernel, keeper = pod["spec"]["containers"]
+    assert (kernel["name"], keeper["name"]) == ("kernel", "keeper")
+    assert keeper["command"] == ["sleep", "infinity"]
+    sc = keeper["securityContext"]
+    assert sc["runAsUser"] not in (0, kernel["securityContext"]["runAsUser"])
+    assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"] == {"drop": ["ALL"]}
+    assert "volumeMounts" not in keeper  # it sees none of the session's files
+    cluster = by_kind(render_kubernetes(session(), CONN))["Pod"]
+    assert [c["name"] for c in cluster["spec"]["containers"]] == ["kernel"]
