@@ -365,6 +365,36 @@ async def test_a_hanging_repr_is_cut_and_the_session_keeps_working(state_dir: Pa
         assert await value(c, "plain + 1", session_id=sid) == 42
 
 
+async def test_a_repr_that_swallows_every_exception_does_not_take_the_session(
+    state_dir: Path,
+) -> None:
+    """A __repr__ looping under a bare `except BaseException` (it swallows interrupts and
+    any timeout raised in it): list_variables still answers with a note, and the session
+    runs code and keeps its variables afterwards (the loop is left behind in a thread,
+    then stopped by the test through the session itself)."""
+    async with session(state_dir) as (c, sid):
+        await ok(
+            c,
+            sid,
+            "STOP = []\n"
+            "class Swallow:\n"
+            "    def __repr__(self):\n"
+            "        while not STOP:\n"
+            "            try:\n"
+            "                sum(range(10_000))\n"
+            "            except BaseException:\n"
+            "                pass\n"
+            "        return 'stopped'\n"
+            "swallow = Swallow(); kept = 'still here'",
+        )
+        r = await asyncio.wait_for(tool(c, sid, "list_variables"), 60)
+        assert not r.is_error, text(r)
+        by_name = {v["name"]: v for v in r.structured_content["variables"]}
+        assert "took over" in by_name["swallow"]["repr"], by_name["swallow"]
+        assert await value(c, "kept", session_id=sid) == "still here"
+        await ok(c, sid, "STOP.append(1)")
+
+
 async def test_huge_names_reprs_and_lying_objects_are_bounded(state_dir: Path) -> None:
     """A 1 MB name, a 50 MB repr, a __class__ that lies (claims int), a __len__ that raises,
     a repr returning a non-str, a non-str key in the namespace: list_variables answers, each

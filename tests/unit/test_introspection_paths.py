@@ -254,3 +254,29 @@ def test_lying_class_raising_len_and_huge_names_are_bounded(shell: InteractiveSh
     json.dumps(got)
     for k in ("liar", "n" * 100_000, 42):
         shell.user_ns.pop(k, None)
+
+
+def test_a_repr_that_swallows_every_exception_is_left_behind_on_time(
+    shell: InteractiveShell,
+) -> None:
+    shell.run_cell(
+        "STOP = []\n"
+        "class Swallow:\n"
+        "    def __repr__(self):\n"
+        "        while not STOP:\n"
+        "            try:\n"
+        "                sum(range(10_000))\n"
+        "            except BaseException:\n"
+        "                pass\n"
+        "        return 'stopped'\n"
+        "swallow = Swallow(); after = 1\n"
+    )
+    try:
+        got = helpers.run({"op": "variables", "max": 500, "repr_max": 100}, lambda: shell)
+        by_name = {v["name"]: v for v in got["variables"]}
+        assert "took over" in by_name["swallow"]["repr"], by_name["swallow"]
+        assert by_name["after"]["repr"] == "1"
+    finally:
+        shell.user_ns["STOP"].append(True)
+        for k in ("swallow", "after", "STOP", "Swallow"):
+            shell.user_ns.pop(k, None)

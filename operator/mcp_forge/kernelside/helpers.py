@@ -15,23 +15,25 @@ point under the workspace (another filesystem) is refused. Writes never go throu
 name with other hard links. Names are returned as text: bytes that are not UTF-8 are
 shown as ``\\xNN`` escapes.
 
-Variables are described under a time budget per variable (SIGALRM in the kernel's main
-thread), so a `__repr__`, `__len__` or property that hangs is cut with a clear note; what
-user code returns is bounded (names, types, reprs) and only plain values reach JSON.
+Variables are described under a time budget per variable (in a thread of its own, see
+`within`), so a `__repr__`, `__len__` or property that hangs is cut with a clear note,
+even one that catches every exception; what user code returns is bounded (names, types,
+reprs) and only plain values reach JSON.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import errno
 import json
 import os
 import re
 import reprlib
-import signal
 import stat
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -57,8 +59,8 @@ class Refused(Exception):
 
 
 class _Timeout(BaseException):
-    """Raised in user code by the alarm; a BaseException, so `except Exception` in a
-    `__repr__` does not swallow it."""
+    """Raised in a describing thread that ran out of time; a BaseException, so `except
+    Exception` in a `__repr__` does not swallow it."""
 
 
 # ---- paths ------------------------------------------------------------------------------
@@ -288,34 +290,33 @@ def prune(tree: Tree, rel: str, keep: int) -> dict[str, Any]:
 # ---- variables --------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Raise _Timeout in this (the main) thread after `seconds`, and every 0.1 s after
-    that, so user code that catches it once is cut again; a no-op off the main thread."""
+def within(fn: Callable[[], None], seconds: float) -> bool:
+    """Run `fn` (user code: a repr, a len) in a thread of its own for at most `seconds`;
+    whether it finished. One that did not is asked to stop (_Timeout raised in it at its
+    next bytecode, again while it lasts, for a moment); one that swallows even that, or
+    hangs in C, is left behind as a daemon thread: the helper answers on time and the
+    session keeps working. A thread, not SIGALRM, because the main thread cannot be
+    taken back from code that catches everything."""
+    worker = threading.Thread(target=_quietly, args=(fn,), name="mcp-forge-describe")
+    worker.daemon = True
+    worker.start()
+    worker.join(seconds)
+    if not worker.is_alive():
+        return True
+    ident = worker.ident
+    for _ in range(10):
+        if ident is None or not worker.is_alive():
+            break
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(ident), ctypes.py_object(_Timeout)
+        )
+        worker.join(0.05)
+    return False
 
-    armed = [True]
 
-    def ring(signum: int, frame: Any) -> None:
-        if armed[0]:
-            raise _Timeout
-
-    try:
-        previous = signal.signal(signal.SIGALRM, ring)
-    except ValueError:  # not the main thread: no alarm, the gateway's timeout still holds
-        yield
-        return
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001), 0.1)
-    try:
-        yield
-    finally:
-        while True:  # an alarm may ring inside this block too: disarm until it holds
-            try:
-                armed[0] = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                break
-            except _Timeout:
-                continue
-        signal.signal(signal.SIGALRM, previous)
+def _quietly(fn: Callable[[], None]) -> None:
+    with contextlib.suppress(BaseException):  # user code raises anything, _Timeout too
+        fn()
 
 
 def _plain_int(x: Any) -> int | None:
@@ -340,19 +341,14 @@ def _type_name(t: type) -> str:
 
 
 def _attempt(fn: Callable[[], None]) -> None:
-    try:
+    with contextlib.suppress(Exception):  # user code; _Timeout and the like end the run
         fn()
-    except _Timeout:
-        raise
-    except BaseException:  # user code may raise anything, SystemExit included
-        pass
 
 
 def describe(name: str, v: Any, limit: int, seconds: float) -> dict[str, Any]:
     """What list_variables shows of one value, within `seconds` of user code."""
     t = type(v)  # the real type: `__class__` may lie
     d: dict[str, Any] = {"name": _cut(name, NAME_MAX), "type": _type_name(t)}
-    cut: list[str] = []
 
     def shape() -> None:
         s = getattr(v, "shape", None)
@@ -393,21 +389,19 @@ def describe(name: str, v: Any, limit: int, seconds: float) -> dict[str, Any]:
         out = r.repr(v) if _module_of(t) == "builtins" else repr(v)
         d["repr"] = _cut(out, limit) if type(out) is str else "<repr is not a str>"
 
-    try:
-        with deadline(seconds):
-            for part in (shape, dtype, length, size):
-                _attempt(part)
-            try:
-                text()
-            except _Timeout:
-                raise
-            except BaseException as exc:
-                d["repr"] = "<repr failed: " + _type_name(type(exc)) + ">"
-    except _Timeout:
-        cut.append("timeout")
-    if cut:
-        d["repr"] = f"<repr not available: {name[:NAME_MAX]} took over {seconds:g}s to describe>"
-    return d
+    def everything() -> None:
+        for part in (shape, dtype, length, size):
+            _attempt(part)
+        try:
+            text()
+        except Exception as exc:
+            d["repr"] = "<repr failed: " + _type_name(type(exc)) + ">"
+
+    if within(everything, seconds):
+        return d
+    out = dict(d)  # a copy: the thread left behind may still write to `d`
+    out["repr"] = f"<repr not available: describing it took over {seconds:g}s>"
+    return out
 
 
 def _user_ns(ip: Any) -> Iterator[tuple[str, Any]]:
@@ -450,10 +444,15 @@ def tools(limit: int) -> dict[str, Any]:
     m = sys.modules.get("mcp_tools")
     if m is None:
         return {"servers": [], "stubs": ""}
-    with deadline(DESCRIBE_SECONDS * 2):  # code may have replaced the module
-        servers = [str(n)[:NAME_MAX] for n in list(m.servers())[:1000]]
-        stubs = str(m.describe())[:limit]
-    return {"servers": servers, "stubs": stubs}
+    got: dict[str, Any] = {}
+
+    def listing() -> None:  # code may have replaced the module
+        got["servers"] = [str(n)[:NAME_MAX] for n in list(m.servers())[:1000]]
+        got["stubs"] = str(m.describe())[:limit]
+
+    if not within(listing, DESCRIBE_SECONDS * 2) or len(got) != 2:
+        raise Refused("Timeout", "mcp_tools did not describe its tools in time")
+    return dict(got)
 
 
 def run(a: dict[str, Any], get_ipython: Callable[[], Any] | None) -> dict[str, Any]:
@@ -484,8 +483,6 @@ def run(a: dict[str, Any], get_ipython: Callable[[], Any] | None) -> dict[str, A
             tree.close()
     except Refused as exc:
         return {"error": exc.kind, "message": str(exc)[:500]}
-    except _Timeout:
-        return {"error": "Timeout", "message": "the kernel's own code did not answer in time"}
     except Exception as exc:
         return {"error": type(exc).__name__, "message": str(exc)[:500]}
 
