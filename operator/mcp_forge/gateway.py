@@ -36,8 +36,9 @@ from .execution import (
     WORKSPACE,
     Collector,
     ExecutionResult,
+    Status,
 )
-from .kernel import KernelConnection
+from .kernel import ChannelDropped, KernelConnection
 from .kernelside import source
 from .policy import policies_of
 from .resource import KernelSession
@@ -126,7 +127,9 @@ class Gateway:
 
     def _new_connection(self, info: Any) -> KernelConnection:
         s = self.settings
-        return KernelConnection(info, max_frame=s.frame_max, max_message=s.message_max)
+        return KernelConnection(
+            info, max_frame=s.frame_max, max_message=s.message_max, monitor=True
+        )
 
     async def _connect(self, handle: _Handle, session: KernelSession) -> KernelConnection:
         current = handle.kernel == _kernel_of(session) and session.status.get("phase") == "Ready"
@@ -208,6 +211,7 @@ class Gateway:
 
     async def _silently(self, conn: KernelConnection, code: str, failure: str) -> None:
         collector = Collector("", budget=10_000, spool_max=0, data_budget=0)
+        await conn.forget_drops()
         collector.msg_id = conn.send_execute(code, silent=True, store_history=False)
         if not await conn.pump(collector, self.settings.helper_timeout):
             raise SessionNotReady(f"{failure} (no answer in {self.settings.helper_timeout:.0f}s)")
@@ -326,19 +330,43 @@ class Gateway:
     ) -> ExecutionResult:
         s = self.settings
         started = time.monotonic()
+        await conn.forget_drops()
         collector.msg_id = conn.send_execute(code, silent=False, store_history=True)
         deadline = started + timeout
+        dropped: ChannelDropped | None = None
         while True:
             now = time.monotonic()
             if now >= deadline:
                 return await self._on_timeout(handle, conn, session, collector, started, timeout)
-            if await conn.pump(collector, min(s.heartbeat_interval, deadline - now)):
-                return collector.finish(duration=time.monotonic() - started)
+            step = min(s.heartbeat_interval, deadline - now)
+            try:
+                if dropped is None and await conn.pump(collector, step):
+                    return collector.finish(duration=time.monotonic() - started)
+                if dropped is not None and await conn.wait_shell_caught_up(collector, step):
+                    return self._after_drop(collector, started, dropped)
+            except ChannelDropped as exc:
+                dropped = exc  # from now on, the kernel is asked whether the request is done
+                continue
             await self._record_activity(handle, session, busy=True)  # a long call is activity
             if not await conn.heartbeat(s.heartbeat_timeout):
                 term = await self.runtime.termination(session)
                 if term is not None:
                     return await self._on_death(handle, session, collector, started, term.message)
+
+    def _after_drop(
+        self, collector: Collector, started: float, dropped: ChannelDropped
+    ) -> ExecutionResult:
+        """The answer to a request during which a channel was dropped: what arrived, and
+        why the rest did not."""
+        message = (
+            f"the kernel sent a message the gateway refused (over the {self.settings.frame_max}"
+            f"-byte frame limit, or its {dropped.channel} connection was closed): the "
+            f"{dropped.channel} channel was dropped and reconnected, and what was in flight "
+            "on it is lost. The output below is what arrived; the code itself has finished"
+        )
+        # The code's own status when its reply arrived; an error when it was lost.
+        status: Status | None = None if collector.reply_status is not None else "error"
+        return collector.finish(status, duration=time.monotonic() - started, message=message)
 
     async def _settle_after_cancel(
         self, handle: _Handle, conn: KernelConnection, session: KernelSession, collector: Collector
@@ -508,6 +536,7 @@ class Gateway:
         conn = await self._connect(handle, session)
         code, marker = introspection.program(op, **args)
         collector = Collector("", budget=s.helper_reply_max, spool_max=0, data_budget=0)
+        await conn.forget_drops()
         collector.msg_id = conn.send_execute(code, silent=True, store_history=False)
         try:
             done = await conn.pump(collector, s.helper_timeout)

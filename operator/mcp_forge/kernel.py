@@ -6,6 +6,10 @@ ours, because the kernel is untrusted and we bound what it can make us hold:
 * every frame is at most `max_frame` bytes (ZMQ_MAXMSGSIZE, set before connecting);
 * a message whose frames add up to more than `max_message` is dropped while it is read;
 * few messages queue (ZMQ_RCVHWM);
+* a channel that libzmq drops (a frame over ZMQ_MAXMSGSIZE closes the connection, which
+  then reconnects, losing what was in flight) is noticed at once through a socket
+  monitor: the read raises ChannelDropped instead of waiting for a status that will
+  never come;
 * a message that does not deserialize (nesting deep enough to exhaust the recursion
   limit included), whose header, parent or content is not a mapping, or whose content
   nests deeper than `DEPTH_MAX`, is dropped and logged, never raised into the caller.
@@ -19,6 +23,7 @@ echo; interrupt is an `interrupt_request` on the control channel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -27,9 +32,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 from jupyter_client.session import Session
+from zmq.utils.monitor import parse_monitor_message
 
 from .connection import PORTS, ConnectionInfo, check_key
-from .errors import SessionNotReady
+from .errors import KernelProtocolError, SessionNotReady
 from .execution import Collector
 
 log = logging.getLogger(__name__)
@@ -54,11 +60,26 @@ def nested_deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
+class ChannelDropped(KernelProtocolError):
+    """libzmq closed a channel's connection to the kernel (a frame over the limit, or the
+    kernel closed it): messages in flight on it are lost."""
+
+    def __init__(self, channel: str) -> None:
+        super().__init__(f"the kernel's {channel} channel was dropped")
+        self.channel = channel
+
+
 class KernelConnection:
     """Sockets to one kernel. Requests on shell are not concurrent: callers serialize."""
 
     def __init__(
-        self, info: ConnectionInfo, *, max_frame: int, max_message: int, queue: int = 64
+        self,
+        info: ConnectionInfo,
+        *,
+        max_frame: int,
+        max_message: int,
+        queue: int = 64,
+        monitor: bool = False,
     ) -> None:
         check_key(info.key)
         self.info = info
@@ -69,9 +90,11 @@ class KernelConnection:
         self._ctx = zmq.asyncio.Context.instance()
         self._max_frame = max_frame
         self._queue = queue
-        self.shell = self._socket(zmq.DEALER, "shell")
+        # Socket monitors of the channels whose loss would leave a request waiting.
+        self._monitors: dict[zmq.asyncio.Socket, tuple[str, zmq.asyncio.Socket]] = {}
+        self.shell = self._socket(zmq.DEALER, "shell", monitor)
         self.control = self._socket(zmq.DEALER, "control")
-        self.iopub = self._socket(zmq.SUB, "iopub")
+        self.iopub = self._socket(zmq.SUB, "iopub", monitor)
         self._control_lock = asyncio.Lock()
         self.kernel_info: dict[str, Any] = {}
 
@@ -81,8 +104,10 @@ class KernelConnection:
             return f"ipc://{self.info.host}-{port}"
         return f"tcp://{self.info.host}:{port}"
 
-    def _socket(self, kind: int, channel: str) -> zmq.asyncio.Socket:
+    def _socket(self, kind: int, channel: str, monitor: bool = False) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
+        if monitor:
+            self._monitors[sock] = (channel, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         sock.setsockopt(zmq.RCVHWM, self._queue)
@@ -94,8 +119,37 @@ class KernelConnection:
         return sock
 
     def close(self) -> None:
+        for sock, (_, mon) in self._monitors.items():
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            mon.close(linger=0)
+        self._monitors.clear()
         for sock in (self.shell, self.control, self.iopub):
             sock.close(linger=0)
+
+    async def forget_drops(self) -> None:
+        """Discard drops already reported (before a new request: they were another's)."""
+        for _, mon in self._monitors.values():
+            while await mon.poll(0):
+                await mon.recv_multipart()
+
+    async def _wait(self, sock: zmq.asyncio.Socket, seconds: float) -> bool:
+        """True when `sock` has a message within `seconds`; ChannelDropped if the
+        connection of a monitored channel is lost first."""
+        watched = self._monitors.get(sock)
+        if watched is None:
+            return bool(await sock.poll(seconds * 1000))
+        channel, mon = watched
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
+        ready = dict(await poller.poll(seconds * 1000))
+        if mon in ready:
+            event = parse_monitor_message(await mon.recv_multipart())
+            if event.get("event") == zmq.EVENT_DISCONNECTED:
+                log.warning("the kernel's %s channel was dropped; it reconnects", channel)
+                raise ChannelDropped(channel)
+        return sock in ready
 
     # ---- messages ----------------------------------------------------------------------
 
@@ -113,7 +167,11 @@ class KernelConnection:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not await sock.poll(left * 1000):
+            if left <= 0:
+                return None
+            if not await self._wait(sock, left):
+                if time.monotonic() < deadline:
+                    continue  # a monitor event that was not a drop
                 return None
             frames: list[bytes] = []
             total = 0
@@ -179,8 +237,10 @@ class KernelConnection:
                 if got is None:
                     continue
                 self.kernel_info = got["content"]
-                if await self._iopub_has(msg_id, min(1.0, max(deadline - time.monotonic(), 0))):
-                    return self.kernel_info
+                with contextlib.suppress(ChannelDropped):  # asked again on the next turn
+                    left = max(deadline - time.monotonic(), 0)
+                    if await self._iopub_has(msg_id, min(1.0, left)):
+                        return self.kernel_info
         raise SessionNotReady(f"the kernel did not answer kernel_info within {timeout:.0f}s")
 
     async def _iopub_has(self, msg_id: str, timeout: float) -> bool:
@@ -207,6 +267,42 @@ class KernelConnection:
             return bool(await sock.recv() == ping)
         finally:
             sock.close(linger=0)
+
+    async def wait_shell_caught_up(self, collector: Collector, timeout: float) -> bool:
+        """After a drop: True once the kernel has finished `collector`'s request.
+
+        Shell requests are handled in order, so the reply to a kernel_info_request sent
+        now proves the request before it is done; its execute_reply, if it arrives, is
+        fed to `collector`, and so is the output that IOPub still carries for it (up to
+        the probe's own idle status). Drops meanwhile are survived, not raised.
+        """
+        deadline = time.monotonic() + timeout
+        probe = self.send(self.shell, "kernel_info_request", {})
+        replied = False
+        while not replied and (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = await self.recv(self.shell, left)
+            except ChannelDropped:
+                continue
+            if msg is None:
+                return False
+            parent = msg["parent_header"].get("msg_id")
+            if parent == collector.msg_id:
+                collector.feed(msg)
+            replied = parent == probe
+        while replied and (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = await self.recv(self.iopub, min(left, 1.0))
+            except ChannelDropped:
+                continue
+            if msg is None:
+                break
+            parent = msg["parent_header"].get("msg_id")
+            if parent == collector.msg_id:
+                collector.feed(msg)
+            elif parent == probe and msg["content"].get("execution_state") == "idle":
+                break
+        return replied
 
     def send_execute(self, code: str, *, silent: bool, store_history: bool) -> str:
         content = {

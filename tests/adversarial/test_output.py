@@ -201,7 +201,11 @@ async def test_a_thread_s_late_output_never_lands_in_a_later_call(state_dir: Pat
         assert "LATE-OUTPUT" not in r["stdout"]
 
 
-@pytest.mark.xfail(reason="the gateway does not notice a dropped channel yet", strict=True)
+@pytest.mark.xfail(
+    reason="passed (10 s) on the tree of 828004a; on the tree with user-namespaced pods the "
+    "probe after the drop goes unanswered and the call ends in its timeout: not yet known why",
+    strict=False,
+)
 async def test_a_flood_with_the_guard_removed_still_ends_with_an_answer(state_dir: Path) -> None:
     """Dishonest code restores the kernel's own send and prints 100 MB in one message: the
     gateway notices the dropped channel and answers with a clear note, not a timeout."""
@@ -211,9 +215,11 @@ async def test_a_flood_with_the_guard_removed_still_ends_with_an_answer(state_di
             "k.session.__dict__.pop('send', None)\n"
             "print('X' * 100_000_000)"
         )
-        r = await run(c, code, timeout=CALL)
-        assert r["status"] != "timeout", r["_text"][:2000]
-        assert r["message"], r
+        r = await run(c, "print('before'); import sys; sys.stdout.flush()\n" + code, timeout=60)
+        assert r["status"] == "ok", r["_text"][:2000]  # its reply still came: the code's own
+        assert "channel was dropped" in r["message"], r
+        assert r["stdout"].startswith("before")
+        assert r["state_lost"] is False
         assert await value(c, "3 + 3") == 6
 
 
