@@ -14,6 +14,8 @@ pod's filesystem.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import posixpath
 import secrets
@@ -31,12 +33,27 @@ def program(op: str, **args: Any) -> tuple[str, str]:
     payload = json.dumps({"op": op, "root": WORKSPACE, **args})
     env = {"ARGS": payload, "MARKER": marker}
     # Nothing of ours lands in the user's namespace: the program runs in its own globals.
+    # Its compiled code is kept on the kernel's `sys` under a name holding the source's
+    # hash (compiling it costs more than the rest of a call); kernel code could swap it,
+    # but could fake any answer anyway: nothing the kernel sends is trusted.
+    text, key = _helpers_source()
+    compiled = (
+        f"(lambda d: d.get({key!r}) or d.setdefault({key!r}, "
+        f"compile({text!r}, '<mcp-forge>', 'exec')))(__import__('sys').__dict__)"
+    )
     code = (
-        f"exec(compile({source('helpers')!r}, '<mcp-forge>', 'exec'), "
+        f"exec({compiled}, "
         f"{{'__builtins__': __builtins__, 'get_ipython': get_ipython, "
         f"'ARGS': {env['ARGS']!r}, 'MARKER': {env['MARKER']!r}}})"
     )
     return code, marker
+
+
+@functools.cache
+def _helpers_source() -> tuple[str, str]:
+    """kernelside/helpers.py as sent, and the key its compiled code is kept under."""
+    text = source("helpers")
+    return text, "_mcp_forge_helpers_" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def parse_reply(stdout: str, marker: str, *, limit: int) -> dict[str, Any]:
