@@ -38,7 +38,7 @@ from .execution import (
     ExecutionResult,
     Status,
 )
-from .kernel import ChannelDropped, KernelConnection
+from .kernel import ChannelDropped, KernelConnection, KernelReplaced
 from .kernelside import source
 from .policy import policies_of
 from .resource import KernelSession
@@ -49,6 +49,7 @@ from .upstream import Upstream, UpstreamPool
 
 log = logging.getLogger(__name__)
 
+REPLACED = "it was restarted while the call ran (a new kernel process answers)"
 OUTPUT_FILES_KEPT = 20
 _WRITE_CHUNK = 1_000_000
 
@@ -345,13 +346,28 @@ class Gateway:
                 if dropped is not None and await conn.wait_shell_caught_up(collector, step):
                     return self._after_drop(collector, started, dropped)
             except ChannelDropped as exc:
-                dropped = exc  # from now on, the kernel is asked whether the request is done
-                continue
+                # A dying kernel closes its sockets too: the death checks below run now, and
+                # from now on the kernel is asked whether the request is done.
+                dropped = exc
+            except KernelReplaced:
+                return await self._on_death(handle, session, collector, started, REPLACED)
             await self._record_activity(handle, session, busy=True)  # a long call is activity
             if not await conn.heartbeat(s.heartbeat_timeout):
                 term = await self.runtime.termination(session)
                 if term is not None:
                     return await self._on_death(handle, session, collector, started, term.message)
+            elif await self._replaced(handle, session):
+                # The heartbeat of a kernel restarted since (by the supervisor) answers on
+                # the same sockets: that is a death, never a call that runs on.
+                return await self._on_death(handle, session, collector, started, REPLACED)
+
+    async def _replaced(self, handle: _Handle, session: KernelSession) -> bool:
+        """Has the session's kernel been replaced since this call's connection was made?"""
+        try:
+            now = await self.runtime.get(session.name, session.namespace)
+        except ForgeError:
+            return False  # deleted or unreadable: the next checks say so
+        return _kernel_of(now) != handle.kernel
 
     def _after_drop(
         self, collector: Collector, started: float, dropped: ChannelDropped

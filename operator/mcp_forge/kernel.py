@@ -69,6 +69,14 @@ class ChannelDropped(KernelProtocolError):
         self.channel = channel
 
 
+class KernelReplaced(KernelProtocolError):
+    """A different kernel process answers on this connection's sockets: the one that ran
+    the request died and was restarted (e.g. by the supervisor)."""
+
+    def __init__(self) -> None:
+        super().__init__("a new kernel process answers: the one that ran the call is gone")
+
+
 class KernelConnection:
     """Sockets to one kernel. Requests on shell are not concurrent: callers serialize."""
 
@@ -97,6 +105,7 @@ class KernelConnection:
         self.iopub = self._socket(zmq.SUB, "iopub", monitor)
         self._control_lock = asyncio.Lock()
         self.kernel_info: dict[str, Any] = {}
+        self.kernel_session: Any = None  # header.session of the kernel process we reached
 
     def url(self, channel: str) -> str:
         port = PORTS[channel]
@@ -139,6 +148,8 @@ class KernelConnection:
         watched = self._monitors.get(sock)
         if watched is None:
             return bool(await sock.poll(seconds * 1000))
+        if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            return True  # the hot path: a drop is seen when the channel runs dry
         channel, mon = watched
         poller = zmq.asyncio.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -237,6 +248,9 @@ class KernelConnection:
                 if got is None:
                     continue
                 self.kernel_info = got["content"]
+                # Who answers: each kernel process signs with a session id of its own, so
+                # a reply from a kernel started since (same sockets) is told apart.
+                self.kernel_session = got["header"].get("session")
                 with contextlib.suppress(ChannelDropped):  # asked again on the next turn
                     left = max(deadline - time.monotonic(), 0)
                     if await self._iopub_has(msg_id, min(1.0, left)):
@@ -269,7 +283,8 @@ class KernelConnection:
             sock.close(linger=0)
 
     async def wait_shell_caught_up(self, collector: Collector, timeout: float) -> bool:
-        """After a drop: True once the kernel has finished `collector`'s request.
+        """After a drop: True once the kernel has finished `collector`'s request;
+        KernelReplaced if another kernel process answers (the one that ran it is gone).
 
         Shell requests are handled in order, so the reply to a kernel_info_request sent
         now proves the request before it is done; its execute_reply, if it arrives, is
@@ -289,6 +304,8 @@ class KernelConnection:
             parent = msg["parent_header"].get("msg_id")
             if parent == collector.msg_id:
                 collector.feed(msg)
+            if parent == probe and msg["header"].get("session") != self.kernel_session:
+                raise KernelReplaced()
             replied = parent == probe
         while replied and (left := deadline - time.monotonic()) > 0:
             try:
