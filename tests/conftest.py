@@ -16,6 +16,7 @@ import pytest
 
 from mcp_forge.errors import SessionNotFound
 from mcp_forge.settings import Settings
+from support import release_state_dir
 
 MINIMAL_IMAGE = "localhost/mcp-forge-kernel:0.1.0-minimal"
 DEFAULT_IMAGE = "localhost/mcp-forge-kernel:0.1.0"
@@ -31,7 +32,7 @@ def state_dir() -> Iterator[Path]:
     # Short, because the kernel's Unix sockets live under it (107-byte limit).
     path = Path(tempfile.mkdtemp(prefix="mf-", dir="/tmp"))
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    release_state_dir(path)
 
 
 @pytest.fixture(scope="session")

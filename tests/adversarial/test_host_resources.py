@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -28,6 +27,7 @@ from mcp_forge.render import KERNEL_UID
 from mcp_forge.resource import KernelSession
 from mcp_forge.settings import Settings
 from mcp_forge.volumes import TMP_INODES, TMP_SIZE, workspace_inodes
+from support import release_state_dir
 
 from .conftest import Deadline, gateway, run, text, value
 
@@ -42,7 +42,7 @@ def host_dir() -> Iterator[Path]:
     # Short: the kernel's Unix sockets live under it (107-byte limit).
     path = Path(tempfile.mkdtemp(prefix="mfh-", dir="/tmp"))
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    release_state_dir(path)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ checks what reached it. No probe goes to an outside address.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import tempfile
 import uuid
@@ -17,6 +16,8 @@ from typing import Any
 
 import pytest
 from mcp import Client
+
+from support import release_state_dir
 
 from .conftest import run, value
 from .test_privileges import held_gateway
@@ -31,7 +32,7 @@ SECRET = f"gateway-secret-{uuid.uuid4().hex}"
 def module_state() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="mf-", dir="/tmp"))
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    release_state_dir(path)
 
 
 @pytest.fixture(scope="module")

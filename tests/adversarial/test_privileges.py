@@ -13,7 +13,6 @@ import ctypes
 import errno
 import json
 import platform
-import shutil
 import subprocess
 import tempfile
 import uuid
@@ -24,6 +23,8 @@ from typing import Any
 
 import pytest
 from mcp import Client
+
+from support import release_state_dir
 
 from .conftest import gateway, run, value
 
@@ -73,7 +74,7 @@ KEYCTL_GET_KEYRING_ID, KEYCTL_SEARCH = 0, 10
 def module_state() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="mf-", dir="/tmp"))
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    release_state_dir(path)
 
 
 @asynccontextmanager
