@@ -42,6 +42,7 @@ from .render import (
     secret_name,
 )
 from .resource import GROUP, KernelSession
+from .restarts import QUICK_DEATH, crash_backoff
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,6 @@ STARTING_RECHECK = 15.0  # a pod not Ready after this is looked at again, events
 BACKOFF_MAX = 60.0
 LAST_ACTIVITY_STEP = 30.0  # status.lastActivity mirrors the Lease to this resolution
 WORKERS = 16  # reconciles running at once
-QUICK_DEATH = 10.0  # a kernel that dies sooner after starting is crash-looping
-CRASH_BACKOFF = 5.0  # ... and is started again after this, doubling per death
-CRASH_BACKOFF_MAX = 300.0
 BUSY_MAX = 600.0  # a busy mark counts for at most this long ahead
 START_GRACE = 120.0  # a starting pod is not idle for this long
 
@@ -448,11 +446,7 @@ class Reconciler:
                 # for an older spec is replaced whatever restartPolicy says.
                 again = spec.restart_policy == "Always" or term.exit_code == 0 or outdated
                 quick_deaths = int(last.get("quickDeaths") or 0)
-                wait_until = (parse_time(last.get("at")) or now) + (
-                    min(CRASH_BACKOFF_MAX, CRASH_BACKOFF * 2 ** (quick_deaths - 1))
-                    if quick_deaths
-                    else 0.0
-                )
+                wait_until = (parse_time(last.get("at")) or now) + crash_backoff(quick_deaths)
                 if again and not deleting and now < wait_until:
                     seen = Observation(
                         "Restarting",

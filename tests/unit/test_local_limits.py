@@ -6,18 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from mcp_forge import controller, restarts
+from mcp_forge import restarts
 from mcp_forge.doctor import subordinate_ids
 from mcp_forge.local import _first_range, _lifetime, _podman_time
 from mcp_forge.volumes import MIN_INODES, workspace_inodes
-
-
-def test_local_mode_and_the_operator_share_one_crash_loop_policy() -> None:
-    assert (restarts.QUICK_DEATH, restarts.CRASH_BACKOFF, restarts.CRASH_BACKOFF_MAX) == (
-        controller.QUICK_DEATH,
-        controller.CRASH_BACKOFF,
-        controller.CRASH_BACKOFF_MAX,
-    )
 
 
 @pytest.mark.parametrize(
