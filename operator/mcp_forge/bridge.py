@@ -121,7 +121,8 @@ class Bridge:
 
     async def _dial(self, address: Address) -> None:
         if address.kind == "unix":
-            reader, writer = await asyncio.wait_for(_open_unix(address.path), CONNECT_TIMEOUT)
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                reader, writer = await _open_unix(address.path)
             sock = writer.get_extra_info("socket")
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
             pid = int.from_bytes(creds[:4], "little")
@@ -132,9 +133,8 @@ class Bridge:
                     "kernel's container"
                 )
         else:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(address.host, address.port), CONNECT_TIMEOUT
-            )
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                reader, writer = await asyncio.open_connection(address.host, address.port)
         self._writer = writer
         await self._send(await self.hello())
         self._reader_task = asyncio.create_task(
@@ -245,7 +245,8 @@ class Bridge:
                 else:
                     left = started + FRAME_DEADLINE - time.monotonic()
                     try:
-                        chunk = await asyncio.wait_for(reader.read(65536), max(left, 0.0))
+                        async with asyncio.timeout(max(left, 0.0)):
+                            chunk = await reader.read(65536)
                     except TimeoutError:
                         raise KernelProtocolError(
                             f"a bridge frame did not arrive whole within {FRAME_DEADLINE:g}s"

@@ -205,7 +205,8 @@ class Reconciler:
             self._wake.clear()
             wait = min(self._due.values(), default=now + self.settings.operator_resync) - now
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, wait))
+                async with asyncio.timeout(max(0.0, wait)):
+                    await self._wake.wait()
 
     async def _background(self, namespace: str, name: str) -> None:
         key = (namespace, name)

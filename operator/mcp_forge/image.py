@@ -596,7 +596,8 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         with contextlib.suppress(TimeoutError):
-            await asyncio.shield(asyncio.wait_for(proc.wait(), TERMINATE_GRACE))
+            async with asyncio.timeout(TERMINATE_GRACE):
+                await asyncio.shield(proc.wait())
             return
 
 

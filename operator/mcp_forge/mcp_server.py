@@ -440,9 +440,8 @@ def build_server(
             last_progress = started
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        arrived.wait(), max(last_progress + 1 - time.monotonic(), 0)
-                    )
+                    async with asyncio.timeout(max(last_progress + 1 - time.monotonic(), 0)):
+                        await arrived.wait()
                 arrived.clear()
                 batch, pending[:] = list(pending), []
                 try:

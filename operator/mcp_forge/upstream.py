@@ -222,7 +222,8 @@ class Upstream:
             self._ready, self._stop, self._failure = asyncio.Event(), asyncio.Event(), None
             self._runner = asyncio.create_task(self._run(), name=f"upstream {self.config.name}")
             try:
-                await asyncio.wait_for(self._ready.wait(), self.connect_timeout)
+                async with asyncio.timeout(self.connect_timeout):
+                    await self._ready.wait()
             except TimeoutError:
                 self._runner.cancel()
                 raise UpstreamError(
@@ -273,7 +274,8 @@ class Upstream:
         self._stop.set()
         if self._runner is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(self._runner), 5.0)
+                async with asyncio.timeout(5.0):
+                    await asyncio.shield(self._runner)
             except (TimeoutError, Exception):
                 self._runner.cancel()
                 with contextlib.suppress(BaseException):
