@@ -40,6 +40,7 @@ from .execution import (
 )
 from .kernel import ChannelDropped, KernelConnection, KernelReplaced
 from .kernelside import source
+from .kube import parse_time
 from .policy import policies_of
 from .resource import KernelSession
 from .runtime import Runtime
@@ -70,6 +71,15 @@ class _Handle:
 def _kernel_of(session: KernelSession) -> tuple[Any, Any]:
     status = session.status
     return (status.get("connection") or {}).get("generation"), status.get("kernelId")
+
+
+def _backoff_left(session: KernelSession) -> float | None:
+    """Seconds until a session in a crash-loop backoff starts its kernel again, if it is."""
+    status = session.status
+    if (status.get("phase"), status.get("reason")) != ("Restarting", "CrashLoopBackOff"):
+        return None
+    at = parse_time((status.get("lastTermination") or {}).get("nextStartAt"))
+    return None if at is None else max(0.0, at - time.time())
 
 
 class Gateway:
@@ -138,6 +148,12 @@ class Gateway:
             return handle.conn
         self._drop(handle)
         session = await self.runtime.refresh(session)
+        wait = _backoff_left(session)
+        if wait is not None and wait <= self.settings.backoff_wait:
+            # A kernel killed twice in a row starts again in a few seconds: the call waits
+            # for it rather than fail (a real crash loop then dies again, and says so).
+            await asyncio.sleep(wait)
+            session = await self.runtime.refresh(session)
         if session.status.get("phase") != "Ready":
             raise SessionNotReady(
                 f"session {session.name!r} is {session.status.get('phase')}: "
@@ -369,6 +385,20 @@ class Gateway:
             return False  # deleted or unreadable: the next checks say so
         return _kernel_of(now) != handle.kernel
 
+    async def _death_while_running(self, session: KernelSession, started: float) -> str | None:
+        """Why a kernel replaced during a call died, as recorded by whoever restarted it
+        (the supervisor or the operator), if it was recorded since the call began."""
+        try:
+            fresh = await self.runtime.get(session.name, session.namespace)
+        except ForgeError:
+            return None
+        last = fresh.status.get("lastTermination") or {}
+        at = parse_time(last.get("at"))
+        began = time.time() - (time.monotonic() - started)
+        if at is None or at < began - 1 or not last.get("message"):  # "at" is in seconds
+            return None
+        return f"{last['message']}; {REPLACED}"
+
     def _after_drop(
         self, collector: Collector, started: float, dropped: ChannelDropped
     ) -> ExecutionResult:
@@ -457,6 +487,8 @@ class Gateway:
         why: str,
     ) -> ExecutionResult:
         self._drop(handle)
+        if why == REPLACED:
+            why = await self._death_while_running(session, started) or why
         message = f"the kernel died: {why}."
         try:
             after = await self.runtime.refresh(session)  # restarts it per restartPolicy

@@ -34,6 +34,7 @@ class Settings:
     shutdown_grace: float = 5.0  # HTTP requests in flight get this long at shutdown
     activity_interval: float = 1.0  # lastActivity is written at most this often per session
     kernel_info_retry: float = 2.0  # re-ask kernel_info this often while waiting
+    backoff_wait: float = 30.0  # a call waits out a crash-loop backoff this short
     # Sizes, in bytes.
     code_max: int = 1_000_000
     output_budget: int = 100_000  # text returned per call; the rest goes to a file

@@ -22,10 +22,10 @@ async def supervise_once(runtime: LocalRuntime) -> list[str]:
     Returns the names culled. An error about one session is logged and the pass goes on.
     """
     try:
-        running = await runtime.running_containers()
-    except ForgeError as exc:
+        running: set[str] | None = await runtime.running_containers()
+    except ForgeError as exc:  # no refresh this pass; culling needs no container list
         log.warning("cannot list kernel containers: %s", exc)
-        return []
+        running = None
     slots = asyncio.Semaphore(CONCURRENCY)
 
     async def check(session: KernelSession) -> None:
@@ -39,9 +39,9 @@ async def supervise_once(runtime: LocalRuntime) -> list[str]:
     # (a refresh would resume an idle-suspended one).
     stale = [
         s
-        for s in await runtime.list()
+        for s in (await runtime.list() if running is not None else [])
         if s.status.get("phase") not in ("Suspended", "Expired")
-        and (s.status.get("phase") != "Ready" or runtime.container_name(s) not in running)
+        and (s.status.get("phase") != "Ready" or runtime.container_name(s) not in (running or ()))
     ]
     async with asyncio.TaskGroup() as group:
         for session in stale:
@@ -57,4 +57,5 @@ async def supervise(
         for name in await supervise_once(runtime):
             say(f"culled idle session {name}")
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=interval)
+            async with asyncio.timeout(interval):
+                await stop.wait()

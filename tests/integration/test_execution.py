@@ -159,6 +159,22 @@ async def test_os_exit_is_detected_named_and_the_session_recovers(
     assert (await gateway.execute(name, "'alive'")).status == "ok"
 
 
+async def test_a_call_waits_out_a_short_crash_loop_backoff_and_runs(
+    gateway, runtime, make_session
+) -> None:
+    """Two deaths in a row within seconds of starting: the session backs off (5 s), and the
+    next call waits for the restart instead of failing on a session that is Restarting."""
+    name = await make_session()
+    for _ in range(2):
+        assert (await gateway.execute(name, "import os\nos._exit(3)")).status == "died"
+    status = (await runtime.get(name)).status
+    assert (status["phase"], status["reason"]) == ("Restarting", "CrashLoopBackOff"), status
+    assert status["lastTermination"]["quickDeaths"] == 2, status
+    r = await gateway.execute(name, "'alive'")
+    assert (r.status, (r.result or {}).get("data")) == ("ok", {"text/plain": "'alive'"}), r
+    assert (await runtime.get(name)).status["phase"] == "Ready"
+
+
 async def test_a_memory_bomb_is_named_as_oom_and_the_session_recovers(
     gateway, runtime, make_session
 ) -> None:
