@@ -11,7 +11,9 @@ A connection that breaks the framing (a frame too large, not JSON, or not arrivi
 whole within FRAME_DEADLINE) is closed, and the gateway dials again (at most
 REDIALS_PER_MINUTE times a minute, and again at the next execution): a kernel that
 sends garbage loses the calls in flight on that connection, nothing more. Locally the
-socket is opened without following links (the kernel owns the directory it is in).
+socket is opened without following links (the kernel owns the directory it is in). On a
+cluster, when the session's Secret has a bridge certificate, the connection is mutual TLS
+1.3 pinned to it: the kernel's listener takes no frame from a peer without it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 from .connection import Address
 from .errors import KernelProtocolError
 from .kernel_bridge import KERNEL_FRAME_MAX, FrameReader, encode
+from .keys import BridgeCert, bridge_client_context
 from .policy import Meter, ServerPolicy
 from .upstream import Upstream, UpstreamError, result_frame
 
@@ -132,6 +135,8 @@ class Bridge:
                     f"the bridge socket of {self.session} is served by a process outside its "
                     "kernel's container"
                 )
+        elif address.tls is not None:
+            reader, writer = await _open_tls(address, address.tls)
         else:
             async with asyncio.timeout(CONNECT_TIMEOUT):
                 reader, writer = await asyncio.open_connection(address.host, address.port)
@@ -365,6 +370,28 @@ class Bridge:
             except UpstreamError as exc:
                 return _error("unavailable", str(exc))
         return result_frame(result)
+
+
+async def _open_tls(
+    address: Address, cert: BridgeCert
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect with mutual TLS 1.3: both ends present the session's certificate and accept
+    only it. A peer without it fails the handshake (ssl.SSLError, an OSError)."""
+    async with asyncio.timeout(CONNECT_TIMEOUT):
+        reader, writer = await asyncio.open_connection(
+            address.host,
+            address.port,
+            ssl=bridge_client_context(cert),
+            server_hostname="kernel",
+            ssl_handshake_timeout=CONNECT_TIMEOUT,
+        )
+    tls = writer.get_extra_info("ssl_object")
+    if tls is None or tls.getpeercert(binary_form=True) != cert.der:
+        writer.close()
+        raise ConnectionError(
+            f"the bridge at {address.host}:{address.port} did not present its session's certificate"
+        )
+    return reader, writer
 
 
 async def _open_unix(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

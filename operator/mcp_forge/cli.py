@@ -101,6 +101,7 @@ def _host_paths(session: resource.KernelSession) -> Any:
 def render(filename: str, target: str) -> None:
     """Print the manifests a KernelSession becomes."""
     from .connection import ConnectionInfo, new_key
+    from .keys import new_bridge_cert, new_curve_keys
     from .render import render_kubernetes, render_podman
 
     try:
@@ -112,7 +113,8 @@ def render(filename: str, target: str) -> None:
     for body in bodies:
         session = resource.load(body)
         if target == "kubernetes":
-            out += render_kubernetes(session, ConnectionInfo("tcp", "", new_key()))
+            keys = new_curve_keys(), new_bridge_cert(f"{session.namespace}/{session.name}")
+            out += render_kubernetes(session, ConnectionInfo("tcp", "", new_key(), *keys))
         else:
             out += render_podman(session, _host_paths(session))
     click.echo(yaml.safe_dump_all(out, sort_keys=False), nl=False)

@@ -22,9 +22,15 @@ from collections.abc import Callable
 from typing import Any
 
 from . import resource
-from .connection import BRIDGE_PORT, Address, ConnectionInfo
-from .errors import InvalidSession, SessionNotFound, SessionNotReady
-from .kube import BUSY_PREFIX, RESTART, ApiError, Kube, key_of
+from .connection import (
+    BRIDGE_PORT,
+    CONNECTION_FILE_IN_POD,
+    Address,
+    ConnectionInfo,
+    connection_from_file,
+)
+from .errors import InvalidSession, KernelProtocolError, SessionNotFound, SessionNotReady
+from .kube import BUSY_PREFIX, RESTART, ApiError, Kube, connection_file_of, key_of
 from .render import child_name, secret_name
 from .resource import KernelSession
 from .runtime import Termination
@@ -132,11 +138,13 @@ class KubernetesRuntime:
     # ---- the kernel ----------------------------------------------------------------------
 
     async def connection(self, session: KernelSession) -> ConnectionInfo:
+        """The kernel's address, key and (when its Secret has them) Curve pair and bridge
+        certificate; a Secret without them is a session from an older operator."""
         conn = session.status.get("connection") or {}
         name = conn.get("secretName") or secret_name(session)
         secret = await asyncio.to_thread(self.kube.get, "Secret", session.namespace, name)
-        key = key_of(secret)
-        if key is None:
+        info = connection_file_of(secret)
+        if info is None or key_of(secret) is None:
             raise SessionNotReady(f"session {session.name!r} has no readable key in {name}")
         if self.settings.kube_connect == "pod-ip":
             host = session.status.get("podIP")
@@ -144,7 +152,10 @@ class KubernetesRuntime:
             host = conn.get("host") or f"{child_name(session)}.{session.namespace}.svc"
         if not host:
             raise SessionNotReady(f"session {session.name!r} has no address yet")
-        return ConnectionInfo("tcp", str(host), key)
+        try:
+            return connection_from_file(info, str(host), f"Secret {session.namespace}/{name}")
+        except KernelProtocolError as exc:
+            raise SessionNotReady(f"session {session.name!r} cannot be reached: {exc}") from None
 
     async def refresh(self, session: KernelSession, *, restart: bool = True) -> KernelSession:
         """The session now; with `restart`, wait while the operator (re)starts its kernel,
@@ -211,9 +222,13 @@ class KubernetesRuntime:
         await self._patch_lease(session, patch)
 
     async def bridge_address(self, session: KernelSession) -> tuple[tuple[str | int, ...], Address]:
-        """TCP 5560 of the kernel's pod, reached as the Jupyter channels are."""
+        """TCP 5560 of the kernel's pod, reached as the Jupyter channels are; TLS with the
+        session's certificate (read by the kernel from its connection file) if it has one."""
         info = await self.connection(session)
-        return ("tcp", "0.0.0.0", BRIDGE_PORT), Address("tcp", host=info.host, port=BRIDGE_PORT)
+        address = Address("tcp", host=info.host, port=BRIDGE_PORT, tls=info.bridge)
+        if info.bridge is None:
+            return ("tcp", "0.0.0.0", BRIDGE_PORT), address
+        return ("tls", "0.0.0.0", BRIDGE_PORT, CONNECTION_FILE_IN_POD), address
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return {}  # the metrics API is not asked: the gateway may not read pods

@@ -4,18 +4,28 @@ Each kernel has its own pod, so the five Jupyter channels use fixed numbers; not
 allocated and nothing can conflict. On Kubernetes they are TCP ports behind a Service.
 Locally they are Unix sockets (ZMQ `ipc`) in a directory shared only between the host
 and that one pod, whose network is `none`: no other kernel, and no host user but root,
-can reach them.
+can reach them. On a cluster the channels are CurveZMQ and the bridge TLS, with keys of
+the session's own (keys.py), when its Secret has them.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .errors import KernelProtocolError
+from .keys import (
+    BRIDGE_CERT,
+    BRIDGE_KEY,
+    CURVE_PUBLIC,
+    CURVE_SECRET,
+    BridgeCert,
+    CurveKeys,
+    keys_of,
+)
 
 PORTS: dict[str, int] = {
     "shell": 5555,
@@ -64,7 +74,11 @@ def new_key() -> str:
 class ConnectionInfo:
     transport: Transport
     host: str  # IP or DNS name for tcp; socket path prefix for ipc
-    key: str
+    key: str = field(repr=False)
+    # A cluster session's: channels encrypted with Curve, the bridge with TLS (keys.py).
+    # None: a session from before them (plaintext), or a local one (ipc, no network).
+    curve: CurveKeys | None = field(default=None, repr=False)
+    bridge: BridgeCert | None = field(default=None, repr=False)
 
     def kernel_side(self) -> ConnectionInfo:
         """The info as the kernel binds it inside its pod."""
@@ -82,14 +96,36 @@ class ConnectionInfo:
             signature_scheme="hmac-sha256",
             kernel_name="python3",
         )
+        if self.curve is not None:
+            info.update({CURVE_PUBLIC: self.curve.public, CURVE_SECRET: self.curve.secret})
+        if self.bridge is not None:
+            info.update({BRIDGE_CERT: self.bridge.cert, BRIDGE_KEY: self.bridge.key})
         return info
 
     def to_file(self) -> str:
         return json.dumps(self.kernel_side().to_jupyter(), indent=2, sort_keys=True)
 
     def public(self) -> dict[str, Any]:
-        """What may be shown in status: everything but the key."""
+        """What may be shown in status: everything but the keys."""
         return {"transport": self.transport, "host": self.host, "ports": dict(PORTS)}
+
+
+def connection_from_file(info: Mapping[str, Any], host: str, where: str) -> ConnectionInfo:
+    """A cluster kernel's connection from its connection file (as its Secret holds it), to
+    be reached at `host`: Curve and the bridge's TLS when the file has their keys.
+
+    KernelProtocolError names `where` and what is wrong: a short key, a malformed Curve
+    key or bridge certificate.
+    """
+    key = info.get("key")
+    if not isinstance(key, str):
+        raise KernelProtocolError(f"{where}: the connection file has no key")
+    try:
+        check_key(key)
+    except KernelProtocolError as exc:
+        raise KernelProtocolError(f"{where}: {exc}") from None
+    curve, bridge = keys_of(info, where)
+    return ConnectionInfo("tcp", host, key, curve, bridge)
 
 
 @dataclass(frozen=True)
@@ -102,3 +138,5 @@ class Address:
     port: int = 0
     # Locally: does this pid belong to the session's kernel container? (SO_PEERCRED)
     peer_check: Callable[[int], bool] | None = None
+    # On a cluster: mutual TLS with the session's own certificate, pinned (keys.py).
+    tls: BridgeCert | None = None

@@ -29,7 +29,8 @@ import kopf
 from . import resource
 from .connection import PORTS, ConnectionInfo, new_key
 from .errors import InvalidSession
-from .kube import BUSY_PREFIX, RESTART, ApiError, Kube, key_of, parse_time
+from .keys import new_bridge_cert, new_curve_keys, usable_keys
+from .kube import BUSY_PREFIX, RESTART, ApiError, Kube, connection_file_of, key_of, parse_time
 from .observe import Observation, observe, ready_condition
 from .render import (
     LABEL_COMPONENT,
@@ -322,33 +323,51 @@ class Reconciler:
             )
         return made
 
-    def _children(self, session: KernelSession) -> tuple[dict[str, Any], str]:
-        """Make Secret, Service, NetworkPolicy and Lease right; the Pod as it should be."""
+    def _children(
+        self, session: KernelSession
+    ) -> tuple[dict[str, Any], str, dict[str, Any] | None]:
+        """Make Secret, Service, NetworkPolicy and Lease right; the Pod as it should be, and
+        the Secret's data to write before a new pod is made (None: it is complete).
+
+        A Secret from an older operator has no Curve pair or bridge certificate (or one
+        that is malformed): the kernel running now read it as it is, and the gateway uses
+        what the Secret has, so it is completed only when the next kernel pod is made.
+        """
         ns = session.namespace
         secret = self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
         key = key_of(secret) or new_key()
+        curve, bridge = usable_keys(connection_file_of(secret) or {})
         host = f"{child_name(session)}.{ns}.svc"
         rendered = render_kubernetes(
             session,
-            ConnectionInfo("tcp", host, key),
+            ConnectionInfo(
+                "tcp",
+                host,
+                key,
+                curve or new_curve_keys(),
+                bridge or new_bridge_cert(f"{ns}/{session.name}"),
+            ),
             gateway_namespace=self.settings.gateway_namespace or None,
             runtime_class=self.settings.runtime_class or None,
             seccomp_profile=self.settings.seccomp_profile or None,
         )
         want_secret, service, policy, pod = rendered
+        complete: dict[str, Any] | None = None
         if secret is None:
             self._ensure(want_secret, session)
         elif key_of(secret) is None:  # unreadable: a kernel cannot start with it
             self.kube.patch(
                 "Secret", ns, secret_name(session), {"stringData": want_secret["stringData"]}
             )
+        elif curve is None or bridge is None:
+            complete = {"stringData": want_secret["stringData"]}
         for child in (service, policy):
             current = self._ensure(child, session)
             if _differs(current.get("spec") or {}, child["spec"]):
                 self.kube.patch(
                     child["kind"], ns, child["metadata"]["name"], {"spec": child["spec"]}
                 )
-        return pod, host
+        return pod, host, complete
 
     def _realize(
         self,
@@ -359,7 +378,7 @@ class Reconciler:
         now: float,
     ) -> Outcome:
         ns, spec = session.namespace, session.spec
-        want_pod, host = self._children(session)
+        want_pod, host, complete_secret = self._children(session)
         lease = self._ensure(render_lease(session), session)
         created = parse_time(body["metadata"].get("creationTimestamp")) or now
         act = _activity(lease, created, now)
@@ -410,6 +429,14 @@ class Reconciler:
                 status["suspendedAt"] = stamp(now)
             pod = None
         elif pod is None:
+            if complete_secret is not None:
+                log.info(
+                    "adding the Curve pair and the bridge certificate to the Secret of %s/%s "
+                    "(kept from an older operator, or malformed) before its next kernel pod",
+                    ns,
+                    session.name,
+                )
+                self.kube.patch("Secret", ns, secret_name(session), complete_secret)
             pod, _ = self.kube.ensure(want_pod)
             if pod["metadata"].get("uid") != old.get("kernelId"):
                 if old.get("kernelId"):

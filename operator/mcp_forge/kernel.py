@@ -14,6 +14,10 @@ ours, because the kernel is untrusted and we bound what it can make us hold:
   limit included), whose header, parent or content is not a mapping, or whose content
   nests deeper than `DEPTH_MAX`, is dropped and logged, never raised into the caller.
 
+On a cluster whose Secret holds a Curve pair (keys.py) every socket is a CurveZMQ client
+of the kernel's public key, as jupyter-client's are: the channels are encrypted, and a
+kernel that does not hold the pair's secret key completes no handshake.
+
 The kernel runs in a pod we cannot signal from here: readiness is a `kernel_info` reply
 on the control channel (answered even while the kernel is busy) together with an IOPub
 message for it (so output of the next request cannot be missed); liveness is a heartbeat
@@ -113,8 +117,18 @@ class KernelConnection:
             return f"ipc://{self.info.host}-{port}"
         return f"tcp://{self.info.host}:{port}"
 
+    def _curve(self, sock: zmq.asyncio.Socket) -> None:
+        """Before connecting: a Curve client of the kernel, with the session's pair as its
+        own (as jupyter-client does; the kernel authenticates no client key)."""
+        curve = self.info.curve
+        if curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, curve.public.encode("ascii"))
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public.encode("ascii"))
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode("ascii"))
+
     def _socket(self, kind: int, channel: str, monitor: bool = False) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
+        self._curve(sock)
         if monitor:
             self._monitors[sock] = (channel, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         sock.linger = 0
@@ -270,6 +284,7 @@ class KernelConnection:
     async def heartbeat(self, timeout: float) -> bool:
         """True if the kernel process echoes a ping within `timeout` (even when busy)."""
         sock = self._ctx.socket(zmq.REQ)
+        self._curve(sock)
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, 1024)
         try:

@@ -1,7 +1,8 @@
 """Code mode's bridge, kernel side (docs/bridge.md), and the framing both sides share.
 
 `SOURCE` is a stdlib-only program the gateway runs silently in a kernel, in a private
-namespace holding `BRIDGE_ADDRESS` (``("tcp", host, port)`` or ``("unix", path)``). It
+namespace holding `BRIDGE_ADDRESS` (``("tcp", host, port)``, ``("tls", host, port,
+connection_file)`` or ``("unix", path)``). It
 registers the module `mcp_tools` in `sys.modules` and starts the listener the gateway
 dials. Running it again (a gateway reconnect) finds the running bridge and changes
 nothing; after a kernel restart it starts afresh. It leaves no name behind in the
@@ -22,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
 from .errors import KernelProtocolError
+from .keys import BRIDGE_CERT, BRIDGE_KEY
 
 VERSION = 1
 KERNEL_FRAME_MAX = 1 << 20  # a frame from the kernel (a call, a cancel): 1 MiB
@@ -170,6 +172,7 @@ import operator
 import os
 import queue
 import socket
+import ssl
 import stat
 import struct
 import threading
@@ -187,6 +190,11 @@ MAX_DESCRIPTION = 16384
 MAX_PARAM_DESCRIPTION = 2048
 MAX_MESSAGE = 65536
 SEND_TIMEOUT = 60.0  # a gateway that takes no bytes for this long has gone: close
+HANDSHAKE_TIMEOUT = 10.0  # a TLS peer must prove itself within this
+HANDSHAKES_MAX = 8  # TLS handshakes at once; a connection over that is closed at once
+CONNECTION_FILE_MAX = 1 << 20
+BRIDGE_CERT = @BRIDGE_CERT@
+BRIDGE_KEY = @BRIDGE_KEY@
 RECONNECT_WAIT = 5.0  # a call made just after the connection closed waits this for the next
 WAIT_SLICE = 0.25  # the main thread wakes this often, so a KeyboardInterrupt is never missed
 NOT_CONNECTED = "the MCP bridge is not connected"
@@ -578,11 +586,19 @@ class AsyncWaiter:
 
 
 def listen(address):
-    """A listening socket at ("tcp", host, port) or ("unix", path)."""
-    if isinstance(address, (tuple, list)) and len(address) == 3 and address[0] == "tcp":
+    """A listening socket, and the TLS it requires (None: none), at ("tcp", host, port),
+    ("tls", host, port, connection_file) or ("unix", path)."""
+    if isinstance(address, (tuple, list)) and len(address) in (3, 4) and address[0] in ("tcp", "tls"):
         host, port = address[1], address[2]
         if not isinstance(host, str) or type(port) is not int or not 0 <= port < 65536:
             raise ValueError(f"BRIDGE_ADDRESS: bad host or port in {address!r}")
+        tls = None
+        if address[0] == "tls":
+            if len(address) != 4 or not isinstance(address[3], str):
+                raise ValueError(f"BRIDGE_ADDRESS: ('tls', host, port, connection_file), not {address!r}")
+            tls = Tls(address[3])
+        elif len(address) != 3:
+            raise ValueError(f"BRIDGE_ADDRESS: ('tcp', host, port), not {address!r}")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -594,13 +610,120 @@ def listen(address):
         except BaseException:
             sock.close()
             raise
-        return sock
+        return sock, tls
     if isinstance(address, (tuple, list)) and len(address) == 2 and address[0] == "unix":
         path = address[1]
         if not isinstance(path, str) or not path:
             raise ValueError(f"BRIDGE_ADDRESS: bad path in {address!r}")
-        return listen_unix(path)
-    raise ValueError(f"BRIDGE_ADDRESS is ('tcp', host, port) or ('unix', path), not {address!r}")
+        return listen_unix(path), None
+    raise ValueError(f"BRIDGE_ADDRESS is ('tcp', host, port), ('tls', host, port, file) or ('unix', path), not {address!r}")
+
+
+class Tls:
+    """Mutual TLS 1.3 with the session's certificate, read from the connection file: the
+    listener presents it, and takes a connection only from a peer that presents that very
+    certificate (the gateway). Nothing is read from a peer before that."""
+
+    def __init__(self, path):
+        with open(path, "rb") as f:
+            data = f.read(CONNECTION_FILE_MAX + 1)
+        if len(data) > CONNECTION_FILE_MAX:
+            raise ValueError(f"{path} is over {CONNECTION_FILE_MAX} bytes")
+        info = json.loads(data)
+        cert = info.get(BRIDGE_CERT) if isinstance(info, dict) else None
+        key = info.get(BRIDGE_KEY) if isinstance(info, dict) else None
+        if not isinstance(cert, str) or not isinstance(key, str):
+            raise ValueError(f"{path} has no bridge certificate ({BRIDGE_CERT}, {BRIDGE_KEY})")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.num_tickets = 0  # nothing resumes a session
+        context.load_verify_locations(cadata=cert)
+        # ssl loads a key from a file only: an anonymous one in memory, gone when closed.
+        fd = os.memfd_create("mcp-forge-bridge", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, (cert + "\n" + key).encode("ascii"))
+            context.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        self.context = context
+        self.der = ssl.PEM_cert_to_DER_cert(cert)
+        self.slots = threading.BoundedSemaphore(HANDSHAKES_MAX)
+
+
+class TlsStream:
+    """TLS over a connected socket, through memory buffers, so that a reader thread and a
+    writer thread may use it at once (an SSLSocket may not be used so). Records leave in
+    order: whoever sends holds send_lock, then lock (the TLS state) to take them."""
+
+    def __init__(self, sock, tls):
+        self.sock = sock
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = tls.context.wrap_bio(self.incoming, self.outgoing, server_side=True)
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+
+    def handshake(self, deadline):
+        """The peer's certificate (DER) once the handshake is done; OSError if it fails."""
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                pass
+            self.flush()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the TLS handshake took too long")
+            self.sock.settimeout(left)
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("the peer closed during the TLS handshake")
+            self.incoming.write(data)
+        self.flush()
+        return self.tls.getpeercert(binary_form=True)
+
+    def flush(self):
+        with self.send_lock:
+            with self.lock:
+                data = self.outgoing.read()
+            if data:
+                self.sock.sendall(data)
+
+    def sendall(self, data):
+        with self.send_lock:
+            with self.lock:
+                view = memoryview(data)
+                while view:
+                    view = view[self.tls.write(view):]
+                out = self.outgoing.read()
+            self.sock.sendall(out)
+
+    def recv(self, size):
+        while True:
+            with self.lock:
+                try:
+                    data = self.tls.read(size)
+                except ssl.SSLWantReadError:
+                    data = None
+                except ssl.SSLZeroReturnError:
+                    data = b""
+                pending = self.outgoing.pending
+            if pending:
+                self.flush()
+            if data is not None:
+                return data
+            raw = self.sock.recv(1 << 16)
+            if not raw:
+                return b""
+            with self.lock:
+                self.incoming.write(raw)
+
+    def shutdown(self, how):
+        self.sock.shutdown(how)
+
+    def close(self):
+        self.sock.close()
 
 
 def listen_unix(path):
@@ -678,13 +801,13 @@ class Bridge:
         with self.lock:
             if self.listener is not None and self.listener.is_alive():
                 return
-            lsock = listen(address)
-            thread = threading.Thread(target=self.accept, args=(lsock,), name="mcp-forge-bridge", daemon=True)
+            lsock, tls = listen(address)
+            thread = threading.Thread(target=self.accept, args=(lsock, tls), name="mcp-forge-bridge", daemon=True)
             thread.mcp_forge_bridge = self  # how the bootstrap finds it if sys.modules lost it
             self.listener = thread
             thread.start()
 
-    def accept(self, lsock):
+    def accept(self, lsock, tls):
         while True:
             try:
                 sock, _ = lsock.accept()
@@ -694,10 +817,36 @@ class Bridge:
                 if exc.errno != errno.ECONNABORTED:
                     time.sleep(0.1)  # out of descriptors or memory: do not spin
                 continue
-            self.adopt(sock)
+            if tls is None:
+                self.adopt(sock)
+            elif tls.slots.acquire(blocking=False):
+                threading.Thread(target=self.authenticate, args=(sock, tls), name="mcp-forge-bridge-tls", daemon=True).start()
+            else:
+                sock.close()  # handshakes pile up: a flood, not the gateway
 
-    def adopt(self, sock):
-        """sock is the connection now; the one before it closes, failing its calls."""
+    def authenticate(self, sock, tls):
+        """Adopt sock once its peer proved it is the gateway (mutual TLS, the session's own
+        certificate); else close it, having read nothing from it."""
+        try:
+            stream = TlsStream(sock, tls)
+            try:
+                peer = stream.handshake(time.monotonic() + HANDSHAKE_TIMEOUT)
+            except OSError:  # ssl.SSLError (a wrong or no certificate), a timeout, a reset
+                sock.settimeout(1.0)
+                with contextlib.suppress(OSError):
+                    stream.flush()  # the alert that says why, if there is one
+                sock.close()
+                return
+            if peer != tls.der:
+                sock.close()
+                return
+            self.adopt(sock, stream)
+        finally:
+            tls.slots.release()
+
+    def adopt(self, sock, stream=None):
+        """sock (or the TLS stream over it) is the connection now; the one before it
+        closes, failing its calls."""
         sock.settimeout(SEND_TIMEOUT)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -705,7 +854,7 @@ class Bridge:
             for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
                 if hasattr(socket, option):
                     sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-        conn = Connection(self, sock)
+        conn = Connection(self, sock if stream is None else stream)
         with self.lock:
             old, self.conn = self.conn, conn
             self.last_reason = None
@@ -978,5 +1127,7 @@ SOURCE: str = _BOOTSTRAP.replace(
         _BODY.replace("@VERSION@", str(VERSION))
         .replace("@KERNEL_FRAME_MAX@", str(KERNEL_FRAME_MAX))
         .replace("@GATEWAY_FRAME_MAX@", str(GATEWAY_FRAME_MAX))
+        .replace("@BRIDGE_CERT@", repr(BRIDGE_CERT))
+        .replace("@BRIDGE_KEY@", repr(BRIDGE_KEY))
     ),
 )

@@ -55,8 +55,9 @@ def parse_time(text: Any) -> float | None:
         return None
 
 
-def key_of(secret: dict[str, Any] | None) -> str | None:
-    """The HMAC key in a connection Secret, if it holds a readable one."""
+def connection_file_of(secret: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The connection file (connection.json) a connection Secret holds, if it is a JSON
+    object."""
     if not secret:
         return None
     raw: str | None = None
@@ -67,9 +68,15 @@ def key_of(secret: dict[str, Any] | None) -> str | None:
     if raw is None:  # stringData: what an API server turns into data (and an emulator keeps)
         raw = (secret.get("stringData") or {}).get("connection.json")
     try:
-        key = json.loads(raw or "")["key"]
-    except (ValueError, KeyError, TypeError):
+        info = json.loads(raw or "")
+    except (ValueError, TypeError):
         return None
+    return info if isinstance(info, dict) else None
+
+
+def key_of(secret: dict[str, Any] | None) -> str | None:
+    """The HMAC key in a connection Secret, if it holds a readable one."""
+    key = (connection_file_of(secret) or {}).get("key")
     return key if isinstance(key, str) and len(key) >= 32 else None
 
 

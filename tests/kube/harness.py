@@ -19,10 +19,10 @@ from typing import Any
 
 import kopf
 
-from mcp_forge.connection import ConnectionInfo
+from mcp_forge.connection import ConnectionInfo, connection_from_file
 from mcp_forge.execution import Collector
 from mcp_forge.kernel import KernelConnection
-from mcp_forge.kube import ApiError, Kube
+from mcp_forge.kube import ApiError, Kube, connection_file_of
 
 KS = "KernelSession"
 KERNEL_DEADLINE = 60.0
@@ -161,14 +161,22 @@ def key_in(secret: dict[str, Any]) -> str:
     return key
 
 
-@contextlib.asynccontextmanager
-async def kernel(kube: Kube, namespace: str, name: str) -> AsyncIterator[KernelConnection]:
-    """The session's kernel, answering: connected at its pod IP with the key of its Secret."""
+async def connection_of(kube: Kube, namespace: str, name: str) -> ConnectionInfo:
+    """The session's kernel as the gateway reaches it from this host: its pod IP, the keys
+    of its Secret."""
     obj = await asyncio.to_thread(kube.get, KS, namespace, name)
     assert obj is not None and obj["status"].get("podIP"), f"{name} has no pod IP: {obj}"
     secret = await asyncio.to_thread(kube.get, "Secret", namespace, f"ks-{name}-conn")
-    assert secret is not None
-    info = ConnectionInfo("tcp", obj["status"]["podIP"], key_in(secret))
+    info = connection_file_of(secret)
+    assert info is not None, f"{name}: no connection file in {secret}"
+    return connection_from_file(info, obj["status"]["podIP"], f"Secret of {name}")
+
+
+@contextlib.asynccontextmanager
+async def kernel(kube: Kube, namespace: str, name: str) -> AsyncIterator[KernelConnection]:
+    """The session's kernel, answering: connected at its pod IP with the keys of its Secret
+    (Curve when it has a pair), as the gateway connects."""
+    info = await connection_of(kube, namespace, name)
     conn = KernelConnection(info, max_frame=16 << 20, max_message=32 << 20)
     try:
         await conn.wait_ready(KERNEL_DEADLINE)

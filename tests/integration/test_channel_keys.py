@@ -1,0 +1,210 @@
+"""A cluster session's keys, on a real kernel without a cluster.
+
+A bare ipykernel (the venv's, the version the kernel image pins) runs with the connection
+file the operator puts in a session's Secret, bound on a loopback address of its own
+(127.x.y.z: the fixed ports cannot clash), as a kernel pod binds its pod IP. Through it:
+the gateway's own connection over Curve, clients without the key, the bridge's mutual TLS
+against raw, certificate-less and foreign peers. tests/kube/test_channel_keys.py shows
+the same on the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import ssl
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from mcp_forge import introspection
+from mcp_forge.bridge import Bridge
+from mcp_forge.connection import BRIDGE_PORT, PORTS, Address, ConnectionInfo, new_key
+from mcp_forge.errors import SessionNotReady
+from mcp_forge.execution import Collector
+from mcp_forge.kernel import KernelConnection
+from mcp_forge.keys import new_bridge_cert, new_curve_keys
+
+READY = 30.0
+SILENCE = 2.0  # how long a refused client listens for a reply that must not come
+
+
+@pytest.fixture
+async def kernel(tmp_path: Path) -> AsyncIterator[tuple[ConnectionInfo, Path]]:
+    """An ipykernel with a Curve pair and a bridge certificate: (its connection, its file)."""
+    ip = f"127.{secrets.randbelow(250) + 2}.{secrets.randbelow(256)}.{secrets.randbelow(250) + 2}"
+    info = ConnectionInfo("tcp", ip, new_key(), new_curve_keys(), new_bridge_cert("t/keys"))
+    path = tmp_path / "connection.json"
+    path.write_text(json.dumps(info.to_jupyter()))  # as the kernel reads it, at its address
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "ipykernel_launcher", "-f", str(path)),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield info, path
+    finally:
+        process.kill()
+        await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def connected(info: ConnectionInfo) -> AsyncIterator[KernelConnection]:
+    conn = KernelConnection(info, max_frame=16 << 20, max_message=32 << 20)
+    try:
+        await conn.wait_ready(READY)
+        yield conn
+    finally:
+        conn.close()
+
+
+async def run(conn: KernelConnection, code: str) -> str:
+    collector = Collector(conn.send_execute(code, silent=False, store_history=False), 10_000, 0)
+    assert await conn.pump(collector, READY)
+    assert collector.error is None, collector.error
+    return "".join(collector.stdout)
+
+
+async def no_reply(sock: zmq.asyncio.Socket, conn: KernelConnection) -> bool:
+    """Send a kernel_info_request signed with the session's key; True if nothing answers."""
+    conn.send(sock, "kernel_info_request", {})
+    return not await sock.poll(SILENCE * 1000)
+
+
+async def test_the_gateway_runs_code_over_curve_and_a_client_without_the_key_gets_nothing(
+    kernel: tuple[ConnectionInfo, Path],
+) -> None:
+    info, _ = kernel
+    async with connected(info) as conn:
+        assert (await run(conn, "print(6 * 7)")).strip() == "42"
+        assert await conn.heartbeat(5.0)
+        ctx = zmq.asyncio.Context.instance()
+        plain = ctx.socket(zmq.DEALER)
+        wrong = ctx.socket(zmq.DEALER)
+        other = new_curve_keys()  # a client that knows some key, not the kernel's
+        wrong.curve_serverkey = other.public.encode()
+        wrong.curve_publickey = other.public.encode()
+        wrong.curve_secretkey = other.secret.encode()
+        try:
+            for sock in (plain, wrong):
+                sock.linger = 0
+                sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+                sock.connect(f"tcp://{info.host}:{PORTS['shell']}")
+                assert await no_reply(sock, conn), "a client without the kernel's key got a reply"
+        finally:
+            plain.close(linger=0)
+            wrong.close(linger=0)
+        # And the kernel still answers the gateway.
+        assert (await run(conn, "print('still')")).strip() == "still"
+
+
+async def test_a_gateway_without_the_curve_pair_cannot_reach_a_curve_kernel(
+    kernel: tuple[ConnectionInfo, Path],
+) -> None:
+    info, _ = kernel
+    async with connected(info):
+        pass  # the kernel is up
+    plain = KernelConnection(replace(info, curve=None), max_frame=1 << 20, max_message=1 << 20)
+    try:
+        with pytest.raises(SessionNotReady, match="did not answer kernel_info"):
+            await plain.wait_ready(SILENCE)
+        assert not await plain.heartbeat(SILENCE)
+    finally:
+        plain.close()
+
+
+async def _start_bridge(conn: KernelConnection, info: ConnectionInfo, path: Path) -> None:
+    address = ("tls", info.host, BRIDGE_PORT, str(path))
+    collector = Collector(
+        conn.send_execute(introspection.bridge_program(address), silent=True, store_history=False),
+        10_000,
+        0,
+    )
+    assert await conn.pump(collector, READY)
+    assert collector.error is None, collector.error
+
+
+async def _bridge_state(conn: KernelConnection) -> str:
+    return (await run(conn, "import mcp_tools; print(mcp_tools.wait_connected(0))")).strip()
+
+
+async def _read_to_end(reader: asyncio.StreamReader, limit: int = 1 << 16) -> bytes:
+    """What the peer sends until it closes (bounded, under a deadline)."""
+    data = b""
+    async with asyncio.timeout(15.0):
+        while chunk := await reader.read(limit):
+            data += chunk
+            assert len(data) <= limit, "the listener sent more than a TLS alert"
+    return data
+
+
+async def test_the_bridge_takes_the_gateway_over_mutual_tls_and_closes_on_anyone_else(
+    kernel: tuple[ConnectionInfo, Path],
+) -> None:
+    info, path = kernel
+    assert info.bridge is not None
+    async with connected(info) as conn:
+        await _start_bridge(conn, info, path)
+        # A raw TCP peer that says what a gateway says first (on a plain listener this hello
+        # would make it the bridge): closed, never a frame back, never connected.
+        reader, writer = await asyncio.open_connection(info.host, BRIDGE_PORT)
+        frame = json.dumps({"v": 1, "type": "hello", "servers": {}})
+        writer.write(len(frame).to_bytes(4, "big") + frame.encode())
+        got = await _read_to_end(reader)
+        writer.close()
+        # Nothing but, at most, a TLS alert record (content type 21): no frame, no hello.
+        assert got == b"" or got[0] == 21, got[:64]
+        assert await _bridge_state(conn) == "False"
+        # TLS without a client certificate, and TLS with another session's certificate.
+        anonymous = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        anonymous.check_hostname = False
+        anonymous.verify_mode = ssl.CERT_NONE
+        foreign = new_bridge_cert("t/other")
+        for label, cert in (("no certificate", None), ("another session's", foreign)):
+            context = anonymous
+            if cert is not None:
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+                key_file = path.parent / "foreign.pem"
+                key_file.write_text(cert.cert + "\n" + cert.key)
+                context.load_cert_chain(str(key_file))
+            reader, writer = await asyncio.open_connection(info.host, BRIDGE_PORT, ssl=context)
+            with contextlib.suppress(ssl.SSLError, ConnectionError):
+                got = await _read_to_end(reader)
+                assert got == b"", f"{label}: the listener sent {got[:64]!r}"
+            writer.close()
+            with contextlib.suppress(ssl.SSLError, ConnectionError):
+                await writer.wait_closed()
+            assert await _bridge_state(conn) == "False", label
+        # The gateway, with the session's certificate: connected, its hello applied.
+        bridge = Bridge("keys", {}, {})
+        try:
+            await bridge.open(Address("tcp", host=info.host, port=BRIDGE_PORT, tls=info.bridge))
+            assert (await run(conn, "print(mcp_tools.wait_connected(10))")).strip() == "True"
+        finally:
+            await bridge.close()
+
+
+async def test_a_kernel_that_presents_another_certificate_is_not_taken_for_the_bridge(
+    kernel: tuple[ConnectionInfo, Path],
+) -> None:
+    info, path = kernel
+    async with connected(info) as conn:
+        await _start_bridge(conn, info, path)
+        bridge = Bridge("keys", {}, {})
+        wrong = Address("tcp", host=info.host, port=BRIDGE_PORT, tls=new_bridge_cert("t/other"))
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await bridge.open(wrong)
+        await bridge.close()
+        assert await _bridge_state(conn) == "False"
