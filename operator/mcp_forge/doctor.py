@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import podman, resource, volumes
 from .errors import ForgeError
-from .local import USERNS_USER
+from .userns import SIZE, USERNS_USER, subordinate_ranges
 
 # Podman gives each pod's user namespace at least 1024 ids (the image's users):
 # room for many sessions at once.
@@ -62,7 +62,7 @@ async def run_checks(say: Say) -> bool:
         size = subordinate_ids(path, USERNS_USER)
         result(
             size >= SUBORDINATE_MIN,
-            f"{path} gives {USERNS_USER!r} {size} ids (user namespaces: --userns=auto)",
+            f"{path} gives {USERNS_USER!r} {size} ids (a user namespace of {SIZE} ids per session)",
             f"echo '{USERNS_USER}:2147483647:2147483648' >> {path}",
         )
     missing = [t for t in volumes.TOOLS if shutil.which(t) is None]
@@ -93,16 +93,7 @@ def _loop_control() -> bool:
 
 def subordinate_ids(path: Path, user: str) -> int:
     """How many subordinate ids `path` (/etc/subuid or /etc/subgid) gives `user`."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return 0
-    total = 0
-    for line in lines:
-        fields = line.strip().split(":")
-        if len(fields) == 3 and fields[0] == user and fields[2].isdigit():
-            total += int(fields[2])
-    return total
+    return sum(count for _, count in subordinate_ranges(path, user))
 
 
 async def _dmesg_readable() -> bool:

@@ -89,8 +89,9 @@ KERNEL_ENV: dict[str, str] = {
     "PATH": f"{KERNEL_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/workspace",
     "LANG": "C.UTF-8",
-    # The root filesystem is read-only in a pod: everything that caches goes to /tmp.
-    "IPYTHONDIR": "/tmp/ipython",
+    # The root filesystem is read-only in a pod: everything that caches goes to /tmp, but
+    # IPython's directory is one the kernel cannot write (see render.IPYTHON_DIR).
+    "IPYTHONDIR": "/etc/mcp-forge/ipython",
     "MPLCONFIGDIR": "/tmp/matplotlib",
     "PYTHONDONTWRITEBYTECODE": "1",
     "MPLBACKEND": "module://matplotlib_inline.backend_inline",

@@ -13,9 +13,9 @@ Layout under the state directory (0700, root):
     shared/<namespace>/<group>/   /shared for sessions of one sharedGroup
 
 (see volumes.py for the two filesystems). Each pod runs in a user namespace of its own
-(`podman kube play --userns=auto`): the kernel's uid 1000 is a host uid that no account
-and no other session's kernel has, recorded with the session on its first start and
-reused for every later pod, so its files keep their owner. Everything the kernel must
+(userns.py): the kernel's uid 1000 is a host uid that no account and no other stored
+session has, chosen in the store's transaction before the session's first pod and used
+for every later pod, so its files keep their owner. Everything the kernel must
 own on the host (workspace, tmp, run/, the connection file's group) is given that uid.
 
 The pod's network is `none`; the gateway reaches the kernel through the Unix sockets
@@ -47,7 +47,7 @@ from typing import Any
 
 import yaml
 
-from . import podman, resource, volumes
+from . import podman, resource, userns, volumes
 from .connection import (
     BRIDGE_DIR_IN_POD,
     BRIDGE_SOCKET,
@@ -97,8 +97,6 @@ _LIVE_FIELDS = (
 
 
 _USER_SUSPENDED = ("Suspended", "UserRequested", "spec.operatingMode is Suspended")
-# Podman allocates user namespaces from the subordinate ids of this user (/etc/subuid).
-USERNS_USER = "containers"
 
 
 def now() -> str:
@@ -406,43 +404,34 @@ class LocalRuntime:
         finally:
             os.close(fd)
 
-    async def _realize(self, session: KernelSession, *, wait: bool) -> None:
+    async def _realize(
+        self, session: KernelSession, *, wait: bool, phase: str = "Starting"
+    ) -> None:
         key = self.store.key(session.namespace, session.name)
         info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
         idmap = self.idmap(session) or self._group_idmap(session)
         if idmap is not None:
             self._set_idmap(session, idmap)
+        else:
+            idmap = self._claim_idmap(session)
         paths = self._prepare_dirs(session, info)
         manifest = yaml.safe_dump_all(render_podman(session, paths), sort_keys=False)
         (self._dir(session) / "pod.yaml").write_text(manifest)
-        self._patch(
-            session, phase="Starting", reason=None, message=None, podName=self.pod_name(session)
-        )
+        # A restart keeps the death's reason and message until the new kernel is ready.
+        cleared = {"reason": None, "message": None} if phase == "Starting" else {}
+        self._patch(session, phase=phase, podName=self.pod_name(session), **cleared)
         try:
-            if idmap is not None:
-                await self._mount(session)
-            # A first pod: Podman picks a free range of subordinate ids; it is created, not
-            # started, so that what the kernel must own can be given to its uid first.
-            # Later pods get the same range (uidmapping), so the workspace keeps its owner.
-            userns = userns_flag(idmap)
+            await self._mount(session)
             await podman.run(
                 "kube",
                 "play",
                 "--replace",
                 "--network=none",
                 f"--seccomp-profile-root={SECCOMP_PROFILE_ROOT}",
-                userns,
-                *(() if idmap is not None else ("--start=false",)),
+                userns_flag(idmap),
                 str(self._dir(session) / "pod.yaml"),
                 timeout=self.settings.podman_timeout,
             )
-            if idmap is None:
-                self._set_idmap(session, await self._played_idmap(session))
-                self._prepare_dirs(session, info)
-                await self._mount(session)
-                await podman.run(
-                    "pod", "start", self.pod_name(session), timeout=self.settings.podman_timeout
-                )
         except (PodmanError, volumes.VolumeError) as exc:
             self._fail(session, "PlayFailed", str(exc))
             raise
@@ -453,22 +442,13 @@ class LocalRuntime:
         private["idmap"] = idmap
         self.store.set_private(session.namespace, session.name, private)
 
-    async def _played_idmap(self, session: KernelSession) -> dict[str, int]:
-        """The user namespace Podman gave the kernel container just played."""
-        info = await self._inspect(session)
-        mappings = ((info or {}).get("HostConfig") or {}).get("IDMappings") or {}
-        try:
-            uid = _first_range(mappings.get("UidMap"))
-            gid = _first_range(mappings.get("GidMap"))
-        except ValueError as exc:
-            raise PodmanError(
-                ["container", "inspect"], 1, f"the kernel has no user namespace: {exc}"
-            ) from None
-        if uid[1] <= KERNEL_UID or gid[1] <= KERNEL_UID:
-            raise PodmanError(
-                ["container", "inspect"], 1, f"the kernel's user namespace is too small: {uid}"
-            )
-        return {"uid": uid[0], "gid": gid[0], "size": min(uid[1], gid[1])}
+    def _claim_idmap(self, session: KernelSession) -> dict[str, int]:
+        """A user namespace of its own, disjoint from every stored session's (suspended
+        ones included), recorded in the same transaction that picks it."""
+        idmap: dict[str, int] = self.store.claim(
+            session.namespace, session.name, "idmap", userns.choose
+        )
+        return idmap
 
     async def _started(self, session: KernelSession, *, wait: bool) -> None:
         info = await self._inspect(session)
@@ -876,18 +856,16 @@ class LocalRuntime:
             self._patch(session, reason=reason, message=message or reason)
 
     async def _start_again(self, session: KernelSession) -> None:
-        # A pod played before user namespaces is played again, in one.
-        if await self._inspect(session) is None or self.idmap(session) is None:
-            await self._remove_pod(session)
-            await self._realize(session, wait=True)
-            return
-        # A kube-played pod stops with its last container: restart the pod, not the container.
-        pod = self.pod_name(session)
-        await podman.run("pod", "stop", "-t", "1", pod, timeout=self.settings.podman_timeout)
-        self._unseal(session)
-        await self._mount(session)  # after a host reboot, nothing is mounted
-        await podman.run("pod", "start", pod, timeout=self.settings.podman_timeout)
-        await self._started(session, wait=True)
+        """A new kernel: the pod is played again, with the same user namespace and mounts.
+
+        Not `pod stop` + `pod start`: kube play gives pods the exit policy "stop", and the
+        clean-up Podman runs after the old kernel exits could land after the infra came back
+        but before the new kernel did, stopping the pod again (about one restart in six).
+        A new pod has a new id, which no clean-up of the old one can reach. A pod played
+        before user namespaces gets one now.
+        """
+        await self._remove_pod(session)
+        await self._realize(session, wait=True, phase="Restarting")
 
     async def record_activity(self, session: KernelSession, *, busy: bool = False) -> None:
         self._patch(session, lastActivity=now())
@@ -977,10 +955,8 @@ async def oom_kills(container_id: str) -> int:
     return sum(1 for line in out.splitlines() if b"oom-kill:" in line and needle in line)
 
 
-def userns_flag(idmap: dict[str, int] | None) -> str:
-    """`podman kube play`'s --userns for a session's recorded map (a new one if None)."""
-    if idmap is None:
-        return "--userns=auto"
+def userns_flag(idmap: dict[str, int]) -> str:
+    """`podman kube play`'s --userns for a session's map."""
     return (
         f"--userns=auto:uidmapping=0:{idmap['uid']}:{idmap['size']},"
         f"gidmapping=0:{idmap['gid']}:{idmap['size']}"
@@ -1014,15 +990,6 @@ def _podman_time(text: str) -> float:
 
 
 _PODMAN_TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
-
-
-def _first_range(ranges: Any) -> tuple[int, int]:
-    """(host id, size) of the range that maps id 0, from Podman's ["0:HOST:SIZE"]."""
-    for text in ranges or []:
-        inside, host, size = (int(x) for x in str(text).split(":"))
-        if inside == 0:
-            return host, size
-    raise ValueError(f"no range maps id 0 in {ranges!r}")
 
 
 def _unsealed(run: Path, kernel_uid: int) -> str:

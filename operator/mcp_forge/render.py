@@ -6,8 +6,7 @@ profile lives in one place:
 * ``kubernetes``: Secret (connection file with the key), Service (the five ZMQ ports),
   NetworkPolicy (ingress from the gateway only; egress per spec), Pod. Valid for
   ``kubectl apply``.
-* ``podman``: the Pod alone, as ``podman kube play`` runs it, with a keeper container
-  beside the kernel (see `_keeper`). Podman ignores Services and
+* ``podman``: the Pod alone, as ``podman kube play`` runs it. Podman ignores Services and
   NetworkPolicies, and 4.3.1 crashes on secret volumes, so the connection file and the
   workspace are host directories (written by local mode) and the pod has no network:
   the kernel's channels are Unix sockets in its run directory.
@@ -48,9 +47,10 @@ SECCOMP_PROFILE_ROOT = str(Path(__file__).parent / "profiles")
 # profile only from this (deprecated in Kubernetes) annotation: "localhost/<file>".
 SECCOMP_ANNOTATION = f"container.seccomp.security.alpha.kubernetes.io/{CONTAINER}"
 RUNTIME_DEFAULT: dict[str, str] = {"type": "RuntimeDefault"}
-KEEPER = "keeper"  # local pods' second container: see _keeper
-KEEPER_UID = KERNEL_UID + 1  # not the kernel's uid, and within the 1,024 ids local pods map
-KEEPER_LIMITS = {"memory": "16Mi", "cpu": "10m"}
+# Below the read-only connection mount, so it never exists and cannot be made: IPython
+# then works in a new temporary directory at every start, and a startup file planted in
+# the last one (in /tmp, which outlives a kernel restart) never runs in the next kernel.
+IPYTHON_DIR = f"{CONF_DIR_IN_POD}/ipython"
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def _container(session: KernelSession, target: Target, seccomp: dict[str, str]) 
     spec = session.spec
     env = [
         {"name": "HOME", "value": WORKSPACE},
-        {"name": "IPYTHONDIR", "value": "/tmp/ipython"},
+        {"name": "IPYTHONDIR", "value": IPYTHON_DIR},
         {"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"},
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
         {"name": "MCPFORGE_SESSION", "value": session.name},
@@ -213,40 +213,7 @@ def _pod(
             },
         }
         pod_spec["hostname"] = "kernel"
-        pod_spec["containers"].append(_keeper(session, seccomp))
-        meta["annotations"][f"container.seccomp.security.alpha.kubernetes.io/{KEEPER}"] = (
-            f"localhost/{SECCOMP_PROFILE}"
-        )
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
-
-
-def _keeper(session: KernelSession, seccomp: dict[str, str]) -> dict[str, Any]:
-    """Local pods only: a container that outlives every kernel of the pod.
-
-    `kube play` gives pods the exit policy "stop": once every container but the infra has
-    exited, a cleanup that Podman runs after each exit stops the pod. Local mode restarts a
-    kernel with `pod stop` + `pod start`, and a cleanup left over from the stop could land
-    after the infra came back but before the kernel did, stopping the pod again (with a
-    shared PID namespace, killing the new kernel with its PID 1). The keeper never exits,
-    so the pod is never down to its infra. Another uid: the kernel cannot signal it.
-    """
-    return {
-        "name": KEEPER,
-        "image": session.spec.image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": ["sleep", "infinity"],
-        "resources": {"limits": dict(KEEPER_LIMITS), "requests": dict(KEEPER_LIMITS)},
-        "securityContext": {
-            "runAsUser": KEEPER_UID,
-            "runAsGroup": KEEPER_UID,
-            "runAsNonRoot": True,
-            "readOnlyRootFilesystem": True,
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": dict(seccomp),
-        },
-    }
 
 
 def render_kubernetes(

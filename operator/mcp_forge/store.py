@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,28 @@ class Store:
                 "UPDATE sessions SET private=? WHERE namespace=? AND name=?",
                 (json.dumps(value), namespace, name),
             )
+
+    def claim(
+        self,
+        namespace: str,
+        name: str,
+        field: str,
+        choose: Callable[[list[Any]], Any],
+    ) -> Any:
+        """Set the session's private `field` to what `choose` makes of the values every
+        other session holds in it, in one transaction: no two sessions ever get one."""
+        with self._db() as db:
+            rows = db.execute("SELECT namespace, name, private FROM sessions").fetchall()
+            others = [json.loads(p).get(field) for ns, n, p in rows if (ns, n) != (namespace, name)]
+            mine = [json.loads(p) for ns, n, p in rows if (ns, n) == (namespace, name)]
+            if not mine:
+                raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+            value = choose([o for o in others if o is not None])
+            db.execute(
+                "UPDATE sessions SET private=? WHERE namespace=? AND name=?",
+                (json.dumps({**mine[0], field: value}), namespace, name),
+            )
+        return value
 
     def list(self, namespace: str | None = None) -> list[dict[str, Any]]:
         with self._db() as db:

@@ -464,25 +464,19 @@ async def test_startup_code_planted_in_the_workspace_does_not_run_after_a_restar
         assert await value(c, f"__import__('os').path.exists({planted})", session_id=sid)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="open: IPYTHONDIR is /tmp/ipython, on the pod's tmpfs that outlives a kernel "
-    "restart, so a planted startup file runs in the restarted kernel (fix in render.py: "
-    "an IPYTHONDIR the kernel cannot write, e.g. one whose parent does not exist, which "
-    "makes IPython use a fresh temporary directory at every start)",
-)
 async def test_a_startup_file_planted_in_ipythondir_does_not_survive_a_restart(
     state_dir: Path,
 ) -> None:
-    """A startup file in $IPYTHONDIR/profile_default/startup: restart_kernel promises a
-    fresh interpreter, so it must not run there."""
+    """A startup file in the startup directory this kernel's IPython uses: restart_kernel
+    promises a fresh interpreter, so it must not run there. ($IPYTHONDIR itself cannot be
+    made: the kernel's IPython works in a new temporary directory at every start.)"""
     async with session(state_dir) as (c, sid):
         await ok(
             c,
             sid,
-            "import os; _d = os.environ['IPYTHONDIR'] + '/profile_default/startup'\n"
-            "os.makedirs(_d, exist_ok=True)\n"
+            "import os; _d = get_ipython().profile_dir.startup_dir\n"
+            "assert _d.startswith('/tmp/'), _d\n"
+            "assert not os.path.exists(os.environ['IPYTHONDIR'])\n"
             "open(_d + '/00-planted.py', 'w').write('PLANTED_TMP = 1\\n')",
         )
         r = await tool(c, sid, "restart_kernel")

@@ -315,8 +315,8 @@ print(_j.dumps([vm, pt, opened, init, _o.getpid(), _o.getuid(), ns]))
 
 
 async def test_the_kernel_cannot_signal_the_other_processes_of_its_pod(kernel: Client) -> None:
-    """Every process the kernel sees that is not its own (the pod's init, and local pods'
-    keeper): kill(pid, 0) is EPERM, so it can neither stop them nor make its pod stop."""
+    """Every process the kernel sees that is not its own (the pod's init): kill(pid, 0) is
+    EPERM, so it can neither stop them nor make its pod stop."""
     got = await probe(
         kernel,
         """
@@ -342,9 +342,9 @@ print(_j.dumps(res))
 
 
 async def test_restarts_in_a_row_each_give_a_working_kernel(kernel: Client) -> None:
-    """Five restart_kernel calls in a row (the kernel is no longer its pod's PID 1, so each
-    restart stops and starts the pod around a shared PID namespace): each ends with a
-    fresh kernel that answers, and the workspace keeps its files."""
+    """Five restart_kernel calls in a row (locally each plays the pod again, in the same
+    user namespace): each ends with a fresh kernel that answers, and the workspace keeps
+    its files."""
     sid = (await run(kernel, "open('restart-note', 'w').write('kept')"))["session_id"]
     pids = []
     for _ in range(5):

@@ -8,7 +8,7 @@ import pytest
 
 from mcp_forge import restarts
 from mcp_forge.doctor import subordinate_ids
-from mcp_forge.local import _first_range, _lifetime, _podman_time
+from mcp_forge.local import _lifetime, _podman_time
 from mcp_forge.volumes import MIN_INODES, workspace_inodes
 
 
@@ -45,15 +45,6 @@ def test_the_inode_bound_grows_with_the_workspace_and_has_a_floor() -> None:
     assert workspace_inodes(2**30) == 32768
     assert workspace_inodes(2**20) == MIN_INODES
     assert workspace_inodes(10 * 2**30) == 10 * 32768
-
-
-def test_the_range_that_maps_id_zero_is_read_from_podmans_map() -> None:
-    assert _first_range(["0:2147483647:1024"]) == (2147483647, 1024)
-    assert _first_range(["1:5:2", "0:100:65536"]) == (100, 65536)
-    with pytest.raises(ValueError, match="no range maps id 0"):
-        _first_range([])
-    with pytest.raises(ValueError, match="invalid literal"):
-        _first_range(["0:x:1"])
 
 
 def test_a_containers_lifetime_comes_from_its_start_and_finish_times() -> None:

@@ -174,10 +174,7 @@ def test_local_pods_always_run_under_the_projects_profile() -> None:
     # Podman 4.3.1 reads the annotation; later versions read the security contexts.
     assert pod["metadata"]["annotations"][SECCOMP_ANNOTATION] == f"localhost/{SECCOMP_PROFILE}"
     local = {"type": "Localhost", "localhostProfile": SECCOMP_PROFILE}
-    assert _seccomp_profiles(pod) == [local] * 3  # the pod, the kernel, the keeper
-    assert pod["metadata"]["annotations"][
-        "container.seccomp.security.alpha.kubernetes.io/keeper"
-    ] == (f"localhost/{SECCOMP_PROFILE}")
+    assert _seccomp_profiles(pod) == [local] * 2  # the pod, the kernel
     assert (Path(SECCOMP_PROFILE_ROOT) / SECCOMP_PROFILE).is_file()
 
 
@@ -261,15 +258,14 @@ def test_everything_else_the_podman_default_allows_unconditionally_stays_allowed
     assert ours - plain <= {"arch_prctl", "modify_ldt"}  # per-arch rules of the default
 
 
-def test_local_pods_have_a_keeper_of_another_uid_and_clusters_none() -> None:
-    """The keeper keeps a local pod from stopping between `pod stop` and `pod start`."""
-    (pod,) = render_podman(session(), PATHS)
-    kernel, keeper = pod["spec"]["containers"]
-    assert (kernel["name"], keeper["name"]) == ("kernel", "keeper")
-    assert keeper["command"] == ["sleep", "infinity"]
-    sc = keeper["securityContext"]
-    assert sc["runAsUser"] not in (0, kernel["securityContext"]["runAsUser"])
-    assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"] == {"drop": ["ALL"]}
-    assert "volumeMounts" not in keeper  # it sees none of the session's files
+def test_pods_run_the_kernel_alone_and_ipython_in_a_directory_it_cannot_make() -> None:
+    """One container (local restarts play a new pod, so nothing has to keep the old one
+    up); IPYTHONDIR lies below the read-only connection mount, so IPython takes a new
+    temporary directory at every start and a planted startup file never runs again."""
+    local = render_podman(session(), PATHS)[0]
     cluster = by_kind(render_kubernetes(session(), CONN))["Pod"]
-    assert [c["name"] for c in cluster["spec"]["containers"]] == ["kernel"]
+    for pod in (local, cluster):
+        (kernel,) = pod["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in kernel["env"]}
+        conf = [m for m in kernel["volumeMounts"] if env["IPYTHONDIR"].startswith(m["mountPath"])]
+        assert [m["readOnly"] for m in conf] == [True], kernel["volumeMounts"]
