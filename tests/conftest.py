@@ -6,7 +6,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 
 from mcp_forge.errors import SessionNotFound
 from mcp_forge.settings import Settings
-from support import release_state_dir
+from support import scratch_state_dir
 
 MINIMAL_IMAGE = "localhost/mcp-forge-kernel:0.1.0-minimal"
 DEFAULT_IMAGE = "localhost/mcp-forge-kernel:0.1.0"
@@ -29,10 +28,8 @@ def _image_exists(ref: str) -> bool:
 
 @pytest.fixture(scope="session")
 def state_dir() -> Iterator[Path]:
-    # Short, because the kernel's Unix sockets live under it (107-byte limit).
-    path = Path(tempfile.mkdtemp(prefix="mf-", dir="/tmp"))
-    yield path
-    release_state_dir(path)
+    with scratch_state_dir() as path:
+        yield path
 
 
 @pytest.fixture(scope="session")

@@ -1,18 +1,144 @@
-"""Helpers shared by test modules (tests/ is on sys.path: `from support import ...`)."""
+"""Helpers shared by test modules (tests/ is on sys.path: `from support import ...`;
+tests/drills/faults.py, also run as a script, puts it there itself)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import shutil
 import subprocess
+import sys
+import tempfile
 import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any, Self
 
 from mcp_forge.errors import ForgeError
 
 log = logging.getLogger(__name__)
+
+GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
+CALL_DEADLINE = 120.0
+
+
+class StdioGateway:
+    """One `mcp-forge gateway` process over stdio, spoken to in JSON-RPC lines: no SDK to
+    tidy the requests or to hide what happens. Open one with `StdioGateway.open`."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        # Ids a caller writes by hand into raw lines stay below 100: none answers one of ours.
+        self.next_id = 100
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, state_dir: Path, *, client: str) -> AsyncIterator[Self]:
+        """Start a gateway on `state_dir` and initialize it as `client`. On exit its stdin
+        is closed and it gets 60 s to end (then it is killed), unless it is gone already."""
+        process = await asyncio.create_subprocess_exec(
+            GATEWAY,
+            "gateway",
+            env={**os.environ, "MCPFORGE_STATE_DIR": str(state_dir)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            limit=2**24,
+        )
+        gw = cls(process)
+        try:
+            init = await gw.request(
+                "initialize",
+                {
+                    "protocolVersion": "2025-06-18",
+                    "capabilities": {},
+                    "clientInfo": {"name": client, "version": "0"},
+                },
+            )
+            assert "result" in init, init
+            await gw.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+            yield gw
+        finally:
+            if process.returncode is None:  # a drill may have killed it
+                if process.stdin is not None:
+                    process.stdin.close()
+                try:
+                    async with asyncio.timeout(60):
+                        await process.wait()
+                except TimeoutError:
+                    process.kill()
+                    await process.wait()
+
+    async def send(self, line: bytes | dict[str, Any]) -> None:
+        """Write one line: a message, or raw bytes sent as they are."""
+        assert self.process.stdin is not None
+        data = line if isinstance(line, bytes) else json.dumps(line).encode()
+        self.process.stdin.write(data + b"\n")
+        await self.process.stdin.drain()
+
+    async def start(
+        self, method: str, params: dict[str, Any] | None = None, *, progress: bool = False
+    ) -> int:
+        """Send one request and return its id; with `progress`, the id is its progress token."""
+        self.next_id += 1
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "id": self.next_id, "method": method}
+        if progress:
+            params = {**(params or {}), "_meta": {"progressToken": self.next_id}}
+        if params is not None:
+            msg["params"] = params
+        await self.send(msg)
+        return self.next_id
+
+    async def request(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Send one request and return its response (notifications in between are skipped)."""
+        return await self.response(await self.start(method, params))
+
+    async def response(
+        self,
+        request_id: int,
+        *,
+        on_message: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """The response to `request_id`, within CALL_DEADLINE; every message read before it
+        goes to `on_message`. ConnectionError if the gateway closes its stdout first."""
+        assert self.process.stdout is not None
+        async with asyncio.timeout(CALL_DEADLINE):
+            while True:
+                line = await self.process.stdout.readline()
+                if not line:
+                    raise ConnectionError("the gateway closed its stdout")
+                msg = json.loads(line)
+                if msg.get("id") == request_id:
+                    return dict(msg)
+                if on_message is not None:
+                    on_message(msg)
+
+
+async def read_to_end(
+    reader: asyncio.StreamReader, *, limit: int = 1 << 16, deadline: float = 20.0
+) -> bytes:
+    """What a peer sends until it closes: at most `limit` bytes, within `deadline` s. For a
+    listener that must refuse us (a TLS alert at most, then the close)."""
+    data = b""
+    async with asyncio.timeout(deadline):
+        while chunk := await reader.read(limit):
+            data += chunk
+            assert len(data) <= limit, f"the peer sent more than {limit} bytes"
+    return data
+
+
+@contextlib.contextmanager
+def scratch_state_dir(prefix: str = "mf-") -> Iterator[Path]:
+    """A fresh state directory, released (see `release_state_dir`) after use."""
+    # Short, because the kernel's Unix sockets live under it (107-byte limit).
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield path
+    finally:
+        release_state_dir(path)
 
 
 def release_state_dir(state_dir: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from mcp_forge.render import KERNEL_UID
 from mcp_forge.resource import KernelSession
 from mcp_forge.settings import Settings
 from mcp_forge.volumes import TMP_INODES, TMP_SIZE, workspace_inodes
-from support import release_state_dir
+from support import scratch_state_dir
 
 from .conftest import gateway, run, text, value
 
@@ -37,10 +36,8 @@ MiB = 2**20
 
 @pytest.fixture(scope="module")
 def host_dir() -> Iterator[Path]:
-    # Short: the kernel's Unix sockets live under it (107-byte limit).
-    path = Path(tempfile.mkdtemp(prefix="mfh-", dir="/tmp"))
-    yield path
-    release_state_dir(path)
+    with scratch_state_dir("mfh-") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,80 +14,19 @@ from typing import Any
 
 import pytest
 
-from .conftest import GATEWAY, gateway, run, text
+from support import CALL_DEADLINE, StdioGateway
+
+from .conftest import gateway, run, text
 
 pytestmark = pytest.mark.podman
 
-CALL_DEADLINE = 120.0
-
-
-class RawStdio:
-    """The gateway over stdio, spoken to line by line (no SDK to tidy the requests)."""
-
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
-        self.next_id = 100
-
-    async def send(self, line: bytes | dict[str, Any]) -> None:
-        assert self.process.stdin is not None
-        data = line if isinstance(line, bytes) else json.dumps(line).encode()
-        self.process.stdin.write(data + b"\n")
-        await self.process.stdin.drain()
-
-    async def request(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Send one request and return its response (notifications in between are skipped)."""
-        self.next_id += 1
-        msg: dict[str, Any] = {"jsonrpc": "2.0", "id": self.next_id, "method": method}
-        if params is not None:
-            msg["params"] = params
-        await self.send(msg)
-        return await self.response(self.next_id)
-
-    async def response(self, request_id: int) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        async with asyncio.timeout(CALL_DEADLINE):
-            while True:
-                line = await self.process.stdout.readline()
-                assert line, "the gateway closed its stdout"
-                msg = json.loads(line)
-                if msg.get("id") == request_id:
-                    return dict(msg)
-
 
 @asynccontextmanager
-async def raw_gateway(state_dir: Path) -> AsyncIterator[RawStdio]:
-    process = await asyncio.create_subprocess_exec(
-        GATEWAY,
-        "gateway",
-        env={**os.environ, "MCPFORGE_STATE_DIR": str(state_dir)},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        limit=2**24,
-    )
-    raw = RawStdio(process)
-    try:
-        init = await raw.request(
-            "initialize",
-            {
-                "protocolVersion": "2025-06-18",
-                "capabilities": {},
-                "clientInfo": {"name": "attacker", "version": "0"},
-            },
-        )
-        assert "result" in init, init
-        await raw.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+async def raw_gateway(state_dir: Path) -> AsyncIterator[StdioGateway]:
+    """The gateway over stdio, spoken to line by line; it must exit cleanly at the end."""
+    async with StdioGateway.open(state_dir, client="attacker") as raw:
         yield raw
-    finally:
-        if process.stdin is not None:
-            process.stdin.close()
-        try:
-            async with asyncio.timeout(60):
-                await process.wait()
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-    assert process.returncode == 0, f"the gateway exited with {process.returncode}"
+    assert raw.process.returncode == 0, f"the gateway exited with {raw.process.returncode}"
 
 
 def tool_result(response: dict[str, Any]) -> dict[str, Any]:
@@ -258,7 +196,7 @@ async def test_code_with_nul_bytes_and_lone_surrogates_is_run_or_refused_cleanly
         assert after["structuredContent"]["status"] == "ok"
 
 
-async def _session_ids(raw: RawStdio) -> set[str]:
+async def _session_ids(raw: StdioGateway) -> set[str]:
     listed = tool_result(
         await raw.request("tools/call", {"name": "list_sessions", "arguments": {}})
     )

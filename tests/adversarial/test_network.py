@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 from mcp import Client
 
-from support import release_state_dir
+from support import scratch_state_dir
 
 from .conftest import run, value
 from .test_privileges import held_gateway
@@ -30,9 +29,8 @@ SECRET = f"gateway-secret-{uuid.uuid4().hex}"
 
 @pytest.fixture(scope="module")
 def module_state() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="mf-", dir="/tmp"))
-    yield path
-    release_state_dir(path)
+    with scratch_state_dir() as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

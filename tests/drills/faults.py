@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
-CALL_DEADLINE = 120.0
+# Run as a script, this file has tests/drills on sys.path, not tests/ (pytest puts it there).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from support import CALL_DEADLINE, GATEWAY, StdioGateway
+
 MINIMAL_IMAGE = "localhost/mcp-forge-kernel:0.1.0-minimal"
 RUNNING = "drill-cell-running"  # printed by each drill's cell as it starts
 CELL = f"import time\nprint({RUNNING!r}, flush=True)\ntime.sleep({{seconds}})\n"
@@ -58,49 +60,22 @@ class Outcome:
         return f"{mark} {self.drill}: {self.detail}"
 
 
-class Gateway:
-    """One `mcp-forge gateway` process over stdio, spoken to in JSON-RPC lines."""
-
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
-        self.next_id = 0
-        self.progress: dict[Any, asyncio.Event] = {}
-
-    async def send(self, msg: dict[str, Any]) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(msg).encode() + b"\n")
-        await self.process.stdin.drain()
+class Gateway(StdioGateway):
+    """The gateway over stdio, with what the drills ask of it: tool calls whose cells say
+    when they run."""
 
     async def start_call(self, tool: str, arguments: dict[str, Any]) -> int:
-        self.next_id += 1
-        await self.send(
-            {
-                "jsonrpc": "2.0",
-                "id": self.next_id,
-                "method": "tools/call",
-                "params": {
-                    "name": tool,
-                    "arguments": arguments,
-                    "_meta": {"progressToken": self.next_id},
-                },
-            }
-        )
-        return self.next_id
+        return await self.start("tools/call", {"name": tool, "arguments": arguments}, progress=True)
 
     async def answer(self, request_id: int, *, running: asyncio.Event | None = None) -> Any:
-        """The response to `request_id`; `running` is set at its first progress notification."""
-        assert self.process.stdout is not None
-        async with asyncio.timeout(CALL_DEADLINE):
-            while True:
-                line = await self.process.stdout.readline()
-                if not line:
-                    raise ConnectionError("the gateway closed its stdout")
-                msg = json.loads(line)
-                said = msg.get("method") == "notifications/message"
-                if said and RUNNING in str(msg.get("params", {}).get("data")) and running:
-                    running.set()  # the cell printed it: the kernel is in the cell
-                if msg.get("id") == request_id:
-                    return msg
+        """The response to `request_id`; `running` is set when its cell says it runs."""
+
+        def notice(msg: dict[str, Any]) -> None:
+            said = msg.get("method") == "notifications/message"
+            if said and RUNNING in str(msg.get("params", {}).get("data")) and running:
+                running.set()  # the cell printed it: the kernel is in the cell
+
+        return await self.response(request_id, on_message=notice)
 
     async def call(self, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
         msg = await self.answer(await self.start_call(tool, arguments))
@@ -116,7 +91,7 @@ class Gateway:
 
 
 async def runs(running: asyncio.Event, waiter: asyncio.Task[Any]) -> bool:
-    """True once the call runs (its first progress); False if it was answered before."""
+    """True once the call runs (its cell said so); False if it was answered before."""
     seen = asyncio.create_task(running.wait())
     await asyncio.wait({seen, waiter}, timeout=CALL_DEADLINE, return_when=asyncio.FIRST_COMPLETED)
     seen.cancel()
@@ -129,49 +104,10 @@ async def runs(running: asyncio.Event, waiter: asyncio.Task[Any]) -> bool:
 
 @asynccontextmanager
 async def gateway(state_dir: Path) -> AsyncIterator[Gateway]:
-    process = await asyncio.create_subprocess_exec(
-        GATEWAY,
-        "gateway",
-        env={**os.environ, "MCPFORGE_STATE_DIR": str(state_dir)},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        limit=2**24,
-    )
-    gw = Gateway(process)
-    try:
-        gw.next_id += 1
-        await gw.send(
-            {
-                "jsonrpc": "2.0",
-                "id": gw.next_id,
-                "method": "initialize",
-                "params": {
-                    "protocolVersion": "2025-06-18",
-                    "capabilities": {},
-                    "clientInfo": {"name": "drill", "version": "0"},
-                },
-            }
-        )
-        await gw.answer(gw.next_id)
-        await gw.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-        gw.next_id += 1  # the cells' output comes as log messages: how we see one run
-        await gw.send(
-            {"jsonrpc": "2.0", "id": gw.next_id, "method": "logging/setLevel",
-             "params": {"level": "info"}}
-        )  # fmt: skip
-        await gw.answer(gw.next_id)
+    async with Gateway.open(state_dir, client="drill") as gw:
+        # The cells' output comes as log messages: how we see one run.
+        await gw.request("logging/setLevel", {"level": "info"})
         yield gw
-    finally:
-        if process.returncode is None:
-            if process.stdin is not None:
-                process.stdin.close()
-            try:
-                async with asyncio.timeout(60):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
 
 
 def sh(*args: str, check: bool = True) -> str:
