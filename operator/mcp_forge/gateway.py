@@ -228,7 +228,7 @@ class Gateway:
 
     async def _silently(self, conn: KernelConnection, code: str, failure: str) -> None:
         collector = Collector("", budget=10_000, spool_max=0, data_budget=0)
-        await conn.forget_drops()
+        await conn.before_request()
         collector.msg_id = conn.send_execute(code, silent=True, store_history=False)
         if not await conn.pump(collector, self.settings.helper_timeout):
             raise SessionNotReady(f"{failure} (no answer in {self.settings.helper_timeout:.0f}s)")
@@ -347,7 +347,7 @@ class Gateway:
     ) -> ExecutionResult:
         s = self.settings
         started = time.monotonic()
-        await conn.forget_drops()
+        await conn.before_request()
         collector.msg_id = conn.send_execute(code, silent=False, store_history=True)
         deadline = started + timeout
         dropped: ChannelDropped | None = None
@@ -584,7 +584,7 @@ class Gateway:
         conn = await self._connect(handle, session)
         code, marker = introspection.program(op, **args)
         collector = Collector("", budget=s.helper_reply_max, spool_max=0, data_budget=0)
-        await conn.forget_drops()
+        await conn.before_request()
         collector.msg_id = conn.send_execute(code, silent=True, store_history=False)
         try:
             done = await conn.pump(collector, s.helper_timeout)

@@ -6,10 +6,12 @@ ours, because the kernel is untrusted and we bound what it can make us hold:
 * every frame is at most `max_frame` bytes (ZMQ_MAXMSGSIZE, set before connecting);
 * a message whose frames add up to more than `max_message` is dropped while it is read;
 * few messages queue (ZMQ_RCVHWM);
-* a channel that libzmq drops (a frame over ZMQ_MAXMSGSIZE closes the connection, which
-  then reconnects, losing what was in flight) is noticed at once through a socket
-  monitor: the read raises ChannelDropped instead of waiting for a status that will
-  never come;
+* a channel that libzmq drops is noticed at once through a socket monitor: the read
+  raises ChannelDropped instead of waiting for a status that will never come, and the
+  channel is opened anew. libzmq never reconnects a connection it closed for a frame
+  over ZMQ_MAXMSGSIZE (a protocol error ends its session for good), so without a new
+  socket that channel would stay silent for the connection's life. A new IOPub socket
+  is subscribed only once a message crosses it: the next request first sees one do so;
 * a message that does not deserialize (nesting deep enough to exhaust the recursion
   limit included), whose header, parent or content is not a mapping, or whose content
   nests deeper than `DEPTH_MAX`, is dropped and logged, never raised into the caller.
@@ -64,6 +66,14 @@ def nested_deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
+# The channels a connection holds, and the socket each is.
+_KINDS = {"shell": zmq.DEALER, "control": zmq.DEALER, "iopub": zmq.SUB}
+# Channels whose drop a read raises (ChannelDropped): a request waits on them. A dropped
+# control channel is opened anew before its next request (a reply lost meanwhile is a
+# request not acknowledged).
+_RAISING = frozenset({"shell", "iopub"})
+
+
 class ChannelDropped(KernelProtocolError):
     """libzmq closed a channel's connection to the kernel (a frame over the limit, or the
     kernel closed it): messages in flight on it are lost."""
@@ -102,11 +112,13 @@ class KernelConnection:
         self._ctx = zmq.asyncio.Context.instance()
         self._max_frame = max_frame
         self._queue = queue
-        # Socket monitors of the channels whose loss would leave a request waiting.
+        self._monitor = monitor
+        self._channels: dict[str, zmq.asyncio.Socket] = {}
+        # Socket monitors (DISCONNECTED events) of the channels, when `monitor` is set.
         self._monitors: dict[zmq.asyncio.Socket, tuple[str, zmq.asyncio.Socket]] = {}
-        self.shell = self._socket(zmq.DEALER, "shell", monitor)
-        self.control = self._socket(zmq.DEALER, "control")
-        self.iopub = self._socket(zmq.SUB, "iopub", monitor)
+        self._subscribed = False  # has a message crossed the IOPub socket yet?
+        for channel in _KINDS:
+            self._open(channel)
         self._control_lock = asyncio.Lock()
         self.kernel_info: dict[str, Any] = {}
         self.kernel_session: Any = None  # header.session of the kernel process we reached
@@ -126,10 +138,27 @@ class KernelConnection:
             sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public.encode("ascii"))
             sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode("ascii"))
 
-    def _socket(self, kind: int, channel: str, monitor: bool = False) -> zmq.asyncio.Socket:
+    @property
+    def shell(self) -> zmq.asyncio.Socket:
+        return self._channels["shell"]
+
+    @property
+    def control(self) -> zmq.asyncio.Socket:
+        return self._channels["control"]
+
+    @property
+    def iopub(self) -> zmq.asyncio.Socket:
+        return self._channels["iopub"]
+
+    def _open(self, channel: str) -> None:
+        """Open `channel`'s socket, closing the one it had."""
+        old = self._channels.pop(channel, None)
+        if old is not None:
+            self._close(old)
+        kind = _KINDS[channel]
         sock = self._ctx.socket(kind)
         self._curve(sock)
-        if monitor:
+        if self._monitor:
             self._monitors[sock] = (channel, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
@@ -139,22 +168,51 @@ class KernelConnection:
         if kind == zmq.SUB:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(self.url(channel))
-        return sock
+        self._channels[channel] = sock
+        if channel == "iopub":
+            self._subscribed = False
 
-    def close(self) -> None:
-        for sock, (_, mon) in self._monitors.items():
+    def _close(self, sock: zmq.asyncio.Socket) -> None:
+        watched = self._monitors.pop(sock, None)
+        if watched is not None:
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
-            mon.close(linger=0)
-        self._monitors.clear()
-        for sock in (self.shell, self.control, self.iopub):
-            sock.close(linger=0)
+            watched[1].close(linger=0)
+        sock.close(linger=0)
 
-    async def forget_drops(self) -> None:
-        """Discard drops already reported (before a new request: they were another's)."""
-        for _, mon in self._monitors.values():
+    def close(self) -> None:
+        for sock in list(self._channels.values()):
+            self._close(sock)
+        self._channels.clear()
+
+    async def _reopen_dropped(self, *channels: str) -> None:
+        """Open anew those of `channels` whose connection was dropped since last seen."""
+        for channel, mon in list(self._monitors.values()):
+            if channel not in channels:
+                continue
+            dropped = False
             while await mon.poll(0):
-                await mon.recv_multipart()
+                event = parse_monitor_message(await mon.recv_multipart())
+                dropped = dropped or event.get("event") == zmq.EVENT_DISCONNECTED
+            if dropped:
+                log.warning("the kernel's %s channel was dropped; it is opened anew", channel)
+                self._open(channel)
+
+    async def before_request(self, timeout: float = 5.0) -> None:
+        """Make the channels whole before a new request: reopen any that was dropped
+        unnoticed, and see that a new IOPub socket is subscribed (a control request's
+        status crosses it), so the request's output cannot be missed. Within `timeout`;
+        the request goes ahead either way (a kernel that does not answer is found out
+        by the call's own checks)."""
+        await self._reopen_dropped(*_KINDS)
+        deadline = time.monotonic() + timeout
+        while not self._subscribed and (left := deadline - time.monotonic()) > 0:
+            async with self._control_lock:
+                msg_id = self.send(self.control, "kernel_info_request", {})
+                with contextlib.suppress(ChannelDropped):
+                    self._subscribed = await self._iopub_has(msg_id, min(1.0, left))
+        if not self._subscribed:
+            log.warning("the kernel's new iopub socket saw no message within %.0fs", timeout)
 
     async def _wait(self, sock: zmq.asyncio.Socket, seconds: float) -> bool:
         """True when `sock` has a message within `seconds`; ChannelDropped if the
@@ -165,6 +223,8 @@ class KernelConnection:
         if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             return True  # the hot path: a drop is seen when the channel runs dry
         channel, mon = watched
+        if channel not in _RAISING:
+            return bool(await sock.poll(seconds * 1000))
         poller = zmq.asyncio.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(mon, zmq.POLLIN)
@@ -172,7 +232,8 @@ class KernelConnection:
         if mon in ready:
             event = parse_monitor_message(await mon.recv_multipart())
             if event.get("event") == zmq.EVENT_DISCONNECTED:
-                log.warning("the kernel's %s channel was dropped; it reconnects", channel)
+                log.warning("the kernel's %s channel was dropped; it is opened anew", channel)
+                self._open(channel)
                 raise ChannelDropped(channel)
         return sock in ready
 
@@ -268,6 +329,7 @@ class KernelConnection:
                 with contextlib.suppress(ChannelDropped):  # asked again on the next turn
                     left = max(deadline - time.monotonic(), 0)
                     if await self._iopub_has(msg_id, min(1.0, left)):
+                        self._subscribed = True
                         return self.kernel_info
         raise SessionNotReady(f"the kernel did not answer kernel_info within {timeout:.0f}s")
 
@@ -368,6 +430,7 @@ class KernelConnection:
 
     async def interrupt(self, timeout: float) -> bool:
         """Send interrupt_request on the control channel; True if the kernel acknowledged."""
+        await self._reopen_dropped("control")
         async with self._control_lock:
             msg_id = self.send(self.control, "interrupt_request", {})
             return await self.reply(self.control, msg_id, timeout) is not None

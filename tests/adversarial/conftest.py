@@ -42,6 +42,30 @@ async def gateway(
         yield c
 
 
+def gateway_peak_rss(state_dir: Path) -> int:
+    """The peak resident memory (VmHWM, bytes) of the gateway serving `state_dir`: the
+    newest `mcp-forge gateway` process whose environment names that state directory (an
+    earlier test's may still be on its way out)."""
+    want = f"MCPFORGE_STATE_DIR={state_dir}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"gateway" not in argv or want not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            status = (proc / "status").read_text()
+            # The start time: field 22 of stat, counted after the command's parenthesis.
+            started = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[19])
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        kb = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))
+        found.append((started, int(kb) * 1024))
+    assert found, f"no gateway serves {state_dir}"
+    return max(found)[1]
+
+
 def text(result: Any) -> str:
     return "\n".join(c.text for c in result.content if isinstance(c, TextContent))
 
