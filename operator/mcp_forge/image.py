@@ -82,9 +82,18 @@ WHEEL_PLATFORMS = (
 SANDBOX_UID = 1000
 KERNEL_VENV = "/opt/kernel"
 KERNEL_ENTRYPOINT = ("/usr/bin/tini", "--")
+# ipykernel_launcher, except that the connection file is never written: it is a
+# read-only mount (a Secret on clusters), every port in it is fixed, and ipykernel 7.4
+# rewrites it whenever it holds Curve keys (it compares its keys, bytes, with the file's
+# text, finds them changed, and dies on the read-only file).
+KERNEL_LAUNCH = (
+    "from ipykernel.kernelapp import IPKernelApp as App; "
+    "App.write_connection_file = lambda self, **kw: None; "
+    "App.launch_instance()"
+)
 # -P: the working directory (/workspace, the user's) is not put first on sys.path while
 # the launcher starts, so files left there cannot replace ipykernel at the next restart.
-KERNEL_CMD = ("python", "-P", "-m", "ipykernel_launcher", "-f", "/etc/mcp-forge/connection.json")
+KERNEL_CMD = ("python", "-P", "-c", KERNEL_LAUNCH, "-f", "/etc/mcp-forge/connection.json")
 KERNEL_ENV: dict[str, str] = {
     "PATH": f"{KERNEL_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/workspace",

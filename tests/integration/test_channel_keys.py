@@ -31,8 +31,10 @@ from mcp_forge.bridge import Bridge
 from mcp_forge.connection import BRIDGE_PORT, PORTS, Address, ConnectionInfo, new_key
 from mcp_forge.errors import SessionNotReady
 from mcp_forge.execution import Collector
+from mcp_forge.image import KERNEL_CMD
 from mcp_forge.kernel import KernelConnection
 from mcp_forge.keys import new_bridge_cert, new_curve_keys
+from support import read_to_end
 
 READY = 30.0
 SILENCE = 2.0  # how long a refused client listens for a reply that must not come
@@ -44,15 +46,22 @@ async def kernel(tmp_path: Path) -> AsyncIterator[tuple[ConnectionInfo, Path]]:
     ip = f"127.{secrets.randbelow(250) + 2}.{secrets.randbelow(256)}.{secrets.randbelow(250) + 2}"
     info = ConnectionInfo("tcp", ip, new_key(), new_curve_keys(), new_bridge_cert("t/keys"))
     path = tmp_path / "connection.json"
-    path.write_text(json.dumps(info.to_jupyter()))  # as the kernel reads it, at its address
+    written = json.dumps(info.to_jupyter())
+    path.write_text(written)  # as the kernel reads it, at its address
+    # The pods' own command line (python, its launcher), on this file.
     process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "ipykernel_launcher", "-f", str(path)),
+        sys.executable,
+        *KERNEL_CMD[1:-1],
+        str(path),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
         yield info, path
+        # A pod's connection file is a read-only mount: the kernel must never write it
+        # (ipykernel_launcher rewrites a file with Curve keys, and then dies in a pod).
+        assert path.read_text() == written, "the kernel rewrote its connection file"
     finally:
         process.kill()
         await process.wait()
@@ -138,16 +147,6 @@ async def _bridge_state(conn: KernelConnection) -> str:
     return (await run(conn, "import mcp_tools; print(mcp_tools.wait_connected(0))")).strip()
 
 
-async def _read_to_end(reader: asyncio.StreamReader, limit: int = 1 << 16) -> bytes:
-    """What the peer sends until it closes (bounded, under a deadline)."""
-    data = b""
-    async with asyncio.timeout(15.0):
-        while chunk := await reader.read(limit):
-            data += chunk
-            assert len(data) <= limit, "the listener sent more than a TLS alert"
-    return data
-
-
 async def test_the_bridge_takes_the_gateway_over_mutual_tls_and_closes_on_anyone_else(
     kernel: tuple[ConnectionInfo, Path],
 ) -> None:
@@ -160,7 +159,7 @@ async def test_the_bridge_takes_the_gateway_over_mutual_tls_and_closes_on_anyone
         reader, writer = await asyncio.open_connection(info.host, BRIDGE_PORT)
         frame = json.dumps({"v": 1, "type": "hello", "servers": {}})
         writer.write(len(frame).to_bytes(4, "big") + frame.encode())
-        got = await _read_to_end(reader)
+        got = await read_to_end(reader)
         writer.close()
         # Nothing but, at most, a TLS alert record (content type 21): no frame, no hello.
         assert got == b"" or got[0] == 21, got[:64]
@@ -181,7 +180,7 @@ async def test_the_bridge_takes_the_gateway_over_mutual_tls_and_closes_on_anyone
                 context.load_cert_chain(str(key_file))
             reader, writer = await asyncio.open_connection(info.host, BRIDGE_PORT, ssl=context)
             with contextlib.suppress(ssl.SSLError, ConnectionError):
-                got = await _read_to_end(reader)
+                got = await read_to_end(reader)
                 assert got == b"", f"{label}: the listener sent {got[:64]!r}"
             writer.close()
             with contextlib.suppress(ssl.SSLError, ConnectionError):

@@ -89,7 +89,10 @@ def test_the_pod_carries_the_restricted_security_profile(target: str) -> None:
     assert conf["readOnly"] is True
     assert "args" not in c  # the command replaces the image's entrypoint (tini)
     assert c["command"][:3] == ["prlimit", f"--fsize={2**30}", "--"]  # the default 1Gi
-    assert c["command"][3:6] == ["python", "-P", "-m"]
+    assert c["command"][3:5] == ["python", "-P"]  # -P: /workspace is not on sys.path
+    # ipykernel's launcher, minus writing the connection file (a read-only mount)
+    assert c["command"][-2:] == ["-f", "/etc/mcp-forge/connection.json"]
+    assert "write_connection_file = lambda" in c["command"][-3]
 
 
 def test_the_service_exposes_the_fixed_ports_and_the_secret_holds_the_key() -> None:
