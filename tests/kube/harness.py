@@ -141,6 +141,27 @@ def phase(obj: dict[str, Any] | None) -> str | None:
     return ((obj or {}).get("status") or {}).get("phase")
 
 
+START = 90.0  # a new kernel pod to Ready, on a busy 2-core machine
+
+
+async def ready(kube: Kube, ns: str, name: str, *, other_than: str = "") -> dict[str, Any]:
+    """The session once Ready (its kernel pod running), on a kernel other than `other_than`."""
+    obj = await eventually(
+        kube,
+        KS,
+        ns,
+        name,
+        lambda o: (
+            condition(o, "Ready").get("status") == "True"
+            and (o or {})["status"].get("kernelId") != other_than
+        ),
+        timeout=START,
+        what="Ready",
+    )
+    assert obj is not None
+    return obj
+
+
 def session_body(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": "mcpforge.dev/v1alpha1",

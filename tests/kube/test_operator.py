@@ -30,11 +30,10 @@ from .harness import (
     kernel_dies,
     key_in,
     phase,
+    ready,
     running_operator,
     session_body,
 )
-
-START = 90.0  # a new kernel pod to Ready, on a busy 2-core machine
 
 
 @pytest.fixture
@@ -50,24 +49,6 @@ def ns(kube_api: KubeAPI) -> str:
 
 async def create(kube: Kube, ns: str, name: str, **spec: Any) -> dict[str, Any]:
     return await asyncio.to_thread(kube.create, session_body(name, ns, **spec))
-
-
-async def ready(kube: Kube, ns: str, name: str, *, other_than: str = "") -> dict[str, Any]:
-    """The session once Ready (its kernel pod running), on a kernel other than `other_than`."""
-    obj = await eventually(
-        kube,
-        KS,
-        ns,
-        name,
-        lambda o: (
-            condition(o, "Ready").get("status") == "True"
-            and (o or {})["status"].get("kernelId") != other_than
-        ),
-        timeout=START,
-        what="Ready",
-    )
-    assert obj is not None
-    return obj
 
 
 async def new_pod(kube: Kube, ns: str, name: str, old_uid: str, **kw: Any) -> dict[str, Any]:
