@@ -325,7 +325,7 @@ async def test_a_plain_workspace_from_before_volumes_is_moved_into_one(
     workspace = Path(runtime.host_paths(session).workspace)
     # A session from before this change: a pod without a user namespace, and a plain
     # workspace directory of files owned by host uid 1000.
-    await podman.run("pod", "rm", "-f", "-t", "0", runtime.pod_name(session))
+    await runtime._remove_pod(session)  # retries Podman's EBUSY on a dying pod's /dev/shm
     await volumes.unmount(workspace)
     (workspace.parent / "workspace.img").unlink()
     private = runtime.store.private(session.namespace, name)
