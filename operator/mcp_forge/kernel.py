@@ -4,6 +4,10 @@ jupyter-client's `Session` signs, serializes and checks every message; the socke
 ours, because the kernel is untrusted and we bound what it can make us hold:
 
 * every frame is at most `max_frame` bytes (ZMQ_MAXMSGSIZE, set before connecting);
+* the sockets reach the kernel through relays (relay.py) that stop reading from it once
+  `max_message` bytes and a little more are unread, and close a connection whose unread
+  bytes are part of one message over that: libzmq holds a multipart message whole
+  before its reader sees a frame, and ZMQ_MAXMSGSIZE bounds only each frame;
 * a message whose frames add up to more than `max_message` is dropped while it is read;
 * few messages queue (ZMQ_RCVHWM);
 * a channel that libzmq drops is noticed at once through a socket monitor: the read
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -43,6 +48,7 @@ from zmq.utils.monitor import parse_monitor_message
 from .connection import PORTS, ConnectionInfo, check_key
 from .errors import KernelProtocolError, SessionNotReady
 from .execution import Collector
+from .relay import FRAME_OVERHEAD, Relay
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +97,17 @@ class KernelReplaced(KernelProtocolError):
         super().__init__("a new kernel process answers: the one that ran the call is gone")
 
 
+# Unread bytes a relay allows beyond `max_message`: frame overheads, the handshake, and
+# bytes on their way into libzmq.
+RELAY_SLACK = 1 << 20
+# The heartbeat's echo is 16 bytes: a relay passes at most this much per beat.
+HEARTBEAT_BOUND = 64 << 10
+
+
 class KernelConnection:
-    """Sockets to one kernel. Requests on shell are not concurrent: callers serialize."""
+    """Sockets to one kernel. Requests on shell are not concurrent: callers serialize.
+
+    Made with an event loop running (the relays serve on it); `close` ends it."""
 
     def __init__(
         self,
@@ -117,6 +132,15 @@ class KernelConnection:
         # Socket monitors (DISCONNECTED events) of the channels, when `monitor` is set.
         self._monitors: dict[zmq.asyncio.Socket, tuple[str, zmq.asyncio.Socket]] = {}
         self._subscribed = False  # has a message crossed the IOPub socket yet?
+        self._relays = {
+            channel: Relay(
+                channel,
+                self._kernel_url(channel),
+                bound=HEARTBEAT_BOUND if channel == "hb" else max_message + RELAY_SLACK,
+                readable=functools.partial(self._readable, channel),
+            )
+            for channel in (*_KINDS, "hb")
+        }
         for channel in _KINDS:
             self._open(channel)
         self._control_lock = asyncio.Lock()
@@ -124,10 +148,22 @@ class KernelConnection:
         self.kernel_session: Any = None  # header.session of the kernel process we reached
 
     def url(self, channel: str) -> str:
+        """Where this connection's sockets connect for `channel`: its relay."""
+        return self._relays[channel].url
+
+    def _kernel_url(self, channel: str) -> str:
         port = PORTS[channel]
         if self.info.transport == "ipc":
             return f"ipc://{self.info.host}-{port}"
         return f"tcp://{self.info.host}:{port}"
+
+    def _relay_of(self, sock: zmq.asyncio.Socket) -> Relay:
+        channel = next(c for c, s in self._channels.items() if s is sock)
+        return self._relays[channel]
+
+    def _readable(self, channel: str) -> bool:
+        sock = self._channels.get(channel)
+        return sock is not None and bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def _curve(self, sock: zmq.asyncio.Socket) -> None:
         """Before connecting: a Curve client of the kernel, with the session's pair as its
@@ -184,6 +220,8 @@ class KernelConnection:
         for sock in list(self._channels.values()):
             self._close(sock)
         self._channels.clear()
+        for relay in self._relays.values():
+            relay.close()
 
     async def _reopen_dropped(self, *channels: str) -> None:
         """Open anew those of `channels` whose connection was dropped since last seen."""
@@ -260,14 +298,16 @@ class KernelConnection:
                     continue  # a monitor event that was not a drop
                 return None
             frames: list[bytes] = []
-            total = 0
+            total = count = 0
             while True:
                 frame = await sock.recv(copy=True)
                 total += len(frame)
+                count += 1
                 if total <= self.max_message:
                     frames.append(frame)
                 if not sock.getsockopt(zmq.RCVMORE):
                     break
+            self._relay_of(sock).consumed(total + count * FRAME_OVERHEAD)
             if total > self.max_message:
                 log.warning(
                     "dropped a %d-byte message from the kernel (limit %d)", total, self.max_message

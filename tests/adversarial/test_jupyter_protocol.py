@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import gateway, run, value
+from .conftest import gateway, gateway_peak_rss, run, value
+from .test_output import FLOOD_MEMORY, MB
 
 pytestmark = pytest.mark.podman
 
@@ -126,3 +127,35 @@ async def test_the_live_key_is_long_and_unique_per_session(state_dir: Path) -> N
         assert made.structured_content is not None
         other = await value(c, expr, session_id=made.structured_content["session_id"])
         assert len(first) == 64 and len(other) == 64 and first != other
+
+
+@pytest.mark.parametrize("channel", ["iopub", "shell"])
+async def test_a_multipart_message_too_big_in_all_is_cut_while_it_arrives(
+    state_dir: Path, channel: str
+) -> None:
+    """Forty frames of 10 MB in one message, each under the frame bound: libzmq would hold
+    all 400 MB before the gateway saw a frame. The relay stops reading once the gateway
+    has a message's bound unread and closes the connection: the call answers with a note,
+    the gateway's peak memory grows by less than a flood's allowance, and the session's
+    next calls get their output."""
+    send = {
+        "iopub": "k.iopub_socket.send_multipart(frames, copy=False)",
+        "shell": "k.shell_stream.socket.send_multipart("
+        "[*k._parent_ident['shell'], *frames], copy=False)",
+    }[channel]
+    async with gateway(state_dir) as c:
+        await run(c, "1")
+        before = gateway_peak_rss(state_dir)
+        code = (
+            "k = get_ipython().kernel\n"
+            "print('before', flush=True)\n"
+            "frames = [b'x' * 10_000_000] * 40 + [b'end']\n" + send + "\n"
+        )
+        r = await run(c, code, timeout=60)
+        grew = gateway_peak_rss(state_dir) - before
+        assert grew < FLOOD_MEMORY, f"the gateway's peak memory grew by {grew / MB:.0f} MB"
+        assert "channel was dropped" in r["message"], r["_text"][:2000]
+        assert await value(c, "3 + 3") == 6
+        shown = await run(c, "print('out again'); 7 * 6")
+        assert shown["stdout"] == "out again\n", shown["_text"][:2000]
+        assert shown["result"]["data"]["text/plain"] == "42"

@@ -210,7 +210,7 @@ def _frames(session: Any, content: bytes) -> list[bytes]:
 
 
 @pytest.mark.parametrize("depth", [200, 100_000])
-def test_a_deeply_nested_signed_message_is_dropped_not_raised(depth: int) -> None:
+async def test_a_deeply_nested_signed_message_is_dropped_not_raised(depth: int) -> None:
     from mcp_forge.connection import ConnectionInfo, new_key
     from mcp_forge.kernel import KernelConnection
 
@@ -227,7 +227,7 @@ def test_a_deeply_nested_signed_message_is_dropped_not_raised(depth: int) -> Non
 
 
 @pytest.mark.parametrize("key", ["", "short", "k" * 31])
-def test_a_kernel_connection_with_an_empty_or_short_key_is_refused(key: str) -> None:
+async def test_a_kernel_connection_with_an_empty_or_short_key_is_refused(key: str) -> None:
     from mcp_forge.connection import ConnectionInfo
     from mcp_forge.kernel import KernelConnection
 
