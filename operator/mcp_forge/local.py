@@ -79,7 +79,7 @@ from .resource import KernelSession, parse_quantity
 from .restarts import QUICK_DEATH, local_backoff, local_gives_up
 from .runtime import Termination, termination_of
 from .settings import Settings
-from .store import Store
+from .store import Claimed, Store
 
 log = logging.getLogger(__name__)
 
@@ -177,19 +177,6 @@ class LocalRuntime:
         if idmap is None:
             return KERNEL_UID, KERNEL_UID
         return idmap["uid"] + KERNEL_UID, idmap["gid"] + KERNEL_UID
-
-    def _group_idmap(self, session: KernelSession) -> dict[str, int] | None:
-        """Sessions of one sharedGroup share a user namespace, so they can share /shared."""
-        group = session.spec.shared_group
-        if not group:
-            return None
-        for body in self.store.list(session.namespace):
-            other = resource.load(body)
-            if other.uid != session.uid and other.spec.shared_group == group:
-                idmap = self.idmap(other)
-                if idmap is not None:
-                    return idmap
-        return None
 
     @contextlib.asynccontextmanager
     async def _locked(self, session: KernelSession, *, create: bool = False) -> AsyncIterator[None]:
@@ -409,11 +396,7 @@ class LocalRuntime:
     ) -> None:
         key = self.store.key(session.namespace, session.name)
         info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
-        idmap = self.idmap(session) or self._group_idmap(session)
-        if idmap is not None:
-            self._set_idmap(session, idmap)
-        else:
-            idmap = self._claim_idmap(session)
+        idmap = self.idmap(session) or self._claim_idmap(session)
         paths = self._prepare_dirs(session, info)
         manifest = yaml.safe_dump_all(render_podman(session, paths), sort_keys=False)
         (self._dir(session) / "pod.yaml").write_text(manifest)
@@ -437,17 +420,22 @@ class LocalRuntime:
             raise
         await self._started(session, wait=wait)
 
-    def _set_idmap(self, session: KernelSession, idmap: dict[str, int]) -> None:
-        private = self.store.private(session.namespace, session.name)
-        private["idmap"] = idmap
-        self.store.set_private(session.namespace, session.name, private)
-
     def _claim_idmap(self, session: KernelSession) -> dict[str, int]:
-        """A user namespace of its own, disjoint from every stored session's (suspended
-        ones included), recorded in the same transaction that picks it."""
-        idmap: dict[str, int] = self.store.claim(
-            session.namespace, session.name, "idmap", userns.choose
-        )
+        """A user namespace: that of a stored session of its sharedGroup (so they can
+        share /shared), else one disjoint from every stored session's (suspended ones
+        included). Chosen and recorded in one transaction of the store, so two sessions
+        of a new group started at once still get one namespace."""
+        group = session.spec.shared_group
+
+        def choose(others: list[Claimed]) -> dict[str, int]:
+            for other in others:
+                spec = other.body.get("spec") or {}
+                same_group = group and spec.get("sharedGroup") == group
+                if same_group and other.namespace == session.namespace and other.value:
+                    return dict(other.value)
+            return userns.choose(o.value for o in others if o.value is not None)
+
+        idmap: dict[str, int] = self.store.claim(session.namespace, session.name, "idmap", choose)
         return idmap
 
     async def _started(self, session: KernelSession, *, wait: bool) -> None:

@@ -14,7 +14,7 @@ import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import InvalidSession, SessionNotFound
 
@@ -28,6 +28,14 @@ CREATE TABLE IF NOT EXISTS sessions (
     PRIMARY KEY (namespace, name)
 )
 """
+
+
+class Claimed(NamedTuple):
+    """Another stored session, as `Store.claim` shows it to its `choose`."""
+
+    namespace: str
+    body: dict[str, Any]
+    value: Any  # its value of the field claimed; None if it holds none
 
 
 class Store:
@@ -104,17 +112,22 @@ class Store:
         namespace: str,
         name: str,
         field: str,
-        choose: Callable[[list[Any]], Any],
+        choose: Callable[[list[Claimed]], Any],
     ) -> Any:
-        """Set the session's private `field` to what `choose` makes of the values every
-        other session holds in it, in one transaction: no two sessions ever get one."""
+        """Set the session's private `field` to what `choose` makes of every other stored
+        session's value of it (with its body), in one transaction: what `choose` decides
+        from cannot change before the value is written."""
         with self._db() as db:
-            rows = db.execute("SELECT namespace, name, private FROM sessions").fetchall()
-            others = [json.loads(p).get(field) for ns, n, p in rows if (ns, n) != (namespace, name)]
-            mine = [json.loads(p) for ns, n, p in rows if (ns, n) == (namespace, name)]
+            rows = db.execute("SELECT namespace, name, body, private FROM sessions").fetchall()
+            others = [
+                Claimed(ns, json.loads(b), json.loads(p).get(field))
+                for ns, n, b, p in rows
+                if (ns, n) != (namespace, name)
+            ]
+            mine = [json.loads(p) for ns, n, _, p in rows if (ns, n) == (namespace, name)]
             if not mine:
                 raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
-            value = choose([o for o in others if o is not None])
+            value = choose(others)
             db.execute(
                 "UPDATE sessions SET private=? WHERE namespace=? AND name=?",
                 (json.dumps({**mine[0], field: value}), namespace, name),

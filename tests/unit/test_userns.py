@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mcp_forge.errors import ForgeError
-from mcp_forge.store import Store
+from mcp_forge.store import Claimed, Store
 from mcp_forge.userns import SIZE, choose, free_start
 
 BASE = 2147483647
@@ -40,8 +40,8 @@ def test_claims_in_the_store_never_share_a_range(tmp_path: Path) -> None:
     for name in ("a", "b", "c", "d"):
         store.create({"metadata": {"name": name, "namespace": "default"}}, key="k" * 64)
 
-    def pick(taken: list[dict[str, int]]) -> dict[str, int]:
-        return choose(taken, subuid=ids, subgid=ids)
+    def pick(others: list[Claimed]) -> dict[str, int]:
+        return choose((o.value for o in others if o.value), subuid=ids, subgid=ids)
 
     got = [store.claim("default", n, "idmap", pick)["uid"] for n in ("a", "b", "c")]
     assert got == [BASE, BASE + SIZE, BASE + 2 * SIZE]
