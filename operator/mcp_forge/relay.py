@@ -37,8 +37,10 @@ FRAME_OVERHEAD = 64
 # How long the relay, having stopped reading from the kernel, waits for a whole message
 # to become readable (the bytes it passed on may still be in flight to libzmq).
 GRACE = 0.5
-# Connecting to a kernel that is not listening yet is retried, as libzmq would.
-RETRY_FIRST, RETRY_MAX = 0.05, 1.0
+# Connecting to a kernel that is not listening yet is retried this often, as libzmq
+# would (its ZMQ_RECONNECT_IVL), so a restarted kernel is reached as soon as before.
+RETRY = 0.1
+CONNECT_TIMEOUT = 10.0  # a pod address that drops the SYN is tried again
 
 
 class Relay:
@@ -109,20 +111,19 @@ class _Pair:
     async def _connect(self) -> None:
         loop = asyncio.get_running_loop()
         scheme, _, where = self.relay.target.partition("://")
-        delay = RETRY_FIRST
         while not self._closed:
             try:
-                if scheme == "ipc":
-                    await loop.create_unix_connection(lambda: _Kernel(self), where)
-                else:
-                    host, _, port = where.rpartition(":")
-                    await loop.create_connection(lambda: _Kernel(self), host, int(port))
+                async with asyncio.timeout(CONNECT_TIMEOUT):
+                    if scheme == "ipc":
+                        await loop.create_unix_connection(lambda: _Kernel(self), where)
+                    else:
+                        host, _, port = where.rpartition(":")
+                        await loop.create_connection(lambda: _Kernel(self), host, int(port))
                 return
-            except OSError:
+            except OSError:  # TimeoutError included
                 # Not listening yet (a kernel starting), or gone: libzmq, connected
                 # directly, would retry too. The gateway's connection waits meanwhile.
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX)
+                await asyncio.sleep(RETRY)
 
     def kernel_made(self, transport: asyncio.Transport) -> None:
         if self._closed:

@@ -133,3 +133,25 @@ async def test_a_gateway_behind_on_whole_messages_is_waited_for_not_cut(
                 relay.consumed(len(data))
         assert got == total
         writer.close()
+
+
+async def test_a_kernel_that_listens_late_is_reached_and_nothing_sent_meanwhile_is_lost(
+    tmp_path: Path,
+) -> None:
+    """A kernel starting (or restarting): the gateway's connection is held, what it sent
+    waits, and both reach the kernel once it listens."""
+    kernel = Kernel()
+    path = str(tmp_path / "kernel-iopub")
+    relay = Relay("iopub", f"ipc://{path}", bound=1 << 20, readable=lambda: False)
+    try:
+        reader, writer = await open_relay(relay)
+        writer.write(b"greeting")
+        server = await asyncio.start_unix_server(kernel.handle, path)
+        async with asyncio.timeout(DEADLINE):
+            assert await kernel.received.get() == b"greeting"
+            kernel.writers[0].write(b"hello")
+            assert await reader.readexactly(5) == b"hello"
+        writer.close()
+        server.close()
+    finally:
+        relay.close()
