@@ -40,6 +40,7 @@ GRACE = 0.5
 # Connecting to a kernel that is not listening yet is retried this often, as libzmq
 # would (its ZMQ_RECONNECT_IVL), so a restarted kernel is reached as soon as before.
 RETRY = 0.1
+EARLY_MAX = 1 << 20  # bytes from the gateway held while the kernel's side connects
 CONNECT_TIMEOUT = 10.0  # a pod address that drops the SYN is tried again
 
 
@@ -104,8 +105,14 @@ class _Pair:
         self._paused = False  # not reading from the kernel
         self._stall: asyncio.TimerHandle | None = None
         self._closed = False
+        # What the gateway sends before the kernel's side is connected (its greeting,
+        # requests queued meanwhile) waits here; past EARLY_MAX, reading stops. Not
+        # paused at once: Python before 3.11.3 reads anyway after a pause made in
+        # connection_made (and still believes itself paused).
+        self._early: list[bytes] = []
+        self._early_size = 0
+        self._early_paused = False
         relay._pairs.add(self)
-        gateway.pause_reading()  # until the kernel's side is connected
         self._connecting = asyncio.get_running_loop().create_task(self._connect())
 
     async def _connect(self) -> None:
@@ -130,7 +137,20 @@ class _Pair:
             transport.close()
             return
         self.kernel = transport
-        self.gateway.resume_reading()
+        transport.writelines(self._early)
+        self._early.clear()
+        if self._early_paused:
+            self.gateway.resume_reading()
+
+    def from_gateway(self, data: bytes) -> None:
+        if self.kernel is not None:
+            self.kernel.write(data)
+            return
+        self._early.append(data)
+        self._early_size += len(data)
+        if self._early_size >= EARLY_MAX and not self._early_paused:
+            self._early_paused = True
+            self.gateway.pause_reading()
 
     def from_kernel(self, data: bytes) -> None:
         self.gateway.write(data)
@@ -215,8 +235,8 @@ class _Gateway(asyncio.Protocol):
         self.pair = _Pair(self.relay, transport)
 
     def data_received(self, data: bytes) -> None:
-        assert self.pair is not None and self.pair.kernel is not None  # read once joined
-        self.pair.kernel.write(data)
+        if self.pair is not None:
+            self.pair.from_gateway(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.pair is not None:

@@ -139,16 +139,21 @@ async def test_a_kernel_that_listens_late_is_reached_and_nothing_sent_meanwhile_
     tmp_path: Path,
 ) -> None:
     """A kernel starting (or restarting): the gateway's connection is held, what it sent
-    waits, and both reach the kernel once it listens."""
+    meanwhile waits (more than the relay keeps in memory: the rest waits in the socket),
+    and all of it reaches the kernel once it listens."""
     kernel = Kernel()
     path = str(tmp_path / "kernel-iopub")
     relay = Relay("iopub", f"ipc://{path}", bound=1 << 20, readable=lambda: False)
+    sent = bytes(range(256)) * (3 << 12)  # 3 MiB, over EARLY_MAX
     try:
         reader, writer = await open_relay(relay)
-        writer.write(b"greeting")
+        writer.write(sent)
         server = await asyncio.start_unix_server(kernel.handle, path)
         async with asyncio.timeout(DEADLINE):
-            assert await kernel.received.get() == b"greeting"
+            got = bytearray()
+            while len(got) < len(sent):
+                got += await kernel.received.get()
+            assert bytes(got) == sent
             kernel.writers[0].write(b"hello")
             assert await reader.readexactly(5) == b"hello"
         writer.close()
