@@ -404,14 +404,22 @@ class Gateway:
     ) -> ExecutionResult:
         """The answer to a request during which a channel was dropped: what arrived, and
         why the rest did not."""
+        s = self.settings
         message = (
-            f"the kernel sent a message the gateway refused (over the {self.settings.frame_max}"
-            f"-byte frame limit, or its {dropped.channel} connection was closed): the "
-            f"{dropped.channel} channel was dropped and reconnected, and what was in flight "
-            "on it is lost. The output below is what arrived; the code itself has finished"
+            f"the kernel sent a message the gateway refused (a frame over {s.frame_max} "
+            f"bytes, or a message over {s.message_max}), or its {dropped.channel} connection "
+            f"was closed: the {dropped.channel} channel was dropped and reconnected, and what "
+            "was in flight on it is lost. The output below is what arrived; the code itself "
+            "has finished"
         )
         # The code's own status when its reply arrived; an error when it was lost.
-        status: Status | None = None if collector.reply_status is not None else "error"
+        status: Status | None = None
+        if collector.reply_status is None:
+            status = "error"
+            message += (
+                ". Its reply was lost too, so whether the code raised is not known: the "
+                "status says error"
+            )
         return collector.finish(status, duration=time.monotonic() - started, message=message)
 
     async def _settle_after_cancel(

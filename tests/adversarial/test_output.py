@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,11 @@ MB = 10**6
 # 16 MB frames, 32 MB messages) with room for the allocator, far below the 174-207 MB
 # that 100,000 small displays once cost.
 FLOOD_MEMORY = 80 * MB
+# Dishonest code: restore the kernel's own send, so the in-kernel output guard is gone.
+GUARD_REMOVED = "k = get_ipython().kernel\nk.session.__dict__.pop('send', None)\n"
+# What "seconds, not minutes" means for a flood the guard no longer bounds: the gateway
+# notices the dropped channel at once; room for a loaded machine.
+UNGUARDED_WITHIN = 15.0
 
 
 async def spill(c: Any, r: dict[str, Any]) -> str:
@@ -232,6 +238,62 @@ async def test_a_flood_with_the_guard_removed_still_ends_with_an_answer(state_di
         assert await value(c, "3 + 3") == 6
         shown = await run(c, "print('out again'); 7 * 6")
         assert shown["stdout"] == "out again\n" and shown["result"]["data"]["text/plain"] == "42"
+
+
+async def unguarded(c: Any, state_dir: Path, code: str) -> dict[str, Any]:
+    """Run `code` with the guard removed, after a flushed 'before': the call answers in
+    seconds with the head that arrived and a note naming the dropped channel, the gateway's
+    peak memory grows by less than FLOOD_MEMORY, and the session's next call shows its
+    output. The result, for the case's own assertions."""
+    await run(c, "1")
+    before = gateway_peak_rss(state_dir)
+    started = time.monotonic()
+    head = "print('before'); import sys; sys.stdout.flush()\n"
+    r = await run(c, head + GUARD_REMOVED + code, timeout=60)
+    took = time.monotonic() - started
+    grew = gateway_peak_rss(state_dir) - before
+    print(f"answered in {took:.1f} s; the gateway's peak memory grew by {grew / MB:.0f} MB")
+    assert r["status"] != "timeout", r["_text"][:2000]
+    assert took < UNGUARDED_WITHIN, f"the call took {took:.1f} s"
+    assert "channel was dropped" in r["message"], r
+    assert r["stdout"].startswith("before"), r
+    assert r["state_lost"] is False
+    assert len(r["_text"]) < 2 * MB
+    assert grew < FLOOD_MEMORY, f"the gateway's peak memory grew by {grew / MB:.0f} MB"
+    shown = await run(c, "print('out again'); 7 * 6")
+    assert shown["status"] == "ok", shown["_text"][:2000]
+    assert shown["stdout"] == "out again\n" and shown["result"]["data"]["text/plain"] == "42"
+    return r
+
+
+async def test_a_150_mb_display_with_the_guard_removed_ends_with_an_answer(
+    state_dir: Path,
+) -> None:
+    """Dishonest code restores the kernel's own send and displays 150 MB in one message:
+    the call ends in seconds with the code's own status, the head that came before, a
+    note that the channel was dropped and none of the 150 MB; the next call shows its
+    output."""
+    async with gateway(state_dir) as c:
+        code = (
+            "from IPython.display import display\n"
+            "display({'image/png': 'A' * 150_000_000, 'text/plain': 'big'}, raw=True)"
+        )
+        r = await unguarded(c, state_dir, code)
+        assert r["status"] == "ok", r["_text"][:2000]
+        assert all("image/png" not in d["data"] for d in r["displays"]), r["displays"]
+
+
+async def test_a_50_mb_exception_with_the_guard_removed_ends_with_an_answer(
+    state_dir: Path,
+) -> None:
+    """Dishonest code restores the kernel's own send and raises an exception whose message
+    is 50 MB (its error and its reply are each one oversized message): the call ends in
+    seconds as an error, with the head that came before and a note that the channel was
+    dropped; the next call shows its output."""
+    async with gateway(state_dir) as c:
+        r = await unguarded(c, state_dir, "raise ValueError('BEGIN' + 'v' * 50_000_000)")
+        assert r["status"] == "error", r["_text"][:2000]
+        assert "reply was lost too" in r["message"], r["message"]
 
 
 async def test_many_concurrent_floods_on_one_session_each_get_their_answer(
