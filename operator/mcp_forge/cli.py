@@ -21,7 +21,9 @@ from . import __version__, resource
 from .errors import ForgeError
 
 if TYPE_CHECKING:
+    from .cluster import KubernetesRuntime
     from .local import LocalRuntime
+    from .runtime import Runtime
 
 T = TypeVar("T")
 log = logging.getLogger("mcp_forge")
@@ -435,14 +437,17 @@ def gateway(
         click.echo(message, err=True)
 
     async def go() -> None:
-        runtime: Any
+        # Typed as the protocol the gateway sees, so mypy checks each runtime against it.
+        runtime: Runtime
+        cluster: KubernetesRuntime | None = None
+        local: LocalRuntime | None = None
         if kubernetes:
             from .cluster import KubernetesRuntime
 
-            runtime = KubernetesRuntime()
-            service = SessionService(runtime, runtime.settings, namespace=runtime.namespace)
+            runtime = cluster = KubernetesRuntime()
+            service = SessionService(runtime, runtime.settings, namespace=cluster.namespace)
         else:
-            runtime = _local()
+            runtime = local = _local()
             service = SessionService(runtime, runtime.settings)
         configs = load_config(mcp_config) if mcp_config is not None else {}
         upstreams = UpstreamPool(configs)
@@ -492,12 +497,13 @@ def gateway(
                 loop.add_signal_handler(sig, listener.stop)
             say(f"MCP over HTTP at http://{host}:{port}/mcp; bearer token from {source}")
         housekeeping: asyncio.Future[Any]
-        if kubernetes:
-            say(f"mcp-forge gateway (cluster mode): sessions in namespace {runtime.namespace}")
+        if cluster is not None:
+            say(f"mcp-forge gateway (cluster mode): sessions in namespace {cluster.namespace}")
             housekeeping = asyncio.ensure_future(stop.wait())  # the operator keeps sessions
         else:
+            assert local is not None
             housekeeping = asyncio.ensure_future(
-                supervise(runtime, stop, interval=cull_interval, say=say)
+                supervise(local, stop, interval=cull_interval, say=say)
             )
         ended = asyncio.ensure_future(signalled.wait())
         try:
@@ -509,9 +515,9 @@ def gateway(
             housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await housekeeping
-            if kubernetes:  # sessions outlive a gateway: another replica, or this one restarted
+            if cluster is not None:  # sessions outlive a gateway: another replica, or it again
                 await gw.close()
-                runtime.close()
+                cluster.close()
                 say("mcp-forge gateway stopped; its sessions keep running")
             else:
                 deleted = await service.cleanup()

@@ -1,9 +1,9 @@
 """Where KernelSessions are realized: the interface the gateway sees.
 
-Two implementations, chosen once at start-up: `LocalRuntime` (an embedded store and
-Podman, this package's local mode) and, later, the Kubernetes one (the API server,
-with the operator doing the realizing). The gateway holds no session state of its
-own: everything it needs to reach a kernel comes from here.
+Two implementations, chosen once at start-up: `LocalRuntime` (local.py: an embedded
+store and Podman) and `KubernetesRuntime` (cluster.py: the API server, with the
+operator doing the realizing). The gateway holds no session state of its own:
+everything it needs to reach a kernel comes from here.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from .connection import Address, ConnectionInfo
 from .resource import KernelSession
+from .settings import Settings
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ def termination_of(exit_code: int | None, *, oom: bool, memory_limit: str) -> Te
 
 
 class Runtime(Protocol):
+    settings: Settings
+
     async def get(self, name: str, namespace: str = "default") -> KernelSession:
         """The session, with status kept true; SessionNotFound if there is none."""
         ...
