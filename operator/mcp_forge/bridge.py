@@ -31,7 +31,7 @@ from typing import Any
 
 from .connection import Address
 from .errors import KernelProtocolError
-from .kernel_bridge import KERNEL_FRAME_MAX, FrameReader, encode
+from .kernelside.framing import KERNEL_FRAME_MAX, FrameError, FrameReader, encode
 from .keys import BridgeCert, bridge_client_context
 from .policy import Meter, ServerPolicy
 from .upstream import Upstream, UpstreamError, result_frame
@@ -266,7 +266,8 @@ class Bridge:
                     started = None
                 elif done or started is None:  # what is left began in this chunk
                     started = time.monotonic()
-        except (KernelProtocolError, ConnectionError) as exc:  # a broken, slow or huge frame
+        except (FrameError, KernelProtocolError, ConnectionError) as exc:
+            # A broken, slow or huge frame (FrameError: framing refused it).
             log.warning("bridge of %s closed: %s", self.session, exc)
         finally:
             for task in list(self._calls.values()):

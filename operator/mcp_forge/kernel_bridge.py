@@ -1,4 +1,4 @@
-"""Code mode's bridge, kernel side (docs/bridge.md), and the framing both sides share.
+"""Code mode's bridge, kernel side (docs/bridge.md).
 
 `SOURCE` is a stdlib-only program the gateway runs silently in a kernel, in a private
 namespace holding `BRIDGE_ADDRESS` (``("tcp", host, port)``, ``("tls", host, port,
@@ -8,116 +8,19 @@ dials. Running it again (a gateway reconnect) finds the running bridge and chang
 nothing; after a kernel restart it starts afresh. It leaves no name behind in the
 namespace it runs in: the module's code runs in a dictionary of its own.
 
-`encode` and `FrameReader` are the gateway's half of framing version 1: a 4-byte
-big-endian length, then that many bytes of UTF-8 JSON (an object with ``"v": 1``); at
-most KERNEL_FRAME_MAX bytes from the kernel, GATEWAY_FRAME_MAX from the gateway.
-FrameReader raises FrameError (a KernelProtocolError) for a frame it refuses. The
-kernel's half lives inside `SOURCE`, which imports nothing from here.
+The gateway's half of framing version 1 is kernelside/framing.py; the kernel's half
+still lives inside `SOURCE`, which imports nothing from here.
 """
 
 from __future__ import annotations
 
-import json
-import struct
-from collections.abc import Iterator, Mapping
-from typing import Any, NoReturn
-
-from .errors import KernelProtocolError
-from .keys import BRIDGE_CERT, BRIDGE_KEY
-
-VERSION = 1
-KERNEL_FRAME_MAX = 1 << 20  # a frame from the kernel (a call, a cancel): 1 MiB
-GATEWAY_FRAME_MAX = 16 << 20  # a frame from the gateway (a hello, a result): 16 MiB
-
-_HEADER = struct.Struct(">I")
-
-
-def encode(obj: Mapping[str, Any], *, limit: int | None = None) -> bytes:
-    """One frame holding `obj`: its length, then compact UTF-8 JSON.
-
-    Raises ValueError when `obj` is not a JSON object of strict JSON values (no NaN, no
-    lone surrogates), or when `limit` is given and the JSON is over it. Without a limit
-    the caller checks the size (GATEWAY_FRAME_MAX for what goes to a kernel) and sends
-    an error result in place of a result that is too large.
-    """
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"a frame holds a JSON object, not {type(obj).__name__}")
-    try:
-        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-        payload = text.encode("utf-8")
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise ValueError(f"the frame cannot be sent as JSON: {exc}") from exc
-    if limit is not None and len(payload) > limit:
-        raise ValueError(f"the frame is {len(payload)} bytes, over the limit of {limit}")
-    return _HEADER.pack(len(payload)) + payload
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not JSON")
-
-
-class FrameError(KernelProtocolError, ValueError):
-    """A frame from the kernel that FrameReader refuses (a ValueError too, as bad data)."""
-
-
-class FrameReader:
-    """Splits the bytes of one connection into frames.
-
-    Feed it whatever the socket returns; iterate what `feed` returns for the frames
-    completed so far. A frame over `limit` bytes (refused as soon as its length is
-    known), bad UTF-8 or JSON, anything but an object, or a version other than 1
-    raises FrameError, then and on every later feed: close the connection.
-    """
-
-    def __init__(self, limit: int = KERNEL_FRAME_MAX) -> None:
-        self.limit = limit
-        self._buffer = bytearray()
-        self._broken: str | None = None
-
-    @property
-    def buffered(self) -> int:
-        """Bytes of an incomplete frame held back (non-zero at EOF: the peer cut a frame)."""
-        return len(self._buffer)
-
-    def feed(self, data: bytes) -> Iterator[dict[str, Any]]:
-        """Take `data` now; yield each frame it completes, in order."""
-        if self._broken is None:
-            self._buffer += data
-        return self._frames()
-
-    def _frames(self) -> Iterator[dict[str, Any]]:
-        while True:
-            if self._broken is not None:
-                raise FrameError(self._broken)
-            if len(self._buffer) < _HEADER.size:
-                return
-            (size,) = _HEADER.unpack_from(self._buffer)
-            if size > self.limit:
-                self._fail(f"a bridge frame of {size} bytes is over the limit of {self.limit}")
-            end = _HEADER.size + size
-            if len(self._buffer) < end:
-                return
-            payload = bytes(self._buffer[_HEADER.size : end])
-            del self._buffer[:end]
-            yield self._decode(payload)
-
-    def _decode(self, payload: bytes) -> dict[str, Any]:
-        try:
-            frame = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as exc:
-            self._fail(f"a bridge frame is not JSON: {str(exc)[:200]}")
-        if not isinstance(frame, dict):
-            self._fail(f"a bridge frame is a JSON {type(frame).__name__}, not an object")
-        version = frame.get("v")
-        if type(version) is not int or version != VERSION:
-            self._fail(f"a bridge frame of version {str(version)[:20]!r}; this is version 1")
-        return frame
-
-    def _fail(self, message: str) -> NoReturn:
-        self._broken = message
-        self._buffer.clear()
-        raise FrameError(message)
-
+from .kernelside.framing import (
+    BRIDGE_CERT,
+    BRIDGE_KEY,
+    GATEWAY_FRAME_MAX,
+    KERNEL_FRAME_MAX,
+    VERSION,
+)
 
 # The module mcp_tools, as run inside the kernel: Python 3.11, the standard library only.
 # Its own docstring (help(mcp_tools)) is the user's documentation.

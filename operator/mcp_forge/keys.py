@@ -34,11 +34,13 @@ import zmq
 from zmq.utils import z85
 
 from .errors import KernelProtocolError
+from .kernelside.framing import BRIDGE_CERT as BRIDGE_CERT
+from .kernelside.framing import BRIDGE_KEY as BRIDGE_KEY
 
 CURVE_PUBLIC = "curve_publickey"  # the names ipykernel and jupyter-client read
 CURVE_SECRET = "curve_secretkey"
-BRIDGE_CERT = "mcp_forge_bridge_cert"  # ours: PEM; ipykernel ignores fields it does not know
-BRIDGE_KEY = "mcp_forge_bridge_key"
+# BRIDGE_CERT and BRIDGE_KEY (ours: PEM; ipykernel ignores fields it does not know) are
+# defined in kernelside/framing.py, where the kernel's listener that reads them finds them.
 CURVE_TEXT = 40  # Z85 characters of a 32-byte Curve25519 key
 PEM_MAX = 16_384  # a P-256 certificate or key is under 1 KB of PEM
 CERT_DAYS = 3650  # the certificate is pinned, not chained: its dates matter little

@@ -2,7 +2,8 @@
 
 The child (stdlib only: `python -I -S`) executes SOURCE with a Unix-socket address, then
 runs the cells this test writes on its stdin, one JSON line back for each. The test is
-the gateway: it dials the socket, says hello and answers calls with encode/FrameReader.
+the gateway: it dials the socket, says hello and answers calls with framing's
+encode/FrameReader.
 Every wait has a deadline: socket timeouts, queue timeouts, no sleeps.
 """
 
@@ -30,14 +31,8 @@ from typing import Any
 
 import pytest
 
-from mcp_forge.errors import KernelProtocolError
-from mcp_forge.kernel_bridge import (
-    GATEWAY_FRAME_MAX,
-    KERNEL_FRAME_MAX,
-    SOURCE,
-    FrameReader,
-    encode,
-)
+from mcp_forge.kernel_bridge import SOURCE
+from mcp_forge.kernelside.framing import GATEWAY_FRAME_MAX, KERNEL_FRAME_MAX, FrameReader, encode
 
 DEADLINE = 10.0  # seconds, for any one wait
 
@@ -249,61 +244,6 @@ def gateway(kernel: Kernel) -> Iterator[Gateway]:
     assert kernel.run("import mcp_tools\nresult = mcp_tools.wait_connected(10)") is True
     yield gw
     gw.close()
-
-
-# -- framing, gateway side -----------------------------------------------------------
-
-
-def test_frames_come_through_a_reader_fed_one_byte_at_a_time() -> None:
-    sent = [{"v": 1, "type": "call", "id": n, "arguments": {"text": "é" * n}} for n in range(5)]
-    stream = b"".join(encode(frame) for frame in sent)
-    reader = FrameReader()
-    got = [frame for i in range(len(stream)) for frame in reader.feed(stream[i : i + 1])]
-    assert got == sent
-    assert reader.buffered == 0
-
-
-def test_the_reader_refuses_an_oversized_frame_as_soon_as_its_length_arrives() -> None:
-    reader = FrameReader(limit=100)
-    with pytest.raises(KernelProtocolError, match="101 bytes is over the limit of 100"):
-        list(reader.feed(struct.pack(">I", 101)))
-    with pytest.raises(KernelProtocolError):  # and stays broken
-        list(reader.feed(encode({"v": 1})))
-
-
-@pytest.mark.parametrize(
-    ("payload", "message"),
-    [
-        (b"{not json", "not JSON"),
-        (b"\xff\xfe", "not JSON"),
-        (b'{"v": 1, "x": NaN}', "not JSON"),
-        (b"[1, 2]", "not an object"),
-        (b'{"v": 2}', "version"),
-        (b'{"v": true}', "version"),
-    ],
-)
-def test_the_reader_refuses_what_is_not_a_version_1_json_object(
-    payload: bytes, message: str
-) -> None:
-    frame = struct.pack(">I", len(payload)) + payload
-    good = encode({"v": 1, "type": "cancel", "id": 1})
-    frames = FrameReader().feed(good + frame)
-    assert next(frames) == {"v": 1, "type": "cancel", "id": 1}  # what came before is delivered
-    with pytest.raises(KernelProtocolError, match=message) as caught:
-        next(frames)
-    assert isinstance(caught.value, ValueError)  # bad data, for callers that catch that
-
-
-def test_encode_refuses_frames_over_its_limit_and_values_that_are_not_json() -> None:
-    assert len(encode({"v": 1, "s": "x" * 100})) > 100  # no limit unless given
-    assert len(encode({"v": 1, "s": "x" * 100}, limit=200)) > 100
-    with pytest.raises(ValueError, match="over the limit of 50"):
-        encode({"v": 1, "s": "x" * 100}, limit=50)
-    with pytest.raises(ValueError, match="cannot be sent as JSON"):
-        encode({"v": 1, "x": float("nan")})
-    with pytest.raises(ValueError, match="cannot be sent"):
-        encode({"v": 1, "x": {1, 2}})
-    assert GATEWAY_FRAME_MAX == 16 * KERNEL_FRAME_MAX == 16 << 20
 
 
 # -- the listener --------------------------------------------------------------------
