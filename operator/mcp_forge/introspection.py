@@ -95,11 +95,21 @@ def workspace_path(path: str) -> str:
 
 
 def bridge_program(address: tuple[str | int, ...]) -> str:
-    """The silent code that starts code mode's bridge in a kernel (kernel_bridge.SOURCE),
-    listening at `address`; like the helpers, it leaves no name in the user's namespace."""
-    from .kernel_bridge import SOURCE
-
+    """The silent code that starts code mode's bridge in a kernel, listening at `address`
+    (kernelside/bridge_boot.py, given the sources of framing.py and mcp_tools.py); like
+    the helpers, it leaves no name in the user's namespace, and run again it finds the
+    running bridge."""
+    boot, sources = _bridge_literals()
     return (
-        f"exec(compile({SOURCE!r}, '<mcp_tools>', 'exec'), "
-        f"{{'__builtins__': __builtins__, 'BRIDGE_ADDRESS': {tuple(address)!r}}})"
+        f"exec(compile({boot}, '<mcp-forge-bridge>', 'exec'), "
+        f"{{'__builtins__': __builtins__, 'BRIDGE_ADDRESS': {tuple(address)!r}, "
+        f"'SOURCES': {sources}}})"
     )
+
+
+@functools.cache
+def _bridge_literals() -> tuple[str, str]:
+    """kernelside/bridge_boot.py's source, and the sources it builds the bridge from (a
+    dict by module name), as Python literals."""
+    sources = {name: source(name) for name in ("framing", "mcp_tools")}
+    return repr(source("bridge_boot")), repr(sources)

@@ -1,7 +1,7 @@
 """Code mode's bridge, gateway side, against the real kernel module and a real server.
 
-The kernel is the stand-in process of test_kernel_bridge.py (SOURCE executed in a plain
-`python -I -S`, cells on its stdin); the gateway side is `mcp_forge.bridge.Bridge`; the
+The kernel is the stand-in process of test_mcp_tools.py (the bridge's program executed in
+a plain `python -I -S`, cells on its stdin); the gateway side is `mcp_forge.bridge.Bridge`; the
 upstream is tests/mcp_servers/edge_server.py through the SDK client. No Podman: the
 pod-based flow is tests/integration/test_code_mode.py. Blocking waits on the stand-in
 run in threads; waits have deadlines.
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_kernel_bridge import Kernel
+from test_mcp_tools import Kernel
 
 from mcp_forge.bridge import Bridge
 from mcp_forge.connection import Address
@@ -92,6 +92,36 @@ async def test_an_oversized_request_is_refused_and_the_bridge_still_works(
         assert big["type"] == "ValueError", big
         assert await run(kernel, "result = mcp_tools.edge.echo(text='after')") == {"text": "after"}
         assert bridge.started == 1, "the oversized request never reached the gateway"
+    finally:
+        await bridge.close()
+
+
+async def test_a_frame_the_gateway_refuses_closes_that_connection_and_it_dials_again(
+    kernel: Kernel, edge: Upstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="mcp_forge.bridge")
+    bridge = await connect(kernel, edge, ServerPolicy("edge"))
+    try:
+        got = await run(
+            kernel,
+            """
+            import struct
+            B = mcp_tools.__mcp_forge_bridge__
+            old = B.conn
+            old.outbox.put(struct.pack(">I", 5) + b"{nope")  # as it is, through its writer
+            with B.changed:
+                back = B.changed.wait_for(
+                    lambda: old.closed is not None and B.conn not in (None, old) and B.conn.ready,
+                    10,
+                )
+            result = {"back": back, "why": old.closed}
+            """,
+        )
+        assert got["back"] is True, got
+        assert got["why"].startswith("the MCP bridge connection was closed"), got
+        assert await run(kernel, "result = mcp_tools.edge.echo(text='next')") == {"text": "next"}
+        closed = [r.getMessage() for r in caplog.records if r.name == "mcp_forge.bridge"]
+        assert "bridge of s1 closed: a frame that is not JSON: Expecting" in "\n".join(closed)
     finally:
         await bridge.close()
 

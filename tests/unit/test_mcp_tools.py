@@ -1,16 +1,19 @@
-"""Code mode's bridge, kernel side: SOURCE runs in a real, separate Python process.
+"""Code mode's bridge, kernel side (kernelside/mcp_tools.py, started by bridge_boot.py).
 
-The child (stdlib only: `python -I -S`) executes SOURCE with a Unix-socket address, then
-runs the cells this test writes on its stdin, one JSON line back for each. The test is
-the gateway: it dials the socket, says hello and answers calls with framing's
-encode/FrameReader.
-Every wait has a deadline: socket timeouts, queue timeouts, no sleeps.
+Most tests run the program the gateway sends (introspection.bridge_program, with a
+Unix-socket address) in a real, separate Python process: the child (stdlib only, no
+mcp_forge: `python -I -S`) executes it, then runs the cells this test writes on its
+stdin, one JSON line back for each. The test is the gateway: it dials the socket, says
+hello and answers calls with framing's encode/FrameReader. The pure parts of the module
+(names, results, requests) are also tested imported. Every wait has a deadline: socket
+timeouts, queue timeouts, no sleeps.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import queue
 import random
@@ -24,6 +27,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import types
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +35,8 @@ from typing import Any
 
 import pytest
 
-from mcp_forge.kernel_bridge import SOURCE
+from mcp_forge.introspection import bridge_program
+from mcp_forge.kernelside import mcp_tools
 from mcp_forge.kernelside.framing import GATEWAY_FRAME_MAX, KERNEL_FRAME_MAX, FrameReader, encode
 
 DEADLINE = 10.0  # seconds, for any one wait
@@ -40,12 +45,11 @@ DEADLINE = 10.0  # seconds, for any one wait
 DRIVER = r"""
 import json, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
-SOURCE = open(sys.argv[1]).read()
-ADDRESS = ("unix", sys.argv[2])
-namespace = {"__builtins__": __builtins__, "BRIDGE_ADDRESS": ADDRESS}
-exec(compile(SOURCE, "<bridge>", "exec"), namespace)
+PROGRAM = open(sys.argv[1]).read()
+namespace = {"__builtins__": __builtins__}
+exec(compile(PROGRAM, "<bridge>", "exec"), namespace)
 print(json.dumps({"ok": True, "result": sorted(namespace)}), flush=True)
-user = {"__name__": "__cell__", "SOURCE": SOURCE, "ADDRESS": ADDRESS}
+user = {"__name__": "__cell__", "PROGRAM": PROGRAM}
 while True:
     line = sys.stdin.readline()
     if not line:
@@ -107,16 +111,17 @@ SERVERS = {
 
 
 class Kernel:
-    """A separate Python process that executed SOURCE and runs cells sent on its stdin."""
+    """A separate Python process that executed the bridge's program and runs cells sent on
+    its stdin."""
 
     def __init__(self, workdir: Path, socket_path: Path) -> None:
         self.socket_path = socket_path
-        source, driver = workdir / "bridge.py", workdir / "driver.py"
-        source.write_text(SOURCE)
+        program, driver = workdir / "bridge.py", workdir / "driver.py"
+        program.write_text(bridge_program(("unix", str(socket_path))))
         driver.write_text(DRIVER)
         self._stderr = (workdir / "stderr.txt").open("w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", *(str(p) for p in (driver, source, socket_path))],
+            [sys.executable, "-I", "-S", str(driver), str(program)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -124,7 +129,7 @@ class Kernel:
         )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        self.namespace_after_source = self.reply()["result"]
+        self.namespace_after_program = self.reply()["result"]
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -249,13 +254,17 @@ def gateway(kernel: Kernel) -> Iterator[Gateway]:
 # -- the listener --------------------------------------------------------------------
 
 
-def test_the_source_leaves_no_names_and_listens_on_a_private_socket(kernel: Kernel) -> None:
-    assert kernel.namespace_after_source == ["BRIDGE_ADDRESS", "__builtins__"]
+def test_the_program_leaves_no_names_and_listens_on_a_private_socket(kernel: Kernel) -> None:
+    assert kernel.namespace_after_program == ["__builtins__"]
     mode = kernel.socket_path.lstat().st_mode
     assert stat.S_ISSOCK(mode)
     assert stat.S_IMODE(mode) == 0o600
     assert stat.S_IMODE(kernel.socket_path.parent.stat().st_mode) == 0o700  # made by the kernel
     assert kernel.run("import mcp_tools\nresult = mcp_tools.wait_connected(0)") is False
+    # It needs nothing but the standard library: the kernel has no mcp_forge.
+    assert (
+        kernel.run("import importlib.util\nresult = importlib.util.find_spec('mcp_forge')") is None
+    )
 
 
 def test_a_stale_socket_of_an_earlier_kernel_is_replaced(rundir: Path) -> None:
@@ -273,17 +282,17 @@ def test_a_stale_socket_of_an_earlier_kernel_is_replaced(rundir: Path) -> None:
         kernel.close()
 
 
-def test_executing_the_source_again_keeps_one_listener_and_its_state(
+def test_executing_the_program_again_keeps_one_listener_and_its_state(
     kernel: Kernel, gateway: Gateway
 ) -> None:
     again = kernel.run(
         """
         import sys, threading
         before = sys.modules["mcp_tools"]
-        again = {"__builtins__": __builtins__, "BRIDGE_ADDRESS": ADDRESS}
-        exec(compile(SOURCE, "<bridge>", "exec"), again)
+        again = {"__builtins__": __builtins__}
+        exec(compile(PROGRAM, "<bridge>", "exec"), again)
         del sys.modules["mcp_tools"]  # user code may drop it: the listener thread still knows it
-        exec(compile(SOURCE, "<bridge>", "exec"), dict(again))
+        exec(compile(PROGRAM, "<bridge>", "exec"), dict(again))
         result = {
             "same": sys.modules["mcp_tools"] is before,
             "listeners": [t.name for t in threading.enumerate()].count("mcp-forge-bridge"),
@@ -296,7 +305,7 @@ def test_executing_the_source_again_keeps_one_listener_and_its_state(
     assert again == {
         "same": True,
         "listeners": 1,
-        "names": ["BRIDGE_ADDRESS", "__builtins__"],
+        "names": ["__builtins__"],
         "connected": True,
         "servers": ["describe_", "files", "my_server", "my_server_"],
     }
@@ -637,3 +646,125 @@ def test_a_first_frame_that_is_not_a_hello_closes_the_connection(kernel: Kernel)
     gw.wait_closed()
     assert kernel.run("import mcp_tools\nresult = mcp_tools.wait_connected(0)") is False
     gw.close()
+
+
+# -- the module, imported ------------------------------------------------------------
+
+
+def test_names_follow_the_rule_the_module_docstring_states() -> None:
+    names = ["my-server", "my_server", "3d-render", "class", "__init__", "servers", "é", ""]
+    assert mcp_tools.identifiers(names, mcp_tools.OWN_NAMES) == {
+        "my_server": "my_server",  # needs no change: claims its name first
+        "my-server": "my_server_",
+        "3d-render": "_3d_render",
+        "class": "class_",
+        "__init__": "__init___",
+        "servers": "servers_",  # one of mcp_tools' own
+        "": "_",
+        "é": "__",  # after "" in sorted order: "_" is taken by then
+    }
+    assert "my_server, unless a server is named my_server: then it is my_server_" in " ".join(
+        (mcp_tools.__doc__ or "").split()
+    )
+
+
+def test_a_request_that_cannot_be_sent_as_json_names_the_tool_and_the_reason() -> None:
+    bridge = mcp_tools.Bridge(types.ModuleType("mcp_tools"))
+    tool = mcp_tools.Tool("files", "files", ECHO, "echo")
+    with pytest.raises(TypeError, match=r"^mcp_tools\.files\.echo\(\): an argument is not JSON: "):
+        bridge.request(tool, {"n": {1, 2}})
+    with pytest.raises(ValueError, match="the arguments cannot be sent as JSON: Out of range"):
+        bridge.request(tool, {"n": math.nan})
+    with pytest.raises(ValueError, match="the arguments cannot be sent as JSON: 'utf-8' codec"):
+        bridge.request(tool, {"n": "\ud800"})
+    with pytest.raises(ValueError, match=r"over the MCP bridge's limit of 1048576 \(1 MiB\)$"):
+        bridge.request(tool, {"n": 1, "blob": "x" * KERNEL_FRAME_MAX})
+    call_id, data = bridge.request(tool, {"n": 1})
+    assert list(FrameReader().feed(data)) == [
+        {
+            "v": 1,
+            "type": "call",
+            "id": call_id,
+            "server": "files",
+            "tool": "echo",
+            "arguments": {"n": 1},
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    ("frame", "value"),
+    [
+        ({"ok": True, "structured": {"a": 1}, "content": []}, {"a": 1}),
+        (
+            {"ok": True, "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            "a\nb",
+        ),
+        (
+            {"ok": True, "content": [{"type": "image", "data": "", "mimeType": "image/png"}]},
+            [{"type": "image", "data": "", "mimeType": "image/png"}],
+        ),
+        ({"ok": True, "content": None}, None),
+    ],
+)
+def test_a_result_frame_gives_structured_content_else_text_else_items(
+    frame: dict[str, Any], value: Any
+) -> None:
+    assert mcp_tools.outcome(frame, "files", "echo") == (value, None)
+
+
+@pytest.mark.parametrize(
+    ("frame", "raised", "message", "kind"),
+    [
+        (
+            {"ok": False, "error": {"kind": "denied", "message": "no"}},
+            PermissionError,
+            "no",
+            "denied",
+        ),
+        (
+            {"ok": False, "error": {"kind": "invalid", "message": "bad"}},
+            ValueError,
+            "bad",
+            "invalid",
+        ),
+        (
+            {"ok": False, "error": {"kind": "unavailable"}},
+            mcp_tools.ToolError,
+            "the call failed (unavailable)",
+            "unavailable",
+        ),
+        ({"ok": False}, mcp_tools.ToolError, "the call failed (tool)", "tool"),
+        (
+            {"ok": True, "isError": True, "content": []},
+            mcp_tools.ToolError,
+            "the tool reported an error",
+            "tool",
+        ),
+        (
+            {"ok": True, "content": "text"},
+            mcp_tools.ToolError,
+            "the gateway sent a malformed result",
+            "unavailable",
+        ),
+        (
+            {"ok": "yes", "content": []},
+            mcp_tools.ToolError,
+            "the gateway sent a malformed result",
+            "unavailable",
+        ),
+        (
+            {"ok": True, "content": [1]},
+            mcp_tools.ToolError,
+            "the gateway sent a malformed result",
+            "unavailable",
+        ),
+    ],
+)
+def test_an_error_or_malformed_result_frame_gives_the_exception_of_its_kind(
+    frame: dict[str, Any], raised: type[Exception], message: str, kind: str
+) -> None:
+    value, error = mcp_tools.outcome(frame, "files", "echo")
+    assert value is None and type(error) is raised
+    assert str(error) == message
+    assert (error.server, error.tool, error.kind) == ("files", "echo", kind)  # type: ignore[union-attr]

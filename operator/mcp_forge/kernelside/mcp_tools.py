@@ -1,30 +1,3 @@
-"""Code mode's bridge, kernel side (docs/bridge.md).
-
-`SOURCE` is a stdlib-only program the gateway runs silently in a kernel, in a private
-namespace holding `BRIDGE_ADDRESS` (``("tcp", host, port)``, ``("tls", host, port,
-connection_file)`` or ``("unix", path)``). It
-registers the module `mcp_tools` in `sys.modules` and starts the listener the gateway
-dials. Running it again (a gateway reconnect) finds the running bridge and changes
-nothing; after a kernel restart it starts afresh. It leaves no name behind in the
-namespace it runs in: the module's code runs in a dictionary of its own.
-
-The gateway's half of framing version 1 is kernelside/framing.py; the kernel's half
-still lives inside `SOURCE`, which imports nothing from here.
-"""
-
-from __future__ import annotations
-
-from .kernelside.framing import (
-    BRIDGE_CERT,
-    BRIDGE_KEY,
-    GATEWAY_FRAME_MAX,
-    KERNEL_FRAME_MAX,
-    VERSION,
-)
-
-# The module mcp_tools, as run inside the kernel: Python 3.11, the standard library only.
-# Its own docstring (help(mcp_tools)) is the user's documentation.
-_BODY = r'''
 """Call the tools of the MCP servers the MCP-Forge gateway is connected to.
 
     mcp_tools.<server>.<tool>(**arguments)             call a tool, wait for its result
@@ -77,14 +50,20 @@ import queue
 import socket
 import ssl
 import stat
-import struct
 import threading
 import time
 import types
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-VERSION = @VERSION@
-MAX_REQUEST = @KERNEL_FRAME_MAX@
-MAX_RESULT = @GATEWAY_FRAME_MAX@
+# Imported (unit tests, mypy) it finds framing beside it; in a kernel, which has no mcp_forge
+# package, kernelside/bridge_boot.py runs framing's source and gives it to this namespace.
+if __package__:
+    from . import framing
+
+VERSION = framing.VERSION
+MAX_REQUEST = framing.KERNEL_FRAME_MAX
+MAX_RESULT = framing.GATEWAY_FRAME_MAX
 MAX_SERVERS = 256
 MAX_TOOLS = 2048
 MAX_PARAMS = 512
@@ -96,8 +75,8 @@ SEND_TIMEOUT = 60.0  # a gateway that takes no bytes for this long has gone: clo
 HANDSHAKE_TIMEOUT = 10.0  # a TLS peer must prove itself within this
 HANDSHAKES_MAX = 8  # TLS handshakes at once; a connection over that is closed at once
 CONNECTION_FILE_MAX = 1 << 20
-BRIDGE_CERT = @BRIDGE_CERT@
-BRIDGE_KEY = @BRIDGE_KEY@
+BRIDGE_CERT = framing.BRIDGE_CERT
+BRIDGE_KEY = framing.BRIDGE_KEY
 RECONNECT_WAIT = 5.0  # a call made just after the connection closed waits this for the next
 WAIT_SLICE = 0.25  # the main thread wakes this often, so a KeyboardInterrupt is never missed
 NOT_CONNECTED = "the MCP bridge is not connected"
@@ -105,8 +84,21 @@ REPLACED = "the MCP bridge connection was replaced"
 CLOSED = "the MCP bridge connection was closed"
 OWN_NAMES = ("ToolError", "servers", "describe", "aio", "wait_connected")
 EMPTY = inspect.Parameter.empty
-JSON_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict, "null": None}
-HINTS = (("readOnlyHint", "read-only"), ("destructiveHint", "destructive"), ("idempotentHint", "idempotent"), ("openWorldHint", "open-world"))
+JSON_TYPES: dict[str, Any] = {
+    "string": str,
+    "integer": int,
+    "number": float,
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+    "null": None,
+}
+HINTS = (
+    ("readOnlyHint", "read-only"),
+    ("destructiveHint", "destructive"),
+    ("idempotentHint", "idempotent"),
+    ("openWorldHint", "open-world"),
+)
 
 
 class ToolError(Exception):
@@ -117,7 +109,14 @@ class ToolError(Exception):
     bridge connection). .server and .tool name it as its server spells them.
     """
 
-    def __init__(self, message, *, server=None, tool=None, kind="tool"):
+    def __init__(
+        self,
+        message: str,
+        *,
+        server: str | None = None,
+        tool: str | None = None,
+        kind: str = "tool",
+    ) -> None:
         super().__init__(message)
         self.server = server
         self.tool = tool
@@ -128,7 +127,7 @@ class ProtocolError(Exception):
     """The gateway sent something the bridge refuses: the connection closes."""
 
 
-def clip(text, limit):
+def clip(text: object, limit: int) -> str:
     """text cut to limit characters; anything but a string is empty."""
     if not isinstance(text, str):
         return ""
@@ -138,9 +137,10 @@ def clip(text, limit):
 # -- names and signatures ------------------------------------------------------------
 
 
-def identifier(name):
+def identifier(name: str) -> str:
     """name as a Python identifier, before collisions (the rule: the module docstring)."""
-    ident = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in name) or "_"
+    ident = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in name)
+    ident = ident or "_"
     if ident[0].isdigit():
         ident = "_" + ident
     if keyword.iskeyword(ident) or (ident.startswith("__") and ident.endswith("__")):
@@ -148,7 +148,7 @@ def identifier(name):
     return ident
 
 
-def identifiers(names, reserved=()):
+def identifiers(names: list[str], reserved: tuple[str, ...] = ()) -> dict[str, str]:
     """{name: identifier} for distinct names, none of them in reserved nor shared."""
     taken = set(reserved)
     idents = {}
@@ -161,7 +161,10 @@ def identifiers(names, reserved=()):
     return idents
 
 
-def annotation(schema, depth=0):
+# An annotation made from a schema is a type, a union of types, None, or EMPTY (none).
+
+
+def annotation(schema: object, depth: int = 0) -> Any:
     """The Python annotation for a JSON schema's type, or EMPTY when there is none."""
     if not isinstance(schema, dict) or depth > 3:
         return EMPTY
@@ -169,7 +172,7 @@ def annotation(schema, depth=0):
     if isinstance(kind, str):
         if kind == "array":
             item = annotation(schema.get("items"), depth + 1)
-            return list if item is EMPTY else list[item]
+            return list if item is EMPTY else list[item]  # type: ignore[valid-type]
         return JSON_TYPES.get(kind, EMPTY)
     if isinstance(kind, list):
         return union([JSON_TYPES.get(k, EMPTY) if isinstance(k, str) else EMPTY for k in kind[:8]])
@@ -180,11 +183,11 @@ def annotation(schema, depth=0):
     return EMPTY
 
 
-def union(options):
+def union(options: list[Any]) -> Any:
     """X | Y | None for known options; EMPTY if any is unknown."""
     if not options or any(option is EMPTY for option in options):
         return EMPTY
-    distinct = []
+    distinct: list[Any] = []
     for option in options:
         if option not in distinct:
             distinct.append(option)
@@ -195,7 +198,7 @@ def union(options):
     return result | None if None in distinct else result
 
 
-def optional(ann):
+def optional(ann: Any) -> Any:
     """ann for a parameter whose default is None."""
     if ann is EMPTY or ann is None:
         return ann
@@ -207,17 +210,18 @@ def optional(ann):
 class Tool:
     """One upstream tool: its names, its signature and docstring, its JSON argument names."""
 
-    def __init__(self, server, server_ident, spec, ident):
+    def __init__(self, server: str, server_ident: str, spec: dict[str, Any], ident: str) -> None:
         self.server = server
-        self.name = spec["name"]
+        self.name: str = spec["name"]
         self.ident = ident
         self.qualname = server_ident + "." + ident
         schema = spec.get("inputSchema")
         schema = schema if isinstance(schema, dict) else {}
         props = schema.get("properties")
         props = props if isinstance(props, dict) else {}
-        required = schema.get("required")
-        required = [r for r in required if isinstance(r, str)] if isinstance(required, list) else []
+        listed = schema.get("required")
+        listed = listed if isinstance(listed, list) else []
+        required = [r for r in listed if isinstance(r, str)]
         names = list(props) + [r for r in dict.fromkeys(required) if r not in props]
         names = [n for n in names if len(n) <= MAX_NAME][:MAX_PARAMS]
         py = identifiers(names)
@@ -227,26 +231,32 @@ class Tool:
             prop = props.get(name)
             prop = prop if isinstance(prop, dict) else {}
             ann = annotation(prop)
+            default: Any
             if name in required:
                 default = EMPTY
             else:
                 default = prop.get("default")
                 if default is None:
                     ann = optional(ann)
-            params.append(inspect.Parameter(py[name], inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann))
+            kind = inspect.Parameter.KEYWORD_ONLY
+            params.append(inspect.Parameter(py[name], kind, default=default, annotation=ann))
         # Declared open (additionalProperties true or a schema): **kwargs pass through as they are.
-        self.extra = None
+        self.extra: str | None = None
         more = schema.get("additionalProperties")
         if more is True or isinstance(more, dict):
-            self.extra = "kwargs"
-            while self.extra in self.json_names:
-                self.extra += "_"
-            params.append(inspect.Parameter(self.extra, inspect.Parameter.VAR_KEYWORD))
+            extra = "kwargs"
+            while extra in self.json_names:
+                extra += "_"
+            self.extra = extra
+            params.append(inspect.Parameter(extra, inspect.Parameter.VAR_KEYWORD))
         self.signature = inspect.Signature(params)
         self.doc = self.docstring(spec, props)
 
-    def docstring(self, spec, props):
-        lines = [clip(spec.get("description"), MAX_DESCRIPTION).strip() or f"The tool {self.name!r} of the MCP server {self.server!r}."]
+    def docstring(self, spec: dict[str, Any], props: dict[str, Any]) -> str:
+        lines = [
+            clip(spec.get("description"), MAX_DESCRIPTION).strip()
+            or f"The tool {self.name!r} of the MCP server {self.server!r}."
+        ]
         if self.signature.parameters:
             lines += ["", "Parameters:"]
         for param in self.signature.parameters.values():
@@ -269,17 +279,20 @@ class Tool:
             text = clip(prop.get("description"), MAX_PARAM_DESCRIPTION).strip()
             enum = prop.get("enum")
             if isinstance(enum, list) and enum:
-                values = ", ".join(clip(repr(v), 100) for v in enum[:20]) + (", ..." if len(enum) > 20 else "")
+                values = ", ".join(clip(repr(v), 100) for v in enum[:20])
+                values += ", ..." if len(enum) > 20 else ""
                 text = (text + " " if text else "") + "One of: " + values + "."
             line = f"    {param.name} ({', '.join(facts)})"
             lines.append(line + ": " + text.replace("\n", "\n        ") if text else line)
         notes = spec.get("annotations")
-        hints = [label for key, label in HINTS if isinstance(notes, dict) and notes.get(key) is True]
+        hints = [
+            label for key, label in HINTS if isinstance(notes, dict) and notes.get(key) is True
+        ]
         lines += [""] + (["Hints: " + ", ".join(hints) + "."] if hints else [])
         lines.append(f"MCP tool {self.name!r} of server {self.server!r}.")
         return "\n".join(lines)
 
-    def arguments(self, args, kwargs):
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's JSON arguments, or TypeError as a Python function would raise it."""
         try:
             bound = self.signature.bind(*args, **kwargs)
@@ -294,13 +307,15 @@ class Tool:
         return out
 
 
-def functions(bridge, tool):
+def functions(
+    bridge: "Bridge", tool: Tool
+) -> tuple[Callable[..., Any], Callable[..., Coroutine[Any, Any, Any]]]:
     """The function that calls tool, and its asyncio twin."""
 
-    def call(*args, **kwargs):
+    def call(*args: Any, **kwargs: Any) -> Any:
         return bridge.call(tool, tool.arguments(args, kwargs))
 
-    async def call_aio(*args, **kwargs):
+    async def call_aio(*args: Any, **kwargs: Any) -> Any:
         return await bridge.acall(tool, tool.arguments(args, kwargs))
 
     for function, qualname in ((call, tool.qualname), (call_aio, tool.qualname + ".aio")):
@@ -308,25 +323,26 @@ def functions(bridge, tool):
         function.__qualname__ = qualname
         function.__module__ = "mcp_tools"
         function.__doc__ = tool.doc
-        function.__signature__ = tool.signature
-    call.aio = call_aio
+        # help() and inspect.signature read these; mypy knows no such attributes of a function.
+        vars(function)["__signature__"] = tool.signature
+    vars(call)["aio"] = call_aio
     return call, call_aio
 
 
 class Namespace:
     """The tools of one MCP server as functions; under mcp_tools.aio, the servers."""
 
-    def __init__(self, label, members, unavailable=None):
+    def __init__(self, label: str, members: dict[str, Any], unavailable: str | None = None) -> None:
         self.__dict__["__mcp_label__"] = label
         self.__dict__["__mcp_unavailable__"] = unavailable
         self.__dict__.update(members)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         # Only for names it does not have: say why a server has no tools, if it is known.
         label, why = self.__dict__["__mcp_label__"], self.__dict__["__mcp_unavailable__"]
         raise AttributeError(f"{label} has no {name!r}" + (f": {why}" if why else ""))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         names = sorted(name for name in vars(self) if not name.startswith("__mcp_"))
         return f"<{self.__dict__['__mcp_label__']}: {', '.join(names)}>"
 
@@ -334,17 +350,28 @@ class Namespace:
 class Server:
     """One upstream server, as the hello lists it."""
 
-    def __init__(self, bridge, name, ident, specs, unavailable=None):
+    def __init__(
+        self,
+        bridge: "Bridge",
+        name: str,
+        ident: str,
+        specs: dict[str, dict[str, Any]],
+        unavailable: str | None = None,
+    ) -> None:
         self.name = name
         self.ident = ident
         idents = identifiers(list(specs))
         self.tools = {idents[n]: Tool(name, ident, spec, idents[n]) for n, spec in specs.items()}
         made = {t_ident: functions(bridge, tool) for t_ident, tool in self.tools.items()}
-        self.namespace = Namespace("mcp_tools." + ident, {i: f[0] for i, f in made.items()}, unavailable)
-        self.aio_namespace = Namespace("mcp_tools.aio." + ident, {i: f[1] for i, f in made.items()}, unavailable)
+        self.namespace = Namespace(
+            "mcp_tools." + ident, {i: f[0] for i, f in made.items()}, unavailable
+        )
+        self.aio_namespace = Namespace(
+            "mcp_tools.aio." + ident, {i: f[1] for i, f in made.items()}, unavailable
+        )
 
 
-def docstring(text, indent):
+def docstring(text: str, indent: int) -> str:
     """text as a docstring literal at indent, safe to paste into source."""
     text = text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
     text = "".join(c if c in "\n\t" or " " <= c != "\x7f" else f"\\x{ord(c):02x}" for c in text)
@@ -358,57 +385,23 @@ def docstring(text, indent):
     return "\n".join([f'{pad}"""{lines[0]}', *rest, f'{pad}"""'])
 
 
-# -- framing -------------------------------------------------------------------------
+# -- results ---------------------------------------------------------------------------
 
 
-def frame_bytes(frame):
-    payload = json.dumps(frame, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    return struct.pack(">I", len(payload)) + payload
-
-
-def reject_constant(name):
-    raise ValueError(name + " is not JSON")
-
-
-def decode(payload):
-    try:
-        frame = json.loads(payload.decode("utf-8"), parse_constant=reject_constant)
-    except (ValueError, RecursionError) as exc:
-        raise ProtocolError("a frame that is not JSON: " + clip(str(exc), 200)) from None
-    if not isinstance(frame, dict):
-        raise ProtocolError("a frame that is not a JSON object")
-    version = frame.get("v")
-    if type(version) is not int or version != VERSION:
-        raise ProtocolError(f"a frame of version {clip(repr(version), 20)}, not {VERSION}")
-    return frame
-
-
-def frames(buffer):
-    """Take the whole frames off the front of buffer (a bytearray), as objects."""
-    while len(buffer) >= 4:
-        (size,) = struct.unpack_from(">I", buffer)
-        if size > MAX_RESULT:
-            raise ProtocolError(f"a frame of {size} bytes, over the limit of {MAX_RESULT}")
-        if len(buffer) < 4 + size:
-            return
-        payload = bytes(buffer[4 : 4 + size])
-        del buffer[: 4 + size]
-        yield decode(payload)
-
-
-def failure(kind, message, server, tool):
+def failure(kind: str, message: str, server: str, tool: str) -> Exception:
     """The exception for an error result of that kind."""
+    exc: Exception
     if kind == "denied":
         exc = PermissionError(message)
     elif kind == "invalid":
         exc = ValueError(message)
     else:
         return ToolError(message, server=server, tool=tool, kind=kind)
-    exc.server, exc.tool, exc.kind = server, tool, kind
+    vars(exc).update(server=server, tool=tool, kind=kind)  # what a ToolError carries
     return exc
 
 
-def outcome(frame, server, tool):
+def outcome(frame: dict[str, Any], server: str, tool: str) -> tuple[Any, Exception | None]:
     """(value, None) or (None, exception) for a result frame."""
     ok = frame.get("ok")
     if ok is False:
@@ -419,9 +412,18 @@ def outcome(frame, server, tool):
         return None, failure(kind, message, server, tool)
     content = frame.get("content")
     content = [] if content is None else content
-    if ok is not True or not isinstance(content, list) or not all(isinstance(item, dict) for item in content):
-        return None, ToolError("the gateway sent a malformed result", server=server, tool=tool, kind="unavailable")
-    texts = [item.get("text") for item in content if item.get("type") == "text" and isinstance(item.get("text"), str)]
+    if (
+        ok is not True
+        or not isinstance(content, list)
+        or not all(isinstance(item, dict) for item in content)
+    ):
+        malformed = "the gateway sent a malformed result"
+        return None, ToolError(malformed, server=server, tool=tool, kind="unavailable")
+    texts = [
+        item.get("text")
+        for item in content
+        if item.get("type") == "text" and isinstance(item.get("text"), str)
+    ]
     if frame.get("isError") is True:
         message = clip("\n".join(texts), MAX_MESSAGE) or "the tool reported an error"
         return None, ToolError(message, server=server, tool=tool, kind="tool")
@@ -439,18 +441,18 @@ def outcome(frame, server, tool):
 class Waiter:
     """A thread waiting for one result."""
 
-    def __init__(self, server, tool):
+    def __init__(self, server: str, tool: str) -> None:
         self.server = server
         self.tool = tool
         self.event = threading.Event()
-        self.value = None
-        self.error = None
+        self.value: Any = None
+        self.error: BaseException | None = None
 
-    def deliver(self, value, error):
+    def deliver(self, value: Any, error: BaseException | None) -> None:
         self.value, self.error = value, error
         self.event.set()
 
-    def wait(self):
+    def wait(self) -> Any:
         if threading.current_thread() is threading.main_thread():
             # Slices: SIGINT may reach another thread, or be simulated (interrupt_main).
             while not self.event.wait(WAIT_SLICE):
@@ -466,17 +468,17 @@ class Waiter:
 class AsyncWaiter:
     """An asyncio task waiting for one result: the reader hands it over to the task's loop."""
 
-    def __init__(self, loop, server, tool):
+    def __init__(self, loop: asyncio.AbstractEventLoop, server: str, tool: str) -> None:
         self.server = server
         self.tool = tool
         self.loop = loop
-        self.future = loop.create_future()
+        self.future: asyncio.Future[Any] = loop.create_future()
 
-    def deliver(self, value, error):
+    def deliver(self, value: Any, error: BaseException | None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
             self.loop.call_soon_threadsafe(self.settle, value, error)
 
-    def settle(self, value, error):
+    def settle(self, value: Any, error: BaseException | None) -> None:
         if self.future.done():
             return
         if error is not None:
@@ -488,46 +490,12 @@ class AsyncWaiter:
 # -- the bridge ------------------------------------------------------------------------
 
 
-def listen(address):
-    """A listening socket, and the TLS it requires (None: none), at ("tcp", host, port),
-    ("tls", host, port, connection_file) or ("unix", path)."""
-    if isinstance(address, (tuple, list)) and len(address) in (3, 4) and address[0] in ("tcp", "tls"):
-        host, port = address[1], address[2]
-        if not isinstance(host, str) or type(port) is not int or not 0 <= port < 65536:
-            raise ValueError(f"BRIDGE_ADDRESS: bad host or port in {address!r}")
-        tls = None
-        if address[0] == "tls":
-            if len(address) != 4 or not isinstance(address[3], str):
-                raise ValueError(f"BRIDGE_ADDRESS: ('tls', host, port, connection_file), not {address!r}")
-            tls = Tls(address[3])
-        elif len(address) != 3:
-            raise ValueError(f"BRIDGE_ADDRESS: ('tcp', host, port), not {address!r}")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.bind((host, port))
-            sock.listen(8)
-        except BaseException:
-            sock.close()
-            raise
-        return sock, tls
-    if isinstance(address, (tuple, list)) and len(address) == 2 and address[0] == "unix":
-        path = address[1]
-        if not isinstance(path, str) or not path:
-            raise ValueError(f"BRIDGE_ADDRESS: bad path in {address!r}")
-        return listen_unix(path), None
-    raise ValueError(f"BRIDGE_ADDRESS is ('tcp', host, port), ('tls', host, port, file) or ('unix', path), not {address!r}")
-
-
 class Tls:
     """Mutual TLS 1.3 with the session's certificate, read from the connection file: the
     listener presents it, and takes a connection only from a peer that presents that very
     certificate (the gateway). Nothing is read from a peer before that."""
 
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         with open(path, "rb") as f:
             data = f.read(CONNECTION_FILE_MAX + 1)
         if len(data) > CONNECTION_FILE_MAX:
@@ -559,14 +527,14 @@ class TlsStream:
     writer thread may use it at once (an SSLSocket may not be used so). Records leave in
     order: whoever sends holds send_lock, then lock (the TLS state) to take them."""
 
-    def __init__(self, sock, tls):
+    def __init__(self, sock: socket.socket, tls: Tls) -> None:
         self.sock = sock
         self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.tls = tls.context.wrap_bio(self.incoming, self.outgoing, server_side=True)
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
 
-    def handshake(self, deadline):
+    def handshake(self, deadline: float) -> bytes | None:
         """The peer's certificate (DER) once the handshake is done; OSError if it fails."""
         while True:
             try:
@@ -586,25 +554,26 @@ class TlsStream:
         self.flush()
         return self.tls.getpeercert(binary_form=True)
 
-    def flush(self):
+    def flush(self) -> None:
         with self.send_lock:
             with self.lock:
                 data = self.outgoing.read()
             if data:
                 self.sock.sendall(data)
 
-    def sendall(self, data):
+    def sendall(self, data: bytes) -> None:
         with self.send_lock:
             with self.lock:
                 view = memoryview(data)
                 while view:
-                    view = view[self.tls.write(view):]
+                    view = view[self.tls.write(view) :]
                 out = self.outgoing.read()
             self.sock.sendall(out)
 
-    def recv(self, size):
+    def recv(self, size: int) -> bytes:
         while True:
             with self.lock:
+                data: bytes | None
                 try:
                     data = self.tls.read(size)
                 except ssl.SSLWantReadError:
@@ -622,16 +591,57 @@ class TlsStream:
             with self.lock:
                 self.incoming.write(raw)
 
-    def shutdown(self, how):
+    def shutdown(self, how: int) -> None:
         self.sock.shutdown(how)
 
-    def close(self):
+    def close(self) -> None:
         self.sock.close()
 
 
-def listen_unix(path):
+def listen(address: Any) -> tuple[socket.socket, Tls | None]:
+    """A listening socket, and the TLS it requires (None: none), at ("tcp", host, port),
+    ("tls", host, port, connection_file) or ("unix", path)."""
+    is_sequence = isinstance(address, (tuple, list))
+    if is_sequence and len(address) in (3, 4) and address[0] in ("tcp", "tls"):
+        host, port = address[1], address[2]
+        if not isinstance(host, str) or type(port) is not int or not 0 <= port < 65536:
+            raise ValueError(f"BRIDGE_ADDRESS: bad host or port in {address!r}")
+        tls = None
+        if address[0] == "tls":
+            if len(address) != 4 or not isinstance(address[3], str):
+                raise ValueError(
+                    f"BRIDGE_ADDRESS: ('tls', host, port, connection_file), not {address!r}"
+                )
+            tls = Tls(address[3])
+        elif len(address) != 3:
+            raise ValueError(f"BRIDGE_ADDRESS: ('tcp', host, port), not {address!r}")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind((host, port))
+            sock.listen(8)
+        except BaseException:
+            sock.close()
+            raise
+        return sock, tls
+    if is_sequence and len(address) == 2 and address[0] == "unix":
+        path = address[1]
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"BRIDGE_ADDRESS: bad path in {address!r}")
+        return listen_unix(path), None
+    raise ValueError(
+        "BRIDGE_ADDRESS is ('tcp', host, port), ('tls', host, port, file) or ('unix', path),"
+        f" not {address!r}"
+    )
+
+
+def listen_unix(path: str) -> socket.socket:
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, mode=0o700, exist_ok=True)
+    mode: int | None
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -661,16 +671,20 @@ def listen_unix(path):
 class Connection:
     """One gateway connection: its socket, its calls in flight, a reader and a writer."""
 
-    def __init__(self, bridge, sock):
+    def __init__(self, bridge: "Bridge", sock: socket.socket | TlsStream) -> None:
         self.sock = sock
-        self.pending = {}  # id -> waiter, under the bridge's lock
-        self.closed = None  # why, once closed
+        self.pending: dict[int, Waiter | AsyncWaiter] = {}  # under the bridge's lock
+        self.closed: str | None = None  # why, once closed
         self.ready = False  # its hello is applied
-        self.outbox = queue.SimpleQueue()
-        self.writer = threading.Thread(target=self.write, args=(bridge,), name="mcp-forge-bridge-writer", daemon=True)
-        self.reader = threading.Thread(target=bridge.read, args=(self,), name="mcp-forge-bridge-reader", daemon=True)
+        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.writer = threading.Thread(
+            target=self.write, args=(bridge,), name="mcp-forge-bridge-writer", daemon=True
+        )
+        self.reader = threading.Thread(
+            target=bridge.read, args=(self,), name="mcp-forge-bridge-reader", daemon=True
+        )
 
-    def write(self, bridge):
+    def write(self, bridge: "Bridge") -> None:
         # Frames leave from this thread only: an interrupted caller never cuts one in half.
         while True:
             data = self.outbox.get()
@@ -683,34 +697,42 @@ class Connection:
                 return
 
 
+class Listener(threading.Thread):
+    """The thread that accepts the gateway's connections."""
+
+    def __init__(self, bridge: "Bridge", lsock: socket.socket, tls: Tls | None) -> None:
+        super().__init__(
+            target=bridge.accept, args=(lsock, tls), name="mcp-forge-bridge", daemon=True
+        )
+        self.mcp_forge_bridge = bridge  # how the bootstrap finds it if sys.modules lost it
+
+
 class Bridge:
     """The listener, the current connection, the tools of its hello, the calls in flight."""
 
-    def __init__(self, module):
+    def __init__(self, module: types.ModuleType) -> None:
         self.module = module
         self.aio = Namespace("mcp_tools.aio", {})
         self.lock = threading.Lock()  # guards everything below, and each connection's pending
         self.changed = threading.Condition(self.lock)
         self.ids = itertools.count(1)
-        self.listener = None
-        self.conn = None
-        self.last_reason = None
-        self.catalog = {}  # server identifier -> Server
+        self.listener: Listener | None = None
+        self.conn: Connection | None = None
+        self.last_reason: str | None = None
+        self.catalog: dict[str, Server] = {}  # server identifier -> Server
 
     # -- the connection ---------------------------------------------------------------
 
-    def start(self, address):
+    def start(self, address: Any) -> None:
         """Listen at address, unless already listening (then address is not looked at)."""
         with self.lock:
             if self.listener is not None and self.listener.is_alive():
                 return
             lsock, tls = listen(address)
-            thread = threading.Thread(target=self.accept, args=(lsock, tls), name="mcp-forge-bridge", daemon=True)
-            thread.mcp_forge_bridge = self  # how the bootstrap finds it if sys.modules lost it
-            self.listener = thread
-            thread.start()
+            self.listener = Listener(self, lsock, tls)
+            self.listener.start()
 
-    def accept(self, lsock, tls):
+    def accept(self, lsock: socket.socket, tls: Tls | None) -> None:
         while True:
             try:
                 sock, _ = lsock.accept()
@@ -723,11 +745,16 @@ class Bridge:
             if tls is None:
                 self.adopt(sock)
             elif tls.slots.acquire(blocking=False):
-                threading.Thread(target=self.authenticate, args=(sock, tls), name="mcp-forge-bridge-tls", daemon=True).start()
+                threading.Thread(
+                    target=self.authenticate,
+                    args=(sock, tls),
+                    name="mcp-forge-bridge-tls",
+                    daemon=True,
+                ).start()
             else:
                 sock.close()  # handshakes pile up: a flood, not the gateway
 
-    def authenticate(self, sock, tls):
+    def authenticate(self, sock: socket.socket, tls: Tls) -> None:
         """Adopt sock once its peer proved it is the gateway (mutual TLS, the session's own
         certificate); else close it, having read nothing from it."""
         try:
@@ -747,13 +774,14 @@ class Bridge:
         finally:
             tls.slots.release()
 
-    def adopt(self, sock, stream=None):
+    def adopt(self, sock: socket.socket, stream: TlsStream | None = None) -> None:
         """sock (or the TLS stream over it) is the connection now; the one before it
         closes, failing its calls."""
         sock.settimeout(SEND_TIMEOUT)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a gateway that vanished
+            # Keep-alive: a gateway that vanished is noticed.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
                 if hasattr(socket, option):
                     sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
@@ -767,7 +795,7 @@ class Bridge:
         conn.writer.start()
         conn.reader.start()
 
-    def close(self, conn, reason):
+    def close(self, conn: Connection, reason: str) -> None:
         """Close conn (once; the first reason stays) and fail its calls with reason."""
         with self.lock:
             if conn.closed is not None:
@@ -782,11 +810,12 @@ class Bridge:
             conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; the reader closes the socket
         conn.outbox.put(None)
         for waiter in pending.values():
-            waiter.deliver(None, ToolError(reason, server=waiter.server, tool=waiter.tool, kind="unavailable"))
+            error = ToolError(reason, server=waiter.server, tool=waiter.tool, kind="unavailable")
+            waiter.deliver(None, error)
 
-    def read(self, conn):
+    def read(self, conn: Connection) -> None:
         reason = CLOSED
-        buffer = bytearray()
+        frames = framing.FrameReader(MAX_RESULT)
         try:
             while conn.closed is None:
                 try:
@@ -798,17 +827,16 @@ class Bridge:
                     break
                 if not chunk:
                     break
-                buffer += chunk
-                for frame in frames(buffer):
+                for frame in frames.feed(chunk):
                     self.dispatch(conn, frame)
-        except ProtocolError as exc:
+        except (framing.FrameError, ProtocolError) as exc:
             reason = f"{CLOSED}: the gateway sent {exc}"
         finally:
             self.close(conn, reason)
             conn.writer.join(SEND_TIMEOUT)
             conn.sock.close()
 
-    def dispatch(self, conn, frame):
+    def dispatch(self, conn: Connection, frame: dict[str, Any]) -> None:
         kind = frame.get("type")
         if not conn.ready and kind != "hello":
             raise ProtocolError("a first frame that is not a hello")
@@ -818,37 +846,52 @@ class Bridge:
             self.result(conn, frame)
         # Other types are for later versions of the gateway: ignored.
 
-    def hello(self, conn, frame):
+    def hello(self, conn: Connection, frame: dict[str, Any]) -> None:
         listed = frame.get("servers")
         if not isinstance(listed, dict):
             raise ProtocolError("a hello without a servers object")
         if len(listed) > MAX_SERVERS:
-            raise ProtocolError(f"a hello of {len(listed)} servers, over the limit of {MAX_SERVERS}")
-        specs, unavailable = {}, {}
+            raise ProtocolError(
+                f"a hello of {len(listed)} servers, over the limit of {MAX_SERVERS}"
+            )
+        specs: dict[str, dict[str, Any]] = {}
+        unavailable: dict[str, str | None] = {}
         for name, server in listed.items():
             tools = server.get("tools") if isinstance(server, dict) else None
             if not isinstance(tools, list):
-                raise ProtocolError(f"a hello whose server {clip(name, 100)!r} has no list of tools")
+                raise ProtocolError(
+                    f"a hello whose server {clip(name, 100)!r} has no list of tools"
+                )
             if len(tools) > MAX_TOOLS:
-                raise ProtocolError(f"a hello whose server {clip(name, 100)!r} has {len(tools)} tools, over the limit of {MAX_TOOLS}")
+                raise ProtocolError(
+                    f"a hello whose server {clip(name, 100)!r} has {len(tools)} tools,"
+                    f" over the limit of {MAX_TOOLS}"
+                )
             if len(name) > MAX_NAME:
                 continue
             by_name = {}
             for tool in tools:
                 tool_name = tool.get("name") if isinstance(tool, dict) else None
-                if isinstance(tool_name, str) and 0 < len(tool_name) <= MAX_NAME and tool_name not in by_name:
+                if (
+                    isinstance(tool_name, str)
+                    and 0 < len(tool_name) <= MAX_NAME
+                    and tool_name not in by_name
+                ):
                     by_name[tool_name] = tool
             specs[name] = by_name
             unavailable[name] = clip(server.get("unavailable"), MAX_MESSAGE) or None
         idents = identifiers(list(specs), OWN_NAMES)
-        catalog = {idents[name]: Server(self, name, idents[name], specs[name], unavailable[name]) for name in specs}
+        catalog = {
+            idents[name]: Server(self, name, idents[name], specs[name], unavailable[name])
+            for name in specs
+        }
         with self.lock:
             conn.ready = True
             if self.conn is conn:
                 self.publish(catalog)
             self.changed.notify_all()
 
-    def publish(self, catalog):
+    def publish(self, catalog: dict[str, Server]) -> None:
         """Put catalog's servers on mcp_tools and mcp_tools.aio, in place of the last ones."""
         module, aio = self.module.__dict__, self.aio.__dict__
         for ident in self.catalog:
@@ -859,7 +902,7 @@ class Bridge:
             aio[ident] = server.aio_namespace
         self.catalog = catalog
 
-    def result(self, conn, frame):
+    def result(self, conn: Connection, frame: dict[str, Any]) -> None:
         call_id = frame.get("id")
         if type(call_id) is not int or call_id <= 0:
             raise ProtocolError("a result without a positive integer id")
@@ -870,22 +913,33 @@ class Bridge:
 
     # -- calls ------------------------------------------------------------------------
 
-    def request(self, tool, arguments):
+    def request(self, tool: Tool, arguments: dict[str, Any]) -> tuple[int, bytes]:
         """A new call id and the call's frame, or TypeError/ValueError if it cannot go."""
         call_id = next(self.ids)
         label = f"mcp_tools.{tool.qualname}()"
-        frame = {"v": VERSION, "type": "call", "id": call_id, "server": tool.server, "tool": tool.name, "arguments": arguments}
+        frame = {
+            "v": VERSION,
+            "type": "call",
+            "id": call_id,
+            "server": tool.server,
+            "tool": tool.name,
+            "arguments": arguments,
+        }
         try:
-            data = frame_bytes(frame)
-        except TypeError as exc:
-            raise TypeError(f"{label}: an argument is not JSON: {exc}") from None
-        except (ValueError, RecursionError) as exc:
-            raise ValueError(f"{label}: the arguments cannot be sent as JSON: {exc}") from None
+            data = framing.encode(frame)
+        except ValueError as exc:  # its __cause__ is what json raised
+            cause = exc.__cause__ or exc
+            if isinstance(cause, TypeError):
+                raise TypeError(f"{label}: an argument is not JSON: {cause}") from None
+            raise ValueError(f"{label}: the arguments cannot be sent as JSON: {cause}") from None
         if len(data) - 4 > MAX_REQUEST:
-            raise ValueError(f"{label}: the request is {len(data) - 4} bytes of JSON, over the MCP bridge's limit of {MAX_REQUEST} (1 MiB)")
+            raise ValueError(
+                f"{label}: the request is {len(data) - 4} bytes of JSON, over the MCP bridge's"
+                f" limit of {MAX_REQUEST} (1 MiB)"
+            )
         return call_id, data
 
-    def register(self, call_id, waiter):
+    def register(self, call_id: int, waiter: Waiter | AsyncWaiter) -> Connection:
         with self.changed:
             if self.conn is None and self.last_reason is not None:
                 # The gateway closed the connection (it refused a frame): it dials again.
@@ -899,14 +953,14 @@ class Bridge:
             conn.pending[call_id] = waiter
             return conn
 
-    def abandon(self, conn, call_id):
+    def abandon(self, conn: Connection, call_id: int) -> None:
         """The caller stopped waiting: if the call is still open, cancel it upstream."""
         with self.lock:
             if conn.pending.pop(call_id, None) is None:
                 return
-        conn.outbox.put(frame_bytes({"v": VERSION, "type": "cancel", "id": call_id}))
+        conn.outbox.put(framing.encode({"v": VERSION, "type": "cancel", "id": call_id}))
 
-    def call(self, tool, arguments):
+    def call(self, tool: Tool, arguments: dict[str, Any]) -> Any:
         call_id, data = self.request(tool, arguments)
         waiter = Waiter(tool.server, tool.name)
         conn = None
@@ -919,7 +973,7 @@ class Bridge:
                 self.abandon(conn, call_id)
             raise
 
-    async def acall(self, tool, arguments):
+    async def acall(self, tool: Tool, arguments: dict[str, Any]) -> Any:
         call_id, data = self.request(tool, arguments)
         waiter = AsyncWaiter(asyncio.get_running_loop(), tool.server, tool.name)
         conn = None
@@ -934,27 +988,32 @@ class Bridge:
 
     # -- looking ----------------------------------------------------------------------
 
-    def servers(self):
+    def servers(self) -> dict[str, list[str]]:
         with self.lock:
             return {ident: sorted(server.tools) for ident, server in sorted(self.catalog.items())}
 
-    def describe(self, name):
+    def describe(self, name: str | None) -> str:
         with self.lock:
             catalog = dict(self.catalog)
             connected = self.conn is not None
         chosen = [s for s in catalog.values() if name is None or name in (s.ident, s.name)]
         if name is not None and not chosen:
-            raise ValueError(f"no MCP server {name!r}; there are: {', '.join(sorted(catalog)) or 'none'}")
+            known = ", ".join(sorted(catalog)) or "none"
+            raise ValueError(f"no MCP server {name!r}; there are: {known}")
         if not chosen:
-            return "# No MCP tools: " + ("the gateway lists no servers" if connected else NOT_CONNECTED) + ".\n"
-        out = ['"""MCP tools: mcp_tools.<server>.<tool>(...), or await mcp_tools.<server>.<tool>.aio(...)."""']
+            why = "the gateway lists no servers" if connected else NOT_CONNECTED
+            return "# No MCP tools: " + why + ".\n"
+        out = [
+            '"""MCP tools: mcp_tools.<server>.<tool>(...),'
+            ' or await mcp_tools.<server>.<tool>.aio(...)."""'
+        ]
         for server in chosen:
             out += ["", "", f"class {server.ident}:", docstring(f"MCP server {server.name!r}.", 4)]
             for tool in server.tools.values():
                 out += ["", f"    def {tool.ident}{tool.signature}:", docstring(tool.doc, 8)]
         return "\n".join(out) + "\n"
 
-    def wait_connected(self, timeout):
+    def wait_connected(self, timeout: float) -> bool:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
             raise ValueError(f"timeout is a number of seconds, not {timeout!r}")
         with self.changed:
@@ -964,7 +1023,7 @@ class Bridge:
 BRIDGE = Bridge(types.ModuleType("mcp_tools", __doc__))
 
 
-def servers():
+def servers() -> dict[str, list[str]]:
     """The MCP servers and their tools, by the Python names mcp_tools gives them.
 
     Returns {server: [tool, ...]}, sorted. describe() shows the names the servers use.
@@ -972,7 +1031,7 @@ def servers():
     return BRIDGE.servers()
 
 
-def describe(server=None):
+def describe(server: str | None = None) -> str:
     """Every tool's stub as Python source: def lines and docstrings, a class per server.
 
     server: only that one, by its Python name or its own. Without a connection the text
@@ -981,7 +1040,7 @@ def describe(server=None):
     return BRIDGE.describe(server)
 
 
-def wait_connected(timeout=10.0):
+def wait_connected(timeout: float = 10.0) -> bool:
     """Wait up to timeout seconds for the gateway's connection and its list of tools.
 
     True once a connection is open and its tools are on mcp_tools, else False.
@@ -996,41 +1055,4 @@ BRIDGE.module.__dict__.update(
     wait_connected=wait_connected,
     aio=BRIDGE.aio,
     __mcp_forge_bridge__=BRIDGE,
-)
-'''
-
-# Run in the gateway's private namespace: finds the running bridge (sys.modules, else its
-# listener thread) or builds one, and deletes its own name whatever happens.
-_BOOTSTRAP = r"""
-def _mcp_forge_bridge(address, body):
-    import builtins, sys, threading
-    bridge = getattr(sys.modules.get("mcp_tools"), "__mcp_forge_bridge__", None)
-    if bridge is None:
-        for thread in threading.enumerate():
-            bridge = getattr(thread, "mcp_forge_bridge", None)
-            if bridge is not None:
-                break
-    if bridge is None:
-        namespace = {"__name__": "mcp_tools", "__builtins__": builtins}
-        exec(compile(body, "<mcp_tools>", "exec"), namespace)
-        bridge = namespace["BRIDGE"]
-    bridge.start(address)
-    sys.modules["mcp_tools"] = bridge.module
-
-
-try:
-    _mcp_forge_bridge(BRIDGE_ADDRESS, @BODY@)
-finally:
-    del _mcp_forge_bridge
-"""
-
-SOURCE: str = _BOOTSTRAP.replace(
-    "@BODY@",
-    repr(
-        _BODY.replace("@VERSION@", str(VERSION))
-        .replace("@KERNEL_FRAME_MAX@", str(KERNEL_FRAME_MAX))
-        .replace("@GATEWAY_FRAME_MAX@", str(GATEWAY_FRAME_MAX))
-        .replace("@BRIDGE_CERT@", repr(BRIDGE_CERT))
-        .replace("@BRIDGE_KEY@", repr(BRIDGE_KEY))
-    ),
 )
