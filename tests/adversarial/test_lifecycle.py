@@ -104,6 +104,25 @@ async def test_an_oom_kill_after_trouble_is_named_with_its_limit(state_dir: Path
         assert await value(c, "5 + 5", session_id=sid) == 10
 
 
+async def test_a_death_is_named_when_the_supervisor_restarts_the_kernel_first(
+    state_dir: Path,
+) -> None:
+    """Housekeeping every 0.2 s: the supervisor finds the dead kernel and starts a new one
+    while the call still waits, and the new kernel answers heartbeats on the same sockets.
+    The call must still say the kernel died (the state that once made deaths late in a
+    long run read as timeouts), within seconds."""
+    async with gateway(state_dir, args=("--cull-interval", "0.2")) as c:
+        await run(c, "kept = 1")
+        started = time.monotonic()
+        r = await run(c, "import os, time; time.sleep(0.5); os._exit(1)", timeout=60)
+        took = time.monotonic() - started
+        assert r["status"] == "died", r["_text"][:2000]
+        assert "interrupt" not in r["message"] and "timeout" not in r["message"], r["message"]
+        assert took < NAMED_WITHIN, f"the death was named after {took:.1f} s"
+        assert r["state_lost"] is True
+        assert await value(c, "'kept' in dir()") is False
+
+
 async def test_a_death_on_a_fresh_session_is_named(state_dir: Path) -> None:
     """The baseline: os._exit(1) on a fresh session is a death."""
     async with gateway(state_dir) as c:
