@@ -30,11 +30,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .connection import Address
-from .errors import KernelProtocolError
+from .errors import KernelProtocolError, UpstreamError
 from .kernelside.framing import KERNEL_FRAME_MAX, FrameError, FrameReader, encode
 from .keys import BridgeCert, bridge_client_context
 from .policy import Meter, ServerPolicy
-from .upstream import Upstream, UpstreamError, result_frame
+from .upstream import Upstream, result_frame
 
 log = logging.getLogger("mcp_forge.bridge")
 

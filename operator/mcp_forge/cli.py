@@ -426,12 +426,13 @@ def gateway(
     MCPFORGE_SESSION_NAMESPACE, default mcp-forge-sessions) and the operator keeps
     them; the gateway holds no state, so sessions outlive it and any replica serves them.
     """
+    from .errors import UpstreamError
     from .gateway import Gateway
     from .mcp_server import HttpServer, build_server, http_app, serve_stdio
     from .sessions import SessionService
     from .supervisor import supervise
     from .tokens import load as load_tokens
-    from .upstream import UpstreamError, UpstreamPool, load_config
+    from .upstream import UpstreamPool, load_config
 
     def say(message: str) -> None:
         click.echo(message, err=True)

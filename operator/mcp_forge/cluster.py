@@ -29,8 +29,8 @@ from .connection import (
     ConnectionInfo,
     connection_from_file,
 )
-from .errors import InvalidSession, KernelProtocolError, SessionNotFound, SessionNotReady
-from .kube import BUSY_PREFIX, RESTART, ApiError, Kube, connection_file_of, key_of
+from .errors import ApiError, InvalidSession, KernelProtocolError, SessionNotFound, SessionNotReady
+from .kube import BUSY_PREFIX, RESTART, Kube, connection_file_of, key_of
 from .render import child_name, secret_name
 from .resource import KernelSession
 from .runtime import Termination

@@ -28,9 +28,9 @@ import kopf
 
 from . import resource
 from .connection import PORTS, ConnectionInfo, new_key
-from .errors import InvalidSession
+from .errors import ApiError, InvalidSession
 from .keys import new_bridge_cert, new_curve_keys, usable_keys
-from .kube import BUSY_PREFIX, RESTART, ApiError, Kube, connection_file_of, key_of, parse_time
+from .kube import BUSY_PREFIX, RESTART, Kube, connection_file_of, key_of, parse_time
 from .observe import Observation, observe, ready_condition
 from .render import (
     LABEL_COMPONENT,

@@ -7,7 +7,13 @@
     ├── SessionNotReady         it exists, but its kernel cannot take work now
     ├── KernelProtocolError     the kernel sent something we refuse (too large, malformed)
     ├── ImageError              the kernel image is missing or could not be built
-    └── PodmanError             a podman command failed (carries its stderr)
+    ├── PodmanError             a podman command failed (carries its stderr)
+    ├── ApiError                the Kubernetes API refused a request or was not reached
+    └── UpstreamError           an upstream MCP server was not reached or did not answer
+
+Code mode's framing raises kernelside.framing.FrameError, a plain ValueError: that module
+runs inside the kernel too, where nothing of ours is installed; bridge.py catches it
+where it reads a kernel's frames.
 
 Errors of the *user's code* are never exceptions: they are data in the execution
 result (status "error", "timeout", "died", ...).
@@ -56,3 +62,24 @@ class PodmanError(ForgeError):
         super().__init__(f"podman {cmd!s} failed ({returncode}): {stderr.strip()[-2000:]}")
         self.returncode = returncode
         self.stderr = stderr
+
+
+class ApiError(ForgeError):
+    """The Kubernetes API refused a request or could not be reached."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"Kubernetes API: {status} {reason}: {message}"[:2000])
+        self.status = status
+        self.reason = reason
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409
+
+
+class UpstreamError(ForgeError):
+    """An upstream server could not be reached or did not answer in time."""

@@ -22,7 +22,7 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from .errors import ForgeError
+from .errors import ApiError
 from .resource import API_VERSION
 
 log = logging.getLogger(__name__)
@@ -78,23 +78,6 @@ def key_of(secret: dict[str, Any] | None) -> str | None:
     """The HMAC key in a connection Secret, if it holds a readable one."""
     key = (connection_file_of(secret) or {}).get("key")
     return key if isinstance(key, str) and len(key) >= 32 else None
-
-
-class ApiError(ForgeError):
-    """The Kubernetes API refused a request or could not be reached."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"Kubernetes API: {status} {reason}: {message}"[:2000])
-        self.status = status
-        self.reason = reason
-
-    @property
-    def not_found(self) -> bool:
-        return self.status == 404
-
-    @property
-    def conflict(self) -> bool:
-        return self.status == 409
 
 
 def _error(exc: ApiException) -> ApiError:

@@ -41,7 +41,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp_types import CallToolResult, ImageContent, TextContent
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, UpstreamError
 from .policy import Meter
 
 log = logging.getLogger(__name__)
@@ -150,10 +150,6 @@ def load_config(path: str | Path) -> dict[str, ServerConfig]:
     except ValueError as exc:
         raise InvalidRequest(f"the MCP config {p} is not JSON: {exc}") from None
     return parse_config(data, source=str(p))
-
-
-class UpstreamError(Exception):
-    """An upstream server could not be reached or did not answer in time."""
 
 
 @dataclass

@@ -20,9 +20,10 @@ from typing import Any
 import kopf
 
 from mcp_forge.connection import ConnectionInfo, connection_from_file
+from mcp_forge.errors import ApiError
 from mcp_forge.execution import Collector
 from mcp_forge.kernel import KernelConnection
-from mcp_forge.kube import ApiError, Kube, connection_file_of
+from mcp_forge.kube import Kube, connection_file_of
 
 KS = "KernelSession"
 KERNEL_DEADLINE = 60.0
