@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .sandbox import WORKSPACE
+
 Status = Literal["ok", "error", "timeout", "interrupted", "died"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
@@ -35,7 +37,6 @@ DISPLAY_OVERHEAD = 200  # bytes charged per display against the data budget
 DISPLAYS_MAX = 1_000  # displays kept per call
 RESULT_TEXT_MIN = 2_000  # text of the execute_result kept even when streams used the budget
 OUTPUT_DIR = ".mcp-forge/outputs"  # in the workspace: one full-output file per call
-WORKSPACE = "/workspace"
 GUARD_KEY = "mcp-forge"  # the guard's report in an execute_reply's metadata
 
 

@@ -33,7 +33,6 @@ from .execution import (
     GUARD_KEY,
     OUTPUT_DIR,
     TRACEBACK_MAX,
-    WORKSPACE,
     Collector,
     ExecutionResult,
     Status,
@@ -44,6 +43,7 @@ from .kube import parse_time
 from .policy import policies_of
 from .resource import KernelSession
 from .runtime import Runtime
+from .sandbox import WORKSPACE
 from .sessions import owner_of
 from .settings import Settings
 from .upstream import Upstream, UpstreamPool

@@ -38,9 +38,9 @@ from pathlib import Path
 
 from . import __version__, podman
 from .errors import ImageError, InvalidRequest, PodmanError
+from .sandbox import KERNEL_UID, WORKSPACE, kernel_image
 
 VARIANTS = ("minimal", "default")
-REPOSITORY = "localhost/mcp-forge-kernel"
 
 # Exact pins; the Containerfile repeats them (a test keeps the two equal).
 # Transitive dependencies float; each image records what it got in
@@ -79,7 +79,6 @@ WHEEL_PLATFORMS = (
     "any",
 )
 
-SANDBOX_UID = 1000
 KERNEL_VENV = "/opt/kernel"
 KERNEL_ENTRYPOINT = ("/usr/bin/tini", "--")
 # ipykernel_launcher, except that the connection file is never written: it is a
@@ -96,7 +95,7 @@ KERNEL_LAUNCH = (
 KERNEL_CMD = ("python", "-P", "-c", KERNEL_LAUNCH, "-f", "/etc/mcp-forge/connection.json")
 KERNEL_ENV: dict[str, str] = {
     "PATH": f"{KERNEL_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/workspace",
+    "HOME": WORKSPACE,
     "LANG": "C.UTF-8",
     # The root filesystem is read-only in a pod: everything that caches goes to /tmp, but
     # IPython's directory is one the kernel cannot write (see render.IPYTHON_DIR).
@@ -105,7 +104,6 @@ KERNEL_ENV: dict[str, str] = {
     "PYTHONDONTWRITEBYTECODE": "1",
     "MPLBACKEND": "module://matplotlib_inline.backend_inline",
 }
-KERNEL_WORKDIR = "/workspace"
 INPUTS_LABEL = "dev.mcpforge.inputs"
 VARIANT_LABEL = "dev.mcpforge.variant"
 
@@ -146,8 +144,7 @@ class BuildResult:
 def image_ref(variant: str = "default") -> str:
     """The tag of a variant's image: `localhost/mcp-forge-kernel:0.1.0[-minimal]`."""
     _check_variant(variant)
-    suffix = "" if variant == "default" else f"-{variant}"
-    return f"{REPOSITORY}:{__version__}{suffix}"
+    return kernel_image(variant)
 
 
 def inputs_hash(variant: str) -> str:
@@ -160,7 +157,7 @@ def inputs_hash(variant: str) -> str:
             "platforms": WHEEL_PLATFORMS,
             "requirements": REQUIREMENTS[variant],
             "variant": variant,
-            "uid": SANDBOX_UID,
+            "uid": KERNEL_UID,
             "changes": _import_changes(variant, ""),
         }
     )
@@ -389,7 +386,7 @@ async def _smoke_test_and_tag(variant: str, image_id: str, ref: str) -> None:
     code = (
         "import os, sys\n"
         f"import {', '.join(modules)}\n"
-        f"assert os.getuid() == {SANDBOX_UID}, os.getuid()\n"
+        f"assert os.getuid() == {KERNEL_UID}, os.getuid()\n"
         f"assert sys.prefix == {KERNEL_VENV!r}, sys.prefix\n"
     )
     tagged = False
@@ -472,8 +469,8 @@ def _import_changes(variant: str, inputs: str) -> list[str]:
         f"ENTRYPOINT {json.dumps(list(KERNEL_ENTRYPOINT))}",
         f"CMD {json.dumps(list(KERNEL_CMD))}",
         *(f"ENV {key}={value}" for key, value in KERNEL_ENV.items()),
-        f"USER {SANDBOX_UID}",
-        f"WORKDIR {KERNEL_WORKDIR}",
+        f"USER {KERNEL_UID}",
+        f"WORKDIR {WORKSPACE}",
         f"LABEL {VARIANT_LABEL}={variant}",
         f"LABEL org.opencontainers.image.version={__version__}",
         f"LABEL {INPUTS_LABEL}={inputs}",
@@ -508,7 +505,7 @@ def _link_tree(source: Path, target: Path) -> None:
 def _finish_rootfs(rootfs: Path) -> None:
     """Add the sandbox user and its directories; drop apt's caches and logs."""
     etc = rootfs / "etc"
-    uid = SANDBOX_UID
+    uid = KERNEL_UID
     entries = {
         "passwd": f"sandbox:x:{uid}:{uid}:MCP-Forge sandbox:/home/sandbox:/bin/sh",
         "group": f"sandbox:x:{uid}:",
@@ -527,7 +524,7 @@ def _finish_rootfs(rootfs: Path) -> None:
         path.write_text(text + line + "\n")
     for directory, owner in (
         (rootfs / "home" / "sandbox", uid),
-        (rootfs / KERNEL_WORKDIR.lstrip("/"), uid),
+        (rootfs / WORKSPACE.lstrip("/"), uid),
         (rootfs / "run" / "mcp-forge", 0),
         (rootfs / "etc" / "mcp-forge", 0),
     ):

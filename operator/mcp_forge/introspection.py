@@ -23,8 +23,7 @@ from typing import Any
 
 from .errors import InvalidRequest, KernelProtocolError
 from .kernelside import source
-
-WORKSPACE = "/workspace"
+from .sandbox import WORKSPACE
 
 
 def program(op: str, **args: Any) -> tuple[str, str]:

@@ -69,7 +69,6 @@ from .image import missing_image_message
 from .kernel import KernelConnection
 from .render import (
     CONTAINER,
-    KERNEL_UID,
     SECCOMP_PROFILE_ROOT,
     HostPaths,
     podman_pod_name,
@@ -78,6 +77,7 @@ from .render import (
 from .resource import KernelSession, parse_quantity
 from .restarts import QUICK_DEATH, local_backoff, local_gives_up
 from .runtime import Termination, termination_of
+from .sandbox import KERNEL_UID
 from .settings import Settings
 from .store import Claimed, Store
 

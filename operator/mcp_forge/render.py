@@ -23,13 +23,12 @@ from typing import Any, Literal
 from .connection import BRIDGE_PORT, CONF_DIR_IN_POD, PORTS, RUN_DIR_IN_POD, ConnectionInfo
 from .image import KERNEL_CMD
 from .resource import API_VERSION, KIND, KernelSession, parse_quantity
+from .sandbox import KERNEL_UID, WORKSPACE
 
 Target = Literal["kubernetes", "podman"]
 TARGETS: tuple[Target, ...] = ("kubernetes", "podman")
 
-KERNEL_UID = 1000
 CONTAINER = "kernel"
-WORKSPACE = "/workspace"
 SHARED = "/shared"
 MANAGED_BY = "mcp-forge"
 LABEL_SESSION = "mcpforge.dev/session"

@@ -19,8 +19,8 @@ from typing import Any
 import jsonschema
 import yaml
 
-from . import __version__
 from .errors import InvalidSession
+from .sandbox import kernel_image
 
 GROUP = "mcpforge.dev"
 VERSION = "v1alpha1"
@@ -310,4 +310,4 @@ def parse_documents(text: str) -> list[dict[str, Any]]:
 
 
 def default_image() -> str:
-    return f"localhost/mcp-forge-kernel:{__version__}"
+    return kernel_image()

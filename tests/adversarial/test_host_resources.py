@@ -20,8 +20,8 @@ import pytest
 
 from mcp_forge.errors import SessionNotFound
 from mcp_forge.local import LocalRuntime
-from mcp_forge.render import KERNEL_UID
 from mcp_forge.resource import KernelSession
+from mcp_forge.sandbox import KERNEL_UID
 from mcp_forge.settings import Settings
 from mcp_forge.volumes import TMP_INODES, TMP_SIZE, workspace_inodes
 from support import scratch_state_dir

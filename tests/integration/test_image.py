@@ -19,9 +19,7 @@ from mcp_forge.image import (
     KERNEL_CMD,
     KERNEL_ENTRYPOINT,
     KERNEL_ENV,
-    KERNEL_WORKDIR,
     REQUIREMENTS,
-    SANDBOX_UID,
     VARIANTS,
     build_image,
     image_ref,
@@ -29,6 +27,7 @@ from mcp_forge.image import (
     inputs_hash,
     missing_image_message,
 )
+from mcp_forge.sandbox import KERNEL_UID, WORKSPACE
 
 CONTAINERFILE = Path(__file__).parents[2] / "images" / "Containerfile"
 
@@ -60,8 +59,8 @@ def test_the_containerfile_sets_the_same_env_entrypoint_cmd_user_and_workdir() -
     }
     assert json.loads(instruction["ENTRYPOINT"]) == list(KERNEL_ENTRYPOINT)
     assert json.loads(instruction["CMD"]) == list(KERNEL_CMD)
-    assert instruction["USER"] == str(SANDBOX_UID)
-    assert instruction["WORKDIR"] == KERNEL_WORKDIR
+    assert instruction["USER"] == str(KERNEL_UID)
+    assert instruction["WORKDIR"] == WORKSPACE
     assert f"org.opencontainers.image.version={__version__}" in text
 
 

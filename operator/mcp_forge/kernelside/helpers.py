@@ -39,7 +39,6 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-ROOT_DEFAULT = "/workspace"
 NAME_MAX = 200  # characters of a variable's name or type returned
 SCAN_MAX = 100_000  # directory entries read to list or prune one directory
 DESCRIBE_SECONDS = 2.0  # time for one variable's description (repr, len, shape, ...)
@@ -469,7 +468,7 @@ def run(a: dict[str, Any], get_ipython: Callable[[], Any] | None) -> dict[str, A
             return inspect(get_ipython(), str(a["var"]), int(a["repr_max"]))
         if op not in ("list", "read", "write", "prune"):
             raise Refused("UnknownOp", str(op)[:100])
-        tree = Tree(str(a.get("root", ROOT_DEFAULT)))
+        tree = Tree(str(a["root"]))  # the workspace: the gateway names it (sandbox.py)
         try:
             path = str(a["path"])
             if op == "list":
