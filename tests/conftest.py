@@ -50,7 +50,7 @@ def images() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def runtime(settings: Settings, images: dict[str, str]) -> Any:
-    from mcp_forge.local import LocalRuntime
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
 
     return LocalRuntime(settings)
 
@@ -85,7 +85,7 @@ async def make_session(runtime: Any, images: dict[str, str]) -> AsyncIterator[Se
 
 @pytest.fixture
 async def gateway(runtime: Any, settings: Settings) -> AsyncIterator[Any]:
-    from mcp_forge.gateway import Gateway
+    from mcp_forge.gateway.core import Gateway
 
     gw = Gateway(runtime, settings)
     yield gw

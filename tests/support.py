@@ -149,7 +149,7 @@ def release_state_dir(state_dir: Path) -> None:
         errors: list[BaseException] = []
 
         def delete_all() -> None:
-            from mcp_forge.local import LocalRuntime
+            from mcp_forge.runtimes.local.runtime import LocalRuntime
             from mcp_forge.settings import Settings
 
             async def main() -> None:

@@ -1,3 +1,3 @@
-from .cli import main
+from mcp_forge.cli import main
 
 main()

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 import yaml
 
-from . import __version__, resource
-from .errors import ForgeError
+from mcp_forge import __version__
+from mcp_forge.api import kernelsession
+from mcp_forge.errors import ForgeError
 
 if TYPE_CHECKING:
-    from .cluster import KubernetesRuntime
-    from .local import LocalRuntime
-    from .runtime import Runtime
+    from mcp_forge.runtimes.base import Runtime
+    from mcp_forge.runtimes.cluster import KubernetesRuntime
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
 
 T = TypeVar("T")
 log = logging.getLogger("mcp_forge")
@@ -48,7 +49,7 @@ def _read(path: str) -> str:
 
 
 def _local() -> LocalRuntime:
-    from .local import LocalRuntime
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
 
     return LocalRuntime()
 
@@ -70,18 +71,18 @@ def main(log_level: str) -> None:
     )
 
 
-def _host_paths(session: resource.KernelSession) -> Any:
+def _host_paths(session: kernelsession.KernelSession) -> Any:
     """The host directories of an applied session; placeholders (with a note) otherwise."""
-    from .errors import SessionNotFound
-    from .local import LocalRuntime
-    from .render import HostPaths
-    from .settings import Settings
+    from mcp_forge.control.render import HostPaths
+    from mcp_forge.errors import SessionNotFound
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
+    from mcp_forge.settings import Settings
 
     settings = Settings.from_env()
     if settings.store_path.exists():
         rt = LocalRuntime(settings)
         try:
-            return rt.host_paths(resource.load(rt.store.get(session.namespace, session.name)))
+            return rt.host_paths(kernelsession.load(rt.store.get(session.namespace, session.name)))
         except SessionNotFound:
             pass
     click.echo(
@@ -102,18 +103,18 @@ def _host_paths(session: resource.KernelSession) -> Any:
 )
 def render(filename: str, target: str) -> None:
     """Print the manifests a KernelSession becomes."""
-    from .connection import ConnectionInfo, new_key
-    from .keys import new_bridge_cert, new_curve_keys
-    from .render import render_kubernetes, render_podman
+    from mcp_forge.api.connection import ConnectionInfo, new_key
+    from mcp_forge.api.keys import new_bridge_cert, new_curve_keys
+    from mcp_forge.control.render import render_kubernetes, render_podman
 
     try:
-        bodies = resource.parse_documents(_read(filename))
+        bodies = kernelsession.parse_documents(_read(filename))
     except ForgeError as exc:
         click.echo(f"error: {filename}: {exc}", err=True)
         sys.exit(1)
     out: list[dict[str, Any]] = []
     for body in bodies:
-        session = resource.load(body)
+        session = kernelsession.load(body)
         if target == "kubernetes":
             keys = new_curve_keys(), new_bridge_cert(f"{session.namespace}/{session.name}")
             out += render_kubernetes(session, ConnectionInfo("tcp", "", new_key(), *keys))
@@ -130,7 +131,7 @@ def render(filename: str, target: str) -> None:
 def apply(filename: str, wait: bool) -> None:
     """Create or update KernelSessions (local mode)."""
     try:
-        bodies = resource.parse_documents(_read(filename))
+        bodies = kernelsession.parse_documents(_read(filename))
     except ForgeError as exc:
         click.echo(f"error: {filename}: {exc}", err=True)
         sys.exit(1)
@@ -150,7 +151,7 @@ def apply(filename: str, wait: bool) -> None:
 def _age(ts: str | None) -> str:
     if not ts:
         return "-"
-    from .local import parse_time
+    from mcp_forge.runtimes.local.runtime import parse_time
 
     s = int(time.time() - parse_time(ts))
     for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
@@ -218,7 +219,7 @@ def exec_(
     name: str, code: str | None, namespace: str, timeout: float | None, as_json: bool
 ) -> None:
     """Run code in a session's kernel; variables persist between calls."""
-    from .gateway import Gateway
+    from mcp_forge.gateway.core import Gateway
 
     source = code if code is not None else sys.stdin.read()
 
@@ -260,7 +261,7 @@ def exec_(
 @click.option("-n", "--namespace", default="default")
 def interrupt(name: str, namespace: str) -> None:
     """Interrupt the code a session's kernel is running; variables are kept."""
-    from .gateway import Gateway
+    from mcp_forge.gateway.core import Gateway
 
     async def go() -> bool:
         gw = Gateway(_local())
@@ -279,7 +280,7 @@ def interrupt(name: str, namespace: str) -> None:
 @click.option("-n", "--namespace", default="default")
 def restart(name: str, namespace: str) -> None:
     """Restart a session's kernel: variables are cleared, workspace files kept."""
-    from .gateway import Gateway
+    from mcp_forge.gateway.core import Gateway
 
     async def go() -> None:
         gw = Gateway(_local())
@@ -313,8 +314,8 @@ def image() -> None:
 )
 def image_build(variant: str, force: bool, control_plane: bool) -> None:
     """Build localhost/mcp-forge-kernel from Debian packages and wheels (no registry needed)."""
-    from .control_plane_image import build_control_plane
-    from .image import VARIANTS, build_image
+    from mcp_forge.image.control_plane import build_control_plane
+    from mcp_forge.image.kernel import VARIANTS, build_image
 
     def progress(line: str) -> None:
         click.echo(line, err=True)
@@ -337,7 +338,7 @@ def image_build(variant: str, force: bool, control_plane: bool) -> None:
 @main.command()
 def doctor() -> None:
     """Check this host for local mode and print exactly what to fix."""
-    from .doctor import run_checks
+    from mcp_forge.doctor import run_checks
 
     ok = _run(run_checks(lambda line: click.echo(line)))
     sys.exit(0 if ok else 1)
@@ -426,13 +427,13 @@ def gateway(
     MCPFORGE_SESSION_NAMESPACE, default mcp-forge-sessions) and the operator keeps
     them; the gateway holds no state, so sessions outlive it and any replica serves them.
     """
-    from .errors import UpstreamError
-    from .gateway import Gateway
-    from .mcp_server import HttpServer, build_server, http_app, serve_stdio
-    from .sessions import SessionService
-    from .supervisor import supervise
-    from .tokens import load as load_tokens
-    from .upstream import UpstreamPool, load_config
+    from mcp_forge.errors import UpstreamError
+    from mcp_forge.gateway.codemode.upstream import UpstreamPool, load_config
+    from mcp_forge.gateway.core import Gateway
+    from mcp_forge.gateway.mcp.server import HttpServer, build_server, http_app, serve_stdio
+    from mcp_forge.gateway.mcp.tokens import load as load_tokens
+    from mcp_forge.gateway.sessions import SessionService
+    from mcp_forge.runtimes.local.supervisor import supervise
 
     def say(message: str) -> None:
         click.echo(message, err=True)
@@ -443,7 +444,7 @@ def gateway(
         cluster: KubernetesRuntime | None = None
         local: LocalRuntime | None = None
         if kubernetes:
-            from .cluster import KubernetesRuntime
+            from mcp_forge.runtimes.cluster import KubernetesRuntime
 
             runtime = cluster = KubernetesRuntime()
             service = SessionService(runtime, runtime.settings, namespace=cluster.namespace)
@@ -557,11 +558,11 @@ def operator(
     """Run the Kubernetes operator (kopf): KernelSessions become kernel pods.
 
     One replica (standalone: no peering). Also runnable as
-    `kopf run --standalone -m mcp_forge.controller`.
+    `kopf run --standalone -m mcp_forge.control.handlers`.
     """
     import kopf
 
-    from . import controller  # noqa: F401  (registers the handlers)
+    from mcp_forge.control import handlers  # noqa: F401  (registers the handlers)
 
     if all_namespaces and namespaces:
         raise click.UsageError("--all-namespaces and --namespace exclude each other")

@@ -11,9 +11,11 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from . import podman, resource, volumes
-from .errors import ForgeError
-from .userns import SIZE, USERNS_USER, subordinate_ranges
+from mcp_forge.api import kernelsession
+from mcp_forge.clients import podman
+from mcp_forge.errors import ForgeError
+from mcp_forge.runtimes.local import volumes
+from mcp_forge.runtimes.local.userns import SIZE, USERNS_USER, subordinate_ranges
 
 # Podman gives each pod's user namespace at least 1024 ids (the image's users):
 # room for many sessions at once.
@@ -78,7 +80,7 @@ async def run_checks(say: Say) -> bool:
         if dmesg
         else "note the kernel log (dmesg) is not readable: an OOM kill is reported as SIGKILL"
     )
-    image = resource.default_image()
+    image = kernelsession.default_image()
     exists = (await podman.run("image", "exists", image, check=False)).returncode == 0
     result(exists, f"kernel image {image}", "mcp-forge image build")
     if not exists:
@@ -108,16 +110,16 @@ async def _dmesg_readable() -> bool:
 
 async def _session_check(image: str) -> tuple[bool, str]:
     """Play a real session (the real pod profile) in a scratch state dir and run code."""
-    from .gateway import Gateway
-    from .local import LocalRuntime
-    from .settings import Settings
+    from mcp_forge.gateway.core import Gateway
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
+    from mcp_forge.settings import Settings
 
     state = Path(tempfile.mkdtemp(prefix="mf-doctor-", dir="/tmp"))
     runtime = LocalRuntime(Settings(state_dir=state, kernel_ready_timeout=60))
     name = f"doctor-{uuid.uuid4().hex[:8]}"
     body = {
-        "apiVersion": resource.API_VERSION,
-        "kind": resource.KIND,
+        "apiVersion": kernelsession.API_VERSION,
+        "kind": kernelsession.KIND,
         "metadata": {"name": name},
         "spec": {"image": image, "resources": {"memory": "256Mi"}},
     }

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .errors import InvalidRequest
+from mcp_forge.errors import InvalidRequest
 
 
 def _default_state_dir() -> Path:

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
+from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.errors import SessionNotFound
-from mcp_forge.local import LocalRuntime
-from mcp_forge.resource import KernelSession
+from mcp_forge.runtimes.local.runtime import LocalRuntime
+from mcp_forge.runtimes.local.volumes import TMP_INODES, TMP_SIZE, workspace_inodes
 from mcp_forge.sandbox import KERNEL_UID
 from mcp_forge.settings import Settings
-from mcp_forge.volumes import TMP_INODES, TMP_SIZE, workspace_inodes
 from support import scratch_state_dir
 
 from .conftest import gateway, run, text, value

@@ -25,10 +25,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from mcp_forge.gateway import Gateway  # noqa: E402
-from mcp_forge.local import LocalRuntime  # noqa: E402
+from mcp_forge.gateway.codemode.upstream import Upstream, parse_config  # noqa: E402
+from mcp_forge.gateway.core import Gateway  # noqa: E402
+from mcp_forge.runtimes.local.runtime import LocalRuntime  # noqa: E402
 from mcp_forge.settings import Settings  # noqa: E402
-from mcp_forge.upstream import Upstream, parse_config  # noqa: E402
 from mcp_servers.config import upstream_config  # noqa: E402
 
 MINIMAL = "localhost/mcp-forge-kernel:0.1.0-minimal"

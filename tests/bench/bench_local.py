@@ -22,8 +22,8 @@ from pathlib import Path
 
 from jupyter_client.manager import AsyncKernelManager
 
-from mcp_forge.gateway import Gateway
-from mcp_forge.local import LocalRuntime
+from mcp_forge.gateway.core import Gateway
+from mcp_forge.runtimes.local.runtime import LocalRuntime
 from mcp_forge.settings import Settings
 
 IMAGE = "localhost/mcp-forge-kernel:0.1.0-minimal"

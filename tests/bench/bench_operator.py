@@ -53,7 +53,7 @@ from kube.conftest import (  # noqa: E402
     make_namespace,
 )
 from kube.harness import KS, condition, eventually, kernel, session_body  # noqa: E402
-from mcp_forge.kube import Kube  # noqa: E402
+from mcp_forge.clients.kube import Kube  # noqa: E402
 
 OPERATOR = str(Path(sys.executable).parent / "mcp-forge")
 MINIMAL = "localhost/mcp-forge-kernel:0.1.0-minimal"
@@ -215,7 +215,7 @@ async def with_kernels(
 
 
 async def local_baseline(runs: int) -> list[float]:
-    from mcp_forge.local import LocalRuntime
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
     from mcp_forge.settings import Settings
 
     runtime = LocalRuntime(Settings(state_dir=Path(tempfile.mkdtemp(prefix="bench-", dir="/tmp"))))

@@ -350,7 +350,7 @@ async def test_a_shared_group_is_a_clients_own(http_gateway: HttpGateway) -> Non
 async def test_a_declared_session_serves_only_the_clients_it_names(
     http_gateway: HttpGateway, state_dir: Path, images: dict[str, str]
 ) -> None:
-    from mcp_forge.local import LocalRuntime
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
     from mcp_forge.settings import Settings
 
     runtime = LocalRuntime(Settings(state_dir=state_dir))

@@ -227,7 +227,7 @@ async def test_stdin_eof_leaves_no_pods_behind(state_dir) -> None:
 async def test_a_declared_session_is_usable_by_name_and_left_alone_at_exit(
     state_dir, images
 ) -> None:
-    from mcp_forge.local import LocalRuntime
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
     from mcp_forge.settings import Settings
 
     runtime = LocalRuntime(Settings(state_dir=state_dir))

@@ -26,14 +26,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from mcp_forge import introspection
-from mcp_forge.bridge import Bridge
-from mcp_forge.connection import BRIDGE_PORT, PORTS, Address, ConnectionInfo, new_key
+from mcp_forge.api.connection import BRIDGE_PORT, PORTS, Address, ConnectionInfo, new_key
+from mcp_forge.api.keys import new_bridge_cert, new_curve_keys
 from mcp_forge.errors import SessionNotReady
-from mcp_forge.execution import Collector
-from mcp_forge.image import KERNEL_CMD
-from mcp_forge.kernel import KernelConnection
-from mcp_forge.keys import new_bridge_cert, new_curve_keys
+from mcp_forge.gateway import introspection
+from mcp_forge.gateway.codemode.bridge import Bridge
+from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.jupyter.execution import Collector
+from mcp_forge.sandbox import KERNEL_CMD
 from support import read_to_end
 
 READY = 30.0

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from mcp_forge.errors import SessionNotFound
-from mcp_forge.gateway import Gateway
-from mcp_forge.sessions import OWNER
-from mcp_forge.upstream import Upstream, UpstreamPool, parse_config
+from mcp_forge.gateway.codemode.upstream import Upstream, UpstreamPool, parse_config
+from mcp_forge.gateway.core import Gateway
+from mcp_forge.gateway.sessions import OWNER
 from mcp_servers.config import missing_servers, upstream_config
 
 pytestmark = pytest.mark.podman

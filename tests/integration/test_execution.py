@@ -49,7 +49,7 @@ async def test_state_persists_across_separate_cli_processes(make_session, cli_en
 async def test_a_new_gateway_reattaches_with_variables_intact(
     runtime, settings, make_session
 ) -> None:
-    from mcp_forge.gateway import Gateway
+    from mcp_forge.gateway.core import Gateway
 
     name = await make_session()
     first = Gateway(runtime, settings)
@@ -257,7 +257,7 @@ async def test_output_over_the_budget_is_truncated_and_saved_in_full(gateway, ma
 async def test_output_of_another_request_is_never_given_to_this_one(
     gateway, runtime, make_session
 ) -> None:
-    from mcp_forge.kernel import KernelConnection
+    from mcp_forge.jupyter.client import KernelConnection
 
     name = await make_session()
     await gateway.execute(name, "1")  # the gateway is connected
@@ -343,7 +343,7 @@ async def test_a_cancelled_call_interrupts_its_code_and_keeps_variables(
 async def test_a_long_call_counts_as_activity_and_is_not_culled(
     gateway, runtime, make_session
 ) -> None:
-    from mcp_forge.supervisor import supervise_once
+    from mcp_forge.runtimes.local.supervisor import supervise_once
 
     name = await make_session(idleTimeout="60s")
     runtime.store.patch_status("default", name, {"lastActivity": "2000-01-01T00:00:00Z"})

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from mcp_forge import __version__, podman
-from mcp_forge.image import (
-    KERNEL_CMD,
+from mcp_forge import __version__
+from mcp_forge.clients import podman
+from mcp_forge.image.kernel import (
     KERNEL_ENTRYPOINT,
     KERNEL_ENV,
     REQUIREMENTS,
@@ -27,7 +27,7 @@ from mcp_forge.image import (
     inputs_hash,
     missing_image_message,
 )
-from mcp_forge.sandbox import KERNEL_UID, WORKSPACE
+from mcp_forge.sandbox import KERNEL_CMD, KERNEL_UID, WORKSPACE
 
 CONTAINERFILE = Path(__file__).parents[2] / "images" / "Containerfile"
 

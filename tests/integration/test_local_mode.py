@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mcp_forge import podman, volumes
+from mcp_forge.clients import podman
+from mcp_forge.control.render import SECCOMP_PROFILE_ROOT
 from mcp_forge.errors import ImageError, InvalidRequest, SessionNotFound, SessionNotReady
-from mcp_forge.local import userns_flag
-from mcp_forge.render import SECCOMP_PROFILE_ROOT
-from mcp_forge.supervisor import supervise_once
+from mcp_forge.runtimes.local import volumes
+from mcp_forge.runtimes.local.runtime import userns_flag
+from mcp_forge.runtimes.local.supervisor import supervise_once
 
 pytestmark = pytest.mark.podman
 

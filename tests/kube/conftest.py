@@ -33,7 +33,7 @@ import kubernetes
 import pytest
 import yaml
 
-from mcp_forge.kube import Kube
+from mcp_forge.clients.kube import Kube
 
 from . import testcluster
 
@@ -217,7 +217,7 @@ async def kube_api(
 
 @pytest.fixture
 async def kube(kube_api: KubeAPI) -> AsyncIterator[Kube]:
-    """The project's own API client (mcp_forge.kube) for that API server."""
+    """The project's own API client (mcp_forge.clients.kube) for that API server."""
     config = kubernetes.client.Configuration()
     kubernetes.config.load_kube_config(str(kube_api.kubeconfig), client_configuration=config)
     k = Kube(config)

@@ -19,11 +19,11 @@ from typing import Any
 
 import kopf
 
-from mcp_forge.connection import ConnectionInfo, connection_from_file
+from mcp_forge.api.connection import ConnectionInfo, connection_from_file
+from mcp_forge.clients.kube import Kube, connection_file_of
 from mcp_forge.errors import ApiError
-from mcp_forge.execution import Collector
-from mcp_forge.kernel import KernelConnection
-from mcp_forge.kube import Kube, connection_file_of
+from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.jupyter.execution import Collector
 
 KS = "KernelSession"
 KERNEL_DEADLINE = 60.0
@@ -47,7 +47,7 @@ class OperatorThread:
             self.ready_flag.set()  # wake a start() still waiting; it checks what happened
 
     async def _serve(self) -> None:
-        import mcp_forge.controller  # noqa: F401  (registers the handlers)
+        import mcp_forge.control.handlers  # noqa: F401  (registers the handlers)
 
         settings = kopf.OperatorSettings()
         settings.scanning.disabled = True  # no CRD/namespace scanning: watch what is declared

@@ -27,10 +27,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from mcp_forge import introspection, resource
-from mcp_forge.bridge import Bridge
-from mcp_forge.cluster import KubernetesRuntime
-from mcp_forge.connection import (
+from mcp_forge.api import kernelsession
+from mcp_forge.api.connection import (
     BRIDGE_PORT,
     CONNECTION_FILE_IN_POD,
     PORTS,
@@ -38,12 +36,15 @@ from mcp_forge.connection import (
     ConnectionInfo,
     new_key,
 )
+from mcp_forge.api.keys import CURVE_PUBLIC, CURVE_SECRET, new_bridge_cert, new_curve_keys
+from mcp_forge.clients.kube import Kube, connection_file_of, key_of
+from mcp_forge.control.render import render_kubernetes
 from mcp_forge.errors import SessionNotReady
-from mcp_forge.execution import Collector
-from mcp_forge.kernel import KernelConnection
-from mcp_forge.keys import CURVE_PUBLIC, CURVE_SECRET, new_bridge_cert, new_curve_keys
-from mcp_forge.kube import Kube, connection_file_of, key_of
-from mcp_forge.render import render_kubernetes
+from mcp_forge.gateway import introspection
+from mcp_forge.gateway.codemode.bridge import Bridge
+from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.jupyter.execution import Collector
+from mcp_forge.runtimes.cluster import KubernetesRuntime
 from mcp_forge.settings import Settings
 from support import read_to_end
 
@@ -181,7 +182,7 @@ async def _as_an_older_operator_made_it(kube: Kube, ns: str, name: str) -> str:
     await asyncio.to_thread(kube.create, session_body(name, ns))
     body = await asyncio.to_thread(kube.get, KS, ns, name)
     assert body is not None
-    session = resource.load(resource.validate(body, default_namespace=ns))
+    session = kernelsession.load(kernelsession.validate(body, default_namespace=ns))
     settings = Settings.from_env()
     old = ConnectionInfo("tcp", f"ks-{name}.{ns}.svc", new_key())
     for child in render_kubernetes(

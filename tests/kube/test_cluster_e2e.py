@@ -27,7 +27,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import TextContent
 
-from mcp_forge.kube import Kube
+from mcp_forge.clients.kube import Kube
 
 from .harness import KS, eventually, phase, running_operator
 

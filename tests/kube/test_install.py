@@ -27,7 +27,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import TextContent
 
-from mcp_forge.control_plane_image import TARGETS, build_control_plane, image_ref
+from mcp_forge.image.control_plane import TARGETS, build_control_plane, image_ref
 
 from .conftest import ClusterUnderTest, install_crd
 

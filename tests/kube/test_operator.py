@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mcp_forge.kube import BUSY_PREFIX, RESTART, Kube
+from mcp_forge.clients.kube import BUSY_PREFIX, RESTART, Kube
 
 from .conftest import CRD_PATH, KubeAPI, install_crd
 from .harness import (

@@ -20,7 +20,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from mcp_forge.kube import Kube
+from mcp_forge.clients.kube import Kube
 
 from .conftest import KubeAPI
 from .harness import (

@@ -1,10 +1,10 @@
 """Code mode's bridge, gateway side, against the real kernel module and a real server.
 
 The kernel is the stand-in process of test_mcp_tools.py (the bridge's program executed in
-a plain `python -I -S`, cells on its stdin); the gateway side is `mcp_forge.bridge.Bridge`; the
-upstream is tests/mcp_servers/edge_server.py through the SDK client. No Podman: the
-pod-based flow is tests/integration/test_code_mode.py. Blocking waits on the stand-in
-run in threads; waits have deadlines.
+a plain `python -I -S`, cells on its stdin); the gateway side is
+`mcp_forge.gateway.codemode.bridge.Bridge`; the upstream is tests/mcp_servers/edge_server.py
+through the SDK client. No Podman: the pod-based flow is tests/integration/test_code_mode.py.
+Blocking waits on the stand-in run in threads; waits have deadlines.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 from test_mcp_tools import Kernel
 
-from mcp_forge.bridge import Bridge
-from mcp_forge.connection import Address
+from mcp_forge.api.connection import Address
 from mcp_forge.errors import UpstreamError
-from mcp_forge.policy import ServerPolicy
-from mcp_forge.upstream import Lease, Upstream, UpstreamPool, parse_config
+from mcp_forge.gateway.codemode.bridge import Bridge
+from mcp_forge.gateway.codemode.policy import ServerPolicy
+from mcp_forge.gateway.codemode.upstream import Lease, Upstream, UpstreamPool, parse_config
 from mcp_servers.config import upstream_config
 
 DEADLINE = 20.0
@@ -100,7 +100,7 @@ async def test_an_oversized_request_is_refused_and_the_bridge_still_works(
 async def test_a_frame_the_gateway_refuses_closes_that_connection_and_it_dials_again(
     kernel: Kernel, edge: Upstream, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="mcp_forge.bridge")
+    caplog.set_level(logging.WARNING, logger="mcp_forge.gateway.codemode.bridge")
     bridge = await connect(kernel, edge, ServerPolicy("edge"))
     try:
         got = await run(
@@ -125,7 +125,9 @@ async def test_a_frame_the_gateway_refuses_closes_that_connection_and_it_dials_a
             ("the MCP bridge connection was closed", "the MCP bridge connection was replaced")
         ), got
         assert await run(kernel, "result = mcp_tools.edge.echo(text='next')") == {"text": "next"}
-        closed = [r.getMessage() for r in caplog.records if r.name == "mcp_forge.bridge"]
+        closed = [
+            r.getMessage() for r in caplog.records if r.name == "mcp_forge.gateway.codemode.bridge"
+        ]
         assert "bridge of s1 closed: a frame that is not JSON: Expecting" in "\n".join(closed)
     finally:
         await bridge.close()
@@ -147,7 +149,7 @@ async def test_an_upstream_that_dies_is_an_error_then_comes_back(
 async def test_an_interrupt_cancels_the_call_in_flight(
     kernel: Kernel, edge: Upstream, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="mcp_forge.bridge")
+    caplog.set_level(logging.INFO, logger="mcp_forge.gateway.codemode.bridge")
     bridge = await connect(kernel, edge, ServerPolicy("edge"))
     try:
         started = bridge.call_started
@@ -166,7 +168,7 @@ async def test_an_interrupt_cancels_the_call_in_flight(
 async def test_every_call_is_logged_and_denials_name_the_rule(
     kernel: Kernel, edge: Upstream, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="mcp_forge.bridge")
+    caplog.set_level(logging.INFO, logger="mcp_forge.gateway.codemode.bridge")
     bridge = await connect(kernel, edge, ServerPolicy("edge", deny=("add",)))
     try:
         denied = await fails(kernel, "mcp_tools.edge.add(a=1)")

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from mcp_forge import introspection
 from mcp_forge.errors import InvalidRequest, KernelProtocolError
-from mcp_forge.execution import Collector, strip_ansi
+from mcp_forge.gateway import introspection
+from mcp_forge.jupyter.execution import Collector, strip_ansi
 
 
 def msg(kind: str, **content: Any) -> dict[str, Any]:
@@ -211,8 +211,8 @@ def _frames(session: Any, content: bytes) -> list[bytes]:
 
 @pytest.mark.parametrize("depth", [200, 100_000])
 async def test_a_deeply_nested_signed_message_is_dropped_not_raised(depth: int) -> None:
-    from mcp_forge.connection import ConnectionInfo, new_key
-    from mcp_forge.kernel import KernelConnection
+    from mcp_forge.api.connection import ConnectionInfo, new_key
+    from mcp_forge.jupyter.client import KernelConnection
 
     conn = KernelConnection(
         ConnectionInfo("ipc", "/tmp/mf-none/kernel", new_key()), max_frame=10**6, max_message=10**7
@@ -228,8 +228,8 @@ async def test_a_deeply_nested_signed_message_is_dropped_not_raised(depth: int) 
 
 @pytest.mark.parametrize("key", ["", "short", "k" * 31])
 async def test_a_kernel_connection_with_an_empty_or_short_key_is_refused(key: str) -> None:
-    from mcp_forge.connection import ConnectionInfo
-    from mcp_forge.kernel import KernelConnection
+    from mcp_forge.api.connection import ConnectionInfo
+    from mcp_forge.jupyter.client import KernelConnection
 
     with pytest.raises(KernelProtocolError, match="key"):
         KernelConnection(

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from mcp_forge import introspection
+from mcp_forge.gateway import introspection
 from mcp_forge.kernelside import helpers
 
 

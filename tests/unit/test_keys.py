@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 import zmq
 
-from mcp_forge import resource
-from mcp_forge.connection import ConnectionInfo, connection_from_file, new_key
-from mcp_forge.errors import KernelProtocolError
-from mcp_forge.keys import (
+from mcp_forge.api import kernelsession
+from mcp_forge.api.connection import ConnectionInfo, connection_from_file, new_key
+from mcp_forge.api.keys import (
     BRIDGE_CERT,
     BRIDGE_KEY,
     CURVE_PUBLIC,
@@ -25,8 +24,9 @@ from mcp_forge.keys import (
     new_curve_keys,
     usable_keys,
 )
-from mcp_forge.kube import connection_file_of, key_of
-from mcp_forge.render import render_kubernetes
+from mcp_forge.clients.kube import connection_file_of, key_of
+from mcp_forge.control.render import render_kubernetes
+from mcp_forge.errors import KernelProtocolError
 
 WHERE = "Secret ns/ks-demo-conn"
 CURVE = new_curve_keys()
@@ -34,14 +34,14 @@ CERT = new_bridge_cert("ns/demo")
 INFO = ConnectionInfo("tcp", "ks-demo.ns.svc", new_key(), CURVE, CERT)
 
 
-def session() -> resource.KernelSession:
+def session() -> kernelsession.KernelSession:
     body = {
-        "apiVersion": resource.API_VERSION,
-        "kind": resource.KIND,
+        "apiVersion": kernelsession.API_VERSION,
+        "kind": kernelsession.KIND,
         "metadata": {"name": "demo", "namespace": "ns"},
         "spec": {},
     }
-    return resource.load(resource.validate(body))
+    return kernelsession.load(kernelsession.validate(body))
 
 
 def secret_file(info: ConnectionInfo) -> dict[str, Any]:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from mcp_forge import restarts
+from mcp_forge.control import restarts
 from mcp_forge.doctor import subordinate_ids
-from mcp_forge.local import _lifetime, _podman_time
-from mcp_forge.volumes import MIN_INODES, workspace_inodes
+from mcp_forge.runtimes.local.runtime import _lifetime, _podman_time
+from mcp_forge.runtimes.local.volumes import MIN_INODES, workspace_inodes
 
 
 @pytest.mark.parametrize(

@@ -26,11 +26,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mcp_forge import control_plane_image, resource
+from mcp_forge.api import kernelsession
+from mcp_forge.api.connection import BRIDGE_PORT, PORTS, ConnectionInfo
 from mcp_forge.cli import main as cli
-from mcp_forge.connection import BRIDGE_PORT, PORTS, ConnectionInfo
+from mcp_forge.control.render import GATEWAY_SELECTOR, labels, render_kubernetes
 from mcp_forge.errors import InvalidSession
-from mcp_forge.render import GATEWAY_SELECTOR, labels, render_kubernetes
+from mcp_forge.image import control_plane
 from mcp_forge.settings import Settings
 
 ROOT = Path(__file__).parents[2]
@@ -181,11 +182,11 @@ def test_the_offline_build_makes_the_containerfiles_targets(
     stages: dict[str, dict[str, Any]],
 ) -> None:
     """`mcp-forge image build --control-plane` and the Containerfile make the same images."""
-    for name, (entrypoint, cmd) in control_plane_image.TARGETS.items():
+    for name, (entrypoint, cmd) in control_plane.TARGETS.items():
         assert stages[name]["entrypoint"] == entrypoint, name
         assert stages[name]["cmd"] == cmd, name
-        assert stages[name]["user"] == f"{control_plane_image.UID}:{control_plane_image.UID}"
-        assert control_plane_image.image_ref(name) == f"ghcr.io/mcp-forge/{name}:{VERSION}"
+        assert stages[name]["user"] == f"{control_plane.UID}:{control_plane.UID}"
+        assert control_plane.image_ref(name) == f"ghcr.io/mcp-forge/{name}:{VERSION}"
 
 
 def test_the_deployments_use_the_images_of_this_version() -> None:
@@ -651,8 +652,8 @@ def pss_restricted_violations(pod_spec: dict[str, Any]) -> list[str]:
 CONN = ConnectionInfo("tcp", "", "k" * 64)
 
 
-def _session(**spec: Any) -> resource.KernelSession:
-    body = resource.validate(
+def _session(**spec: Any) -> kernelsession.KernelSession:
+    body = kernelsession.validate(
         {
             "apiVersion": "mcpforge.dev/v1alpha1",
             "kind": "KernelSession",
@@ -660,7 +661,7 @@ def _session(**spec: Any) -> resource.KernelSession:
             "spec": spec,
         }
     )
-    return resource.load(body)
+    return kernelsession.load(body)
 
 
 def kernel_pod(**spec: Any) -> dict[str, Any]:
@@ -783,12 +784,12 @@ def test_the_pod_security_checker_catches_a_violating_pod(violation: str) -> Non
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_example_is_a_valid_kernel_session(path: Path) -> None:
-    for body in resource.parse_documents(path.read_text()):
+    for body in kernelsession.parse_documents(path.read_text()):
         assert body["metadata"]["namespace"] in ("default", SESSIONS)
 
 
 def test_the_gitops_example_suspends_when_idle_and_keeps_its_updates_for_a_restart() -> None:
-    (body,) = resource.parse_documents((MANIFESTS / "examples" / "gitops.yaml").read_text())
+    (body,) = kernelsession.parse_documents((MANIFESTS / "examples" / "gitops.yaml").read_text())
     spec = body["spec"]
     assert spec["idleAction"] == "Suspend"
     assert spec["operatingMode"] == "Running"
@@ -818,7 +819,7 @@ def test_an_invalid_variant_of_an_example_is_rejected_naming_the_field(
     body: dict[str, Any], field: str, words: str
 ) -> None:
     with pytest.raises(InvalidSession) as err:
-        resource.validate(body)
+        kernelsession.validate(body)
     assert err.value.field == field
     assert words in str(err.value)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from mcp_types import ImageContent, TextContent
 
-from mcp_forge.execution import ErrorInfo, ExecutionResult
-from mcp_forge.mcp_server import _sniff_image, execution_content
+from mcp_forge.gateway.mcp.server import _sniff_image, execution_content
+from mcp_forge.jupyter.execution import ErrorInfo, ExecutionResult
 
 
 def test_output_result_and_error_are_separate_sections() -> None:

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from mcp_forge.introspection import bridge_program
+from mcp_forge.gateway.introspection import bridge_program
 from mcp_forge.kernelside import mcp_tools
 from mcp_forge.kernelside.framing import GATEWAY_FRAME_MAX, KERNEL_FRAME_MAX, FrameReader, encode
 

@@ -6,18 +6,18 @@ from typing import Any
 
 import pytest
 
-from mcp_forge import resource
-from mcp_forge.observe import observe, ready_condition
+from mcp_forge.api import kernelsession
+from mcp_forge.control.pods import observe, ready_condition
 
 
-def session(**spec: Any) -> resource.KernelSession:
+def session(**spec: Any) -> kernelsession.KernelSession:
     body = {
         "apiVersion": "mcpforge.dev/v1alpha1",
         "kind": "KernelSession",
         "metadata": {"name": "demo"},
         "spec": {"resources": {"memory": "512Mi"}, **spec},
     }
-    return resource.load(resource.validate(body))
+    return kernelsession.load(kernelsession.validate(body))
 
 
 def pod(state: dict[str, Any], phase: str = "Running", **status: Any) -> dict[str, Any]:

@@ -7,8 +7,13 @@ from typing import Any
 import pytest
 
 from mcp_forge.errors import InvalidRequest, InvalidSession
-from mcp_forge.policy import Meter, ServerPolicy, policies_of
-from mcp_forge.upstream import SCHEMA_MAX, argument_problem, parse_config, schema_validator
+from mcp_forge.gateway.codemode.policy import Meter, ServerPolicy, policies_of
+from mcp_forge.gateway.codemode.upstream import (
+    SCHEMA_MAX,
+    argument_problem,
+    parse_config,
+    schema_validator,
+)
 
 READ = {"name": "read_file", "annotations": {"readOnlyHint": True}}
 WRITE = {"name": "write_file", "annotations": {"destructiveHint": True}}

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from mcp_forge.relay import Relay
+from mcp_forge.jupyter.relay import Relay
 
 DEADLINE = 10.0
 

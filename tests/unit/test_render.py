@@ -10,9 +10,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mcp_forge import resource
-from mcp_forge.connection import PORTS, ConnectionInfo
-from mcp_forge.render import (
+from mcp_forge.api import kernelsession
+from mcp_forge.api.connection import PORTS, ConnectionInfo
+from mcp_forge.control.render import (
     SECCOMP_ANNOTATION,
     SECCOMP_PROFILE,
     SECCOMP_PROFILE_ROOT,
@@ -24,8 +24,8 @@ from mcp_forge.render import (
 K8S_VERSION = "1.33"
 
 
-def session(**spec: Any) -> resource.KernelSession:
-    body = resource.validate(
+def session(**spec: Any) -> kernelsession.KernelSession:
+    body = kernelsession.validate(
         {
             "apiVersion": "mcpforge.dev/v1alpha1",
             "kind": "KernelSession",
@@ -33,7 +33,7 @@ def session(**spec: Any) -> resource.KernelSession:
             "spec": spec,
         }
     )
-    return resource.load(body)
+    return kernelsession.load(body)
 
 
 CONN = ConnectionInfo("tcp", "", "k" * 64)

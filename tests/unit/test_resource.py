@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mcp_forge import resource
+from mcp_forge.api import kernelsession
 from mcp_forge.errors import InvalidSession
 
 BASE: dict[str, Any] = {
@@ -27,15 +27,15 @@ def with_spec(**spec: Any) -> dict[str, Any]:
 
 
 def test_defaults_fill_an_empty_spec() -> None:
-    body = resource.validate(BASE)
+    body = kernelsession.validate(BASE)
     spec = body["spec"]
-    assert spec["image"] == resource.default_image()
+    assert spec["image"] == kernelsession.default_image()
     assert spec["resources"] == {"memory": "1Gi", "cpu": "1", "pids": 256}
     assert spec["idleTimeout"] == "30m"
     assert spec["network"] == {"egress": "None"}
     assert spec["restartPolicy"] == "Always"
     assert body["metadata"]["namespace"] == "default"
-    typed = resource.load(body).spec
+    typed = kernelsession.load(body).spec
     assert typed.memory_bytes == 2**30
     assert typed.cpu_milli == 1000
     assert typed.idle_timeout == 1800
@@ -45,7 +45,7 @@ def test_defaults_fill_an_empty_spec() -> None:
 
 def test_the_input_object_is_not_modified() -> None:
     body = copy.deepcopy(BASE)
-    resource.validate(body)
+    kernelsession.validate(body)
     assert body == BASE
 
 
@@ -93,40 +93,40 @@ def test_the_input_object_is_not_modified() -> None:
 )
 def test_an_invalid_session_names_the_field(body: dict[str, Any], field: str, words: str) -> None:
     with pytest.raises(InvalidSession) as err:
-        resource.validate(body)
+        kernelsession.validate(body)
     assert err.value.field == field
     assert words in str(err.value)
 
 
 def test_mcp_servers_carry_a_policy_and_a_typo_is_named() -> None:
-    body = resource.validate(with_spec(mcpServers=[{"name": "time", "readOnly": True}]))
+    body = kernelsession.validate(with_spec(mcpServers=[{"name": "time", "readOnly": True}]))
     assert body["spec"]["mcpServers"] == [{"name": "time", "readOnly": True}]
     with pytest.raises(InvalidSession) as err:
-        resource.validate(with_spec(mcpServers=[{"name": "time", "readonly": True}]))
+        kernelsession.validate(with_spec(mcpServers=[{"name": "time", "readonly": True}]))
     assert "readonly" in str(err.value)
 
 
 def test_durations_parse_into_seconds() -> None:
-    assert resource.parse_duration("1h30m", field="f") == 5400
-    assert resource.parse_duration("90s", field="f") == 90
-    assert resource.parse_duration("0", field="f") == 0
+    assert kernelsession.parse_duration("1h30m", field="f") == 5400
+    assert kernelsession.parse_duration("90s", field="f") == 90
+    assert kernelsession.parse_duration("0", field="f") == 0
     with pytest.raises(InvalidSession):
-        resource.parse_duration("", field="f")
+        kernelsession.parse_duration("", field="f")
 
 
 def test_a_yaml_stream_names_the_bad_document() -> None:
     text = yaml.safe_dump_all([BASE, with_spec(restartPolicy="x")])
     with pytest.raises(InvalidSession, match=r"document 2: spec\.restartPolicy"):
-        resource.parse_documents(text)
+        kernelsession.parse_documents(text)
 
 
 def test_broken_yaml_is_reported_as_yaml() -> None:
     with pytest.raises(InvalidSession, match="not valid YAML"):
-        resource.parse_documents("spec: [unclosed")
+        kernelsession.parse_documents("spec: [unclosed")
 
 
 def test_the_crd_is_structural_enough_for_the_api_server() -> None:
-    crd = resource.crd()
+    crd = kernelsession.crd()
     version = crd["spec"]["versions"][0]
     assert crd["spec"]["names"]["shortNames"] == ["ks"]
     assert version["subresources"] == {"status": {}}
@@ -150,12 +150,14 @@ EXAMPLES = sorted((Path(__file__).parents[2] / "manifests" / "examples").glob("*
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_example_session_validates(path: Path) -> None:
-    assert resource.parse_documents(path.read_text())
+    assert kernelsession.parse_documents(path.read_text())
 
 
 def test_the_crd_carries_the_rules_local_mode_checks_in_code() -> None:
     # The API server evaluates these CEL rules; local mode checks the same in spec_of.
-    spec = resource.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec = kernelsession.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
+        "spec"
+    ]
     found: list[str] = []
 
     def walk(node: Any) -> None:

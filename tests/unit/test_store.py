@@ -6,7 +6,7 @@ import json
 import multiprocessing
 from pathlib import Path
 
-from mcp_forge.store import Store
+from mcp_forge.runtimes.local.store import Store
 
 
 def _count(path: str, times: int) -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mcp_forge import tokens
 from mcp_forge.errors import InvalidRequest
+from mcp_forge.gateway.mcp import tokens
 
 
 def test_a_tokens_file_names_one_client_per_token(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from mcp_forge.errors import ForgeError
-from mcp_forge.store import Claimed, Store
-from mcp_forge.userns import SIZE, choose, free_start
+from mcp_forge.runtimes.local.store import Claimed, Store
+from mcp_forge.runtimes.local.userns import SIZE, choose, free_start
 
 BASE = 2147483647
 

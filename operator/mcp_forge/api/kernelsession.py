@@ -1,0 +1,313 @@
+"""The KernelSession resource: schema validation, defaults, and a typed view of the spec.
+
+The CRD's openAPIV3Schema (crds/kernelsession.yaml) is the one source of truth. Local
+mode validates with it the way the API server would: structural defaults are applied,
+unknown fields are rejected (kubectl's strict field validation), and the rules that
+CEL expresses in the CRD are checked here too. Every error names the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from mcp_forge.errors import InvalidSession
+from mcp_forge.sandbox import kernel_image
+
+GROUP = "mcpforge.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "KernelSession"
+PLURAL = "kernelsessions"
+
+NAME_MAX = 40
+_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY_RE = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
+_CPU_RE = re.compile(r"^(?:([0-9]+(?:\.[0-9]{1,3})?)|([0-9]+)m)$")
+_DURATION_RE = re.compile(r"^(?:0|(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?)$")
+_UNITS = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+MEMORY_MIN = 64 * 2**20
+CPU_MIN_MILLI = 50
+
+
+def _crd_text() -> str:
+    source = Path(__file__).resolve().parents[3] / "crds" / "kernelsession.yaml"
+    if source.is_file():
+        return source.read_text()
+    return resources.files("mcp_forge").joinpath("data/kernelsession.yaml").read_text()
+
+
+@functools.cache
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition, as shipped in crds/kernelsession.yaml."""
+    loaded: dict[str, Any] = yaml.safe_load(_crd_text())
+    return loaded
+
+
+@functools.cache
+def _schema() -> dict[str, Any]:
+    schema: dict[str, Any] = copy.deepcopy(
+        crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    )
+    _make_strict(schema)
+    return schema
+
+
+def _make_strict(node: dict[str, Any]) -> None:
+    """Reject unknown fields where the schema lists properties, as strict validation does."""
+    props = node.get("properties")
+    if isinstance(props, dict):
+        if not node.get("x-kubernetes-preserve-unknown-fields") and node is not props.get(
+            "metadata"
+        ):
+            node.setdefault("additionalProperties", False)
+        for key, child in props.items():
+            if key != "metadata":
+                _make_strict(child)
+    items = node.get("items")
+    if isinstance(items, dict):
+        _make_strict(items)
+
+
+def _apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
+    if isinstance(value, dict):
+        for key, sub in schema.get("properties", {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = _apply_defaults(value[key], sub)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_apply_defaults(item, schema["items"]) for item in value]
+    return value
+
+
+def _path(error: jsonschema.ValidationError) -> str:
+    out = ""
+    for part in error.absolute_path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(root)"
+
+
+def _describe(error: jsonschema.ValidationError) -> tuple[str, str]:
+    field = _path(error)
+    v = error.validator
+    if v == "additionalProperties":
+        schema = error.schema if isinstance(error.schema, dict) else {}
+        instance = error.instance if isinstance(error.instance, dict) else {}
+        extra = sorted(set(instance) - set(schema.get("properties", {})))
+        name = extra[0] if extra else "?"
+        return (f"{field}.{name}" if field != "(root)" else name), "unknown field"
+    if v == "required":
+        missing = str(error.message).split("'")[1]
+        return (f"{field}.{missing}" if field != "(root)" else missing), "required field missing"
+    if v == "enum":
+        allowed = error.validator_value if isinstance(error.validator_value, list) else []
+        return field, f"must be one of {', '.join(map(str, allowed))}"
+    if v == "pattern":
+        return field, f"{error.instance!r} is not valid (expected pattern {error.validator_value})"
+    if v == "type":
+        return (
+            field,
+            f"must be of type {error.validator_value}, not {type(error.instance).__name__}",
+        )
+    return field, str(error.message)
+
+
+def parse_quantity(text: str, *, field: str) -> int:
+    """Bytes in a binary quantity such as "512Mi"."""
+    m = _QUANTITY_RE.match(text)
+    if not m:
+        raise InvalidSession(f"{text!r} is not a quantity like 512Mi or 2Gi", field=field)
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_cpu_milli(text: str, *, field: str) -> int:
+    m = _CPU_RE.match(text)
+    if not m:
+        raise InvalidSession(f"{text!r} is not a CPU amount like 1, 0.5 or 500m", field=field)
+    return round(float(m.group(1)) * 1000) if m.group(1) else int(m.group(2))
+
+
+def parse_duration(text: str, *, field: str) -> float:
+    """Seconds in a duration such as "1h30m" or "90s"; "0" is 0."""
+    m = _DURATION_RE.match(text)
+    if not m or text == "":
+        raise InvalidSession(f"{text!r} is not a duration like 90s, 30m or 1h30m", field=field)
+    h, mi, s = (int(g) if g else 0 for g in m.groups())
+    return float(h * 3600 + mi * 60 + s)
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    value: str
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """The typed, validated spec of a KernelSession."""
+
+    image: str
+    memory_bytes: int
+    memory: str
+    cpu: str
+    cpu_milli: int
+    pids: int
+    idle_timeout: float
+    env: tuple[EnvVar, ...]
+    workspace_size: str
+    shared_group: str | None
+    egress: str
+    restart_policy: str
+    mcp_servers: tuple[dict[str, Any], ...]
+    operating_mode: str = "Running"
+    idle_action: str = "Delete"
+    max_lifetime: float = 0.0
+    update_strategy: str = "OnRestart"
+
+
+@dataclass(frozen=True)
+class KernelSession:
+    """A validated KernelSession: its identity, typed spec, and the whole object."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: SessionSpec
+    body: dict[str, Any]
+
+    @property
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = self.body.get("status") or {}
+        return status
+
+
+def validate(obj: Any, *, default_namespace: str = "default") -> dict[str, Any]:
+    """Validate a KernelSession object; return a copy with defaults applied.
+
+    Raises InvalidSession naming the first offending field.
+    """
+    if not isinstance(obj, dict):
+        raise InvalidSession("a KernelSession must be a mapping", field="(root)")
+    if obj.get("apiVersion") != API_VERSION:
+        raise InvalidSession(
+            f"must be {API_VERSION}, got {obj.get('apiVersion')!r}", field="apiVersion"
+        )
+    if obj.get("kind") != KIND:
+        raise InvalidSession(f"must be {KIND}, got {obj.get('kind')!r}", field="kind")
+    body = copy.deepcopy(obj)
+    meta = body.get("metadata")
+    if not isinstance(meta, dict):
+        raise InvalidSession("required field missing", field="metadata")
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidSession("required field missing", field="metadata.name")
+    if len(name) > NAME_MAX or not _NAME_RE.match(name):
+        raise InvalidSession(
+            f"{name!r} must be at most {NAME_MAX} characters of a-z, 0-9 and '-', "
+            "starting with a letter and ending with a letter or digit",
+            field="metadata.name",
+        )
+    namespace = meta.setdefault("namespace", default_namespace)
+    if not isinstance(namespace, str) or len(namespace) > 63 or not _NAME_RE.match(namespace):
+        raise InvalidSession(f"{namespace!r} is not a valid namespace", field="metadata.namespace")
+    if body.get("spec") is None:
+        body["spec"] = {}
+    schema = _schema()
+    body = _apply_defaults(body, schema)
+    validator = jsonschema.Draft7Validator(schema)
+    errors = sorted(validator.iter_errors(body), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        field, message = _describe(errors[0])
+        raise InvalidSession(message, field=field)
+    spec_of(body)  # the semantic rules
+    validated: dict[str, Any] = body
+    return validated
+
+
+def spec_of(body: dict[str, Any]) -> SessionSpec:
+    """The typed spec of an already schema-valid KernelSession body."""
+    spec = body["spec"]
+    res = spec["resources"]
+    memory_bytes = parse_quantity(res["memory"], field="spec.resources.memory")
+    if memory_bytes < MEMORY_MIN:
+        raise InvalidSession("must be at least 64Mi", field="spec.resources.memory")
+    cpu_milli = parse_cpu_milli(res["cpu"], field="spec.resources.cpu")
+    if cpu_milli < CPU_MIN_MILLI:
+        raise InvalidSession("must be at least 50m", field="spec.resources.cpu")
+    parse_quantity(spec["workspace"]["size"], field="spec.workspace.size")
+    names = [e["name"] for e in spec.get("env", [])]
+    for i, n in enumerate(names):
+        if n in names[:i]:
+            raise InvalidSession(f"duplicate variable {n!r}", field=f"spec.env[{i}].name")
+        if n.startswith(("MCPFORGE_", "JPY_")):
+            raise InvalidSession(
+                f"{n!r}: the MCPFORGE_ and JPY_ prefixes are reserved", field=f"spec.env[{i}].name"
+            )
+    servers = [s["name"] for s in spec.get("mcpServers", [])]
+    for i, n in enumerate(servers):
+        if n in servers[:i]:
+            raise InvalidSession(f"duplicate server {n!r}", field=f"spec.mcpServers[{i}].name")
+    return SessionSpec(
+        image=spec["image"],
+        memory_bytes=memory_bytes,
+        memory=res["memory"],
+        cpu=res["cpu"],
+        cpu_milli=cpu_milli,
+        pids=res["pids"],
+        idle_timeout=parse_duration(spec["idleTimeout"], field="spec.idleTimeout"),
+        env=tuple(EnvVar(e["name"], e.get("value", "")) for e in spec.get("env", [])),
+        workspace_size=spec["workspace"]["size"],
+        shared_group=spec.get("sharedGroup"),
+        egress=spec["network"]["egress"],
+        restart_policy=spec["restartPolicy"],
+        mcp_servers=tuple(spec.get("mcpServers", [])),
+        operating_mode=spec["operatingMode"],
+        idle_action=spec["idleAction"],
+        max_lifetime=parse_duration(spec["maxLifetime"], field="spec.maxLifetime"),
+        update_strategy=spec["updateStrategy"],
+    )
+
+
+def load(body: dict[str, Any]) -> KernelSession:
+    """A KernelSession from a validated body (as stored)."""
+    meta = body["metadata"]
+    return KernelSession(
+        name=meta["name"],
+        namespace=meta.get("namespace", "default"),
+        uid=meta.get("uid", ""),
+        spec=spec_of(body),
+        body=body,
+    )
+
+
+def parse_documents(text: str) -> list[dict[str, Any]]:
+    """The KernelSessions in a YAML stream, each validated; empty documents are skipped."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise InvalidSession(f"not valid YAML: {exc}") from exc
+    if not docs:
+        raise InvalidSession("no KernelSession in the input")
+    out = []
+    for i, doc in enumerate(docs):
+        try:
+            out.append(validate(doc))
+        except InvalidSession as exc:
+            if len(docs) > 1:
+                raise InvalidSession(f"document {i + 1}: {exc}") from exc
+            raise
+    return out
+
+
+def default_image() -> str:
+    return kernel_image()

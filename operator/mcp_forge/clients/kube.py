@@ -1,0 +1,296 @@
+"""A small, typed door to the Kubernetes API, for the operator and the gateway.
+
+Plain dictionaries in and out (the objects as the API spells them, camelCase), through
+the official client's connection handling and authentication (kubeconfig or the pod's
+service account), without its generated models: the renderer already speaks dicts, and
+a round trip through models would rename every field. Blocking, like the client: async
+callers use `asyncio.to_thread`. Every call has a deadline.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+from kubernetes.watch.watch import iter_resp_lines
+
+from mcp_forge.api.kernelsession import API_VERSION
+from mcp_forge.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+# kind -> (path prefix, plural)
+PATHS: dict[str, tuple[str, str]] = {
+    "Pod": ("api/v1", "pods"),
+    "Secret": ("api/v1", "secrets"),
+    "Service": ("api/v1", "services"),
+    "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies"),
+    "Lease": ("apis/coordination.k8s.io/v1", "leases"),
+    "KernelSession": (f"apis/{API_VERSION}", "kernelsessions"),
+}
+MERGE = "application/merge-patch+json"
+REQUEST_TIMEOUT = 30.0
+BODY_MAX = 64_000_000  # one list of 200 sessions is ~1 MB; refuse a runaway answer
+
+
+# Set on a session's activity Lease by a gateway, read by the operator.
+BUSY_PREFIX = "busy.mcpforge.dev/"  # + its identity: until when it runs code in the kernel
+RESTART = "mcpforge.dev/restart"  # the kernelId (pod uid) it wants restarted
+
+
+def parse_time(text: Any) -> float | None:
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def connection_file_of(secret: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The connection file (connection.json) a connection Secret holds, if it is a JSON
+    object."""
+    if not secret:
+        return None
+    raw: str | None = None
+    data = secret.get("data") or {}
+    if isinstance(data.get("connection.json"), str):
+        with contextlib.suppress(ValueError):
+            raw = base64.b64decode(data["connection.json"]).decode()
+    if raw is None:  # stringData: what an API server turns into data (and an emulator keeps)
+        raw = (secret.get("stringData") or {}).get("connection.json")
+    try:
+        info = json.loads(raw or "")
+    except (ValueError, TypeError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def key_of(secret: dict[str, Any] | None) -> str | None:
+    """The HMAC key in a connection Secret, if it holds a readable one."""
+    key = (connection_file_of(secret) or {}).get("key")
+    return key if isinstance(key, str) and len(key) >= 32 else None
+
+
+def _error(exc: ApiException) -> ApiError:
+    message = exc.reason or ""
+    reason = exc.reason or ""
+    try:
+        body = json.loads(exc.body or "{}")
+        message = str(body.get("message") or message)
+        reason = str(body.get("reason") or reason)
+    except (ValueError, AttributeError):
+        pass
+    return ApiError(int(exc.status or 0), reason, message)
+
+
+def load_config() -> kubernetes.client.Configuration:
+    """The pod's service account inside a cluster, else the kubeconfig ($KUBECONFIG)."""
+    config = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=config)  # type: ignore[no-untyped-call]
+    except kubernetes.config.ConfigException:
+        try:
+            kubernetes.config.load_kube_config(client_configuration=config)  # type: ignore[no-untyped-call]
+        except (kubernetes.config.ConfigException, OSError) as exc:
+            raise ApiError(
+                0, "NoConfig", f"no in-cluster config and no kubeconfig: {exc}"
+            ) from None
+    return config
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # ADDED, MODIFIED, DELETED
+    object: dict[str, Any]
+
+
+class Kube:
+    def __init__(self, config: kubernetes.client.Configuration | None = None) -> None:
+        self.client = kubernetes.client.ApiClient(config or load_config())
+
+    def close(self) -> None:
+        self.client.close()  # type: ignore[no-untyped-call]
+
+    @staticmethod
+    def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+        prefix, plural = PATHS[kind]
+        path = f"/{prefix}/namespaces/{namespace}/{plural}"
+        if name is not None:
+            path += f"/{name}"
+        if sub is not None:
+            path += f"/{sub}"
+        return path
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+        timeout: float | tuple[float, float] = REQUEST_TIMEOUT,
+        stream: bool = False,
+    ) -> Any:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        try:
+            m, url, h, b, _ = self.client.param_serialize(
+                method,
+                path,
+                query_params=query or [],
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            resp = self.client.call_api(m, url, h, b, _request_timeout=timeout)
+            if stream:
+                if resp.status >= 300:
+                    resp.read()  # type: ignore[no-untyped-call]
+                    raise ApiException(http_resp=resp)
+                return resp
+            data = resp.read()  # type: ignore[no-untyped-call]
+            if resp.status >= 300:
+                raise ApiException(http_resp=resp)
+        except ApiException as exc:
+            raise _error(exc) from None
+        except Exception as exc:  # urllib3: refused, reset, timed out
+            raise ApiError(0, type(exc).__name__, str(exc)) from None
+        if len(data) > BODY_MAX:
+            raise ApiError(0, "TooLarge", f"an answer of {len(data)} bytes from {path}")
+        return json.loads(data) if data else None
+
+    # ---- objects -----------------------------------------------------------------------
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None if there is none."""
+        try:
+            obj: dict[str, Any] = self._call("GET", self.path(kind, namespace, name))
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+        return obj
+
+    def list(
+        self,
+        kind: str,
+        namespace: str,
+        *,
+        labels: dict[str, str] | None = None,
+        fields: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """The list object (items and metadata.resourceVersion)."""
+        query = []
+        if labels:
+            query.append(("labelSelector", ",".join(f"{k}={v}" for k, v in labels.items())))
+        if fields:
+            query.append(("fieldSelector", ",".join(f"{k}={v}" for k, v in fields.items())))
+        result: dict[str, Any] = self._call("GET", self.path(kind, namespace), query=query)
+        return result
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        meta = body["metadata"]
+        obj: dict[str, Any] = self._call(
+            "POST", self.path(body["kind"], meta["namespace"]), body=body
+        )
+        return obj
+
+    def ensure(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The object of that name, created from `body` if absent; (object, created)."""
+        meta = body["metadata"]
+        existing = self.get(body["kind"], meta["namespace"], meta["name"])
+        if existing is not None:
+            return existing, False
+        try:
+            return self.create(body), True
+        except ApiError as exc:
+            if not exc.conflict:
+                raise
+        # Made meanwhile by someone else (another reconcile, a restarted operator).
+        existing = self.get(body["kind"], meta["namespace"], meta["name"])
+        if existing is None:
+            raise ApiError(409, "Conflict", f"{body['kind']} {meta['name']} came and went")
+        return existing, False
+
+    def patch(
+        self, kind: str, namespace: str, name: str, patch: dict[str, Any], *, status: bool = False
+    ) -> dict[str, Any]:
+        """A JSON merge patch (RFC 7386), of the status subresource with `status`."""
+        obj: dict[str, Any] = self._call(
+            "PATCH",
+            self.path(kind, namespace, name, "status" if status else None),
+            body=patch,
+            content_type=MERGE,
+        )
+        return obj
+
+    def delete(
+        self, kind: str, namespace: str, name: str, *, grace: int | None = None, uid: str = ""
+    ) -> bool:
+        """Delete it (only that incarnation, with `uid`); False if it was gone already."""
+        options: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
+        if grace is not None:
+            options["gracePeriodSeconds"] = grace
+        if uid:
+            options["preconditions"] = {"uid": uid}
+        try:
+            self._call("DELETE", self.path(kind, namespace, name), body=options)
+        except ApiError as exc:
+            if exc.not_found:
+                return False
+            if exc.conflict and uid:
+                return False  # a newer incarnation: not ours to delete
+            raise
+        return True
+
+    def watch(
+        self,
+        kind: str,
+        namespace: str,
+        *,
+        resource_version: str,
+        name: str | None = None,
+        timeout: float = 30.0,
+    ) -> Iterator[Event]:
+        """Events after `resource_version`, until `timeout` passes without one.
+
+        The API may end the stream at any time; callers list again and go on.
+        """
+        query = [
+            ("watch", "true"),
+            ("resourceVersion", resource_version),
+            ("timeoutSeconds", str(max(1, int(timeout)))),
+        ]
+        if name is not None:
+            query.append(("fieldSelector", f"metadata.name={name}"))
+        resp = self._call(
+            "GET", self.path(kind, namespace), query=query, stream=True, timeout=(10.0, timeout)
+        )
+        try:
+            for line in iter_resp_lines(resp.response):  # type: ignore[no-untyped-call]
+                if len(line) > BODY_MAX:
+                    raise ApiError(0, "TooLarge", f"a watch event of {len(line)} bytes")
+                event = json.loads(line)
+                obj = event.get("object") or {}
+                if event.get("type") == "ERROR":
+                    raise ApiError(int(obj.get("code") or 0), "WatchError", str(obj.get("message")))
+                if name is not None and (obj.get("metadata") or {}).get("name") != name:
+                    continue
+                yield Event(str(event.get("type")), obj)
+        except ApiError:
+            raise
+        except Exception as exc:  # read timed out, connection reset: the stream ended
+            log.debug("watch of %s ended: %s", kind, exc)
+        finally:
+            resp.response.release_conn()

@@ -1,0 +1,663 @@
+"""The operator: kopf handlers that keep every KernelSession true on a cluster.
+
+One level-based `reconcile` does all the work, whatever woke it: a KernelSession
+created, changed (spec) or found at start-up (resume); an event of its kernel Pod or
+its activity Lease; or a deadline (idle, expiry, a pod that takes too long). It reads
+the session and its children afresh, makes them what the spec says (Secret with a key
+kept across reconciles, Service, NetworkPolicy, Lease, Pod), and writes status only when
+it changed. Calls for one session are serialized; sessions reconcile in parallel.
+
+No finalizer: children carry owner references and the API server's garbage collector
+removes them, so deleting a namespace never waits on this operator. No timers or
+daemons either (kopf would add a finalizer for them): deadlines are kept here, in one
+task. Run it with `mcp-forge operator`, or `kopf run -m mcp_forge.control.handlers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from mcp_forge.api import kernelsession
+from mcp_forge.api.connection import PORTS, ConnectionInfo, new_key
+from mcp_forge.api.kernelsession import GROUP, KernelSession
+from mcp_forge.api.keys import new_bridge_cert, new_curve_keys, usable_keys
+from mcp_forge.clients.kube import (
+    BUSY_PREFIX,
+    RESTART,
+    Kube,
+    connection_file_of,
+    key_of,
+    parse_time,
+)
+from mcp_forge.control.pods import Observation, observe, ready_condition
+from mcp_forge.control.render import (
+    LABEL_COMPONENT,
+    LABEL_SESSION,
+    MANAGED_BY,
+    TEMPLATE_HASH,
+    child_name,
+    render_kubernetes,
+    render_lease,
+    secret_name,
+)
+from mcp_forge.control.restarts import QUICK_DEATH, crash_backoff
+from mcp_forge.errors import ApiError, InvalidSession
+from mcp_forge.settings import Settings
+
+log = logging.getLogger(__name__)
+
+VERSION = "v1alpha1"
+PLURAL = "kernelsessions"
+CHILD_LABELS: dict[str, Any] = {
+    "app.kubernetes.io/managed-by": MANAGED_BY,
+    LABEL_SESSION: kopf.PRESENT,
+}
+STARTING_RECHECK = 15.0  # a pod not Ready after this is looked at again, events or not
+BACKOFF_MAX = 60.0
+LAST_ACTIVITY_STEP = 30.0  # status.lastActivity mirrors the Lease to this resolution
+WORKERS = 16  # reconciles running at once
+BUSY_MAX = 600.0  # a busy mark counts for at most this long ahead
+START_GRACE = 120.0  # a starting pod is not idle for this long
+
+Key = tuple[str, str]
+
+
+def stamp(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _condition(
+    old: list[dict[str, Any]] | None,
+    type_: str,
+    value: bool,
+    reason: str,
+    message: str,
+    *,
+    generation: int,
+    now: str,
+) -> dict[str, Any]:
+    status = "True" if value else "False"
+    prev = next((c for c in old or [] if c.get("type") == type_), None)
+    since = prev.get("lastTransitionTime") if prev and prev.get("status") == status else now
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
+
+
+def _kstatus(
+    old: list[dict[str, Any]] | None, seen: Observation, *, generation: int, now: str
+) -> list[dict[str, Any]]:
+    """Reconciling and Stalled, the conditions Flux (kstatus) reads besides Ready."""
+    busy = seen.phase in ("Pending", "Starting", "Restarting")
+    stuck = seen.phase in ("Failed", "Expired")
+    return [
+        _condition(
+            old,
+            "Reconciling",
+            busy,
+            seen.reason if busy else "Settled",
+            seen.message if busy else "nothing in progress",
+            generation=generation,
+            now=now,
+        ),
+        _condition(
+            old,
+            "Stalled",
+            stuck,
+            seen.reason if stuck else "NotStalled",
+            seen.message if stuck else "not stuck",
+            generation=generation,
+            now=now,
+        ),
+    ]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    invalid: str | None = None  # the spec is wrong: a permanent error
+    gone: bool = False  # the session no longer exists (or was just deleted: idle)
+    due: float | None = None  # wall-clock time it must be looked at again
+
+
+@dataclass(frozen=True)
+class Activity:
+    last: float  # wall-clock time of the last activity (or of creation)
+    busy: bool  # a gateway runs code in the kernel now
+    restart: str  # kernelId a gateway asked to restart ("" none)
+    busy_until: float | None
+
+
+def _activity(lease: dict[str, Any], created: float, now: float) -> Activity:
+    """What gateways wrote on the Lease, bounded: a time in the future counts as now."""
+    spec = lease.get("spec") or {}
+    notes = (lease.get("metadata") or {}).get("annotations") or {}
+    renewed = min(now, parse_time(spec.get("renewTime")) or 0.0)
+    marks = [parse_time(v) for k, v in notes.items() if k.startswith(BUSY_PREFIX)]
+    until = max((min(t, now + BUSY_MAX) for t in marks if t), default=None)
+    busy = until is not None and until > now
+    return Activity(max(created, renewed), busy, str(notes.get(RESTART) or ""), until)
+
+
+def _lifetime(pod: dict[str, Any]) -> float | None:
+    """How long the pod's kernel ran before it stopped, if the kubelet says."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        ended = (status.get("state") or {}).get("terminated") or {}
+        start, end = parse_time(ended.get("startedAt")), parse_time(ended.get("finishedAt"))
+        if start is not None and end is not None:
+            return end - start
+    return None
+
+
+def _differs(current: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Whether a child's spec lacks what we want (an API server adds fields of its own,
+    and drops empty lists such as a NetworkPolicy's `egress: []`)."""
+    empty: tuple[Any, ...] = ([], {}, None)
+    return any(
+        not (v in empty and current.get(k) in empty) and current.get(k) != v
+        for k, v in want.items()
+    )
+
+
+class Reconciler:
+    """Keeps sessions true; owns the deadlines. Lives in kopf's event loop."""
+
+    def __init__(self, kube: Kube, settings: Settings) -> None:
+        self.kube = kube
+        self.settings = settings
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._due: dict[Key, float] = {}
+        self._failures: dict[Key, int] = {}
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(WORKERS)
+        self._running: set[asyncio.Task[None]] = set()
+
+    # ---- scheduling ----------------------------------------------------------------------
+
+    def poke(self, namespace: str, name: str, at: float | None = None) -> None:
+        """Reconcile the session at `at` (now if None), or earlier if already due."""
+        when = time.time() if at is None else at
+        key = (namespace, name)
+        if key not in self._due or when < self._due[key]:
+            self._due[key] = when
+            self._wake.set()
+
+    def forget(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        self._due.pop(key, None)
+        self._failures.pop(key, None)
+        self._locks.pop(key, None)
+
+    async def run(self) -> None:
+        """Reconcile sessions as they fall due; every session at least every resync."""
+        while True:
+            now = time.time()
+            for key in [k for k, t in self._due.items() if t <= now]:
+                del self._due[key]
+                task = asyncio.create_task(self._background(*key))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+            self._wake.clear()
+            wait = min(self._due.values(), default=now + self.settings.operator_resync) - now
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, wait)):
+                    await self._wake.wait()
+
+    async def _background(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        async with self._slots:
+            try:
+                await self.reconcile(namespace, name)
+            except Exception as exc:  # kept going: retried with backoff
+                n = self._failures.get(key, 0) + 1
+                self._failures[key] = n
+                delay = min(BACKOFF_MAX, 2.0**n)
+                log.warning("reconcile of %s/%s failed (retry in %.0fs): %s", *key, delay, exc)
+                self.poke(namespace, name, time.time() + delay)
+            else:
+                self._failures.pop(key, None)
+
+    async def reconcile(self, namespace: str, name: str) -> Outcome:
+        key = (namespace, name)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            try:
+                outcome = await asyncio.to_thread(self._reconcile, namespace, name)
+            except ApiError as exc:
+                # Deleted while we were at it: nothing left to do (its children are GC'd).
+                if not exc.not_found:
+                    raise
+                if await asyncio.to_thread(self.kube.get, "KernelSession", namespace, name):
+                    raise
+                outcome = Outcome(gone=True)
+        if outcome.gone:
+            self.forget(namespace, name)
+            return outcome
+        resync = time.time() + self.settings.operator_resync
+        self.poke(namespace, name, min(resync, outcome.due or resync))
+        return outcome
+
+    # ---- the reconcile -------------------------------------------------------------------
+
+    def _reconcile(self, namespace: str, name: str) -> Outcome:
+        body = self.kube.get("KernelSession", namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return Outcome(gone=True)
+        meta = body["metadata"]
+        generation = int(meta.get("generation") or 1)
+        old: dict[str, Any] = body.get("status") or {}
+        now = time.time()
+        try:
+            spec_only = {k: v for k, v in body.items() if k != "status"}
+            session = kernelsession.load(
+                kernelsession.validate(spec_only, default_namespace=namespace)
+            )
+        except InvalidSession as exc:
+            self._write(body, self._invalid(old, str(exc), generation, stamp(now)))
+            return Outcome(invalid=str(exc))
+        return self._realize(session, body, old, generation, now)
+
+    @staticmethod
+    def _invalid(old: dict[str, Any], why: str, generation: int, now: str) -> dict[str, Any]:
+        status = dict(old)
+        status.update(
+            phase="Failed",
+            reason="InvalidSpec",
+            message=why,
+            observedGeneration=generation,
+            conditions=[
+                _condition(
+                    old.get("conditions"),
+                    "Ready",
+                    False,
+                    "InvalidSpec",
+                    why,
+                    generation=generation,
+                    now=now,
+                ),
+                *_kstatus(
+                    old.get("conditions"),
+                    Observation("Failed", "InvalidSpec", why),
+                    generation=generation,
+                    now=now,
+                ),
+            ],
+        )
+        return status
+
+    def _owned(self, obj: dict[str, Any] | None, session: KernelSession) -> dict[str, Any] | None:
+        """`obj` if it belongs to this session; an earlier session's leftover is deleted.
+
+        Without a finalizer a KernelSession is gone at once while the garbage collector
+        removes its children later: a new session of the same name must not take over
+        the old one's key, or its running kernel.
+        """
+        if obj is None or not session.uid:
+            return obj
+        refs = obj["metadata"].get("ownerReferences") or []
+        if any(r.get("uid") == session.uid and r.get("controller") for r in refs):
+            return obj
+        meta = obj["metadata"]
+        log.info(
+            "removing %s %s/%s, left by an earlier session of that name",
+            obj.get("kind"),
+            meta.get("namespace"),
+            meta.get("name"),
+        )
+        self.kube.delete(obj["kind"], meta["namespace"], meta["name"], uid=meta.get("uid", ""))
+        return None
+
+    def _ensure(self, want: dict[str, Any], session: KernelSession) -> dict[str, Any]:
+        meta = want["metadata"]
+        current = self._owned(self.kube.get(want["kind"], meta["namespace"], meta["name"]), session)
+        if current is not None:
+            return current
+        made, _ = self.kube.ensure(want)
+        if self._owned(made, session) is None:  # the old one is still on its way out
+            raise ApiError(
+                409, "Conflict", f"an earlier {want['kind']} {meta['name']} is being removed"
+            )
+        return made
+
+    def _children(
+        self, session: KernelSession
+    ) -> tuple[dict[str, Any], str, dict[str, Any] | None]:
+        """Make Secret, Service, NetworkPolicy and Lease right; the Pod as it should be, and
+        the Secret's data to write before a new pod is made (None: it is complete).
+
+        A Secret from an older operator has no Curve pair or bridge certificate (or one
+        that is malformed): the kernel running now read it as it is, and the gateway uses
+        what the Secret has, so it is completed only when the next kernel pod is made.
+        """
+        ns = session.namespace
+        secret = self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
+        key = key_of(secret) or new_key()
+        curve, bridge = usable_keys(connection_file_of(secret) or {})
+        host = f"{child_name(session)}.{ns}.svc"
+        rendered = render_kubernetes(
+            session,
+            ConnectionInfo(
+                "tcp",
+                host,
+                key,
+                curve or new_curve_keys(),
+                bridge or new_bridge_cert(f"{ns}/{session.name}"),
+            ),
+            gateway_namespace=self.settings.gateway_namespace or None,
+            runtime_class=self.settings.runtime_class or None,
+            seccomp_profile=self.settings.seccomp_profile or None,
+        )
+        want_secret, service, policy, pod = rendered
+        complete: dict[str, Any] | None = None
+        if secret is None:
+            self._ensure(want_secret, session)
+        elif key_of(secret) is None:  # unreadable: a kernel cannot start with it
+            self.kube.patch(
+                "Secret", ns, secret_name(session), {"stringData": want_secret["stringData"]}
+            )
+        elif curve is None or bridge is None:
+            complete = {"stringData": want_secret["stringData"]}
+        for child in (service, policy):
+            current = self._ensure(child, session)
+            if _differs(current.get("spec") or {}, child["spec"]):
+                self.kube.patch(
+                    child["kind"], ns, child["metadata"]["name"], {"spec": child["spec"]}
+                )
+        return pod, host, complete
+
+    def _realize(
+        self,
+        session: KernelSession,
+        body: dict[str, Any],
+        old: dict[str, Any],
+        generation: int,
+        now: float,
+    ) -> Outcome:
+        ns, spec = session.namespace, session.spec
+        want_pod, host, complete_secret = self._children(session)
+        lease = self._ensure(render_lease(session), session)
+        created = parse_time(body["metadata"].get("creationTimestamp")) or now
+        act = _activity(lease, created, now)
+        expires = created + spec.max_lifetime if spec.max_lifetime else None
+        pod = self._owned(self.kube.get("Pod", ns, child_name(session)), session)
+        # Idle time counts from the last use, or from when the current kernel came up,
+        # whichever is later; a pod still starting gets START_GRACE more (a slow pull or a
+        # busy node is not idleness, but a pod that never starts is culled in the end).
+        floor = max(act.last, parse_time(old.get("startedAt")) or 0.0)
+        if pod is not None and old.get("phase") in (None, "Pending", "Starting", "Restarting"):
+            made = parse_time(pod["metadata"].get("creationTimestamp")) or now
+            floor = max(floor, made + START_GRACE)
+        idle_for = now - floor
+        due: list[float] = []
+
+        stop: Observation | None = None
+        if expires is not None and now >= expires:
+            stop = Observation(
+                "Expired",
+                "Expired",
+                f"the session reached its maxLifetime of {body['spec']['maxLifetime']}",
+            )
+        elif spec.operating_mode == "Suspended":
+            stop = Observation("Suspended", "UserRequested", "spec.operatingMode is Suspended")
+        elif spec.idle_timeout and not act.busy and idle_for >= spec.idle_timeout:
+            why = f"no activity for {body['spec']['idleTimeout']}"
+            if spec.idle_action == "Delete":
+                log.info("deleting %s/%s: %s", ns, session.name, why)
+                self.kube.delete("KernelSession", ns, session.name, uid=session.uid)
+                return Outcome(gone=True)
+            stop = Observation("Suspended", "Idle", f"{why}; used again, it resumes")
+        if expires is not None and stop is None:
+            due.append(expires)
+        if spec.idle_timeout and stop is None:
+            due.append(floor + spec.idle_timeout)
+        if act.busy and act.busy_until:
+            due.append(act.busy_until)
+
+        status = dict(old)
+        conn = dict(old.get("connection") or {})
+        kernel_gen = int(conn.get("generation") or 0)
+        pending: tuple[str, str] | None = None
+        if stop is not None:
+            if pod is not None and not pod["metadata"].get("deletionTimestamp"):
+                self.kube.delete("Pod", ns, child_name(session), uid=pod["metadata"]["uid"])
+            seen = stop
+            if old.get("phase") != stop.phase:
+                status["suspendedAt"] = stamp(now)
+            pod = None
+        elif pod is None:
+            if complete_secret is not None:
+                log.info(
+                    "adding the Curve pair and the bridge certificate to the Secret of %s/%s "
+                    "(kept from an older operator, or malformed) before its next kernel pod",
+                    ns,
+                    session.name,
+                )
+                self.kube.patch("Secret", ns, secret_name(session), complete_secret)
+            pod, _ = self.kube.ensure(want_pod)
+            if pod["metadata"].get("uid") != old.get("kernelId"):
+                if old.get("kernelId"):
+                    status["restarts"] = int(old.get("restarts") or 0) + 1
+                kernel_gen += 1
+                status["startedAt"] = None
+            seen = observe(session, pod)
+            due.append(now + STARTING_RECHECK)
+        else:
+            uid = pod["metadata"].get("uid")
+            if uid != old.get("kernelId"):  # made by a reconcile whose status write was lost
+                kernel_gen += 1
+            seen = observe(session, pod)
+            deleting = bool(pod["metadata"].get("deletionTimestamp"))
+            outdated = (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH) != (
+                want_pod["metadata"]["annotations"][TEMPLATE_HASH]
+            )
+            if seen.termination is not None:
+                term = seen.termination
+                last = old.get("lastTermination") or {}
+                if last.get("podUID") != uid:
+                    lived = _lifetime(pod)
+                    quick = term.exit_code != 0 and lived is not None and lived < QUICK_DEATH
+                    log.info("kernel of %s/%s died: %s", ns, session.name, term.message)
+                    last = {
+                        "reason": term.reason,
+                        "exitCode": term.exit_code,
+                        "message": term.message,
+                        "at": stamp(now),
+                        "podUID": uid,
+                        "quickDeaths": int(last.get("quickDeaths") or 0) + 1 if quick else 0,
+                    }
+                    status["lastTermination"] = last
+                # An exit 0 is a restart a gateway asked for (or the user's exit()); a pod
+                # for an older spec is replaced whatever restartPolicy says.
+                again = spec.restart_policy == "Always" or term.exit_code == 0 or outdated
+                quick_deaths = int(last.get("quickDeaths") or 0)
+                wait_until = (parse_time(last.get("at")) or now) + crash_backoff(quick_deaths)
+                if again and not deleting and now < wait_until:
+                    seen = Observation(
+                        "Restarting",
+                        "CrashLoopBackOff",
+                        f"{term.message}; it died {quick_deaths} time(s) in a row within "
+                        f"{QUICK_DEATH:.0f}s of starting, next start in "
+                        f"{wait_until - now:.0f}s",
+                        term,
+                    )
+                    due.append(wait_until)
+                elif again and not deleting:
+                    self.kube.delete("Pod", ns, child_name(session), uid=uid)
+                    seen = Observation("Restarting", term.reason, term.message, term)
+            elif deleting:
+                seen = Observation(
+                    "Restarting", "PodTerminating", "the kernel's pod is being deleted"
+                )
+            elif act.restart and act.restart == uid:
+                self.kube.delete("Pod", ns, child_name(session), uid=uid)
+                seen = Observation(
+                    "Restarting", "RestartRequested", "a gateway restarts the kernel"
+                )
+            elif outdated and (
+                not seen.ready or (spec.update_strategy == "Recreate" and not act.busy)
+            ):  # no kernel to keep (not started, stuck), or one Recreate may replace
+                self.kube.delete("Pod", ns, child_name(session), uid=uid)
+                seen = Observation(
+                    "Restarting", "Updating", "the kernel's pod is replaced for a new spec"
+                )
+            elif outdated:
+                pending = (
+                    ("KernelBusy", "the kernel is running code; the update follows when it stops")
+                    if spec.update_strategy == "Recreate"
+                    else (
+                        "WaitingForRestart",
+                        "the spec changed; the new pod comes at the kernel's next restart "
+                        "(updateStrategy OnRestart)",
+                    )
+                )
+            if seen.phase in ("Starting", "Pending", "Restarting"):
+                due.append(now + STARTING_RECHECK)
+
+        stamp_now = stamp(now)
+        status.update(
+            phase=seen.phase,
+            reason=seen.reason,
+            message=seen.message,
+            observedGeneration=generation,
+            serviceName=child_name(session),
+            podName=child_name(session) if pod is not None else None,
+            podIP=seen.pod_ip,
+            kernelId=pod["metadata"].get("uid") if pod is not None else None,
+            templateHash=(
+                (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH)
+                if pod is not None
+                else None
+            ),
+            expiresAt=stamp(expires) if expires is not None else None,
+            connection={
+                "transport": "tcp",
+                "host": host,
+                "ports": dict(PORTS),
+                "secretName": secret_name(session),
+                "generation": kernel_gen,
+            },
+        )
+        if seen.ready and seen.started_at:
+            status["startedAt"] = seen.started_at
+            # The floor above was a starting pod's (START_GRACE): now that the kernel runs,
+            # idleness counts from its start, or nothing would wake us before the grace ends.
+            if spec.idle_timeout and stop is None:
+                started = parse_time(seen.started_at) or now
+                due.append(max(act.last, started) + spec.idle_timeout)
+        status.setdefault("restarts", 0)
+        if stop is None:
+            status["suspendedAt"] = None
+        shown = parse_time(old.get("lastActivity")) or 0.0
+        if act.last - shown >= LAST_ACTIVITY_STEP or not old.get("lastActivity"):
+            status["lastActivity"] = stamp(act.last)
+        conditions = [
+            ready_condition(old.get("conditions"), seen, generation=generation, now=stamp_now)
+        ]
+        conditions.append(
+            _condition(
+                old.get("conditions"),
+                "UpdatePending",
+                pending is not None,
+                pending[0] if pending else "UpToDate",
+                pending[1] if pending else "the kernel's pod matches the spec",
+                generation=generation,
+                now=stamp_now,
+            )
+        )
+        conditions += _kstatus(old.get("conditions"), seen, generation=generation, now=stamp_now)
+        status["conditions"] = conditions
+        self._write(body, status)
+        return Outcome(due=min(due) if due else None)
+
+    def _write(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+        old = body.get("status") or {}
+        patch = {k: v for k, v in status.items() if old.get(k) != v}
+        for k in old:
+            if k not in status:
+                patch[k] = None
+        if not patch:
+            return
+        meta = body["metadata"]
+        self.kube.patch(
+            "KernelSession", meta["namespace"], meta["name"], {"status": patch}, status=True
+        )
+
+
+# ---- kopf ------------------------------------------------------------------------------
+
+
+def _reconciler(memo: Any) -> Reconciler:
+    reconciler: Reconciler = memo.reconciler
+    return reconciler
+
+
+@kopf.on.startup()
+async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    config = Settings.from_env()
+    kube = await asyncio.to_thread(Kube)
+    reconciler = Reconciler(kube, config)
+    memo.reconciler = reconciler
+    memo.scheduler = asyncio.create_task(reconciler.run(), name="mcp-forge deadlines")
+
+
+@kopf.on.cleanup()
+async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("scheduler")
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if memo.get("reconciler") is not None:
+        memo.reconciler.kube.close()
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def reconcile_session(
+    *, name: str, namespace: str | None, memo: Any, retry: int, **_: Any
+) -> None:
+    """Create, resume and spec change: one idempotent reconcile."""
+    try:
+        outcome = await _reconciler(memo).reconcile(namespace or "default", name)
+    except ApiError as exc:
+        raise kopf.TemporaryError(str(exc), delay=min(BACKOFF_MAX, 2.0 ** (retry + 1))) from exc
+    if outcome.invalid:
+        raise kopf.PermanentError(outcome.invalid)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def session_event(
+    *, type: str, name: str, namespace: str | None, memo: Any, **_: Any
+) -> None:
+    if type == "DELETED":
+        _reconciler(memo).forget(namespace or "default", name)
+
+
+@kopf.on.event("", "v1", "pods", labels={**CHILD_LABELS, LABEL_COMPONENT: "kernel"})
+@kopf.on.event("coordination.k8s.io", "v1", "leases", labels=CHILD_LABELS)
+async def child_event(
+    *, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
+) -> None:
+    """A kernel pod or an activity Lease changed: look at its session now."""
+    _reconciler(memo).poke(namespace or "default", labels[LABEL_SESSION])

@@ -1,0 +1,353 @@
+"""The renderer: a KernelSession becomes the manifests that run it. Pure: no I/O.
+
+One function per target, both built from the same pod template, so the security
+profile lives in one place:
+
+* ``kubernetes``: Secret (connection file with the key), Service (the five ZMQ ports),
+  NetworkPolicy (ingress from the gateway only; egress per spec), Pod. Valid for
+  ``kubectl apply``.
+* ``podman``: the Pod alone, as ``podman kube play`` runs it. Podman ignores Services and
+  NetworkPolicies, and 4.3.1 crashes on secret volumes, so the connection file and the
+  workspace are host directories (written by local mode) and the pod has no network:
+  the kernel's channels are Unix sockets in its run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from mcp_forge.api.connection import (
+    BRIDGE_PORT,
+    CONF_DIR_IN_POD,
+    PORTS,
+    RUN_DIR_IN_POD,
+    ConnectionInfo,
+)
+from mcp_forge.api.kernelsession import API_VERSION, KIND, KernelSession, parse_quantity
+from mcp_forge.sandbox import KERNEL_CMD, KERNEL_UID, WORKSPACE
+
+Target = Literal["kubernetes", "podman"]
+TARGETS: tuple[Target, ...] = ("kubernetes", "podman")
+
+CONTAINER = "kernel"
+SHARED = "/shared"
+MANAGED_BY = "mcp-forge"
+LABEL_SESSION = "mcpforge.dev/session"
+LABEL_NAMESPACE = "mcpforge.dev/namespace"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+TEMPLATE_HASH = "mcpforge.dev/template-hash"
+GATEWAY_SELECTOR = {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "gateway"}
+# The project's seccomp profile (docs/seccomp.md): Podman's default less namespaces,
+# keyrings, mounts and tracing. Local mode plays pods with this directory as
+# --seccomp-profile-root; on clusters it is installed on each node and named by the
+# `seccomp_profile` setting.
+SECCOMP_PROFILE = "kernel-seccomp.json"
+SECCOMP_PROFILE_ROOT = str(Path(__file__).parents[1] / "profiles")
+# Podman 4.3.1's kube play ignores securityContext.seccompProfile and reads a Localhost
+# profile only from this (deprecated in Kubernetes) annotation: "localhost/<file>".
+SECCOMP_ANNOTATION = f"container.seccomp.security.alpha.kubernetes.io/{CONTAINER}"
+RUNTIME_DEFAULT: dict[str, str] = {"type": "RuntimeDefault"}
+# Below the read-only connection mount, so it never exists and cannot be made: IPython
+# then works in a new temporary directory at every start, and a startup file planted in
+# the last one (in /tmp, which outlives a kernel restart) never runs in the next kernel.
+IPYTHON_DIR = f"{CONF_DIR_IN_POD}/ipython"
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """Host directories that local mode mounts into the pod."""
+
+    conf: str  # root-owned, mounted read-only: the connection file
+    run: str  # the kernel's Unix sockets
+    workspace: str
+    shared: str | None = None
+    # /tmp. Podman 4.3.1 plays an emptyDir as a named volume called after it, which every
+    # pod with an emptyDir "tmp" would share: local mode gives each session a directory.
+    tmp: str | None = None
+
+
+def child_name(session: KernelSession) -> str:
+    """Name of the Pod, Service and NetworkPolicy on Kubernetes."""
+    return f"ks-{session.name}"
+
+
+def secret_name(session: KernelSession) -> str:
+    return f"ks-{session.name}-conn"
+
+
+def podman_pod_name(namespace: str, name: str) -> str:
+    """Podman pods have no namespaces, so the name carries it."""
+    return f"mcpforge-{namespace}-{name}"
+
+
+def labels(session: KernelSession) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "mcp-forge",
+        LABEL_COMPONENT: "kernel",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        LABEL_SESSION: session.name,
+        LABEL_NAMESPACE: session.namespace,
+    }
+
+
+def _owner(session: KernelSession) -> list[dict[str, Any]]:
+    if not session.uid:
+        return []
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": session.name,
+            "uid": session.uid,
+            "controller": True,
+        }
+    ]
+
+
+def _metadata(session: KernelSession, name: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": session.namespace, "labels": labels(session)}
+    owners = _owner(session)
+    if owners:
+        meta["ownerReferences"] = owners
+    return meta
+
+
+def _cpu(session: KernelSession) -> str:
+    return f"{session.spec.cpu_milli}m"
+
+
+def kernel_command(session: KernelSession) -> list[str]:
+    """The kernel's command line, replacing the image's entrypoint (tini in ours).
+
+    The pod shares one PID namespace, so its infra process (root: catatonit on Podman,
+    pause on Kubernetes) is PID 1 and reaps orphans, out of the kernel uid's reach.
+    prlimit (util-linux) sets RLIMIT_FSIZE to the workspace size, soft and hard, then
+    execs the kernel: no file it writes can outgrow the workspace.
+    """
+    size = parse_quantity(session.spec.workspace_size, field="spec.workspace.size")
+    return ["prlimit", f"--fsize={size}", "--", *KERNEL_CMD]
+
+
+def _container(session: KernelSession, target: Target, seccomp: dict[str, str]) -> dict[str, Any]:
+    spec = session.spec
+    env = [
+        {"name": "HOME", "value": WORKSPACE},
+        {"name": "IPYTHONDIR", "value": IPYTHON_DIR},
+        {"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+        {"name": "MCPFORGE_SESSION", "value": session.name},
+    ]
+    env += [{"name": e.name, "value": e.value} for e in spec.env]
+    mounts = [
+        {"name": "conf", "mountPath": CONF_DIR_IN_POD, "readOnly": True},
+        {"name": "workspace", "mountPath": WORKSPACE},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if target == "podman":
+        mounts.append({"name": "run", "mountPath": RUN_DIR_IN_POD})
+    if spec.shared_group:
+        mounts.append({"name": "shared", "mountPath": SHARED})
+    limits = {"memory": spec.memory, "cpu": _cpu(session)}
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": kernel_command(session),
+        "workingDir": WORKSPACE,
+        "env": env,
+        "resources": {"limits": dict(limits), "requests": dict(limits)},
+        "securityContext": {
+            "runAsUser": KERNEL_UID,
+            "runAsGroup": KERNEL_UID,
+            "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": dict(seccomp),
+        },
+        "volumeMounts": mounts,
+    }
+    if target == "kubernetes":
+        container["ports"] = [
+            {"name": name, "containerPort": port, "protocol": "TCP"}
+            for name, port in {**PORTS, "bridge": BRIDGE_PORT}.items()
+        ]
+    return container
+
+
+def _pod(
+    session: KernelSession,
+    target: Target,
+    volumes: list[dict[str, Any]],
+    seccomp: dict[str, str],
+) -> dict[str, Any]:
+    spec = session.spec
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # kernel death is seen and handled by us, then recreated
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "shareProcessNamespace": True,  # PID 1 is the infra process: see kernel_command
+        "terminationGracePeriodSeconds": 5,
+        "securityContext": {
+            "runAsUser": KERNEL_UID,
+            "runAsGroup": KERNEL_UID,
+            "runAsNonRoot": True,
+            "fsGroup": KERNEL_UID,
+            "seccompProfile": dict(seccomp),
+        },
+        "containers": [_container(session, target, seccomp)],
+        "volumes": volumes,
+    }
+    if target == "kubernetes":
+        meta = _metadata(session, child_name(session))
+        pod_spec["hostname"] = "kernel"
+    else:
+        meta = {
+            "name": podman_pod_name(session.namespace, session.name),
+            "labels": labels(session),
+            "annotations": {
+                # Honoured by Podman >= 4.4; local mode also writes the cgroup limit itself.
+                f"io.podman.annotations.pids-limit/{CONTAINER}": str(spec.pids),
+                SECCOMP_ANNOTATION: f"localhost/{SECCOMP_PROFILE}",
+            },
+        }
+        pod_spec["hostname"] = "kernel"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def render_kubernetes(
+    session: KernelSession,
+    connection: ConnectionInfo,
+    *,
+    gateway_namespace: str | None = None,
+    runtime_class: str | None = None,
+    seccomp_profile: str | None = None,
+) -> list[dict[str, Any]]:
+    """Secret, Service, NetworkPolicy and Pod for a cluster.
+
+    The key comes in `connection` (the operator keeps it in the Secret across
+    reconciles). The NetworkPolicy admits gateway pods of `gateway_namespace` (the
+    session's own namespace if None). `runtime_class` (gVisor, Kata) is the cluster
+    admin's choice, not the session's: the operator is configured with it. So is
+    `seccomp_profile`, the project's profile as installed on every node (a path below
+    the kubelet's seccomp root, docs/seccomp.md); None keeps the runtime's default.
+    """
+    spec = session.spec
+    name = child_name(session)
+    gateways: dict[str, Any] = {"podSelector": {"matchLabels": dict(GATEWAY_SELECTOR)}}
+    if gateway_namespace is not None:
+        gateways["namespaceSelector"] = {
+            "matchLabels": {"kubernetes.io/metadata.name": gateway_namespace}
+        }
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(session, secret_name(session)),
+        "type": "Opaque",
+        "stringData": {"connection.json": connection.to_file()},
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(session, name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {LABEL_SESSION: session.name, LABEL_COMPONENT: "kernel"},
+            "ports": [
+                {"name": p, "port": n, "targetPort": n, "protocol": "TCP"}
+                for p, n in {**PORTS, "bridge": BRIDGE_PORT}.items()
+            ],
+        },
+    }
+    egress: list[dict[str, Any]] = [{}] if spec.egress == "All" else []
+    policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(session, name),
+        "spec": {
+            "podSelector": {
+                "matchLabels": {LABEL_SESSION: session.name, LABEL_COMPONENT: "kernel"}
+            },
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [
+                {
+                    "from": [gateways],
+                    "ports": [
+                        {"port": n, "protocol": "TCP"} for n in [*PORTS.values(), BRIDGE_PORT]
+                    ],
+                }
+            ],
+            "egress": egress,
+        },
+    }
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": "conf",
+            "secret": {
+                "secretName": secret_name(session),
+                "defaultMode": 0o440,
+                "items": [{"key": "connection.json", "path": "connection.json"}],
+            },
+        },
+        {"name": "workspace", "emptyDir": {"sizeLimit": spec.workspace_size}},
+        {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}},
+    ]
+    if spec.shared_group:
+        volumes.append(
+            {
+                "name": "shared",
+                "persistentVolumeClaim": {"claimName": f"mcpforge-shared-{spec.shared_group}"},
+            }
+        )
+    seccomp = (
+        {"type": "Localhost", "localhostProfile": seccomp_profile}
+        if seccomp_profile
+        else RUNTIME_DEFAULT
+    )
+    pod = _pod(session, "kubernetes", volumes, seccomp)
+    if runtime_class:
+        pod["spec"]["runtimeClassName"] = runtime_class
+    pod["metadata"]["annotations"] = {TEMPLATE_HASH: template_hash(pod)}
+    return [secret, service, policy, pod]
+
+
+def template_hash(pod: dict[str, Any]) -> str:
+    """A digest of what a running kernel pod cannot change: its spec."""
+    text = json.dumps(pod["spec"], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def render_lease(session: KernelSession) -> dict[str, Any]:
+    """The Lease a gateway renews while it uses the session (activity, without spec writes)."""
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": _metadata(session, child_name(session)),
+        "spec": {},
+    }
+
+
+def render_podman(session: KernelSession, paths: HostPaths) -> list[dict[str, Any]]:
+    """The Pod that `podman kube play --network none --seccomp-profile-root
+    SECCOMP_PROFILE_ROOT` runs: with the project's seccomp profile, always."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "conf", "hostPath": {"path": paths.conf, "type": "Directory"}},
+        {"name": "run", "hostPath": {"path": paths.run, "type": "Directory"}},
+        {"name": "workspace", "hostPath": {"path": paths.workspace, "type": "Directory"}},
+        (
+            {"name": "tmp", "hostPath": {"path": paths.tmp, "type": "Directory"}}
+            if paths.tmp
+            else {"name": "tmp", "emptyDir": {"medium": "Memory"}}
+        ),
+    ]
+    if session.spec.shared_group:
+        if paths.shared is None:
+            raise ValueError("a session with sharedGroup needs a shared host path")
+        volumes.append({"name": "shared", "hostPath": {"path": paths.shared, "type": "Directory"}})
+    seccomp = {"type": "Localhost", "localhostProfile": SECCOMP_PROFILE}
+    return [_pod(session, "podman", volumes, seccomp)]

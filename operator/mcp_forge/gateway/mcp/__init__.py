@@ -1,0 +1,1 @@
+"""The gateway as an MCP server (stdio and streamable HTTP), and the HTTP bearer tokens."""

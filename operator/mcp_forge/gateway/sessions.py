@@ -1,0 +1,244 @@
+"""Sessions as agents see them: who owns which, each client's default session, cleanup.
+
+A client is the one stdio client, or an HTTP client named by its bearer token. A
+session an agent creates through the gateway carries two annotations: its owner (the
+client) and the id of the gateway process that created it. A client sees and uses:
+
+* the sessions it owns;
+* declared sessions (applied with kubectl / GitOps / `mcp-forge apply`, no owner) that
+  grant it use in the annotation `mcpforge.dev/clients` (comma-separated client names,
+  or `*`). The stdio client runs as the host's own user and may use every declared one.
+
+A session the client may not use is reported exactly as one that does not exist.
+Created sessions get unguessable names (`s-` and 12 random hex digits) unless the client
+picks one; a client's shared group is its own (other clients' groups with the same
+name are different volumes). When the gateway stops, it deletes what it created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import hashlib
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from mcp_forge.api import kernelsession
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.errors import ForgeError, InvalidRequest, InvalidSession, SessionNotFound
+from mcp_forge.image.kernel import VARIANTS, image_ref
+from mcp_forge.runtimes.base import Runtime
+from mcp_forge.settings import Settings
+
+log = logging.getLogger(__name__)
+
+OWNER = "mcpforge.dev/owner"
+CREATED_BY = "mcpforge.dev/created-by"
+CLIENTS = "mcpforge.dev/clients"
+NAMESPACE = "default"  # local mode's; a cluster gateway's is settings.session_namespace
+STDIO = "stdio"
+
+
+@dataclass(frozen=True)
+class Client:
+    """Who is calling: `name` is the stdio client's or the HTTP token's."""
+
+    name: str
+    stdio: bool = False
+
+    @property
+    def owner(self) -> str:
+        return f"{'stdio' if self.stdio else 'http'}:{self.name}"
+
+
+def stdio_client() -> Client:
+    return Client(f"{STDIO}-{secrets.token_hex(8)}", stdio=True)
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """What a client may choose when it creates a session."""
+
+    name: str | None = None
+    variant: str = "default"
+    memory: str | None = None
+    cpu: str | None = None
+    env: dict[str, str] | None = None
+    shared_group: str | None = None
+    mcp_servers: list[dict[str, Any]] | None = None  # code mode: spec.mcpServers
+
+
+def _annotations(session: KernelSession) -> dict[str, Any]:
+    annotations: dict[str, Any] = session.body["metadata"].get("annotations") or {}
+    return annotations
+
+
+def owner_of(session: KernelSession) -> str | None:
+    owner = _annotations(session).get(OWNER)
+    return owner if isinstance(owner, str) else None
+
+
+class SessionService:
+    """Ownership-checked access to sessions, on top of a Runtime."""
+
+    def __init__(
+        self, runtime: Runtime, settings: Settings | None = None, *, namespace: str = NAMESPACE
+    ) -> None:
+        self.runtime = runtime
+        self.settings = settings or Settings.from_env()
+        self.namespace = namespace  # where this gateway's clients have their sessions
+        self.mcp_servers: set[str] = set()  # code mode: the upstream servers configured
+        self.gateway_id = secrets.token_hex(8)
+        self._defaults: dict[str, str] = {}  # owner → default session name
+        self._create_lock = asyncio.Lock()
+        self._default_locks: dict[str, asyncio.Lock] = {}
+
+    def owns(self, client: Client, session: KernelSession) -> bool:
+        return owner_of(session) == client.owner
+
+    def may_use(self, client: Client, session: KernelSession) -> bool:
+        owner = owner_of(session)
+        if owner is not None:
+            return owner == client.owner
+        if client.stdio:
+            return True
+        granted = str(_annotations(session).get(CLIENTS, ""))
+        names = {n.strip() for n in granted.split(",")}
+        return "*" in names or client.name in names
+
+    async def resolve(self, client: Client, session_id: str) -> KernelSession:
+        """The session `session_id` if this client may use it; else SessionNotFound."""
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidRequest("session_id must be a non-empty string")
+        try:
+            session = await self.runtime.get(session_id, self.namespace)
+        except SessionNotFound:
+            session = None
+        if session is None or not self.may_use(client, session):
+            raise SessionNotFound(f"no session {session_id!r} (list_sessions shows yours)")
+        return session
+
+    async def list(self, client: Client) -> builtins.list[KernelSession]:
+        return [s for s in await self.runtime.list(self.namespace) if self.may_use(client, s)]
+
+    async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
+        return await self.runtime.memory_usage(sessions)
+
+    def _shared_group(self, client: Client, group: str) -> str:
+        # The group is the client's own: the same name from another client is another
+        # volume. (Declared sessions name their groups freely.)
+        tag = hashlib.sha256(client.owner.encode()).hexdigest()[:8]
+        return f"{group[:31]}-{tag}"
+
+    async def create(self, client: Client, request: SessionRequest) -> KernelSession:
+        s = self.settings
+        if request.variant not in VARIANTS:
+            raise InvalidRequest(
+                f"variant must be one of {', '.join(VARIANTS)}, got {request.variant!r}"
+            )
+        name = request.name or f"s-{secrets.token_hex(6)}"
+        spec: dict[str, Any] = {"image": image_ref(request.variant), "resources": {}}
+        if request.memory is not None:
+            spec["resources"]["memory"] = request.memory
+        if request.cpu is not None:
+            spec["resources"]["cpu"] = request.cpu
+        if request.env:
+            spec["env"] = [{"name": k, "value": v} for k, v in request.env.items()]
+        if request.shared_group is not None:
+            spec["sharedGroup"] = request.shared_group
+        if request.mcp_servers:
+            unknown = sorted(
+                {str(m.get("name")) for m in request.mcp_servers if isinstance(m, dict)}
+                - set(self.mcp_servers)
+            )
+            if unknown:
+                have = ", ".join(sorted(self.mcp_servers)) or "none"
+                raise InvalidSession(
+                    f"no MCP server named {', '.join(unknown)} here (configured: {have})",
+                    field="mcp_servers",
+                )
+            spec["mcpServers"] = request.mcp_servers
+        draft: dict[str, Any] = {
+            "apiVersion": kernelsession.API_VERSION,
+            "kind": kernelsession.KIND,
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                "annotations": {OWNER: client.owner, CREATED_BY: self.gateway_id},
+            },
+            "spec": spec,
+        }
+        # The field-named error, before anything is stored.
+        body = kernelsession.validate(draft)
+        typed = kernelsession.spec_of(body)
+        if typed.memory_bytes > kernelsession.parse_quantity(s.session_memory_max, field="memory"):
+            raise InvalidSession(f"at most {s.session_memory_max} per session", field="memory")
+        if typed.cpu_milli > kernelsession.parse_cpu_milli(s.session_cpu_max, field="cpu"):
+            raise InvalidSession(f"at most {s.session_cpu_max} CPUs per session", field="cpu")
+        if request.shared_group is not None:
+            body["spec"]["sharedGroup"] = self._shared_group(client, request.shared_group)
+        async with self._create_lock:  # the quota and the name check hold until created
+            owned = [s for s in await self.runtime.list(self.namespace) if self.owns(client, s)]
+            if len(owned) >= s.sessions_per_client_max:
+                raise InvalidRequest(
+                    f"you have {len(owned)} sessions, the most a client may have; "
+                    "close one (close_session) first"
+                )
+            try:
+                await self.runtime.get(name, self.namespace)
+            except SessionNotFound:
+                return await self.runtime.create(body)
+        raise InvalidSession(f"the name {name!r} is taken; choose another", field="name")
+
+    async def close(self, client: Client, session_id: str) -> None:
+        session = await self.resolve(client, session_id)
+        if not self.owns(client, session):
+            raise InvalidRequest(
+                f"session {session_id!r} was declared outside the gateway; delete it where it "
+                "was declared (kubectl delete ks, or mcp-forge delete)"
+            )
+        await self.runtime.delete(session.name, session.namespace)
+        self._defaults = {o: n for o, n in self._defaults.items() if n != session.name}
+
+    async def default(self, client: Client) -> KernelSession:
+        """This client's default session, created on first use (and again if it went
+        away or failed)."""
+        async with self._default_locks.setdefault(client.owner, asyncio.Lock()):
+            return await self._default_locked(client)
+
+    async def _default_locked(self, client: Client) -> KernelSession:
+        name = self._defaults.get(client.owner)
+        if name is not None:
+            try:
+                session = await self.resolve(client, name)
+            except SessionNotFound:
+                pass  # culled or closed: make a new one
+            else:
+                if session.status.get("phase") != "Failed":
+                    return session
+                await self._delete_quietly(session)
+        session = await self.create(client, SessionRequest())
+        self._defaults[client.owner] = session.name
+        return session
+
+    async def cleanup(self) -> int:
+        """The gateway stops: delete every session it created for clients, all at once
+        (a stdio client gives its server a few seconds after closing stdin)."""
+        mine = [
+            s
+            for s in await self.runtime.list(self.namespace)
+            if _annotations(s).get(CREATED_BY) == self.gateway_id
+        ]
+        return sum(await asyncio.gather(*(self._delete_quietly(s) for s in mine)))
+
+    async def _delete_quietly(self, session: KernelSession) -> int:
+        try:
+            await self.runtime.delete(session.name, session.namespace)
+        except SessionNotFound:
+            return 0
+        except ForgeError as exc:
+            log.warning("could not delete session %s: %s", session.name, exc)
+            return 0
+        return 1

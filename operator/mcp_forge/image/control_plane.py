@@ -1,0 +1,220 @@
+"""The operator and gateway images, built from this checkout with no container registry.
+
+images/Containerfile.control-plane defines them for hosts that can pull a base image. Here
+they are made as the kernel image is (image.py): the cached Debian base rootfs; wheels the
+host's pip fetches (the project's own, built from this source tree, and its dependencies
+for CPython 3.11 on x86_64); an offline `pip install` into /opt/mcp-forge in a chroot; one
+`podman import` per image, the two differing only in entrypoint and arguments, as the
+Containerfile's targets do. They are tagged with the names manifests/ uses
+(`ghcr.io/mcp-forge/operator:VERSION`, `…/gateway:VERSION`), so a node that has them
+(`podman save` into its runtime) runs `kubectl apply -k manifests/base` unchanged.
+
+An image whose inputs label (a hash of the source tree, the base and the recipe) matches is
+not built again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from mcp_forge import __version__
+from mcp_forge.clients import podman
+from mcp_forge.errors import ImageError, PodmanError
+from mcp_forge.image.kernel import (
+    DEBIAN_SUITE,
+    INPUTS_LABEL,
+    PYTHON_VERSION,
+    SMOKE_TEST_TIMEOUT,
+    TAR_TIMEOUT,
+    WHEEL_PLATFORMS,
+    BuildResult,
+    _base_inputs,
+    _base_rootfs,
+    _check_host,
+    _chroot,
+    _exec,
+    _hash,
+    _link_tree,
+    cache_dir,
+    image_status,
+)
+
+SOURCE = Path(__file__).resolve().parents[3]  # the checkout: pyproject.toml, operator/, crds/
+VENV = "/opt/mcp-forge"
+UID = 10001
+RECIPE_VERSION = "1"
+# name -> (entrypoint, default arguments): images/Containerfile.control-plane's targets.
+TARGETS: dict[str, tuple[list[str], list[str]]] = {
+    "operator": (
+        [f"{VENV}/bin/mcp-forge", "operator"],
+        ["--all-namespaces", "--liveness", "http://0.0.0.0:8080/healthz"],
+    ),
+    "gateway": (
+        [f"{VENV}/bin/mcp-forge", "gateway", "--kubernetes"],
+        ["--http", "0.0.0.0:8765", "--tokens-file", "/etc/mcp-forge/tokens/tokens"],
+    ),
+}
+ENV = {
+    "PATH": f"{VENV}/bin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/tmp",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+WHEEL_TIMEOUT = 600.0
+
+
+def image_ref(name: str) -> str:
+    """`ghcr.io/mcp-forge/<name>:<version>`, as manifests/base names it."""
+    return f"ghcr.io/mcp-forge/{name}:{__version__}"
+
+
+def source_files() -> list[Path]:
+    """What the package is built from (the same files the wheel takes)."""
+    files = [
+        SOURCE / "pyproject.toml",
+        SOURCE / "README.md",
+        SOURCE / "crds" / "kernelsession.yaml",
+    ]
+    files += sorted(
+        p for p in (SOURCE / "operator" / "mcp_forge").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    )  # fmt: skip
+    return files
+
+
+def inputs_hash() -> str:
+    digest = hashlib.sha256()
+    for path in source_files():
+        digest.update(str(path.relative_to(SOURCE)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return _hash(
+        {
+            "recipe": RECIPE_VERSION,
+            "base": _base_inputs(),
+            "python": PYTHON_VERSION,
+            "source": digest.hexdigest(),
+            "targets": TARGETS,
+            "env": ENV,
+        }
+    )
+
+
+async def build_control_plane(
+    *, force: bool = False, progress: Callable[[str], None] = print
+) -> list[BuildResult]:
+    """Build and tag both images unless they are up to date; needs root, like image.py."""
+    if not (SOURCE / "pyproject.toml").exists():
+        raise ImageError(
+            "the control-plane images are built from a checkout of MCP-Forge (pyproject.toml, "
+            f"operator/, crds/), and {SOURCE} is not one"
+        )
+    wanted = inputs_hash()
+    started = time.monotonic()
+    refs = [image_ref(name) for name in TARGETS]
+    if not force and all([await image_status(ref) == wanted for ref in refs]):
+        progress(f"{', '.join(refs)} are up to date (inputs {wanted[:12]})")
+        return [BuildResult(ref, built=False, seconds=time.monotonic() - started) for ref in refs]
+    pip_python = _check_host()
+
+    def announce(text: str) -> None:
+        progress(f"{time.monotonic() - started:5.1f}s {text}")
+
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(prefix="build-control-plane-", dir=cache))
+    try:
+        base = await _base_rootfs(cache, build, announce)
+        announce("wheels: mcp-forge from this checkout, its dependencies from the index")
+        wheels = build / "wheels"
+        await _exec(
+            pip_python, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir",
+            str(wheels), str(SOURCE), limit=WHEEL_TIMEOUT, what="pip wheel (mcp-forge)",
+        )  # fmt: skip
+        (own,) = wheels.glob("mcp_forge-*.whl")
+        await _exec(
+            pip_python, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
+            "--python-version", PYTHON_VERSION, "--implementation", "cp",
+            "--abi", "cp" + PYTHON_VERSION.replace(".", ""),
+            *(arg for name in WHEEL_PLATFORMS for arg in ("--platform", name)),
+            "--dest", str(wheels), str(own),
+            limit=WHEEL_TIMEOUT, what="pip download (the control plane's dependencies)",
+        )  # fmt: skip
+        announce(f"venv {VENV}: offline pip install in a chroot")
+        rootfs = build / "rootfs"
+        rootfs.mkdir()
+        await _exec(
+            "tar", "--numeric-owner", "-xpf", str(base), "-C", str(rootfs),
+            limit=TAR_TIMEOUT, what="tar (unpacking the base rootfs)",
+        )  # fmt: skip
+        await asyncio.to_thread(_link_tree, wheels, rootfs / "tmp" / "wheels")
+        await _chroot(rootfs, "python3", "-m", "venv", VENV)
+        await _chroot(
+            rootfs, f"{VENV}/bin/pip", "install", "--no-index", "--only-binary=:all:",
+            "--find-links", "/tmp/wheels", f"/tmp/wheels/{own.name}",
+        )  # fmt: skip
+        lock = await _chroot(rootfs, f"{VENV}/bin/pip", "freeze", "--all")
+        (rootfs / VENV.lstrip("/") / "requirements.lock").write_bytes(lock)
+        await asyncio.to_thread(shutil.rmtree, rootfs / "tmp" / "wheels")
+        await asyncio.to_thread(_add_user, rootfs)
+        archive = build / "image.tar"
+        await _exec(
+            "tar", "--numeric-owner", "-C", str(rootfs), "-cf", str(archive), ".",
+            limit=TAR_TIMEOUT, what="tar (packing the rootfs)",
+        )  # fmt: skip
+        results = []
+        for name, (entrypoint, cmd) in TARGETS.items():
+            announce(f"podman import, smoke test, tag {image_ref(name)}")
+            await _import_and_tag(archive, name, entrypoint, cmd, wanted)
+            results.append(
+                BuildResult(image_ref(name), built=True, seconds=time.monotonic() - started)
+            )
+    finally:
+        await asyncio.to_thread(shutil.rmtree, build, ignore_errors=True)
+    progress(f"built {', '.join(refs)} in {time.monotonic() - started:.1f}s")
+    return results
+
+
+async def _import_and_tag(
+    archive: Path, name: str, entrypoint: list[str], cmd: list[str], inputs: str
+) -> None:
+    changes = [
+        f"ENTRYPOINT {json.dumps(entrypoint)}",
+        f"CMD {json.dumps(cmd)}",
+        *(f"ENV {key}={value}" for key, value in ENV.items()),
+        f"USER {UID}:{UID}",
+        "WORKDIR /tmp",
+        "LABEL org.opencontainers.image.title=mcp-forge",
+        f"LABEL org.opencontainers.image.version={__version__}",
+        f"LABEL dev.mcpforge.debian={DEBIAN_SUITE}",
+        f"LABEL {INPUTS_LABEL}={inputs}",
+    ]
+    args = [arg for change in changes for arg in ("--change", change)]
+    try:
+        done = await podman.run("import", "--quiet", *args, str(archive), timeout=TAR_TIMEOUT)
+        image_id = done.stdout.decode().strip().removeprefix("sha256:")
+        # The image's own entrypoint, as a pod runs it (read-only root, no network).
+        await podman.run(
+            "run", "--rm", "--read-only", "--tmpfs", "/tmp", "--network", "none",
+            image_id, "--help", timeout=SMOKE_TEST_TIMEOUT,
+        )  # fmt: skip
+        await podman.run("tag", image_id, image_ref(name))
+    except PodmanError as e:
+        raise ImageError(f"the {name} image failed its import, smoke test or tagging: {e}") from e
+
+
+def _add_user(rootfs: Path) -> None:
+    """The images' user (uid and gid 10001, home /tmp), as the Containerfile adds it."""
+    for name, line in (
+        ("passwd", f"mcp-forge:x:{UID}:{UID}:MCP-Forge:/tmp:/usr/sbin/nologin"),
+        ("group", f"mcp-forge:x:{UID}:"),
+    ):
+        path = rootfs / "etc" / name
+        text = path.read_text()
+        if f"mcp-forge:x:{UID}" not in text:
+            path.write_text(text.rstrip("\n") + "\n" + line + "\n")

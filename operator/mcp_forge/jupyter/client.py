@@ -1,0 +1,476 @@
+"""One connection to one remote kernel: the Jupyter protocol over our own ZMQ sockets.
+
+jupyter-client's `Session` signs, serializes and checks every message; the sockets are
+ours, because the kernel is untrusted and we bound what it can make us hold:
+
+* every frame is at most `max_frame` bytes (ZMQ_MAXMSGSIZE, set before connecting);
+* the sockets reach the kernel through relays (relay.py) that stop reading from it once
+  `max_message` bytes and a little more are unread, and close a connection whose unread
+  bytes are part of one message over that: libzmq holds a multipart message whole
+  before its reader sees a frame, and ZMQ_MAXMSGSIZE bounds only each frame;
+* a message whose frames add up to more than `max_message` is dropped while it is read;
+* few messages queue (ZMQ_RCVHWM);
+* a channel that libzmq drops is noticed at once through a socket monitor: the read
+  raises ChannelDropped instead of waiting for a status that will never come, and the
+  channel is opened anew. libzmq never reconnects a connection it closed for a frame
+  over ZMQ_MAXMSGSIZE (a protocol error ends its session for good), so without a new
+  socket that channel would stay silent for the connection's life. A new IOPub socket
+  is subscribed only once a message crosses it: the next request first sees one do so;
+* a message that does not deserialize (nesting deep enough to exhaust the recursion
+  limit included), whose header, parent or content is not a mapping, or whose content
+  nests deeper than `DEPTH_MAX`, is dropped and logged, never raised into the caller.
+
+On a cluster whose Secret holds a Curve pair (keys.py) every socket is a CurveZMQ client
+of the kernel's public key, as jupyter-client's are: the channels are encrypted, and a
+kernel that does not hold the pair's secret key completes no handshake.
+
+The kernel runs in a pod we cannot signal from here: readiness is a `kernel_info` reply
+on the control channel (answered even while the kernel is busy) together with an IOPub
+message for it (so output of the next request cannot be missed); liveness is a heartbeat
+echo; interrupt is an `interrupt_request` on the control channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from jupyter_client.session import Session
+from zmq.utils.monitor import parse_monitor_message
+
+from mcp_forge.api.connection import PORTS, ConnectionInfo, check_key
+from mcp_forge.errors import KernelProtocolError, SessionNotReady
+from mcp_forge.jupyter.execution import Collector
+from mcp_forge.jupyter.relay import FRAME_OVERHEAD, Relay
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, Any]
+
+DEPTH_MAX = 100  # nesting of lists and mappings in a message's parts (JSON displays)
+
+
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """True if lists/mappings in `value` nest more than `limit` levels (iterative: no
+    recursion for the kernel to exhaust)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
+    return False
+
+
+# The channels a connection holds, and the socket each is.
+_KINDS = {"shell": zmq.DEALER, "control": zmq.DEALER, "iopub": zmq.SUB}
+# Channels whose drop a read raises (ChannelDropped): a request waits on them. A dropped
+# control channel is opened anew before its next request (a reply lost meanwhile is a
+# request not acknowledged).
+_RAISING = frozenset({"shell", "iopub"})
+
+
+class ChannelDropped(KernelProtocolError):
+    """libzmq closed a channel's connection to the kernel (a frame over the limit, or the
+    kernel closed it): messages in flight on it are lost."""
+
+    def __init__(self, channel: str) -> None:
+        super().__init__(f"the kernel's {channel} channel was dropped")
+        self.channel = channel
+
+
+class KernelReplaced(KernelProtocolError):
+    """A different kernel process answers on this connection's sockets: the one that ran
+    the request died and was restarted (e.g. by the supervisor)."""
+
+    def __init__(self) -> None:
+        super().__init__("a new kernel process answers: the one that ran the call is gone")
+
+
+# Unread bytes a relay allows beyond `max_message`: frame overheads, the handshake, and
+# bytes on their way into libzmq.
+RELAY_SLACK = 1 << 20
+# The heartbeat's echo is 16 bytes: a relay passes at most this much per beat.
+HEARTBEAT_BOUND = 64 << 10
+
+
+class KernelConnection:
+    """Sockets to one kernel. Requests on shell are not concurrent: callers serialize.
+
+    Made with an event loop running (the relays serve on it); `close` ends it."""
+
+    def __init__(
+        self,
+        info: ConnectionInfo,
+        *,
+        max_frame: int,
+        max_message: int,
+        queue: int = 64,
+        monitor: bool = False,
+    ) -> None:
+        check_key(info.key)
+        self.info = info
+        self.max_message = max_message
+        self.session = Session(
+            key=info.key.encode(), signature_scheme="hmac-sha256", username="mcp-forge"
+        )
+        self._ctx = zmq.asyncio.Context.instance()
+        self._max_frame = max_frame
+        self._queue = queue
+        self._monitor = monitor
+        self._channels: dict[str, zmq.asyncio.Socket] = {}
+        # Socket monitors (DISCONNECTED events) of the channels, when `monitor` is set.
+        self._monitors: dict[zmq.asyncio.Socket, tuple[str, zmq.asyncio.Socket]] = {}
+        self._subscribed = False  # has a message crossed the IOPub socket yet?
+        self._relays = {
+            channel: Relay(
+                channel,
+                self._kernel_url(channel),
+                bound=HEARTBEAT_BOUND if channel == "hb" else max_message + RELAY_SLACK,
+                readable=functools.partial(self._readable, channel),
+            )
+            for channel in (*_KINDS, "hb")
+        }
+        for channel in _KINDS:
+            self._open(channel)
+        self._control_lock = asyncio.Lock()
+        self.kernel_info: dict[str, Any] = {}
+        self.kernel_session: Any = None  # header.session of the kernel process we reached
+
+    def url(self, channel: str) -> str:
+        """Where this connection's sockets connect for `channel`: its relay."""
+        return self._relays[channel].url
+
+    def _kernel_url(self, channel: str) -> str:
+        port = PORTS[channel]
+        if self.info.transport == "ipc":
+            return f"ipc://{self.info.host}-{port}"
+        return f"tcp://{self.info.host}:{port}"
+
+    def _relay_of(self, sock: zmq.asyncio.Socket) -> Relay:
+        channel = next(c for c, s in self._channels.items() if s is sock)
+        return self._relays[channel]
+
+    def _readable(self, channel: str) -> bool:
+        sock = self._channels.get(channel)
+        return sock is not None and bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+    def _curve(self, sock: zmq.asyncio.Socket) -> None:
+        """Before connecting: a Curve client of the kernel, with the session's pair as its
+        own (as jupyter-client does; the kernel authenticates no client key)."""
+        curve = self.info.curve
+        if curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, curve.public.encode("ascii"))
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public.encode("ascii"))
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode("ascii"))
+
+    @property
+    def shell(self) -> zmq.asyncio.Socket:
+        return self._channels["shell"]
+
+    @property
+    def control(self) -> zmq.asyncio.Socket:
+        return self._channels["control"]
+
+    @property
+    def iopub(self) -> zmq.asyncio.Socket:
+        return self._channels["iopub"]
+
+    def _open(self, channel: str) -> None:
+        """Open `channel`'s socket, closing the one it had."""
+        old = self._channels.pop(channel, None)
+        if old is not None:
+            self._close(old)
+        kind = _KINDS[channel]
+        sock = self._ctx.socket(kind)
+        self._curve(sock)
+        if self._monitor:
+            self._monitors[sock] = (channel, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+        sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        sock.setsockopt(zmq.RCVHWM, self._queue)
+        if kind == zmq.DEALER:
+            sock.setsockopt(zmq.IDENTITY, uuid.uuid4().hex.encode())
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.url(channel))
+        self._channels[channel] = sock
+        if channel == "iopub":
+            self._subscribed = False
+
+    def _close(self, sock: zmq.asyncio.Socket) -> None:
+        watched = self._monitors.pop(sock, None)
+        if watched is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            watched[1].close(linger=0)
+        sock.close(linger=0)
+
+    def close(self) -> None:
+        for sock in list(self._channels.values()):
+            self._close(sock)
+        self._channels.clear()
+        for relay in self._relays.values():
+            relay.close()
+
+    async def _reopen_dropped(self, *channels: str) -> None:
+        """Open anew those of `channels` whose connection was dropped since last seen."""
+        for channel, mon in list(self._monitors.values()):
+            if channel not in channels:
+                continue
+            dropped = False
+            while await mon.poll(0):
+                event = parse_monitor_message(await mon.recv_multipart())
+                dropped = dropped or event.get("event") == zmq.EVENT_DISCONNECTED
+            if dropped:
+                log.warning("the kernel's %s channel was dropped; it is opened anew", channel)
+                self._open(channel)
+
+    async def before_request(self, timeout: float = 5.0) -> None:
+        """Make the channels whole before a new request: reopen any that was dropped
+        unnoticed, and see that a new IOPub socket is subscribed (a control request's
+        status crosses it), so the request's output cannot be missed. Within `timeout`;
+        the request goes ahead either way (a kernel that does not answer is found out
+        by the call's own checks)."""
+        await self._reopen_dropped(*_KINDS)
+        deadline = time.monotonic() + timeout
+        while not self._subscribed and (left := deadline - time.monotonic()) > 0:
+            async with self._control_lock:
+                msg_id = self.send(self.control, "kernel_info_request", {})
+                with contextlib.suppress(ChannelDropped):
+                    self._subscribed = await self._iopub_has(msg_id, min(1.0, left))
+        if not self._subscribed:
+            log.warning("the kernel's new iopub socket saw no message within %.0fs", timeout)
+
+    async def _wait(self, sock: zmq.asyncio.Socket, seconds: float) -> bool:
+        """True when `sock` has a message within `seconds`; ChannelDropped if the
+        connection of a monitored channel is lost first."""
+        watched = self._monitors.get(sock)
+        if watched is None:
+            return bool(await sock.poll(seconds * 1000))
+        if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            return True  # the hot path: a drop is seen when the channel runs dry
+        channel, mon = watched
+        if channel not in _RAISING:
+            return bool(await sock.poll(seconds * 1000))
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
+        ready = dict(await poller.poll(seconds * 1000))
+        if mon in ready:
+            event = parse_monitor_message(await mon.recv_multipart())
+            if event.get("event") == zmq.EVENT_DISCONNECTED:
+                log.warning("the kernel's %s channel was dropped; it is opened anew", channel)
+                self._open(channel)
+                raise ChannelDropped(channel)
+        return sock in ready
+
+    # ---- messages ----------------------------------------------------------------------
+
+    def send(self, sock: zmq.asyncio.Socket, msg_type: str, content: dict[str, Any]) -> str:
+        msg = self.session.msg(msg_type, content)
+        self.session.send(sock, msg)
+        msg_id: str = msg["header"]["msg_id"]
+        return msg_id
+
+    async def recv(self, sock: zmq.asyncio.Socket, timeout: float) -> Message | None:
+        """The next well-formed message within `timeout`; None on timeout.
+
+        Oversized and malformed messages are read to their end and dropped.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if not await self._wait(sock, left):
+                if time.monotonic() < deadline:
+                    continue  # a monitor event that was not a drop
+                return None
+            frames: list[bytes] = []
+            total = count = 0
+            while True:
+                frame = await sock.recv(copy=True)
+                total += len(frame)
+                count += 1
+                if total <= self.max_message:
+                    frames.append(frame)
+                if not sock.getsockopt(zmq.RCVMORE):
+                    break
+            self._relay_of(sock).consumed(total + count * FRAME_OVERHEAD)
+            if total > self.max_message:
+                log.warning(
+                    "dropped a %d-byte message from the kernel (limit %d)", total, self.max_message
+                )
+                continue
+            msg = self._parse(frames)
+            if msg is not None:
+                return msg
+
+    def _parse(self, frames: list[bytes]) -> Message | None:
+        try:
+            _, parts = self.session.feed_identities(frames, copy=True)
+            msg: Message = self.session.deserialize(parts, content=True, copy=True)
+        except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
+            # Bad signature, replay, not JSON, nested past the recursion limit: the
+            # kernel's problem, never ours.
+            log.warning("dropped a malformed message from the kernel: %.200s", exc)
+            return None
+        for part in ("header", "parent_header", "content", "metadata"):
+            if not isinstance(msg.get(part), dict):
+                log.warning("dropped a message whose %s is not a mapping", part)
+                return None
+            if nested_deeper_than(msg[part], DEPTH_MAX):
+                log.warning("dropped a message whose %s nests over %d levels", part, DEPTH_MAX)
+                return None
+        msg["msg_type"] = msg["header"].get("msg_type")
+        return msg
+
+    async def reply(self, sock: zmq.asyncio.Socket, msg_id: str, timeout: float) -> Message | None:
+        """The reply to `msg_id` on `sock` within `timeout`; other replies are dropped."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            msg = await self.recv(sock, left)
+            if msg is None:
+                return None
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return msg
+        return None
+
+    # ---- requests ----------------------------------------------------------------------
+
+    async def wait_ready(self, timeout: float, *, retry: float = 2.0) -> dict[str, Any]:
+        """Wait until the kernel answers kernel_info and IOPub carries its status.
+
+        The request is sent again every `retry` seconds: a kernel that was starting
+        when the first one left may not have seen it.
+        """
+        deadline = time.monotonic() + timeout
+        async with self._control_lock:
+            while (left := deadline - time.monotonic()) > 0:
+                msg_id = self.send(self.control, "kernel_info_request", {})
+                got = await self.reply(self.control, msg_id, min(retry, left))
+                if got is None:
+                    continue
+                self.kernel_info = got["content"]
+                # Who answers: each kernel process signs with a session id of its own, so
+                # a reply from a kernel started since (same sockets) is told apart.
+                self.kernel_session = got["header"].get("session")
+                with contextlib.suppress(ChannelDropped):  # asked again on the next turn
+                    left = max(deadline - time.monotonic(), 0)
+                    if await self._iopub_has(msg_id, min(1.0, left)):
+                        self._subscribed = True
+                        return self.kernel_info
+        raise SessionNotReady(f"the kernel did not answer kernel_info within {timeout:.0f}s")
+
+    async def _iopub_has(self, msg_id: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            msg = await self.recv(self.iopub, left)
+            if msg is None:
+                return False
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return True
+        return False
+
+    async def heartbeat(self, timeout: float) -> bool:
+        """True if the kernel process echoes a ping within `timeout` (even when busy)."""
+        sock = self._ctx.socket(zmq.REQ)
+        self._curve(sock)
+        sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, 1024)
+        try:
+            sock.connect(self.url("hb"))
+            ping = uuid.uuid4().bytes
+            await sock.send(ping)
+            if not await sock.poll(timeout * 1000):
+                return False
+            return bool(await sock.recv() == ping)
+        finally:
+            sock.close(linger=0)
+
+    async def wait_shell_caught_up(self, collector: Collector, timeout: float) -> bool:
+        """After a drop: True once the kernel has finished `collector`'s request;
+        KernelReplaced if another kernel process answers (the one that ran it is gone).
+
+        Shell requests are handled in order, so the reply to a kernel_info_request sent
+        now proves the request before it is done; its execute_reply, if it arrives, is
+        fed to `collector`, and so is the output that IOPub still carries for it (up to
+        the probe's own idle status). Drops meanwhile are survived, not raised.
+        """
+        deadline = time.monotonic() + timeout
+        probe = self.send(self.shell, "kernel_info_request", {})
+        replied = False
+        while not replied and (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = await self.recv(self.shell, left)
+            except ChannelDropped:
+                continue
+            if msg is None:
+                return False
+            parent = msg["parent_header"].get("msg_id")
+            if parent == collector.msg_id:
+                collector.feed(msg)
+            if parent == probe and msg["header"].get("session") != self.kernel_session:
+                raise KernelReplaced()
+            replied = parent == probe
+        while replied and (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = await self.recv(self.iopub, min(left, 1.0))
+            except ChannelDropped:
+                continue
+            if msg is None:
+                break
+            parent = msg["parent_header"].get("msg_id")
+            if parent == collector.msg_id:
+                collector.feed(msg)
+            elif parent == probe and msg["content"].get("execution_state") == "idle":
+                break
+        return replied
+
+    def send_execute(self, code: str, *, silent: bool, store_history: bool) -> str:
+        content = {
+            "code": code,
+            "silent": silent,
+            "store_history": store_history,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": False,
+        }
+        return self.send(self.shell, "execute_request", content)
+
+    async def pump(self, collector: Collector, timeout: float) -> bool:
+        """Feed `collector` the messages of its request for up to `timeout` seconds.
+
+        IOPub until the kernel is idle for the request, then the shell reply (the kernel
+        sends the reply first, so it is waiting). Messages of other requests, such as the
+        late output of an earlier one, are dropped. True once the request is done.
+        """
+        deadline = time.monotonic() + timeout
+        while not collector.done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            msg = await self.recv(self.shell if collector.idle else self.iopub, left)
+            if msg is None:
+                return False
+            if msg["parent_header"].get("msg_id") == collector.msg_id:
+                collector.feed(msg)
+        return True
+
+    async def interrupt(self, timeout: float) -> bool:
+        """Send interrupt_request on the control channel; True if the kernel acknowledged."""
+        await self._reopen_dropped("control")
+        async with self._control_lock:
+            msg_id = self.send(self.control, "interrupt_request", {})
+            return await self.reply(self.control, msg_id, timeout) is not None

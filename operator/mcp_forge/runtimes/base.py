@@ -1,0 +1,67 @@
+"""Where KernelSessions are realized: the interface the gateway sees.
+
+Two implementations, chosen once at start-up: `LocalRuntime` (local.py: an embedded
+store and Podman) and `KubernetesRuntime` (cluster.py: the API server, with the
+operator doing the realizing). The gateway holds no session state of its own:
+everything it needs to reach a kernel comes from here.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, Protocol
+
+from mcp_forge.api.connection import Address, ConnectionInfo
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.status import Termination
+from mcp_forge.settings import Settings
+
+
+class Runtime(Protocol):
+    settings: Settings
+
+    async def get(self, name: str, namespace: str = "default") -> KernelSession:
+        """The session, with status kept true; SessionNotFound if there is none."""
+        ...
+
+    async def list(self, namespace: str | None = None) -> list[KernelSession]: ...
+
+    async def create(self, body: dict[str, Any]) -> KernelSession:
+        """Create a session from a KernelSession body and wait until it is Ready."""
+        ...
+
+    async def delete(self, name: str, namespace: str = "default") -> None:
+        """Delete a session and everything it created."""
+        ...
+
+    async def connection(self, session: KernelSession) -> ConnectionInfo:
+        """How the gateway reaches the session's kernel (key included)."""
+        ...
+
+    async def refresh(self, session: KernelSession, *, restart: bool = True) -> KernelSession:
+        """The session with status made true; with `restart`, a dead kernel is restarted
+        per restartPolicy (else its death is only recorded)."""
+        ...
+
+    async def termination(self, session: KernelSession) -> Termination | None:
+        """Why the kernel stopped, or None if it is running."""
+        ...
+
+    async def restart_kernel(
+        self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
+    ) -> None:
+        """Start the kernel afresh (workspace kept) and wait until it answers."""
+        ...
+
+    async def record_activity(self, session: KernelSession, *, busy: bool = False) -> None:
+        """The session is in use (`busy`: its kernel runs code now): not idle."""
+        ...
+
+    async def bridge_address(self, session: KernelSession) -> tuple[tuple[str | int, ...], Address]:
+        """Code mode: where the kernel's bridge listens (inside its pod), and how the
+        gateway reaches it."""
+        ...
+
+    async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
+        """Bytes of memory each running kernel uses now, by session name."""
+        ...

@@ -1,0 +1,308 @@
+"""The gateway's side of a cluster: KernelSessions through the Kubernetes API.
+
+The operator realizes sessions; this only reads them, creates and deletes them for
+agents, and reports activity on each session's Lease. Everything it needs is in the API
+(status.connection plus the Secret it names), so a gateway holds no store: a restarted
+replica, or a second one, reaches every running kernel as the first did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import concurrent.futures
+import contextlib
+import datetime as dt
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mcp_forge.api import kernelsession
+from mcp_forge.api.connection import (
+    BRIDGE_PORT,
+    CONNECTION_FILE_IN_POD,
+    Address,
+    ConnectionInfo,
+    connection_from_file,
+)
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.status import Termination
+from mcp_forge.clients.kube import BUSY_PREFIX, RESTART, Kube, connection_file_of, key_of
+from mcp_forge.control.render import child_name, secret_name
+from mcp_forge.errors import (
+    ApiError,
+    InvalidSession,
+    KernelProtocolError,
+    SessionNotFound,
+    SessionNotReady,
+)
+from mcp_forge.settings import Settings
+
+log = logging.getLogger(__name__)
+
+KIND = "KernelSession"
+DEFAULT_NAMESPACE = "mcp-forge-sessions"
+WATCH_CHUNK = 5.0  # a watch thread outlives a cancelled wait by at most this
+WATCHERS = 16  # waits at once
+BUSY_LEASE = 3  # a busy mark lasts this many renew intervals unless renewed
+
+
+def _micro_now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class KubernetesRuntime:
+    """The Runtime protocol (runtime.py) on a cluster run by `mcp-forge operator`."""
+
+    def __init__(self, settings: Settings | None = None, kube: Kube | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        if self.settings.kube_connect not in ("service", "pod-ip"):
+            raise InvalidSession(
+                f"MCPFORGE_KUBE_CONNECT must be service or pod-ip, got "
+                f"{self.settings.kube_connect!r}"
+            )
+        self.kube = kube or Kube()
+        self.namespace = self.settings.session_namespace or DEFAULT_NAMESPACE
+        # Who marks a session busy: this process (two replicas, or two gateways on one host,
+        # must not clear each other's marks). An annotation name: <= 63 of [A-Za-z0-9-_.].
+        who = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+        self.identity = re.sub(r"[^A-Za-z0-9_.-]", "-", who)[:63].strip("-_.") or "gateway"
+        self._renewed: dict[tuple[str, str], tuple[float, bool]] = {}
+        # Waits block a thread on a watch: their own threads, so a burst of creates never
+        # starves the other API calls (which use the default executor).
+        self._watchers = concurrent.futures.ThreadPoolExecutor(WATCHERS, "mcp-forge-watch")
+
+    def close(self) -> None:
+        self._watchers.shutdown(wait=False, cancel_futures=True)
+        self.kube.close()
+
+    # ---- reading -------------------------------------------------------------------------
+
+    @staticmethod
+    def _load(body: dict[str, Any], namespace: str) -> KernelSession:
+        body.setdefault("apiVersion", kernelsession.API_VERSION)
+        body.setdefault("kind", KIND)
+        return kernelsession.load(kernelsession.validate(body, default_namespace=namespace))
+
+    async def get(self, name: str, namespace: str = "default") -> KernelSession:
+        body = await asyncio.to_thread(self.kube.get, KIND, namespace, name)
+        if body is None:
+            self._renewed.pop((namespace, name), None)
+            raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+        return self._load(body, namespace)
+
+    async def list(self, namespace: str | None = None) -> builtins.list[KernelSession]:
+        ns = namespace or self.namespace
+        listed = await asyncio.to_thread(self.kube.list, KIND, ns)
+        out = []
+        for body in listed.get("items") or []:
+            try:
+                out.append(self._load(body, ns))
+            except InvalidSession as exc:  # shown by the operator in its status
+                log.debug("skipping an invalid KernelSession: %s", exc)
+        return out
+
+    # ---- create / delete -----------------------------------------------------------------
+
+    async def create(self, body: dict[str, Any]) -> KernelSession:
+        """Create the KernelSession and wait until the operator has made it Ready."""
+        body = kernelsession.validate(body, default_namespace=self.namespace)
+        body.pop("status", None)
+        meta = body["metadata"]
+        try:
+            made = await asyncio.to_thread(self.kube.create, body)
+        except ApiError as exc:
+            if exc.conflict:
+                raise InvalidSession(
+                    f"a session named {meta['name']!r} exists already", field="metadata.name"
+                ) from None
+            if exc.status in (400, 422):
+                raise InvalidSession(f"the API server refused it: {exc}") from None
+            raise
+        uid = made["metadata"].get("uid", "")
+        try:
+            return await self._wait_ready(meta["namespace"], meta["name"], lambda s: True, uid=uid)
+        except BaseException:
+            # The caller gets the error and no session: do not leave a half-made one
+            # counting against its quota.
+            with contextlib.suppress(ApiError):
+                await asyncio.to_thread(
+                    self.kube.delete, KIND, meta["namespace"], meta["name"], uid=uid
+                )
+            raise
+
+    async def delete(self, name: str, namespace: str = "default") -> None:
+        """Delete it; the API server's garbage collector removes the pod and the rest."""
+        if not await asyncio.to_thread(self.kube.delete, KIND, namespace, name):
+            raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+        self._renewed.pop((namespace, name), None)
+
+    # ---- the kernel ----------------------------------------------------------------------
+
+    async def connection(self, session: KernelSession) -> ConnectionInfo:
+        """The kernel's address, key and (when its Secret has them) Curve pair and bridge
+        certificate; a Secret without them is a session from an older operator."""
+        conn = session.status.get("connection") or {}
+        name = conn.get("secretName") or secret_name(session)
+        secret = await asyncio.to_thread(self.kube.get, "Secret", session.namespace, name)
+        info = connection_file_of(secret)
+        if info is None or key_of(secret) is None:
+            raise SessionNotReady(f"session {session.name!r} has no readable key in {name}")
+        if self.settings.kube_connect == "pod-ip":
+            host = session.status.get("podIP")
+        else:
+            host = conn.get("host") or f"{child_name(session)}.{session.namespace}.svc"
+        if not host:
+            raise SessionNotReady(f"session {session.name!r} has no address yet")
+        try:
+            return connection_from_file(info, str(host), f"Secret {session.namespace}/{name}")
+        except KernelProtocolError as exc:
+            raise SessionNotReady(f"session {session.name!r} cannot be reached: {exc}") from None
+
+    async def refresh(self, session: KernelSession, *, restart: bool = True) -> KernelSession:
+        """The session now; with `restart`, wait while the operator (re)starts its kernel,
+        and wake a session suspended for idleness (that is what a use does)."""
+        fresh = await self.get(session.name, session.namespace)
+        phase, reason = fresh.status.get("phase"), fresh.status.get("reason")
+        if phase == "Ready" or not restart:
+            return fresh
+        if phase == "Suspended" and reason == "Idle":
+            self._renewed.pop((fresh.namespace, fresh.name), None)  # renew now, whatever
+            await self.record_activity(fresh)
+        elif phase not in ("Pending", "Starting", "Restarting"):
+            return fresh
+        return await self._wait_ready(fresh.namespace, fresh.name, lambda s: True, uid=fresh.uid)
+
+    async def termination(self, session: KernelSession) -> Termination | None:
+        """Why the kernel stopped, once the operator has seen it (None until then)."""
+        fresh = await self.get(session.name, session.namespace)
+        last = fresh.status.get("lastTermination") or {}
+        kernel = session.status.get("kernelId")
+        if kernel and last.get("podUID") == kernel:
+            code = last.get("exitCode")
+            return Termination(
+                str(last.get("reason") or "Error"),
+                code if isinstance(code, int) else None,
+                str(last.get("message") or "the kernel stopped"),
+            )
+        if fresh.status.get("kernelId") != kernel:
+            return Termination("PodMissing", None, "the kernel's pod was replaced")
+        return None
+
+    async def restart_kernel(
+        self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
+    ) -> None:
+        """Ask the operator (through the Lease) for a new kernel pod; wait until it runs."""
+        fresh = await self.get(session.name, session.namespace)
+        kernel = fresh.status.get("kernelId")
+        log.info("restarting the kernel of %s (%s) %s", session.name, reason, message)
+        if kernel:
+            await self._patch_lease(fresh, {"metadata": {"annotations": {RESTART: kernel}}})
+        await self._wait_ready(
+            fresh.namespace, fresh.name, lambda s: s.status.get("kernelId") != kernel, uid=fresh.uid
+        )
+
+    async def record_activity(self, session: KernelSession, *, busy: bool = False) -> None:
+        key = (session.namespace, session.name)
+        now = time.monotonic()
+        last = self._renewed.get(key)
+        if last is not None and last[1] == busy and now - last[0] < self.settings.lease_renew:
+            return
+        self._renewed[key] = (now, busy)
+        until = None
+        if busy:  # renewed while the code runs; lapses by itself if this gateway goes away
+            expiry = time.time() + self.settings.lease_renew * BUSY_LEASE
+            until = dt.datetime.fromtimestamp(expiry, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        patch = {
+            "metadata": {"annotations": {BUSY_PREFIX + self.identity: until}},
+            "spec": {
+                "holderIdentity": self.identity,
+                "renewTime": _micro_now(),
+                "leaseDurationSeconds": max(1, int(self.settings.lease_renew * BUSY_LEASE)),
+            },
+        }
+        await self._patch_lease(session, patch)
+
+    async def bridge_address(self, session: KernelSession) -> tuple[tuple[str | int, ...], Address]:
+        """TCP 5560 of the kernel's pod, reached as the Jupyter channels are; TLS with the
+        session's certificate (read by the kernel from its connection file) if it has one."""
+        info = await self.connection(session)
+        address = Address("tcp", host=info.host, port=BRIDGE_PORT, tls=info.bridge)
+        if info.bridge is None:
+            return ("tcp", "0.0.0.0", BRIDGE_PORT), address
+        return ("tls", "0.0.0.0", BRIDGE_PORT, CONNECTION_FILE_IN_POD), address
+
+    async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
+        return {}  # the metrics API is not asked: the gateway may not read pods
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    async def _patch_lease(self, session: KernelSession, patch: dict[str, Any]) -> None:
+        try:
+            await asyncio.to_thread(
+                self.kube.patch, "Lease", session.namespace, child_name(session), patch
+            )
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            log.info("no Lease for %s yet: the operator makes it", session.name)
+
+    async def _wait_ready(
+        self, namespace: str, name: str, also: Callable[[KernelSession], bool], *, uid: str
+    ) -> KernelSession:
+        """Wait until the session is Ready (and `also` holds); raise if it fails or goes."""
+        deadline = time.monotonic() + self.settings.kernel_ready_timeout
+        while True:
+            body = await asyncio.to_thread(self.kube.get, KIND, namespace, name)
+            if body is None or (uid and body["metadata"].get("uid") != uid):
+                raise SessionNotFound(f"session {name!r} was deleted")
+            session = self._load(body, namespace)
+            status = session.status
+            generation = body["metadata"].get("generation")
+            current = status.get("observedGeneration") == generation
+            if current and status.get("phase") == "Ready" and also(session):
+                return session
+            if (current and status.get("phase") in ("Failed", "Expired")) or (
+                status.get("phase") == "Suspended" and status.get("reason") != "Idle"
+            ):
+                raise SessionNotReady(
+                    f"session {name!r} is {status.get('phase')}: {status.get('message', '')}"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SessionNotReady(
+                    f"session {name!r} was not Ready within "
+                    f"{self.settings.kernel_ready_timeout:.0f}s: {status.get('phase')}, "
+                    f"{status.get('message', '')}"
+                )
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                self._watchers, self._next_change, namespace, name, body, min(left, WATCH_CHUNK)
+            )
+
+    def _next_change(self, namespace: str, name: str, seen: dict[str, Any], timeout: float) -> None:
+        """Block until the session may differ from `seen` (or `timeout` passes).
+
+        The watch starts at the list's resourceVersion (an object's own may be too old
+        for the API server to replay from: 410 Gone); a change between the two reads is
+        caught by comparing.
+        """
+        listed = self.kube.list(KIND, namespace, fields={"metadata.name": name})
+        items = listed.get("items") or []
+        if not items or items[0]["metadata"].get("resourceVersion") != seen["metadata"].get(
+            "resourceVersion"
+        ):
+            return
+        rv = str(listed["metadata"].get("resourceVersion") or "")
+        try:
+            for _ in self.kube.watch(
+                KIND, namespace, resource_version=rv, name=name, timeout=timeout
+            ):
+                return
+        except ApiError as exc:
+            if exc.status != 410:
+                raise

@@ -1,0 +1,1011 @@
+"""Local mode: KernelSessions in an embedded store, realized with `podman kube play`.
+
+Layout under the state directory (0700, root):
+
+    store.db                      the KernelSessions and their keys
+    k/<id>/lock                   serializes apply / restart / refresh / delete across processes
+    k/<id>/pod.yaml               what was played (no key in it)
+    k/<id>/conf/connection.json   root-owned, mounted read-only at /etc/mcp-forge
+    k/<id>/run/                   the kernel's Unix sockets, mounted at /run/mcp-forge
+    k/<id>/workspace.img          the workspace's filesystem (sparse ext4, spec.workspace.size)
+    k/<id>/workspace/             its mount point: /workspace in the pod, kept across restarts
+    k/<id>/tmp/                   a tmpfs (256Mi, charged to the kernel): /tmp in the pod
+    shared/<namespace>/<group>/   /shared for sessions of one sharedGroup
+
+(see volumes.py for the two filesystems). Each pod runs in a user namespace of its own
+(userns.py): the kernel's uid 1000 is a host uid that no account and no other stored
+session has, chosen in the store's transaction before the session's first pod and used
+for every later pod, so its files keep their owner. Everything the kernel must
+own on the host (workspace, tmp, run/, the connection file's group) is given that uid.
+
+The pod's network is `none`; the gateway reaches the kernel through the Unix sockets
+in run/. run/ is writable by the kernel only while it starts and binds them: once it
+answers, the directory is sealed (root-owned, 0755), so code in the kernel cannot swap
+a socket for a link to some other socket on the host. Only root on the host can enter
+the state directory at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mcp_forge.api import kernelsession
+from mcp_forge.api.connection import (
+    BRIDGE_DIR_IN_POD,
+    BRIDGE_SOCKET,
+    IPC_PATH_MAX,
+    PORTS,
+    Address,
+    ConnectionInfo,
+    new_key,
+)
+from mcp_forge.api.kernelsession import KernelSession, parse_quantity
+from mcp_forge.api.status import Termination, termination_of
+from mcp_forge.clients import podman
+from mcp_forge.control.render import (
+    CONTAINER,
+    SECCOMP_PROFILE_ROOT,
+    HostPaths,
+    podman_pod_name,
+    render_podman,
+)
+from mcp_forge.control.restarts import QUICK_DEATH, local_backoff, local_gives_up
+from mcp_forge.errors import (
+    ForgeError,
+    ImageError,
+    InvalidSession,
+    PodmanError,
+    SessionNotFound,
+    SessionNotReady,
+)
+from mcp_forge.image.kernel import missing_image_message
+from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.runtimes.local import userns, volumes
+from mcp_forge.runtimes.local.store import Claimed, Store
+from mcp_forge.sandbox import KERNEL_UID
+from mcp_forge.settings import Settings
+
+log = logging.getLogger(__name__)
+
+LABEL_SELECTOR = "app.kubernetes.io/managed-by=mcp-forge"
+# Spec fields that change no pod: applied without touching the kernel. Local mode
+# applies every other change at once (there is no updateStrategy to wait on here).
+_LIVE_FIELDS = (
+    "idleTimeout",
+    "mcpServers",
+    "idleAction",
+    "maxLifetime",
+    "updateStrategy",
+    "operatingMode",
+)
+
+
+_USER_SUSPENDED = ("Suspended", "UserRequested", "spec.operatingMode is Suspended")
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str) -> float:
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
+
+
+@dataclass(frozen=True)
+class Applied:
+    session: KernelSession
+    action: str  # "created", "configured", "unchanged"
+    seconds: float
+
+
+def _state_dir(path: Path) -> None:
+    """Create the state directory 0700, or check that an existing one is private."""
+    try:
+        path.mkdir(parents=True, mode=0o700)
+    except FileExistsError:
+        st = path.stat()
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise InvalidSession(
+                f"the state directory {path} must be owned by uid {os.geteuid()} with mode "
+                f"0700 (it holds kernel keys); it is uid {st.st_uid}, mode "
+                f"{oct(st.st_mode & 0o777)}. Fix it (chmod 700) or set MCPFORGE_STATE_DIR"
+            ) from None
+
+
+class LocalRuntime:
+    """The local realization of KernelSessions (see the module docstring)."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        _state_dir(self.settings.state_dir)
+        self.store = Store(self.settings.store_path)
+
+    # ---- paths and locks -----------------------------------------------------------------
+
+    def _dir(self, session: KernelSession) -> Path:
+        return self.settings.state_dir / "k" / session.uid.replace("-", "")[:16]
+
+    def host_paths(self, session: KernelSession) -> HostPaths:
+        base = self._dir(session)
+        shared = None
+        if session.spec.shared_group:
+            shared = str(
+                self.settings.state_dir / "shared" / session.namespace / session.spec.shared_group
+            )
+        return HostPaths(
+            conf=str(base / "conf"),
+            run=str(base / "run"),
+            workspace=str(base / "workspace"),
+            shared=shared,
+            tmp=str(base / "tmp"),
+        )
+
+    def pod_name(self, session: KernelSession) -> str:
+        return podman_pod_name(session.namespace, session.name)
+
+    def container_name(self, session: KernelSession) -> str:
+        return f"{self.pod_name(session)}-{CONTAINER}"
+
+    def idmap(self, session: KernelSession) -> dict[str, int] | None:
+        """The user namespace of the session's pods ({uid, gid, size}: host ids of 0..size).
+
+        None before its first start, and for a pod played before user namespaces (its
+        kernel is host uid 1000 until the next new pod).
+        """
+        idmap = self.store.private(session.namespace, session.name).get("idmap")
+        return dict(idmap) if isinstance(idmap, dict) else None
+
+    def kernel_ids(self, session: KernelSession) -> tuple[int, int]:
+        """The host uid and gid of the kernel's uid and gid 1000."""
+        idmap = self.idmap(session)
+        if idmap is None:
+            return KERNEL_UID, KERNEL_UID
+        return idmap["uid"] + KERNEL_UID, idmap["gid"] + KERNEL_UID
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, session: KernelSession, *, create: bool = False) -> AsyncIterator[None]:
+        """Hold the session's lock file, so two processes never realize it at once.
+
+        Whoever holds it re-reads the session: it may have changed, or gone, meanwhile.
+        """
+        base = self._dir(session)
+        if create:
+            base.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            fd = os.open(base / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except FileNotFoundError:
+            raise SessionNotFound(f"no KernelSession {session.name!r}") from None
+        try:
+            # flock blocks; in a thread it cannot stall the loop. Closing the descriptor
+            # (finally) releases the lock even if we were cancelled while waiting.
+            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # ---- reading -------------------------------------------------------------------------
+
+    async def get(self, name: str, namespace: str = "default") -> KernelSession:
+        return kernelsession.load(self.store.get(namespace, name))
+
+    async def list(self, namespace: str | None = None) -> builtins.list[KernelSession]:
+        return [kernelsession.load(b) for b in self.store.list(namespace)]
+
+    async def connection(self, session: KernelSession) -> ConnectionInfo:
+        """The kernel's sockets and key, once its run directory is sealed."""
+        run = Path(self.host_paths(session).run)
+        problem = _unsealed(run, self.kernel_ids(session)[0])
+        if problem:
+            raise SessionNotReady(f"session {session.name!r} is not ready: {problem}")
+        key = self.store.key(session.namespace, session.name)
+        return ConnectionInfo("ipc", str(run / "kernel"), key)
+
+    async def bridge_address(self, session: KernelSession) -> tuple[tuple[str | int, ...], Address]:
+        """A Unix socket in the session's run dir; the peer must be its kernel container."""
+        private = self.store.private(session.namespace, session.name)
+        cgroup = str(private.get("cgroup") or "").strip("/")
+
+        def ours(pid: int) -> bool:
+            try:
+                text = Path(f"/proc/{pid}/cgroup").read_text()
+            except OSError:
+                return False
+            paths = [line.split(":", 2)[-1].strip("/") for line in text.splitlines()]
+            return bool(cgroup) and any(p == cgroup or p.startswith(cgroup + "/") for p in paths)
+
+        host = Path(self.host_paths(session).run) / "bridge" / BRIDGE_SOCKET
+        inside = ("unix", f"{BRIDGE_DIR_IN_POD}/{BRIDGE_SOCKET}")
+        return inside, Address("unix", path=str(host), peer_check=ours)
+
+    # ---- apply / delete --------------------------------------------------------------------
+
+    async def apply(self, body: dict[str, Any], *, wait: bool = True) -> Applied:
+        """Create or update a session from a body; wait until Ready."""
+        started = time.monotonic()
+        body = kernelsession.validate(body)
+        if body["spec"]["network"]["egress"] != "None":
+            raise InvalidSession(
+                "egress All is not available in local mode yet: pods on Podman's shared "
+                "bridge could reach each other",
+                field="spec.network.egress",
+            )
+        meta = body["metadata"]
+        try:
+            current = self.store.get(meta["namespace"], meta["name"])
+        except SessionNotFound:
+            current = None
+        if current is None:
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
+            body["status"] = {"phase": "Pending", "restarts": 0}
+            await self._check_image(body["spec"]["image"])
+            self.store.create(body, new_key())
+            session = kernelsession.load(body)
+            async with self._locked(session, create=True):
+                if session.spec.operating_mode == "Suspended":
+                    await self._stop_locked(session, *_USER_SUSPENDED)
+                else:
+                    await self._realize(session, wait=wait)
+            return Applied(
+                await self.get(session.name, session.namespace),
+                "created",
+                time.monotonic() - started,
+            )
+
+        session = kernelsession.load(current)
+        async with self._locked(session):
+            current = self.store.get(session.namespace, session.name)
+            if current["spec"] == body["spec"] and meta.get("labels") == current["metadata"].get(
+                "labels"
+            ):
+                session = await self._refresh_locked(kernelsession.load(current), restart=True)
+                if session.status.get("phase") == "Failed":
+                    self._patch(session, lastTermination=None)  # applied again: a new count
+                    await self._realize(session, wait=wait)
+                    return Applied(
+                        await self.get(session.name, session.namespace),
+                        "configured",
+                        time.monotonic() - started,
+                    )
+                return Applied(session, "unchanged", time.monotonic() - started)
+            await self._check_image(body["spec"]["image"])
+            needs_pod = _pod_spec(current["spec"]) != _pod_spec(body["spec"])
+            current["spec"] = body["spec"]
+            current["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
+            for k in ("labels", "annotations"):
+                current["metadata"][k] = meta.get(k) or {}
+            self.store.replace(current)
+            session = kernelsession.load(current)
+            phase = session.status.get("phase")
+            if session.spec.operating_mode == "Suspended":
+                await self._stop_locked(session, *_USER_SUSPENDED)
+            elif (
+                needs_pod
+                or phase == "Expired"  # a longer maxLifetime, or a changed spec: a new start
+                or (phase == "Suspended" and session.status.get("reason") != "Idle")
+            ):
+                await self._remove_pod(session)
+                await self._realize(session, wait=wait)
+            else:
+                self._patch(session, observedGeneration=current["metadata"]["generation"])
+        return Applied(
+            await self.get(session.name, session.namespace),
+            "configured",
+            time.monotonic() - started,
+        )
+
+    async def create(self, body: dict[str, Any]) -> KernelSession:
+        """Create a new session (never updates one) and wait until it is Ready."""
+        meta = body.get("metadata") or {}
+        try:
+            self.store.get(meta.get("namespace", "default"), str(meta.get("name")))
+        except SessionNotFound:
+            return (await self.apply(body)).session
+        raise InvalidSession(
+            f"a session named {meta.get('name')!r} exists already", field="metadata.name"
+        )
+
+    async def _check_image(self, image: str) -> None:
+        done = await podman.run("image", "exists", image, check=False)
+        if done.returncode != 0:
+            raise ImageError(missing_image_message(image))
+
+    def _prepare_dirs(self, session: KernelSession, info: ConnectionInfo) -> HostPaths:
+        uid, gid = self.kernel_ids(session)
+        paths = self.host_paths(session)
+        if len(paths.run) + len("/kernel-5555") > IPC_PATH_MAX:
+            raise InvalidSession(
+                f"the state directory {self.settings.state_dir} is too long for Unix socket paths;"
+                " set MCPFORGE_STATE_DIR to a shorter one"
+            )
+        base = self._dir(session)
+        base.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(base.parent, 0o700)
+        conf = Path(paths.conf)
+        conf.mkdir(exist_ok=True, mode=0o755)
+        # The connection file is root's, readable by the kernel's group, and mounted
+        # read-only: the kernel can read its key but change nothing the host relies on.
+        tmp = conf / f".connection.{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o440)
+        with os.fdopen(fd, "w") as f:
+            os.fchown(f.fileno(), 0, gid)
+            f.write(info.to_file())
+        os.replace(tmp, conf / "connection.json")
+        Path(paths.workspace).mkdir(exist_ok=True)
+        if paths.tmp:
+            Path(paths.tmp).mkdir(exist_ok=True)
+        if paths.shared:
+            Path(paths.shared).mkdir(parents=True, exist_ok=True)
+            os.chown(paths.shared, uid, gid)
+            os.chmod(paths.shared, 0o770)
+        self._unseal(session)
+        return paths
+
+    async def _mount(self, session: KernelSession) -> None:
+        """The session's bounded /workspace and /tmp, mounted (again, after a reboot)."""
+        uid, gid = self.kernel_ids(session)
+        paths = self.host_paths(session)
+        size = parse_quantity(session.spec.workspace_size, field="spec.workspace.size")
+        workspace = Path(paths.workspace)
+        await volumes.ensure_workspace(
+            workspace.with_name("workspace.img"), workspace, size, uid, gid
+        )
+        # The volume's root (or a plain workspace kept from before) belongs to the kernel.
+        os.chown(workspace, uid, gid)
+        if paths.tmp:
+            await volumes.ensure_tmp(Path(paths.tmp), uid, gid)
+
+    def _unseal(self, session: KernelSession) -> None:
+        """Let a starting kernel bind its sockets: a fresh run/ that its uid owns."""
+        run = Path(self.host_paths(session).run)
+        shutil.rmtree(run, ignore_errors=True)
+        uid, gid = self.kernel_ids(session)
+        run.mkdir(mode=0o700)
+        os.chown(run, uid, gid)
+        bridge = run / "bridge"  # code mode: the kernel binds its bridge socket here
+        bridge.mkdir(mode=0o700)
+        os.chown(bridge, uid, gid)
+
+    def _seal(self, session: KernelSession) -> None:
+        """Once the kernel has bound its sockets, take run/ back (root, 0755)."""
+        run = Path(self.host_paths(session).run)
+        fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchown(fd, 0, 0)
+            os.fchmod(fd, 0o755)
+        finally:
+            os.close(fd)
+
+    async def _realize(
+        self, session: KernelSession, *, wait: bool, phase: str = "Starting"
+    ) -> None:
+        key = self.store.key(session.namespace, session.name)
+        info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
+        idmap = self.idmap(session) or self._claim_idmap(session)
+        paths = self._prepare_dirs(session, info)
+        manifest = yaml.safe_dump_all(render_podman(session, paths), sort_keys=False)
+        (self._dir(session) / "pod.yaml").write_text(manifest)
+        # A restart keeps the death's reason and message until the new kernel is ready.
+        cleared = {"reason": None, "message": None} if phase == "Starting" else {}
+        self._patch(session, phase=phase, podName=self.pod_name(session), **cleared)
+        try:
+            await self._mount(session)
+            await podman.run(
+                "kube",
+                "play",
+                "--replace",
+                "--network=none",
+                f"--seccomp-profile-root={SECCOMP_PROFILE_ROOT}",
+                userns_flag(idmap),
+                str(self._dir(session) / "pod.yaml"),
+                timeout=self.settings.podman_timeout,
+            )
+        except (PodmanError, volumes.VolumeError) as exc:
+            self._fail(session, "PlayFailed", str(exc))
+            raise
+        await self._started(session, wait=wait)
+
+    def _claim_idmap(self, session: KernelSession) -> dict[str, int]:
+        """A user namespace: that of a stored session of its sharedGroup (so they can
+        share /shared), else one disjoint from every stored session's (suspended ones
+        included). Chosen and recorded in one transaction of the store, so two sessions
+        of a new group started at once still get one namespace."""
+        group = session.spec.shared_group
+
+        def choose(others: list[Claimed]) -> dict[str, int]:
+            for other in others:
+                spec = other.body.get("spec") or {}
+                same_group = group and spec.get("sharedGroup") == group
+                if same_group and other.namespace == session.namespace and other.value:
+                    return dict(other.value)
+            return userns.choose(o.value for o in others if o.value is not None)
+
+        idmap: dict[str, int] = self.store.claim(session.namespace, session.name, "idmap", choose)
+        return idmap
+
+    async def _started(self, session: KernelSession, *, wait: bool) -> None:
+        info = await self._inspect(session)
+        if info is not None:
+            self._limit_pids(session, info)
+            private = self.store.private(session.namespace, session.name)
+            private["cgroup"] = str(info.get("State", {}).get("CgroupPath", "")).lstrip("/")
+            self.store.set_private(session.namespace, session.name, private)
+            # The baseline for telling a later death by OOM.
+            count = await self._oom_count(info.get("Id", ""))
+            self._set_oom(session, {"finishedAt": None, "count": count, "oom": False})
+        generation = int((session.status.get("connection") or {}).get("generation", 0))
+        stored = self.store.get(session.namespace, session.name).get("status", {})
+        generation = max(generation, int((stored.get("connection") or {}).get("generation", 0)))
+        self._patch(
+            session,
+            kernelId=str(uuid.uuid4()),
+            startedAt=now(),
+            lastActivity=now(),
+            connection={
+                "transport": "ipc",
+                "host": self.host_paths(session).run + "/kernel",
+                "ports": dict(PORTS),
+                "generation": generation + 1,
+            },
+        )
+        if wait:
+            await self.wait_ready(session)
+
+    async def wait_ready(self, session: KernelSession) -> None:
+        """Wait for a kernel_info reply, then seal run/; fail fast if the kernel exits."""
+        try:
+            await self._wait_ready(session)
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                self._fail(session, "NotReady", str(exc))
+            raise
+
+    async def _wait_ready(self, session: KernelSession) -> None:
+        key = self.store.key(session.namespace, session.name)
+        info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
+        conn = KernelConnection(info, max_frame=1_000_000, max_message=1_000_000)
+        ready = asyncio.ensure_future(conn.wait_ready(self.settings.kernel_ready_timeout))
+        died = asyncio.ensure_future(self._wait_exited(session))
+        try:
+            await asyncio.wait({ready, died}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (ready, died):
+                task.cancel()
+            await asyncio.gather(ready, died, return_exceptions=True)
+            conn.close()
+        if ready.done() and not ready.cancelled() and ready.exception() is None:
+            self._seal(session)
+            self._patch(
+                session,
+                phase="Ready",
+                reason=None,
+                message=None,
+                **self._ready_condition(session, True, "KernelReady", "the kernel answers"),
+            )
+            return
+        if died.done() and not died.cancelled() and died.exception() is None:
+            term = died.result()
+            raise SessionNotReady(
+                f"the kernel exited while starting ({term.message}): {await self.logs(session)}"
+            )
+        exc = ready.exception() if ready.done() and not ready.cancelled() else died.exception()
+        raise exc if exc is not None else SessionNotReady("the kernel did not start")
+
+    def _ready_condition(
+        self, session: KernelSession, ready: bool, reason: str, message: str
+    ) -> dict[str, Any]:
+        generation = self.store.get(session.namespace, session.name)["metadata"].get(
+            "generation", 1
+        )
+        return {
+            "observedGeneration": generation,
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True" if ready else "False",
+                    "reason": reason,
+                    "message": message[:1000],
+                    "lastTransitionTime": now(),
+                    "observedGeneration": generation,
+                }
+            ],
+        }
+
+    def _fail(self, session: KernelSession, reason: str, message: str) -> None:
+        self._patch(
+            session,
+            phase="Failed",
+            reason=reason,
+            message=message[:2000],
+            **self._ready_condition(session, False, reason, message),
+        )
+
+    async def _wait_exited(self, session: KernelSession) -> Termination:
+        """Return when the kernel container stops (`podman wait`, no polling)."""
+        while True:
+            await podman.run(
+                "wait",
+                "--condition=exited",
+                "--condition=stopped",
+                self.container_name(session),
+                check=False,
+                timeout=self.settings.kernel_ready_timeout + 60,
+            )
+            term = await self.termination(session)
+            if term is not None:
+                return term
+
+    async def logs(self, session: KernelSession, lines: int = 20) -> str:
+        done = await podman.run(
+            "logs", "--tail", str(lines), self.container_name(session), check=False
+        )
+        text = done.stdout[-4000:].decode(errors="replace") + done.stderr[-2000:]
+        return text.strip()[-1500:]
+
+    async def delete(self, name: str, namespace: str = "default") -> None:
+        session = await self.get(name, namespace)
+        async with self._locked(session):
+            self._patch(session, phase="Terminating")
+            await self._remove_pod(session)
+            await self._unmount(session)
+            self.store.delete(namespace, name)
+            await asyncio.to_thread(shutil.rmtree, self._dir(session), True)
+
+    async def _unmount(self, session: KernelSession) -> None:
+        """Unmount the session's filesystems (their loop devices go with them)."""
+        paths = self.host_paths(session)
+        workspace = Path(paths.workspace)
+        for target in (workspace, workspace.with_name("workspace.migrating"), paths.tmp):
+            if target:
+                await volumes.unmount(Path(target))
+
+    async def _remove_pod(self, session: KernelSession) -> None:
+        # -t 0: the kernel is being deleted, with its state; nothing to wait for.
+        # Podman 4.3.1 sometimes panics (nil Volume in removePod) when pods are removed at
+        # the same time, leaving the pod half removed; a second `pod rm` finishes it. In a
+        # user namespace it may also find the container's /dev/shm still busy while its
+        # processes die (EBUSY): the pod is left half removed the same way.
+        for attempt in (1, 2, 3):
+            done = await podman.run(
+                "pod", "rm", "-f", "-t", "0", self.pod_name(session), check=False
+            )
+            if done.returncode == 0 or "no pod with name" in done.stderr.lower():
+                return
+            again = "panic:" in done.stderr or "resource busy" in done.stderr
+            if not again or attempt == 3:
+                raise PodmanError(
+                    ["pod", "rm", self.pod_name(session)], done.returncode, done.stderr
+                )
+            log.warning(
+                "podman failed removing %s (%s); trying again",
+                self.pod_name(session),
+                done.stderr.strip()[-200:],
+            )
+
+    # ---- observing -------------------------------------------------------------------------
+
+    async def _inspect(self, session: KernelSession) -> dict[str, Any] | None:
+        """The container's inspect data; None only when there is no such container."""
+        done = await podman.run("container", "inspect", self.container_name(session), check=False)
+        if done.returncode != 0:
+            if "no such container" in done.stderr.lower():
+                return None
+            raise PodmanError(["container", "inspect"], done.returncode, done.stderr)
+        data = json.loads(done.stdout or b"[]")
+        return data[0] if data else None
+
+    async def running_containers(self) -> set[str]:
+        """Names of the kernel containers that run now, in one podman call."""
+        rows = await podman.run_json(
+            "ps",
+            "--filter",
+            f"label={LABEL_SELECTOR}",
+            "--format",
+            "json",
+            timeout=self.settings.podman_timeout,
+        )
+        names: set[str] = set()
+        for row in rows or []:
+            names.update(n for n in row.get("Names") or [] if isinstance(n, str))
+        return names
+
+    async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
+        """Bytes of memory each running kernel uses now (its cgroup's count), by name.
+
+        Read from the cgroup recorded when the kernel started: no podman call.
+        """
+        usage: dict[str, int] = {}
+        for session in sessions:
+            cgroup = self.store.private(session.namespace, session.name).get("cgroup")
+            if not cgroup:
+                continue
+            for path in (
+                Path("/sys/fs/cgroup/memory") / cgroup / "memory.usage_in_bytes",
+                Path("/sys/fs/cgroup") / cgroup / "memory.current",
+            ):
+                with contextlib.suppress(OSError, ValueError):
+                    usage[session.name] = int(path.read_text())
+                    break
+        return usage
+
+    async def termination(self, session: KernelSession) -> Termination | None:
+        info = await self._inspect(session)
+        if info is None:
+            return Termination("PodMissing", None, "the kernel's pod is gone")
+        state = info.get("State", {})
+        if state.get("Running"):
+            return None
+        code = state.get("ExitCode")
+        oom = bool(state.get("OOMKilled")) or (
+            code == 137 and await self._oom_killed(session, info)
+        )
+        return termination_of(code, oom=oom, memory_limit=session.spec.memory)
+
+    def _limit_pids(self, session: KernelSession, info: dict[str, Any]) -> None:
+        """Apply spec.resources.pids to the kernel's cgroup.
+
+        Podman 4.3.1's kube play has no per-container pids limit (no annotation, and
+        `podman update` has no --pids-limit), so write pids.max of the container's
+        cgroup, v1 or v2, right after each start.
+        """
+        cgroup = str(info.get("State", {}).get("CgroupPath", "")).lstrip("/")
+        if not cgroup:
+            # It died already (a kernel that exits at start): waiting for it says why.
+            return
+        for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")):
+            target = root / cgroup / "pids.max"
+            if target.is_file():
+                target.write_text(str(session.spec.pids))
+                return
+        log.warning("no pids cgroup for %s: its pids limit is not applied", session.name)
+
+    async def _oom_killed(self, session: KernelSession, info: dict[str, Any]) -> bool:
+        """Was the kernel's last death an OOM kill?
+
+        Podman's OOMKilled flag is only set when the container's init dies of it, and on
+        cgroup v1 hosts not even then; the kernel (under tini) is a child. The Linux
+        kernel logs every memory-cgroup OOM kill with the container's cgroup, which names
+        the container id, so count those. The answer is kept per death (FinishedAt), so
+        asking twice about one death gives one answer.
+        """
+        finished = str(info.get("State", {}).get("FinishedAt", ""))
+        seen = self.store.private(session.namespace, session.name).get("oom", {})
+        if seen.get("finishedAt") == finished:
+            return bool(seen.get("oom"))
+        count = await self._oom_count(info.get("Id", ""))
+        oom = count > int(seen.get("count", 0))
+        self._set_oom(session, {"finishedAt": finished, "count": count, "oom": oom})
+        return oom
+
+    async def _oom_count(self, container_id: str) -> int:
+        return await oom_kills(container_id)
+
+    def _set_oom(self, session: KernelSession, value: dict[str, Any]) -> None:
+        private = self.store.private(session.namespace, session.name)
+        private["oom"] = value
+        self.store.set_private(session.namespace, session.name, private)
+
+    async def refresh(self, session: KernelSession, *, restart: bool = True) -> KernelSession:
+        """Bring status in line with what Podman shows.
+
+        With `restart`, a dead kernel is restarted per restartPolicy; without it, the
+        death is only recorded (phase Restarting: the next use, or the gateway, restarts it).
+        """
+        async with self._locked(session):
+            return await self._refresh_locked(
+                await self.get(session.name, session.namespace), restart=restart
+            )
+
+    async def _refresh_locked(self, session: KernelSession, *, restart: bool) -> KernelSession:
+        phase = session.status.get("phase")
+        if phase == "Suspended" and session.status.get("reason") == "Idle" and restart:
+            await self._realize(session, wait=True)  # used again: it resumes
+            return await self.get(session.name, session.namespace)
+        if phase not in ("Ready", "Starting", "Restarting"):
+            return session
+        term = await self.termination(session)
+        if term is None:
+            if phase != "Ready" and restart:  # a process that was starting it went away
+                await self.wait_ready(session)
+        elif session.spec.restart_policy == "Never":
+            self._fail(session, term.reason, term.message)
+        elif restart:
+            await self._restart_locked(
+                session, reason=term.reason, crashed=True, message=term.message
+            )
+        elif phase == "Ready":
+            await self._record_death(session, term.reason, term.message, phase="Restarting")
+        return await self.get(session.name, session.namespace)
+
+    async def _record_death(
+        self,
+        session: KernelSession,
+        reason: str,
+        message: str,
+        *,
+        phase: str,
+        quick: bool | None = None,
+    ) -> dict[str, Any]:
+        """Count a death; one within QUICK_DEATH of its start is one more in a crash loop.
+
+        Returns the new lastTermination (with quickDeaths, and nextStartAt: the backoff).
+        """
+        body = self.store.get(session.namespace, session.name)
+        status = body.get("status", {})
+        if quick is None:
+            lived = _lifetime(await self._inspect(session))
+            quick = lived is not None and lived < QUICK_DEATH
+        last = status.get("lastTermination") or {}
+        quick_deaths = int(last.get("quickDeaths") or 0) + 1 if quick else 0
+        at = time.time()
+        last = {
+            "reason": reason,
+            "message": message,
+            "at": now(),
+            "quickDeaths": quick_deaths,
+            "nextStartAt": _stamp(at + local_backoff(quick_deaths)),
+        }
+        self._patch(
+            session,
+            phase=phase,
+            restarts=int(status.get("restarts", 0)) + 1,
+            reason=reason,
+            message=message,
+            lastTermination=last,
+        )
+        return last
+
+    def _crash_loop(self, session: KernelSession) -> bool:
+        """Hold back a crash-looping kernel: True if it must not be started now.
+
+        In its backoff the session is Restarting (CrashLoopBackOff) and says when it starts
+        again; past the restart limit it is Failed (CrashLoop) and says why.
+        """
+        status = self.store.get(session.namespace, session.name).get("status", {})
+        last = status.get("lastTermination") or {}
+        quick = int(last.get("quickDeaths") or 0)
+        if not quick:
+            return False
+        why = (
+            f"{last.get('message') or last.get('reason')}; it died {quick} time(s) in a row "
+            f"within {QUICK_DEATH:.0f}s of starting"
+        )
+        if local_gives_up(quick):
+            self._fail(
+                session,
+                "CrashLoop",
+                f"{why}, so it is not started again. Fix the cause (the session's env, or a "
+                "sitecustomize or startup file its PYTHONPATH finds in the workspace) and "
+                "apply the session again",
+            )
+            return True
+        wait = parse_time(str(last.get("nextStartAt"))) - time.time()
+        if wait <= 0:
+            return False
+        self._patch(
+            session,
+            phase="Restarting",
+            reason="CrashLoopBackOff",
+            message=f"{why}; next start in {wait:.0f}s",
+        )
+        return True
+
+    async def restart_kernel(
+        self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
+    ) -> None:
+        """A fresh kernel process in the same pod: the workspace stays, variables go."""
+        async with self._locked(session):
+            await self._restart_locked(
+                await self.get(session.name, session.namespace),
+                reason=reason,
+                crashed=crashed,
+                message=message,
+            )
+
+    async def _restart_locked(
+        self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
+    ) -> None:
+        if crashed and session.status.get("phase") != "Restarting":
+            await self._record_death(session, reason, message or reason, phase="Restarting")
+        else:
+            self._patch(session, phase="Restarting")
+        if crashed and self._crash_loop(session):
+            return
+        try:
+            await self._start_again(session)
+        except SessionNotReady as exc:
+            if await self.termination(session) is None:
+                raise
+            # It died while starting: one more quick death, and a backoff before the next.
+            await self._record_death(
+                session, "StartFailed", str(exc)[:1500], phase="Restarting", quick=True
+            )
+            self._crash_loop(session)
+            status = self.store.get(session.namespace, session.name).get("status", {})
+            raise SessionNotReady(
+                f"session {session.name!r} is {status.get('phase')}: {status.get('message')}"
+            ) from None
+        if crashed:
+            self._patch(session, reason=reason, message=message or reason)
+
+    async def _start_again(self, session: KernelSession) -> None:
+        """A new kernel: the pod is played again, with the same user namespace and mounts.
+
+        Not `pod stop` + `pod start`: kube play gives pods the exit policy "stop", and the
+        clean-up Podman runs after the old kernel exits could land after the infra came back
+        but before the new kernel did, stopping the pod again (about one restart in six).
+        A new pod has a new id, which no clean-up of the old one can reach. A pod played
+        before user namespaces gets one now.
+        """
+        await self._remove_pod(session)
+        await self._realize(session, wait=True, phase="Restarting")
+
+    async def record_activity(self, session: KernelSession, *, busy: bool = False) -> None:
+        self._patch(session, lastActivity=now())
+
+    async def cull_idle(self) -> builtins.list[str]:
+        """Expire sessions past their maxLifetime; delete or suspend (idleAction) those idle
+        past their idleTimeout. Returns their names."""
+        culled = []
+        for session in await self.list():
+            spec, status = session.spec, session.status
+            if status.get("phase") in ("Suspended", "Expired", "Terminating"):
+                continue
+            created = parse_time(session.body["metadata"]["creationTimestamp"])
+            last = status.get("lastActivity")
+            idle_for = time.time() - (parse_time(last) if last else created)
+            try:
+                if spec.max_lifetime and time.time() >= created + spec.max_lifetime:
+                    lifetime = session.body["spec"]["maxLifetime"]
+                    why = f"the session reached its maxLifetime of {lifetime}"
+                    log.info("expiring %s/%s: %s", session.namespace, session.name, why)
+                    await self._stop(session, "Expired", "Expired", why)
+                elif spec.idle_timeout <= 0 or idle_for < spec.idle_timeout:
+                    continue
+                elif spec.idle_action == "Suspend":
+                    why = f"no activity for {session.body['spec']['idleTimeout']}"
+                    log.info("suspending %s/%s: %s", session.namespace, session.name, why)
+                    await self._stop(session, "Suspended", "Idle", f"{why}; used again, it resumes")
+                else:
+                    log.info(
+                        "culling %s/%s: idle for more than %ss",
+                        session.namespace,
+                        session.name,
+                        spec.idle_timeout,
+                    )
+                    await self.delete(session.name, session.namespace)
+            except SessionNotFound:
+                continue
+            except ForgeError as exc:
+                log.warning("could not cull %s: %s", session.name, exc)
+                continue
+            culled.append(session.name)
+        return culled
+
+    async def _stop(self, session: KernelSession, phase: str, reason: str, message: str) -> None:
+        async with self._locked(session):
+            await self._stop_locked(session, phase, reason, message)
+
+    async def _stop_locked(
+        self, session: KernelSession, phase: str, reason: str, message: str
+    ) -> None:
+        """No kernel, the session kept: Suspended or Expired. Variables are lost."""
+        await self._remove_pod(session)
+        if self.host_paths(session).tmp:  # /tmp is memory: a stopped session holds none
+            await volumes.unmount(Path(str(self.host_paths(session).tmp)))
+        self._patch(
+            session,
+            phase=phase,
+            reason=reason,
+            message=message,
+            kernelId=None,
+            podName=None,
+            suspendedAt=now() if phase == "Suspended" else None,
+            **self._ready_condition(session, False, reason, message),
+        )
+
+    def _patch(self, session: KernelSession, **patch: Any) -> None:
+        with contextlib.suppress(SessionNotFound):
+            self.store.patch_status(session.namespace, session.name, patch)
+
+
+async def oom_kills(container_id: str) -> int:
+    """How many memory-cgroup OOM kills the kernel log records for this container."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "dmesg", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        )
+    except OSError:  # no dmesg: deaths are reported by exit code only
+        return 0
+    try:
+        async with asyncio.timeout(10):
+            out, _ = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return 0
+    needle = f"libpod-{container_id}".encode()
+    return sum(1 for line in out.splitlines() if b"oom-kill:" in line and needle in line)
+
+
+def userns_flag(idmap: dict[str, int]) -> str:
+    """`podman kube play`'s --userns for a session's map."""
+    return (
+        f"--userns=auto:uidmapping=0:{idmap['uid']}:{idmap['size']},"
+        f"gidmapping=0:{idmap['gid']}:{idmap['size']}"
+    )
+
+
+def _stamp(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _lifetime(info: dict[str, Any] | None) -> float | None:
+    """Seconds the container ran before it stopped (None if it runs, or is unknown)."""
+    state = (info or {}).get("State") or {}
+    if state.get("Running"):
+        return None
+    try:
+        started, finished = (_podman_time(str(state.get(k))) for k in ("StartedAt", "FinishedAt"))
+    except ValueError:
+        return None
+    return finished - started if finished >= started else None
+
+
+def _podman_time(text: str) -> float:
+    """Podman's "2026-11-30T20:35:14.123456789Z" (or with an offset), in seconds."""
+    m = _PODMAN_TIME.match(text)
+    if not m:
+        raise ValueError(f"not a time: {text!r}")
+    whole, frac, tz = m.groups()
+    stamp = dt.datetime.fromisoformat(whole + ("+00:00" if tz == "Z" else tz))
+    return stamp.timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+_PODMAN_TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
+
+
+def _unsealed(run: Path, kernel_uid: int) -> str:
+    """Why run/ cannot be trusted yet ("" if it can): root's, 0755, five real sockets."""
+    try:
+        st = run.lstat()
+    except FileNotFoundError:
+        return "its kernel has no sockets yet"
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or stat.S_IMODE(st.st_mode) != 0o755:
+        return "its kernel is starting"
+    bridge = run / "bridge"
+    try:
+        st = bridge.lstat()
+    except FileNotFoundError:
+        return "its bridge directory is missing"
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != kernel_uid:
+        return "its bridge directory was replaced"  # e.g. by a symlink, while unsealed
+    for port in PORTS.values():
+        try:
+            mode = (run / f"kernel-{port}").lstat().st_mode
+        except FileNotFoundError:
+            mode = 0
+        if not stat.S_ISSOCK(mode):
+            return f"kernel-{port} is not a socket"
+    return ""
+
+
+def _pod_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in spec.items() if k not in _LIVE_FIELDS}

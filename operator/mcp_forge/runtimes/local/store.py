@@ -1,0 +1,193 @@
+"""The local store: KernelSessions kept on disk in SQLite, as a cluster would keep them.
+
+One row per session: the whole object (metadata, spec, status) as JSON, plus its
+connection key, which never appears in the object. Writes are transactions, so a
+crash never leaves half an object; SQLite's locking lets the CLI and a running
+gateway share the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from mcp_forge.errors import InvalidSession, SessionNotFound
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    namespace TEXT NOT NULL,
+    name TEXT NOT NULL,
+    body TEXT NOT NULL,
+    key TEXT NOT NULL,
+    private TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (namespace, name)
+)
+"""
+
+
+class Claimed(NamedTuple):
+    """Another stored session, as `Store.claim` shows it to its `choose`."""
+
+    namespace: str
+    body: dict[str, Any]
+    value: Any  # its value of the field claimed; None if it holds none
+
+
+class Store:
+    """KernelSession objects and their keys, in one SQLite file (mode 0600)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.close(fd)
+        # WAL: readers never wait for a writer, and a commit is one fsync of the log.
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+        finally:
+            db.close()
+        with self._db() as tx:
+            tx.execute(_SCHEMA)
+
+    @contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        """One transaction, taken for writing at its start (BEGIN IMMEDIATE), so a
+        read-modify-write such as patch_status is atomic across processes."""
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        try:
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        finally:
+            db.close()
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        with self._db() as db:
+            row = db.execute(
+                "SELECT body FROM sessions WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+        if row is None:
+            raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+        body: dict[str, Any] = json.loads(row[0])
+        return body
+
+    def key(self, namespace: str, name: str) -> str:
+        with self._db() as db:
+            row = db.execute(
+                "SELECT key FROM sessions WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+        if row is None:
+            raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+        return str(row[0])
+
+    def private(self, namespace: str, name: str) -> dict[str, Any]:
+        """Bookkeeping of local mode that is not part of the object."""
+        with self._db() as db:
+            row = db.execute(
+                "SELECT private FROM sessions WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+        value: dict[str, Any] = json.loads(row[0]) if row else {}
+        return value
+
+    def set_private(self, namespace: str, name: str, value: dict[str, Any]) -> None:
+        with self._db() as db:
+            db.execute(
+                "UPDATE sessions SET private=? WHERE namespace=? AND name=?",
+                (json.dumps(value), namespace, name),
+            )
+
+    def claim(
+        self,
+        namespace: str,
+        name: str,
+        field: str,
+        choose: Callable[[list[Claimed]], Any],
+    ) -> Any:
+        """Set the session's private `field` to what `choose` makes of every other stored
+        session's value of it (with its body), in one transaction: what `choose` decides
+        from cannot change before the value is written."""
+        with self._db() as db:
+            rows = db.execute("SELECT namespace, name, body, private FROM sessions").fetchall()
+            others = [
+                Claimed(ns, json.loads(b), json.loads(p).get(field))
+                for ns, n, b, p in rows
+                if (ns, n) != (namespace, name)
+            ]
+            mine = [json.loads(p) for ns, n, _, p in rows if (ns, n) == (namespace, name)]
+            if not mine:
+                raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+            value = choose(others)
+            db.execute(
+                "UPDATE sessions SET private=? WHERE namespace=? AND name=?",
+                (json.dumps({**mine[0], field: value}), namespace, name),
+            )
+        return value
+
+    def list(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        with self._db() as db:
+            if namespace is None:
+                rows = db.execute("SELECT body FROM sessions ORDER BY namespace, name").fetchall()
+            else:
+                rows = db.execute(
+                    "SELECT body FROM sessions WHERE namespace=? ORDER BY name", (namespace,)
+                ).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def create(self, body: dict[str, Any], key: str) -> None:
+        meta = body["metadata"]
+        try:
+            with self._db() as db:
+                db.execute(
+                    "INSERT INTO sessions (namespace, name, body, key) VALUES (?, ?, ?, ?)",
+                    (meta["namespace"], meta["name"], json.dumps(body), key),
+                )
+        except sqlite3.IntegrityError:
+            raise InvalidSession(
+                f"a KernelSession named {meta['name']!r} exists already", field="metadata.name"
+            ) from None
+
+    def replace(self, body: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        with self._db() as db:
+            cur = db.execute(
+                "UPDATE sessions SET body=? WHERE namespace=? AND name=?",
+                (json.dumps(body), meta["namespace"], meta["name"]),
+            )
+            if cur.rowcount == 0:
+                raise SessionNotFound(f"no KernelSession {meta['name']!r}")
+
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """Merge `patch` into status (None deletes a key) in one transaction; return the body."""
+        with self._db() as db:
+            row = db.execute(
+                "SELECT body FROM sessions WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+            if row is None:
+                raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+            body: dict[str, Any] = json.loads(row[0])
+            status = body.setdefault("status", {})
+            for k, v in patch.items():
+                if v is None:
+                    status.pop(k, None)
+                else:
+                    status[k] = v
+            db.execute(
+                "UPDATE sessions SET body=? WHERE namespace=? AND name=?",
+                (json.dumps(body), namespace, name),
+            )
+        return body
+
+    def delete(self, namespace: str, name: str) -> None:
+        with self._db() as db:
+            db.execute("DELETE FROM sessions WHERE namespace=? AND name=?", (namespace, name))
