@@ -427,7 +427,7 @@ async def cancelled_call(c: Client, sid: str) -> None:
     """An execute_code call cancelled while it runs: the gateway drops its connections."""
     started = asyncio.Event()
 
-    async def on_progress(*_: Any) -> None:
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
         started.set()
 
     call = asyncio.create_task(

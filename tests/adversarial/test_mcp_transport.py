@@ -156,7 +156,7 @@ async def test_a_cancel_storm_leaves_the_session_working_with_its_variables(
         await run(c, "kept = 'before the storm'")
         running = asyncio.Event()
 
-        async def on_progress(value: float, total: float | None, message: str | None) -> None:
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
             running.set()
 
         sleep = {"code": "import time; time.sleep(600)"}

@@ -92,7 +92,8 @@ async def held_gateway(state: Path, **options: Any) -> AsyncIterator[Client]:
     holder = asyncio.ensure_future(hold())
     try:
         async with asyncio.timeout(120):
-            await asyncio.wait({holder, ready}, return_when=asyncio.FIRST_COMPLETED)
+            first: set[asyncio.Future[Any]] = {holder, ready}
+            await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
         if holder.done():
             holder.result()  # the gateway failed to start: raise its error
         yield ready.result()

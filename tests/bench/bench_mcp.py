@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx2
@@ -39,7 +40,7 @@ def stats(xs: list[float]) -> tuple[float, float]:
     return statistics.median(xs), xs[min(len(xs) - 1, int(len(xs) * 0.9))]
 
 
-async def timed(fn, runs: int) -> list[float]:  # type: ignore[no-untyped-def]
+async def timed(fn: Callable[[], Awaitable[object]], runs: int) -> list[float]:
     out = []
     for _ in range(runs):
         t = time.perf_counter()

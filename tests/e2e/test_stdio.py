@@ -43,7 +43,7 @@ async def running_call(c: Client, args: dict[str, Any]) -> asyncio.Task[Any]:
     """An execute_code call in flight, once its first progress notification says it runs."""
     started = asyncio.Event()
 
-    async def on_progress(value: float, total: float | None, message: str | None) -> None:
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
         started.set()
 
     call = asyncio.create_task(c.call_tool("execute_code", args, progress_callback=on_progress))
@@ -60,11 +60,13 @@ async def test_the_tools_are_listed_with_schemas_and_annotations(state_dir) -> N
         tools = {t.name: t for t in (await c.list_tools()).tools}
     assert set(tools) == TOOLS
     execute = tools["execute_code"]
-    assert "persist" in execute.description
+    assert execute.description and "persist" in execute.description
     assert execute.input_schema["required"] == ["code"]
+    assert execute.output_schema is not None
     assert {"status", "stdout", "execution_count"} <= set(execute.output_schema["properties"])
-    assert tools["list_variables"].annotations.read_only_hint is True
-    assert tools["close_session"].annotations.destructive_hint is True
+    listing, closing = tools["list_variables"].annotations, tools["close_session"].annotations
+    assert listing is not None and listing.read_only_hint is True
+    assert closing is not None and closing.destructive_hint is True
     for tool in tools.values():
         assert tool.description and tool.output_schema, tool.name
 
@@ -99,14 +101,14 @@ async def test_a_figure_comes_back_as_image_content(state_dir) -> None:
 
 
 async def test_a_long_cell_sends_progress_and_its_output_as_log_messages(state_dir) -> None:
-    progress: list[float] = []
+    reported: list[float] = []
     logs: list[str] = []
 
     async def on_log(params: Any) -> None:
         logs.append(str(params.data))
 
-    async def on_progress(value: float, total: float | None, message: str | None) -> None:
-        progress.append(value)
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        reported.append(progress)
 
     async with gateway(state_dir, logging_callback=on_log, log_level="info") as c:
         r = await c.call_tool(
@@ -116,7 +118,7 @@ async def test_a_long_cell_sends_progress_and_its_output_as_log_messages(state_d
             progress_callback=on_progress,
         )  # fmt: skip
     assert not r.is_error, text(r)
-    assert progress and progress == sorted(progress)
+    assert reported and reported == sorted(reported)
     assert any("tick 0" in line for line in logs)
 
 

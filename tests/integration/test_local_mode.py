@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -290,7 +291,7 @@ async def test_operating_mode_suspended_removes_the_pod_until_running_again(
     runtime, gateway, make_session, images
 ) -> None:
     name = await make_session()
-    body = {
+    body: dict[str, Any] = {
         "apiVersion": "mcpforge.dev/v1alpha1",
         "kind": "KernelSession",
         "metadata": {"name": name},

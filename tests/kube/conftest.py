@@ -129,14 +129,17 @@ def install_crd(kubeconfig: Path, crd: dict[str, Any] | None = None) -> None:
     with kubernetes.config.new_client_from_config(config_file=str(kubeconfig)) as client:
         ext = kubernetes.client.ApiextensionsV1Api(client)
         name = crd["metadata"]["name"]
+        # The body is the CRD's YAML as a dict: the client serializes a dict as well as its
+        # models, though its annotations name only the model.
         try:
-            ext.create_custom_resource_definition(crd)
+            ext.create_custom_resource_definition(crd)  # type: ignore[arg-type]
         except kubernetes.client.ApiException as e:
             if e.status != 409:
                 raise
             current = ext.read_custom_resource_definition(name)
+            assert current.metadata is not None
             crd["metadata"]["resourceVersion"] = current.metadata.resource_version
-            ext.replace_custom_resource_definition(name, crd)
+            ext.replace_custom_resource_definition(name, crd)  # type: ignore[arg-type]
         _wait_established(ext, name)
 
 
@@ -165,7 +168,8 @@ def make_namespace(kubeconfig: Path, name: str, labels: dict[str, str]) -> None:
     """Create it and wait for its default ServiceAccount (pods are refused until it exists)."""
     with kubernetes.config.new_client_from_config(config_file=str(kubeconfig)) as client:
         core = kubernetes.client.CoreV1Api(client)
-        core.create_namespace({"metadata": {"name": name, "labels": labels}})
+        metadata = kubernetes.client.V1ObjectMeta(name=name, labels=labels)
+        core.create_namespace(kubernetes.client.V1Namespace(metadata=metadata))
         watch = kubernetes.watch.Watch()
         for event in watch.stream(
             core.list_namespaced_service_account,

@@ -268,8 +268,8 @@ async def test_max_lifetime_expires_the_session(kube: Kube, ns: str, operator: A
     await create(kube, ns, "mortal", maxLifetime="5s")
     obj = await ready(kube, ns, "mortal")
     assert obj["status"]["expiresAt"]
-    obj = await eventually(kube, KS, ns, "mortal", lambda o: phase(o) == "Expired", timeout=30)
-    assert obj is not None and condition(obj, "Ready")["reason"] == "Expired"
+    expired = await eventually(kube, KS, ns, "mortal", lambda o: phase(o) == "Expired", timeout=30)
+    assert expired is not None and condition(expired, "Ready")["reason"] == "Expired"
     await eventually(kube, "Pod", ns, "ks-mortal", lambda p: p is None, timeout=60)
 
 

@@ -74,7 +74,8 @@ async def probe(kube: Kube, kube_api: KubeAPI, labels: dict[str, str], code: str
         timeout=START,
         what="the probe ran",
     )
-    assert done is not None and done["status"]["phase"] == "Succeeded", done["status"]
+    assert done is not None
+    assert done["status"]["phase"] == "Succeeded", done["status"]
     return await asyncio.to_thread(kube_api.kubectl, "logs", name)
 
 
@@ -107,15 +108,18 @@ async def test_the_kernel_pod_is_admitted_under_restricted_and_a_weaker_pod_is_n
 ) -> None:
     ns = kube_api.namespace
     namespace = await asyncio.to_thread(kubernetes.client.CoreV1Api().read_namespace, ns)
-    assert namespace.metadata.labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    labels = namespace.metadata.labels if namespace.metadata else None
+    assert labels and labels["pod-security.kubernetes.io/enforce"] == "restricted"
     obj = await ready_session(kube, ns, "strict")
     assert obj["status"]["phase"] == "Ready"
     # The same namespace refuses a pod that keeps its capabilities and may escalate.
     weak = probe_pod("weak", ns, {}, "print(1)")
     weak["spec"]["containers"][0]["securityContext"] = {"allowPrivilegeEscalation": True}
+    # A dict body: the client serializes it, though its annotations name only V1Pod.
+    create = kubernetes.client.CoreV1Api().create_namespaced_pod
     with pytest.raises(kubernetes.client.ApiException) as refused:
-        await asyncio.to_thread(kubernetes.client.CoreV1Api().create_namespaced_pod, ns, weak)
-    assert refused.value.status == 403
+        await asyncio.to_thread(create, ns, weak)  # type: ignore[arg-type]
+    assert refused.value.status == 403 and refused.value.body is not None
     message = json.loads(refused.value.body)["message"]
     assert 'violates PodSecurity "restricted:latest"' in message, message
     assert "allowPrivilegeEscalation != false" in message, message

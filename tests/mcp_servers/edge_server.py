@@ -27,6 +27,7 @@ from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.mcpserver import Context, Image, MCPServer
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, Field
+from starlette.types import ASGIApp
 
 SECRET_ENV = "EDGE_SECRET"
 TOKEN_ENV = "EDGE_HTTP_TOKEN"  # if set, HTTP requests need it as a bearer token
@@ -225,7 +226,7 @@ async def serve_http(server: MCPServer, port: int) -> None:
     # Bound before the address is printed, so a reader of that line can connect at once.
     sock = socket.create_server(("127.0.0.1", port))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
-    app = server.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
+    app: ASGIApp = server.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")
     if token := os.environ.get(TOKEN_ENV):
         app = RequireToken(app, token)
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)

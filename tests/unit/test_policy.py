@@ -85,12 +85,13 @@ def test_allow_deny_and_read_only() -> None:
 def test_policies_come_from_the_spec_and_bad_ones_name_the_field() -> None:
     got = policies_of([{"name": "files", "readOnly": True, "callsPerExecution": 3}])
     assert got["files"].read_only and got["files"].calls_per_execution == 3
-    for raw, field in [
+    bad: list[tuple[dict[str, Any], str]] = [
         ({"name": "f", "allow": "x"}, "spec.mcpServers[0].allow"),
         ({"name": "f", "readOnly": "yes"}, "spec.mcpServers[0].readOnly"),
         ({"name": "f", "callsPerMinute": 0}, "spec.mcpServers[0].callsPerMinute"),
         ({"name": "f", "extra": 1}, "spec.mcpServers[0]"),
-    ]:
+    ]
+    for raw, field in bad:
         with pytest.raises(InvalidSession) as err:
             policies_of([raw])
         assert err.value.field == field

@@ -23,9 +23,16 @@ import httpx2
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
-from mcp.client.streamable_http import streamable_http_client
+from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE, streamable_http_client
 from mcp.shared.exceptions import MCPError
-from mcp_types import CONNECTION_CLOSED, INVALID_PARAMS, ImageContent, TextContent
+from mcp_types import (
+    CONNECTION_CLOSED,
+    INVALID_PARAMS,
+    ImageContent,
+    TextContent,
+    Tool,
+    ToolAnnotations,
+)
 
 from mcp_servers.config import (
     EDGE_SERVER,
@@ -71,7 +78,9 @@ async def edge(request: pytest.FixtureRequest, config: dict[str, Any]) -> AsyncI
 
 @asynccontextmanager
 async def connect(
-    entry: dict[str, Any], max_sse_event_size: int | None = None, **client: Any
+    entry: dict[str, Any],
+    max_sse_event_size: int | None = DEFAULT_MAX_SSE_EVENT_SIZE,
+    **client: Any,
 ) -> AsyncIterator[Client]:
     """The SDK's client connected to a config entry (stdio or streamable HTTP)."""
     client.setdefault("read_timeout_seconds", CALL_DEADLINE)
@@ -79,11 +88,15 @@ async def connect(
         async with Client(StdioServerParameters(**entry), **client) as c:
             yield c
         return
-    options = {} if max_sse_event_size is None else {"max_sse_event_size": max_sse_event_size}
     http = httpx2.AsyncClient(headers=entry.get("headers"), timeout=CALL_DEADLINE)
     async with (
         http,
-        Client(streamable_http_client(entry["url"], http_client=http, **options), **client) as c,
+        Client(
+            streamable_http_client(
+                entry["url"], http_client=http, max_sse_event_size=max_sse_event_size
+            ),
+            **client,
+        ) as c,
     ):
         yield c
 
@@ -95,6 +108,12 @@ async def call_once(entry: dict[str, Any], tool: str) -> None:
 
 def text(result: Any) -> str:
     return "\n".join(c.text for c in result.content if isinstance(c, TextContent))
+
+
+def annotations_of(tool: Tool) -> ToolAnnotations:
+    """A tool's annotations, which every tool of these servers declares."""
+    assert tool.annotations is not None, tool.name
+    return tool.annotations
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -145,7 +164,7 @@ async def test_the_time_server_tells_the_current_time_in_utc(config: dict[str, A
     assert tools["convert_time"].input_schema["required"] == [
         "source_timezone", "time", "target_timezone",
     ]  # fmt: skip
-    assert tools["get_current_time"].annotations.read_only_hint is True
+    assert annotations_of(tools["get_current_time"]).read_only_hint is True
     assert not now.is_error, text(now)
     assert now.structured_content["timezone"] == "UTC"
     told = datetime.fromisoformat(now.structured_content["datetime"])
@@ -217,13 +236,12 @@ async def test_the_edge_server_describes_every_tool(edge: dict[str, Any]) -> Non
     assert add["required"] == ["a"]
     assert add["properties"]["a"]["type"] == add["properties"]["b"]["type"] == "integer"
     assert add["properties"]["b"]["default"] == 2
-    assert tools["echo"].output_schema["properties"] == {
-        "text": {"title": "Text", "type": "string"}
-    }
+    echo = tools["echo"].output_schema
+    assert echo is not None and echo["properties"] == {"text": {"title": "Text", "type": "string"}}
     for name in ("echo", "add", "count"):
-        assert tools[name].annotations.read_only_hint is True, name
-    assert tools["write_note"].annotations.read_only_hint is False
-    assert tools["write_note"].annotations.destructive_hint is True
+        assert annotations_of(tools[name]).read_only_hint is True, name
+    assert annotations_of(tools["write_note"]).read_only_hint is False
+    assert annotations_of(tools["write_note"]).destructive_hint is True
 
 
 async def test_every_edge_tool_answers_as_described(edge: dict[str, Any]) -> None:
