@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -22,8 +20,6 @@ from mcp_forge.api import kernelsession
 from mcp_forge.errors import ForgeError
 
 if TYPE_CHECKING:
-    from mcp_forge.runtimes.base import Runtime
-    from mcp_forge.runtimes.cluster import KubernetesRuntime
     from mcp_forge.runtimes.local.runtime import LocalRuntime
 
 T = TypeVar("T")
@@ -373,9 +369,15 @@ def _endpoint(value: str) -> tuple[str, int]:
 @click.option(
     "--tokens-file", default=None, help="HTTP clients: lines of NAME TOKEN, one client each."
 )
-@click.option("--allow-origin", multiple=True, help="Extra allowed Origin for HTTP (repeatable).")
+@click.option(
+    "--allow-origin",
+    "allowed_origins",
+    multiple=True,
+    help="Extra allowed Origin for HTTP (repeatable).",
+)
 @click.option(
     "--allow-host",
+    "allowed_hosts",
     multiple=True,
     help="Extra allowed Host header, e.g. gw.example:8765 (repeatable).",
 )
@@ -406,17 +408,7 @@ def _endpoint(value: str) -> tuple[str, int]:
     show_default=True,
     help="Seconds between housekeeping passes (status, dead kernels, idle culling).",
 )
-def gateway(
-    http: str | None,
-    token: str | None,
-    tokens_file: str | None,
-    allow_origin: tuple[str, ...],
-    allow_host: tuple[str, ...],
-    mcp_config: str | None,
-    mcp_processes_max: int | None,
-    kubernetes: bool,
-    cull_interval: float,
-) -> None:
+def gateway(http: str | None, **options: Any) -> None:
     """Run the gateway: MCP for agents.
 
     Local mode (the default) also keeps sessions true (housekeeping). Over stdio it
@@ -427,110 +419,12 @@ def gateway(
     MCPFORGE_SESSION_NAMESPACE, default mcp-forge-sessions) and the operator keeps
     them; the gateway holds no state, so sessions outlive it and any replica serves them.
     """
-    from mcp_forge.errors import UpstreamError
-    from mcp_forge.gateway.codemode.upstream import UpstreamPool, load_config
-    from mcp_forge.gateway.core import Gateway
-    from mcp_forge.gateway.mcp.server import HttpServer, build_server, http_app, serve_stdio
-    from mcp_forge.gateway.mcp.tokens import load as load_tokens
-    from mcp_forge.gateway.sessions import SessionService
-    from mcp_forge.runtimes.local.supervisor import supervise
+    from mcp_forge.gateway.serve import GatewayOptions, serve
 
-    def say(message: str) -> None:
-        click.echo(message, err=True)
-
-    async def go() -> None:
-        # Typed as the protocol the gateway sees, so mypy checks each runtime against it.
-        runtime: Runtime
-        cluster: KubernetesRuntime | None = None
-        local: LocalRuntime | None = None
-        if kubernetes:
-            from mcp_forge.runtimes.cluster import KubernetesRuntime
-
-            runtime = cluster = KubernetesRuntime()
-            service = SessionService(runtime, runtime.settings, namespace=cluster.namespace)
-        else:
-            runtime = local = _local()
-            service = SessionService(runtime, runtime.settings)
-        configs = load_config(mcp_config) if mcp_config is not None else {}
-        upstreams = UpstreamPool(configs)
-        if mcp_processes_max is not None:
-            upstreams.processes_max = mcp_processes_max
-        service.mcp_servers = set(configs)
-        gw = Gateway(runtime, runtime.settings, upstreams=upstreams)
-
-        async def connect_upstreams() -> None:
-            for name in configs:
-                upstream = upstreams.shared.get(name)
-                if upstream is None:  # isolated: started for a session when it needs it
-                    say(f"upstream MCP server {name}: one per {upstreams.isolation(name)}")
-                    continue
-                try:
-                    await upstream.connect()
-                    say(f"upstream MCP server {name}: {len(upstream.tools)} tools")
-                except UpstreamError as exc:
-                    say(f"upstream MCP server {name}: {exc} (tried again when used)")
-
-        upstart = asyncio.ensure_future(connect_upstreams())
-        server = build_server(service, gw, transport="stdio" if http is None else "http")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        signalled = asyncio.Event()
-        if http is None:
-            # The SDK reads stdin in a thread that a cancellation cannot stop, so a signal
-            # ends the gateway by itself (below), not by cancelling the reader.
-            serving = asyncio.ensure_future(serve_stdio(server))
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, signalled.set)
-        else:
-            host, port = _endpoint(http)
-            tokens, source = load_tokens(runtime.settings.state_dir, token, tokens_file)
-            app = http_app(
-                server,
-                host=host,
-                port=port,
-                tokens=tokens,
-                allowed_origins=list(allow_origin),
-                allowed_hosts=allow_host,
-            )
-            # Bound here: clients may connect as soon as the address is printed.
-            listener = HttpServer(app, host=host, port=port, grace=runtime.settings.shutdown_grace)
-            serving = asyncio.ensure_future(listener.serve())
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, listener.stop)
-            say(f"MCP over HTTP at http://{host}:{port}/mcp; bearer token from {source}")
-        housekeeping: asyncio.Future[Any]
-        if cluster is not None:
-            say(f"mcp-forge gateway (cluster mode): sessions in namespace {cluster.namespace}")
-            housekeeping = asyncio.ensure_future(stop.wait())  # the operator keeps sessions
-        else:
-            assert local is not None
-            housekeeping = asyncio.ensure_future(
-                supervise(local, stop, interval=cull_interval, say=say)
-            )
-        ended = asyncio.ensure_future(signalled.wait())
-        try:
-            await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ended.cancel()
-            upstart.cancel()
-            stop.set()
-            housekeeping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await housekeeping
-            if cluster is not None:  # sessions outlive a gateway: another replica, or it again
-                await gw.close()
-                cluster.close()
-                say("mcp-forge gateway stopped; its sessions keep running")
-            else:
-                deleted = await service.cleanup()
-                await gw.close()
-                say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
-            await upstreams.close()
-            if not serving.done():  # stdio, ended by a signal: its reader thread never returns
-                sys.stderr.flush()
-                os._exit(0)
-
-    _run(go())
+    endpoint = _endpoint(http) if http is not None else None
+    # The other options as they are, by name: GatewayOptions's fields are named after them.
+    wanted = GatewayOptions(http=endpoint, **options)
+    _run(serve(wanted, say=lambda message: click.echo(message, err=True)))
 
 
 @main.command()

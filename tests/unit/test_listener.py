@@ -6,7 +6,7 @@ from __future__ import annotations
 def test_the_http_listener_disables_nagle_for_its_connections() -> None:
     import socket
 
-    from mcp_forge.gateway.mcp.server import HttpServer
+    from mcp_forge.gateway.mcp.http import HttpServer
 
     async def app(scope: object, receive: object, send: object) -> None:
         return None

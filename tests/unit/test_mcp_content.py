@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mcp_types import ImageContent, TextContent
 
-from mcp_forge.gateway.mcp.server import _sniff_image, execution_content
+from mcp_forge.gateway.mcp.content import execution_content, sniff_image
 from mcp_forge.jupyter.execution import ErrorInfo, ExecutionResult
 
 
@@ -50,8 +50,8 @@ def test_timeouts_say_what_happened() -> None:
 
 
 def test_images_are_recognised_by_their_bytes() -> None:
-    assert _sniff_image(b"\x89PNG\r\n\x1a\nrest") == "image/png"
-    assert _sniff_image(b"\xff\xd8\xff\xe0") == "image/jpeg"
-    assert _sniff_image(b"GIF89a...") == "image/gif"
-    assert _sniff_image(b"RIFF1234WEBPVP8 ") == "image/webp"
-    assert _sniff_image(b"plain text") is None
+    assert sniff_image(b"\x89PNG\r\n\x1a\nrest") == "image/png"
+    assert sniff_image(b"\xff\xd8\xff\xe0") == "image/jpeg"
+    assert sniff_image(b"GIF89a...") == "image/gif"
+    assert sniff_image(b"RIFF1234WEBPVP8 ") == "image/webp"
+    assert sniff_image(b"plain text") is None

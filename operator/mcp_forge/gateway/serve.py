@@ -1,0 +1,143 @@
+"""The gateway process, wired and run: the runtime (local Podman, or the cluster's
+KernelSessions), the session service, code mode's upstream servers, the MCP server over
+stdio or HTTP with its tokens, and local housekeeping; until stdin closes or a signal
+comes, then a cleanup that leaves declared sessions alone (and, on a cluster, every
+session, for another replica or the next gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mcp_forge.errors import UpstreamError
+from mcp_forge.gateway.codemode.upstream import UpstreamPool, load_config
+from mcp_forge.gateway.core import Gateway
+from mcp_forge.gateway.mcp.http import HttpServer, http_app
+from mcp_forge.gateway.mcp.server import build_server, serve_stdio
+from mcp_forge.gateway.mcp.tokens import load as load_tokens
+from mcp_forge.gateway.sessions import SessionService
+from mcp_forge.runtimes.local.runtime import LocalRuntime
+from mcp_forge.runtimes.local.supervisor import supervise
+
+if TYPE_CHECKING:
+    from mcp_forge.runtimes.base import Runtime
+    from mcp_forge.runtimes.cluster import KubernetesRuntime
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """How to run the gateway, as `mcp-forge gateway` was told (its options' names)."""
+
+    http: tuple[str, int] | None  # (host, port) to serve HTTP on; None: stdio
+    token: str | None  # the one HTTP bearer token (client "default")
+    tokens_file: str | None  # HTTP clients: lines of NAME TOKEN
+    allowed_origins: tuple[str, ...]  # extra allowed Origins for HTTP
+    allowed_hosts: tuple[str, ...]  # extra allowed Host headers for HTTP
+    mcp_config: str | None  # code mode: the upstream MCP servers' config file
+    mcp_processes_max: int | None  # code mode: the pool's default if None
+    kubernetes: bool  # cluster mode
+    cull_interval: float  # seconds between local housekeeping passes
+
+
+async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
+    """Run the gateway until its client goes (stdio) or a signal comes; `say` tells the
+    person who started it what happens (a line on stderr)."""
+    # Typed as the protocol the gateway sees, so mypy checks each runtime against it.
+    runtime: Runtime
+    cluster: KubernetesRuntime | None = None
+    local: LocalRuntime | None = None
+    if options.kubernetes:
+        from mcp_forge.runtimes.cluster import KubernetesRuntime
+
+        runtime = cluster = KubernetesRuntime()
+        service = SessionService(runtime, runtime.settings, namespace=cluster.namespace)
+    else:
+        runtime = local = LocalRuntime()
+        service = SessionService(runtime, runtime.settings)
+    configs = load_config(options.mcp_config) if options.mcp_config is not None else {}
+    upstreams = UpstreamPool(configs)
+    if options.mcp_processes_max is not None:
+        upstreams.processes_max = options.mcp_processes_max
+    service.mcp_servers = set(configs)
+    gw = Gateway(runtime, runtime.settings, upstreams=upstreams)
+
+    upstart = asyncio.ensure_future(_connect_upstreams(upstreams, say))
+    server = build_server(service, gw, transport="stdio" if options.http is None else "http")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+    if options.http is None:
+        # The SDK reads stdin in a thread that a cancellation cannot stop, so a signal
+        # ends the gateway by itself (below), not by cancelling the reader.
+        serving = asyncio.ensure_future(serve_stdio(server))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, signalled.set)
+    else:
+        host, port = options.http
+        tokens, source = load_tokens(runtime.settings.state_dir, options.token, options.tokens_file)
+        app = http_app(
+            server,
+            host=host,
+            port=port,
+            tokens=tokens,
+            allowed_origins=list(options.allowed_origins),
+            allowed_hosts=options.allowed_hosts,
+        )
+        # Bound here: clients may connect as soon as the address is printed.
+        listener = HttpServer(app, host=host, port=port, grace=runtime.settings.shutdown_grace)
+        serving = asyncio.ensure_future(listener.serve())
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, listener.stop)
+        say(f"MCP over HTTP at http://{host}:{port}/mcp; bearer token from {source}")
+    housekeeping: asyncio.Future[Any]
+    if cluster is not None:
+        say(f"mcp-forge gateway (cluster mode): sessions in namespace {cluster.namespace}")
+        housekeeping = asyncio.ensure_future(stop.wait())  # the operator keeps sessions
+    else:
+        assert local is not None
+        housekeeping = asyncio.ensure_future(
+            supervise(local, stop, interval=options.cull_interval, say=say)
+        )
+    ended = asyncio.ensure_future(signalled.wait())
+    try:
+        await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ended.cancel()
+        upstart.cancel()
+        stop.set()
+        housekeeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await housekeeping
+        if cluster is not None:  # sessions outlive a gateway: another replica, or it again
+            await gw.close()
+            cluster.close()
+            say("mcp-forge gateway stopped; its sessions keep running")
+        else:
+            deleted = await service.cleanup()
+            await gw.close()
+            say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
+        await upstreams.close()
+        if not serving.done():  # stdio, ended by a signal: its reader thread never returns
+            sys.stderr.flush()
+            os._exit(0)
+
+
+async def _connect_upstreams(upstreams: UpstreamPool, say: Callable[[str], None]) -> None:
+    """Connect the shared upstream servers now, so their first call is fast; one that
+    fails is tried again when used."""
+    for name in upstreams.configs:
+        upstream = upstreams.shared.get(name)
+        if upstream is None:  # isolated: started for a session when it needs it
+            say(f"upstream MCP server {name}: one per {upstreams.isolation(name)}")
+            continue
+        try:
+            await upstream.connect()
+            say(f"upstream MCP server {name}: {len(upstream.tools)} tools")
+        except UpstreamError as exc:
+            say(f"upstream MCP server {name}: {exc} (tried again when used)")
