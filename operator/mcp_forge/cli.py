@@ -147,9 +147,9 @@ def apply(filename: str, wait: bool) -> None:
 def _age(ts: str | None) -> str:
     if not ts:
         return "-"
-    from mcp_forge.runtimes.local.runtime import parse_time
+    from mcp_forge.api.status import parse_time
 
-    s = int(time.time() - parse_time(ts))
+    s = int(time.time() - (parse_time(ts) or time.time()))
     for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
         if s >= n:
             return f"{s // n}{unit}"

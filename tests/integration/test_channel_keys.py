@@ -4,7 +4,8 @@ A bare ipykernel (the venv's, the version the kernel image pins) runs with the c
 file the operator puts in a session's Secret, bound on a loopback address of its own
 (127.x.y.z: the fixed ports cannot clash), as a kernel pod binds its pod IP. Through it:
 the gateway's own connection over Curve, clients without the key, the bridge's mutual TLS
-against raw, certificate-less and foreign peers. tests/kube/test_channel_keys.py shows
+against raw, certificate-less and foreign peers, and the startup probe that makes a
+cluster session Ready when its kernel answers. tests/kube/test_channel_keys.py shows
 the same on the cluster.
 """
 
@@ -33,6 +34,7 @@ from mcp_forge.gateway import introspection
 from mcp_forge.gateway.codemode.bridge import Bridge
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.jupyter.execution import Collector
+from mcp_forge.kernelside import probe
 from mcp_forge.sandbox import KERNEL_CMD
 from support import read_to_end
 
@@ -207,3 +209,20 @@ async def test_a_kernel_that_presents_another_certificate_is_not_taken_for_the_b
             await bridge.open(wrong)
         await bridge.close()
         assert await _bridge_state(conn) == "False"
+
+
+async def test_the_startup_probe_passes_once_the_kernel_answers_and_never_on_a_wrong_key(
+    kernel: tuple[ConnectionInfo, Path],
+) -> None:
+    info, path = kernel
+    written = json.loads(path.read_text())
+    async with connected(info):  # the kernel answers the gateway: the probe must pass too
+        assert await asyncio.to_thread(probe.answers, written, info.host)
+        forged = {**written, "key": new_key()}  # replies signed with the real key are refused
+        assert not await asyncio.to_thread(probe.answers, forged, info.host, 1000)
+        other = new_curve_keys()  # Curve with a pair that is not the kernel's: no handshake
+        foreign = {**written, "curve_publickey": other.public, "curve_secretkey": other.secret}
+        assert not await asyncio.to_thread(probe.answers, foreign, info.host, 1000)
+    # Nothing listening on that address: a refusal within the probe's timeout, not a hang.
+    nobody = f"127.{secrets.randbelow(250) + 2}.{secrets.randbelow(256)}.1"
+    assert not await asyncio.to_thread(probe.answers, written, nobody, 500)

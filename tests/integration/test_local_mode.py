@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -260,6 +261,59 @@ async def test_idle_sessions_are_culled_and_active_ones_kept(runtime, make_sessi
     with pytest.raises(SessionNotFound):
         await runtime.get(idle)
     assert (await runtime.get(busy)).status["phase"] == "Ready"
+
+
+async def test_a_session_running_code_is_not_culled_however_old_its_last_activity(
+    runtime, settings, make_session
+) -> None:
+    # A gateway that writes lastActivity only once per hour: during the call only its busy
+    # mark says the session is in use (without it, the backdated session would be culled).
+    from mcp_forge.gateway.core import Gateway
+
+    gateway = Gateway(runtime, dataclasses.replace(settings, activity_interval=3600.0))
+    name = await make_session(idleTimeout="60s")
+    try:
+        running = asyncio.Event()
+        call = asyncio.create_task(
+            gateway.execute(
+                name,
+                "import time; print('running', flush=True); time.sleep(6); print('done')",
+                on_stream=lambda _name, _text: running.set(),
+            )
+        )
+        async with asyncio.timeout(30):
+            await running.wait()  # the call marked the session busy before it sent the code
+        assert runtime.store.private("default", name).get("busyUntil")
+        runtime.store.patch_status("default", name, {"lastActivity": "2000-01-01T00:00:00Z"})
+        assert await supervise_once(runtime) == [], "a session running code was culled"
+        assert (await runtime.get(name)).status["phase"] == "Ready"
+        result = await call
+        assert (result.status, result.stdout) == ("ok", "running\ndone\n")
+    finally:
+        await gateway.close()
+    assert runtime.store.private("default", name).get("busyUntil") is None
+    runtime.store.patch_status("default", name, {"lastActivity": "2000-01-01T00:00:00Z"})
+    assert await supervise_once(runtime) == [name], "done and idle: culled"
+
+
+async def test_a_local_session_carries_the_operator_s_four_conditions(
+    runtime, make_session
+) -> None:
+    status = (await runtime.get(await make_session())).status
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert list(conditions) == ["Ready", "UpdatePending", "Reconciling", "Stalled"]
+    ready = conditions["Ready"]
+    assert (ready["status"], ready["reason"], status["reason"]) == (
+        "True",
+        "KernelReady",
+        "KernelReady",
+    )
+    assert [conditions[t]["status"] for t in ("UpdatePending", "Reconciling", "Stalled")] == [
+        "False",
+        "False",
+        "False",
+    ]
+    assert ready["observedGeneration"] == status["observedGeneration"] == 1
 
 
 async def pod_exists(runtime, name: str) -> bool:

@@ -1,4 +1,4 @@
-"""Local mode's limits as plain functions: crash-loop backoff, inode bounds, id maps."""
+"""Local mode's limits as plain functions: inode bounds, container lifetimes, id maps."""
 
 from __future__ import annotations
 
@@ -6,39 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from mcp_forge.control import restarts
 from mcp_forge.doctor import subordinate_ids
 from mcp_forge.runtimes.local.runtime import _lifetime, _podman_time
 from mcp_forge.runtimes.local.volumes import MIN_INODES, workspace_inodes
-
-
-@pytest.mark.parametrize(
-    ("quick_deaths", "backoff", "gives_up"),
-    [
-        (0, 0.0, False),
-        (1, 5.0, False),
-        (2, 10.0, False),
-        (6, 160.0, False),
-        (7, 300.0, True),  # 320 s would pass the cap
-        (12, 300.0, True),
-    ],
-)
-def test_a_crash_loop_backs_off_doubling_up_to_the_cap(
-    quick_deaths: int, backoff: float, gives_up: bool
-) -> None:
-    assert restarts.crash_backoff(quick_deaths) == backoff
-    assert restarts.gives_up(quick_deaths) is gives_up
-
-
-@pytest.mark.parametrize(
-    ("quick_deaths", "backoff", "gives_up"),
-    [(0, 0.0, False), (1, 0.0, False), (2, 5.0, False), (7, 160.0, False), (8, 300.0, True)],
-)
-def test_local_mode_restarts_at_once_after_one_quick_death_then_backs_off_and_gives_up(
-    quick_deaths: int, backoff: float, gives_up: bool
-) -> None:
-    assert restarts.local_backoff(quick_deaths) == backoff
-    assert restarts.local_gives_up(quick_deaths) is gives_up
 
 
 def test_the_inode_bound_grows_with_the_workspace_and_has_a_floor() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from mcp_forge.api import kernelsession
-from mcp_forge.control.pods import observe, ready_condition
+from mcp_forge.control.pods import observe
 
 
 def session(**spec: Any) -> kernelsession.KernelSession:
@@ -20,20 +20,26 @@ def session(**spec: Any) -> kernelsession.KernelSession:
     return kernelsession.load(kernelsession.validate(body))
 
 
-def pod(state: dict[str, Any], phase: str = "Running", **status: Any) -> dict[str, Any]:
+def pod(
+    state: dict[str, Any], phase: str = "Running", started: bool = True, **status: Any
+) -> dict[str, Any]:
+    """A kernel pod; `started`: its startupProbe (the kernel answered) has passed."""
+    kernel = {"name": "kernel", "state": state, "started": started and "running" in state}
     return {
         "metadata": {"name": "ks-demo"},
-        "status": {
-            "phase": phase,
-            "podIP": "10.1.2.3",
-            "containerStatuses": [{"name": "kernel", "state": state}],
-            **status,
-        },
+        "status": {"phase": phase, "podIP": "10.1.2.3", "containerStatuses": [kernel], **status},
     }
 
 
 def test_no_pod_is_pending() -> None:
     assert observe(session(), None).phase == "Pending"
+
+
+def test_a_running_kernel_that_has_not_answered_yet_is_starting() -> None:
+    seen = observe(
+        session(), pod({"running": {"startedAt": "2026-11-29T10:00:00Z"}}, started=False)
+    )
+    assert (seen.phase, seen.ready, seen.reason) == ("Starting", False, "KernelStarting")
 
 
 def test_a_running_kernel_is_ready_with_its_ip_and_start() -> None:
@@ -79,13 +85,3 @@ def test_an_image_that_cannot_be_pulled_fails_the_session() -> None:
 def test_a_kernel_being_created_is_starting() -> None:
     seen = observe(session(), pod({"waiting": {"reason": "ContainerCreating"}}, phase="Pending"))
     assert (seen.phase, seen.ready) == ("Starting", False)
-
-
-def test_the_ready_condition_keeps_its_transition_time_while_unchanged() -> None:
-    ready = observe(session(), pod({"running": {}}))
-    first = ready_condition(None, ready, generation=1, now="T1")
-    again = ready_condition([first], ready, generation=2, now="T2")
-    assert (again["lastTransitionTime"], again["observedGeneration"]) == ("T1", 2)
-    down = observe(session(), pod({"terminated": {"exitCode": 1}}, phase="Failed"))
-    flipped = ready_condition([again], down, generation=2, now="T3")
-    assert (flipped["status"], flipped["lastTransitionTime"]) == ("False", "T3")

@@ -1,9 +1,62 @@
-"""A KernelSession's status as the rest of the code reads it: how a kernel ended. Pure."""
+"""A KernelSession's status as every part of MCP-Forge writes and reads it. Pure: no I/O.
+
+Phases and the reasons the code decides on are named here once (plain strings: they
+go into YAML and JSON as they are). `conditions` is the one builder of the four
+conditions a session carries, on a cluster and locally alike: Ready (the kernel
+answered), UpdatePending, and Reconciling and Stalled, which Flux's kstatus reads.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
 import signal
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+# Phases (crds/kernelsession.yaml lists the same).
+PENDING = "Pending"  # accepted, no kernel pod yet
+STARTING = "Starting"  # the pod is made, the kernel has not answered yet
+READY = "Ready"  # the kernel answered: code can run
+RESTARTING = "Restarting"  # a new kernel is coming (death, restart asked, new spec)
+FAILED = "Failed"  # it will not fix itself: a bad spec, a crash loop given up on
+SUSPENDED = "Suspended"  # no kernel on purpose (operatingMode, or idle); the workspace kept
+EXPIRED = "Expired"  # past its maxLifetime
+TERMINATING = "Terminating"  # being deleted
+
+IN_PROGRESS = frozenset({PENDING, STARTING, RESTARTING})
+STUCK = frozenset({FAILED, EXPIRED})
+NO_KERNEL = frozenset({SUSPENDED, EXPIRED, TERMINATING})  # none on purpose
+
+# Reasons decided by our code (a pod's own, such as ImagePullBackOff, pass through).
+KERNEL_READY = "KernelReady"
+INVALID_SPEC = "InvalidSpec"
+USER_REQUESTED = "UserRequested"  # spec.operatingMode: Suspended
+IDLE = "Idle"
+CRASH_LOOP_BACKOFF = "CrashLoopBackOff"
+CRASH_LOOP = "CrashLoop"  # local mode gave up restarting it
+RESTART_REQUESTED = "RestartRequested"
+UPDATING = "Updating"
+KERNEL_BUSY = "KernelBusy"
+WAITING_FOR_RESTART = "WaitingForRestart"
+UP_TO_DATE = "UpToDate"
+
+
+def stamp(t: float | None = None) -> str:
+    """A status time, as Kubernetes writes them: `2026-12-01T10:00:00Z` (now if None)."""
+    when = dt.datetime.now(dt.UTC) if t is None else dt.datetime.fromtimestamp(t, dt.UTC)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: Any) -> float | None:
+    """Seconds since the epoch of a status or API time; None if it is not one."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when.timestamp() if when.tzinfo is not None else None
 
 
 @dataclass(frozen=True)
@@ -34,3 +87,64 @@ def termination_of(exit_code: int | None, *, oom: bool, memory_limit: str) -> Te
             "Error", exit_code, f"the kernel was killed by {sig} (exit code {exit_code})"
         )
     return Termination("Error", exit_code, f"the kernel exited with code {exit_code}")
+
+
+def condition(
+    old: Sequence[Mapping[str, Any]] | None,
+    type_: str,
+    value: bool,
+    reason: str,
+    message: str,
+    *,
+    generation: int,
+    now: str,
+) -> dict[str, Any]:
+    """One condition, keeping lastTransitionTime while its status does not change."""
+    status = "True" if value else "False"
+    prev = next((c for c in old or [] if c.get("type") == type_), None)
+    since = prev.get("lastTransitionTime") if prev and prev.get("status") == status else now
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message[:1000],
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
+
+
+def conditions(
+    old: Sequence[Mapping[str, Any]] | None,
+    phase: str,
+    reason: str,
+    message: str,
+    *,
+    pending: tuple[str, str] | None = None,
+    generation: int,
+    now: str,
+) -> list[dict[str, Any]]:
+    """Ready, UpdatePending, Reconciling and Stalled for a session in `phase`.
+
+    `pending` is the (reason, message) of a spec change not yet on the kernel's pod.
+    """
+    busy, stuck = phase in IN_PROGRESS, phase in STUCK
+
+    def one(type_: str, value: bool, why: str, text: str) -> dict[str, Any]:
+        return condition(old, type_, value, why, text, generation=generation, now=now)
+
+    return [
+        one("Ready", phase == READY, reason, message),
+        one(
+            "UpdatePending",
+            pending is not None,
+            pending[0] if pending else UP_TO_DATE,
+            pending[1] if pending else "the kernel's pod matches the spec",
+        ),
+        one(
+            "Reconciling",
+            busy,
+            reason if busy else "Settled",
+            message if busy else "nothing in progress",
+        ),
+        one("Stalled", stuck, reason if stuck else "NotStalled", message if stuck else "not stuck"),
+    ]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import datetime as dt
 import json
 import logging
 from collections.abc import Iterator
@@ -44,15 +43,6 @@ BODY_MAX = 64_000_000  # one list of 200 sessions is ~1 MB; refuse a runaway ans
 # Set on a session's activity Lease by a gateway, read by the operator.
 BUSY_PREFIX = "busy.mcpforge.dev/"  # + its identity: until when it runs code in the kernel
 RESTART = "mcpforge.dev/restart"  # the kernelId (pod uid) it wants restarted
-
-
-def parse_time(text: Any) -> float | None:
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def connection_file_of(secret: dict[str, Any] | None) -> dict[str, Any] | None:

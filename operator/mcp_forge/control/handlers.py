@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
 import time
 from collections.abc import Mapping
@@ -27,18 +26,26 @@ from typing import Any
 import kopf
 
 from mcp_forge.api import kernelsession
+from mcp_forge.api import status as st
 from mcp_forge.api.connection import PORTS, ConnectionInfo, new_key
 from mcp_forge.api.kernelsession import GROUP, KernelSession
 from mcp_forge.api.keys import new_bridge_cert, new_curve_keys, usable_keys
+from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import (
     BUSY_PREFIX,
     RESTART,
     Kube,
     connection_file_of,
     key_of,
-    parse_time,
 )
-from mcp_forge.control.pods import Observation, observe, ready_condition
+from mcp_forge.control.lifecycle import (
+    QUICK_DEATH,
+    Activity,
+    idle_since,
+    plan_kernel,
+    stop_of,
+)
+from mcp_forge.control.pods import Observation, observe
 from mcp_forge.control.render import (
     LABEL_COMPONENT,
     LABEL_SESSION,
@@ -49,7 +56,6 @@ from mcp_forge.control.render import (
     render_lease,
     secret_name,
 )
-from mcp_forge.control.restarts import QUICK_DEATH, crash_backoff
 from mcp_forge.errors import ApiError, InvalidSession
 from mcp_forge.settings import Settings
 
@@ -65,65 +71,8 @@ STARTING_RECHECK = 15.0  # a pod not Ready after this is looked at again, events
 BACKOFF_MAX = 60.0
 LAST_ACTIVITY_STEP = 30.0  # status.lastActivity mirrors the Lease to this resolution
 WORKERS = 16  # reconciles running at once
-BUSY_MAX = 600.0  # a busy mark counts for at most this long ahead
-START_GRACE = 120.0  # a starting pod is not idle for this long
 
 Key = tuple[str, str]
-
-
-def stamp(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _condition(
-    old: list[dict[str, Any]] | None,
-    type_: str,
-    value: bool,
-    reason: str,
-    message: str,
-    *,
-    generation: int,
-    now: str,
-) -> dict[str, Any]:
-    status = "True" if value else "False"
-    prev = next((c for c in old or [] if c.get("type") == type_), None)
-    since = prev.get("lastTransitionTime") if prev and prev.get("status") == status else now
-    return {
-        "type": type_,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": since,
-        "observedGeneration": generation,
-    }
-
-
-def _kstatus(
-    old: list[dict[str, Any]] | None, seen: Observation, *, generation: int, now: str
-) -> list[dict[str, Any]]:
-    """Reconciling and Stalled, the conditions Flux (kstatus) reads besides Ready."""
-    busy = seen.phase in ("Pending", "Starting", "Restarting")
-    stuck = seen.phase in ("Failed", "Expired")
-    return [
-        _condition(
-            old,
-            "Reconciling",
-            busy,
-            seen.reason if busy else "Settled",
-            seen.message if busy else "nothing in progress",
-            generation=generation,
-            now=now,
-        ),
-        _condition(
-            old,
-            "Stalled",
-            stuck,
-            seen.reason if stuck else "NotStalled",
-            seen.message if stuck else "not stuck",
-            generation=generation,
-            now=now,
-        ),
-    ]
 
 
 @dataclass(frozen=True)
@@ -133,23 +82,15 @@ class Outcome:
     due: float | None = None  # wall-clock time it must be looked at again
 
 
-@dataclass(frozen=True)
-class Activity:
-    last: float  # wall-clock time of the last activity (or of creation)
-    busy: bool  # a gateway runs code in the kernel now
-    restart: str  # kernelId a gateway asked to restart ("" none)
-    busy_until: float | None
-
-
-def _activity(lease: dict[str, Any], created: float, now: float) -> Activity:
-    """What gateways wrote on the Lease, bounded: a time in the future counts as now."""
+def _activity(lease: dict[str, Any], created: float, now: float) -> tuple[Activity, str]:
+    """What gateways wrote on the Lease (a time in the future counts as now), and the
+    kernelId a gateway asked to restart ("" none)."""
     spec = lease.get("spec") or {}
     notes = (lease.get("metadata") or {}).get("annotations") or {}
     renewed = min(now, parse_time(spec.get("renewTime")) or 0.0)
     marks = [parse_time(v) for k, v in notes.items() if k.startswith(BUSY_PREFIX)]
-    until = max((min(t, now + BUSY_MAX) for t in marks if t), default=None)
-    busy = until is not None and until > now
-    return Activity(max(created, renewed), busy, str(notes.get(RESTART) or ""), until)
+    until = max((t for t in marks if t), default=None)
+    return Activity(max(created, renewed), until), str(notes.get(RESTART) or "")
 
 
 def _lifetime(pod: dict[str, Any]) -> float | None:
@@ -274,27 +215,18 @@ class Reconciler:
     def _invalid(old: dict[str, Any], why: str, generation: int, now: str) -> dict[str, Any]:
         status = dict(old)
         status.update(
-            phase="Failed",
-            reason="InvalidSpec",
+            phase=st.FAILED,
+            reason=st.INVALID_SPEC,
             message=why,
             observedGeneration=generation,
-            conditions=[
-                _condition(
-                    old.get("conditions"),
-                    "Ready",
-                    False,
-                    "InvalidSpec",
-                    why,
-                    generation=generation,
-                    now=now,
-                ),
-                *_kstatus(
-                    old.get("conditions"),
-                    Observation("Failed", "InvalidSpec", why),
-                    generation=generation,
-                    now=now,
-                ),
-            ],
+            conditions=st.conditions(
+                old.get("conditions"),
+                st.FAILED,
+                st.INVALID_SPEC,
+                why,
+                generation=generation,
+                now=now,
+            ),
         )
         return status
 
@@ -390,41 +322,27 @@ class Reconciler:
         want_pod, host, complete_secret = self._children(session)
         lease = self._ensure(render_lease(session), session)
         created = parse_time(body["metadata"].get("creationTimestamp")) or now
-        act = _activity(lease, created, now)
+        act, restart = _activity(lease, created, now)
         expires = created + spec.max_lifetime if spec.max_lifetime else None
         pod = self._owned(self.kube.get("Pod", ns, child_name(session)), session)
-        # Idle time counts from the last use, or from when the current kernel came up,
-        # whichever is later; a pod still starting gets START_GRACE more (a slow pull or a
-        # busy node is not idleness, but a pod that never starts is culled in the end).
-        floor = max(act.last, parse_time(old.get("startedAt")) or 0.0)
-        if pod is not None and old.get("phase") in (None, "Pending", "Starting", "Restarting"):
-            made = parse_time(pod["metadata"].get("creationTimestamp")) or now
-            floor = max(floor, made + START_GRACE)
-        idle_for = now - floor
-        due: list[float] = []
-
-        stop: Observation | None = None
-        if expires is not None and now >= expires:
-            stop = Observation(
-                "Expired",
-                "Expired",
-                f"the session reached its maxLifetime of {body['spec']['maxLifetime']}",
-            )
-        elif spec.operating_mode == "Suspended":
-            stop = Observation("Suspended", "UserRequested", "spec.operatingMode is Suspended")
-        elif spec.idle_timeout and not act.busy and idle_for >= spec.idle_timeout:
-            why = f"no activity for {body['spec']['idleTimeout']}"
-            if spec.idle_action == "Delete":
-                log.info("deleting %s/%s: %s", ns, session.name, why)
-                self.kube.delete("KernelSession", ns, session.name, uid=session.uid)
-                return Outcome(gone=True)
-            stop = Observation("Suspended", "Idle", f"{why}; used again, it resumes")
-        if expires is not None and stop is None:
-            due.append(expires)
-        if spec.idle_timeout and stop is None:
-            due.append(floor + spec.idle_timeout)
-        if act.busy and act.busy_until:
-            due.append(act.busy_until)
+        starting = pod is not None and old.get("phase") in (None, *st.IN_PROGRESS)
+        made = parse_time(pod["metadata"].get("creationTimestamp")) if pod is not None else None
+        floor = idle_since(
+            act,
+            started=parse_time(old.get("startedAt")),
+            starting_since=(made or now) if starting else None,
+        )
+        verdict = stop_of(session, created=created, idle_from=floor, activity=act, now=now)
+        due = list(verdict.due)
+        if verdict.stop is not None and verdict.stop.delete:
+            log.info("deleting %s/%s: %s", ns, session.name, verdict.stop.message)
+            self.kube.delete("KernelSession", ns, session.name, uid=session.uid)
+            return Outcome(gone=True)
+        stop = (
+            Observation(verdict.stop.phase, verdict.stop.reason, verdict.stop.message)
+            if verdict.stop is not None
+            else None
+        )
 
         status = dict(old)
         conn = dict(old.get("connection") or {})
@@ -463,9 +381,9 @@ class Reconciler:
             outdated = (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH) != (
                 want_pod["metadata"]["annotations"][TEMPLATE_HASH]
             )
+            last = old.get("lastTermination") or {}
             if seen.termination is not None:
                 term = seen.termination
-                last = old.get("lastTermination") or {}
                 if last.get("podUID") != uid:
                     lived = _lifetime(pod)
                     quick = term.exit_code != 0 and lived is not None and lived < QUICK_DEATH
@@ -479,51 +397,23 @@ class Reconciler:
                         "quickDeaths": int(last.get("quickDeaths") or 0) + 1 if quick else 0,
                     }
                     status["lastTermination"] = last
-                # An exit 0 is a restart a gateway asked for (or the user's exit()); a pod
-                # for an older spec is replaced whatever restartPolicy says.
-                again = spec.restart_policy == "Always" or term.exit_code == 0 or outdated
-                quick_deaths = int(last.get("quickDeaths") or 0)
-                wait_until = (parse_time(last.get("at")) or now) + crash_backoff(quick_deaths)
-                if again and not deleting and now < wait_until:
-                    seen = Observation(
-                        "Restarting",
-                        "CrashLoopBackOff",
-                        f"{term.message}; it died {quick_deaths} time(s) in a row within "
-                        f"{QUICK_DEATH:.0f}s of starting, next start in "
-                        f"{wait_until - now:.0f}s",
-                        term,
-                    )
-                    due.append(wait_until)
-                elif again and not deleting:
-                    self.kube.delete("Pod", ns, child_name(session), uid=uid)
-                    seen = Observation("Restarting", term.reason, term.message, term)
-            elif deleting:
-                seen = Observation(
-                    "Restarting", "PodTerminating", "the kernel's pod is being deleted"
-                )
-            elif act.restart and act.restart == uid:
+            plan = plan_kernel(
+                session,
+                seen,
+                quick_deaths=int(last.get("quickDeaths") or 0),
+                died_at=parse_time(last.get("at")),
+                outdated=outdated,
+                deleting=deleting,
+                restart_asked=bool(restart) and restart == uid,
+                busy=act.busy(now),
+                now=now,
+            )
+            if plan.replace:
                 self.kube.delete("Pod", ns, child_name(session), uid=uid)
-                seen = Observation(
-                    "Restarting", "RestartRequested", "a gateway restarts the kernel"
-                )
-            elif outdated and (
-                not seen.ready or (spec.update_strategy == "Recreate" and not act.busy)
-            ):  # no kernel to keep (not started, stuck), or one Recreate may replace
-                self.kube.delete("Pod", ns, child_name(session), uid=uid)
-                seen = Observation(
-                    "Restarting", "Updating", "the kernel's pod is replaced for a new spec"
-                )
-            elif outdated:
-                pending = (
-                    ("KernelBusy", "the kernel is running code; the update follows when it stops")
-                    if spec.update_strategy == "Recreate"
-                    else (
-                        "WaitingForRestart",
-                        "the spec changed; the new pod comes at the kernel's next restart "
-                        "(updateStrategy OnRestart)",
-                    )
-                )
-            if seen.phase in ("Starting", "Pending", "Restarting"):
+            seen, pending = plan.seen, plan.pending
+            if plan.due is not None:
+                due.append(plan.due)
+            if seen.phase in st.IN_PROGRESS:
                 due.append(now + STARTING_RECHECK)
 
         stamp_now = stamp(now)
@@ -556,29 +446,24 @@ class Reconciler:
             # idleness counts from its start, or nothing would wake us before the grace ends.
             if spec.idle_timeout and stop is None:
                 started = parse_time(seen.started_at) or now
-                due.append(max(act.last, started) + spec.idle_timeout)
+                due.append(
+                    idle_since(act, started=started, starting_since=None) + spec.idle_timeout
+                )
         status.setdefault("restarts", 0)
         if stop is None:
             status["suspendedAt"] = None
         shown = parse_time(old.get("lastActivity")) or 0.0
         if act.last - shown >= LAST_ACTIVITY_STEP or not old.get("lastActivity"):
             status["lastActivity"] = stamp(act.last)
-        conditions = [
-            ready_condition(old.get("conditions"), seen, generation=generation, now=stamp_now)
-        ]
-        conditions.append(
-            _condition(
-                old.get("conditions"),
-                "UpdatePending",
-                pending is not None,
-                pending[0] if pending else "UpToDate",
-                pending[1] if pending else "the kernel's pod matches the spec",
-                generation=generation,
-                now=stamp_now,
-            )
+        status["conditions"] = st.conditions(
+            old.get("conditions"),
+            seen.phase,
+            seen.reason,
+            seen.message,
+            pending=pending,
+            generation=generation,
+            now=stamp_now,
         )
-        conditions += _kstatus(old.get("conditions"), seen, generation=generation, now=stamp_now)
-        status["conditions"] = conditions
         self._write(body, status)
         return Outcome(due=min(due) if due else None)
 

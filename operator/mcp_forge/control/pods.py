@@ -4,7 +4,7 @@ For the Kubernetes operator (and a gateway in cluster mode): the kubelet reports
 kernel container's state; this turns it into the session's phase, its Ready condition
 and, when the kernel died, a Termination named as local mode names it (OOMKilled with
 the memory limit, a signal, an exit code). The operator decides what to do with it
-(recreate the pod per restartPolicy); this module only reads.
+(control/lifecycle.py, control/handlers.py); this module only reads.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import Termination, termination_of
 from mcp_forge.control.render import CONTAINER
@@ -41,7 +42,7 @@ class Observation:
 
     @property
     def ready(self) -> bool:
-        return self.phase == "Ready"
+        return self.phase == st.READY
 
 
 def _kernel_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -54,15 +55,18 @@ def _kernel_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
 def observe(session: KernelSession, pod: Mapping[str, Any] | None) -> Observation:
     """The session as its kernel Pod shows it (None: there is no Pod)."""
     if pod is None:
-        return Observation("Pending", "PodMissing", "the kernel's pod does not exist yet")
+        return Observation(st.PENDING, "PodMissing", "the kernel's pod does not exist yet")
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
-        return Observation("Restarting", "PodTerminating", "the kernel's pod is being deleted")
+        return Observation(st.RESTARTING, "PodTerminating", "the kernel's pod is being deleted")
     status = pod.get("status") or {}
     pod_ip = status.get("podIP") if isinstance(status.get("podIP"), str) else None
     state = _kernel_status(pod).get("state") or {}
     if "running" in state:
+        if not _kernel_status(pod).get("started"):  # its startupProbe has not passed yet
+            why = "the kernel runs; it has not answered yet"
+            return Observation(st.STARTING, "KernelStarting", why, None, None, pod_ip)
         started = (state.get("running") or {}).get("startedAt")
-        return Observation("Ready", "KernelRunning", "the kernel is running", None, started, pod_ip)
+        return Observation(st.READY, st.KERNEL_READY, "the kernel answered", None, started, pod_ip)
     if "terminated" in state:
         ended = state.get("terminated") or {}
         code = ended.get("exitCode")
@@ -71,38 +75,17 @@ def observe(session: KernelSession, pod: Mapping[str, Any] | None) -> Observatio
             oom=ended.get("reason") == "OOMKilled",
             memory_limit=session.spec.memory,
         )
-        phase = "Restarting" if session.spec.restart_policy == "Always" else "Failed"
+        phase = st.RESTARTING if session.spec.restart_policy == "Always" else st.FAILED
         return Observation(phase, term.reason, term.message, term, None, pod_ip)
     waiting = state.get("waiting") or {}
     reason = str(waiting.get("reason") or status.get("reason") or "ContainerCreating")
     message = str(waiting.get("message") or status.get("message") or "the kernel is starting")
     if reason in STUCK:
-        return Observation("Failed", reason, message[:1000], None, None, pod_ip)
+        return Observation(st.FAILED, reason, message[:1000], None, None, pod_ip)
     if status.get("phase") == "Failed":
-        return Observation("Failed", reason, message[:1000], None, None, pod_ip)
+        return Observation(st.FAILED, reason, message[:1000], None, None, pod_ip)
     for cond in status.get("conditions") or []:  # not placed: no node fits, a missing PVC
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
             why = str(cond.get("message") or "the pod cannot be scheduled")
-            return Observation("Starting", str(cond.get("reason") or "Unschedulable"), why[:1000])
-    return Observation("Starting", reason, message[:1000], None, None, pod_ip)
-
-
-def ready_condition(
-    previous: list[Mapping[str, Any]] | None,
-    observation: Observation,
-    *,
-    generation: int,
-    now: str,
-) -> dict[str, Any]:
-    """The Ready condition, keeping lastTransitionTime while its status does not change."""
-    value = "True" if observation.ready else "False"
-    old = next((c for c in previous or [] if c.get("type") == "Ready"), None)
-    since = old.get("lastTransitionTime") if old and old.get("status") == value else now
-    return {
-        "type": "Ready",
-        "status": value,
-        "reason": observation.reason,
-        "message": observation.message,
-        "lastTransitionTime": since,
-        "observedGeneration": generation,
-    }
+            return Observation(st.STARTING, str(cond.get("reason") or "Unschedulable"), why[:1000])
+    return Observation(st.STARTING, reason, message[:1000], None, None, pod_ip)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mcp_forge import kernelside
 from mcp_forge.api.connection import (
     BRIDGE_PORT,
     CONF_DIR_IN_POD,
@@ -47,6 +48,10 @@ GATEWAY_SELECTOR = {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "gat
 # `seccomp_profile` setting.
 SECCOMP_PROFILE = "kernel-seccomp.json"
 SECCOMP_PROFILE_ROOT = str(Path(__file__).parents[1] / "profiles")
+# On a cluster the kernel's pod is started, and its session Ready, once the kernel answers
+# a kernel_info_request (kernelside/probe.py), as local mode waits for one before Ready:
+# asked every second, for up to STARTUP_SECONDS; then the kubelet kills the kernel.
+STARTUP_SECONDS = 120
 # Podman 4.3.1's kube play ignores securityContext.seccompProfile and reads a Localhost
 # profile only from this (deprecated in Kubernetes) annotation: "localhost/<file>".
 SECCOMP_ANNOTATION = f"container.seccomp.security.alpha.kubernetes.io/{CONTAINER}"
@@ -132,6 +137,16 @@ def kernel_command(session: KernelSession) -> list[str]:
     return ["prlimit", f"--fsize={size}", "--", *KERNEL_CMD]
 
 
+def startup_probe() -> dict[str, Any]:
+    """The kernel container's startupProbe on a cluster: does the kernel answer?"""
+    return {
+        "exec": {"command": ["python", "-I", "-c", kernelside.source("probe")]},
+        "periodSeconds": 1,
+        "timeoutSeconds": 5,
+        "failureThreshold": STARTUP_SECONDS,
+    }
+
+
 def _container(session: KernelSession, target: Target, seccomp: dict[str, str]) -> dict[str, Any]:
     spec = session.spec
     env = [
@@ -173,6 +188,7 @@ def _container(session: KernelSession, target: Target, seccomp: dict[str, str]) 
         "volumeMounts": mounts,
     }
     if target == "kubernetes":
+        container["startupProbe"] = startup_probe()
         container["ports"] = [
             {"name": name, "containerPort": port, "protocol": "TCP"}
             for name, port in {**PORTS, "bridge": BRIDGE_PORT}.items()

@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 from mcp_forge.api.kernelsession import KernelSession
-from mcp_forge.clients.kube import parse_time
+from mcp_forge.api.status import parse_time
 from mcp_forge.errors import (
     ForgeError,
     InvalidRequest,

@@ -6,12 +6,12 @@ bytes, one from the gateway (a hello, a result) at most GATEWAY_FRAME_MAX. `enco
 makes a frame; a `FrameReader` splits a connection's bytes into frames and raises
 FrameError for one it refuses.
 
-The gateway imports this module (mcp_forge.bridge); in the kernel, which has no
-mcp_forge package, kernelside/bridge_boot.py runs its source as a module of its own and
-hands it to kernelside/mcp_tools.py. Standard library only.
+The gateway imports this module (mcp_forge.gateway.codemode.bridge); in the kernel,
+which has no mcp_forge package, kernelside/bridge_boot.py runs its source as a module of
+its own and hands it to kernelside/mcp_tools.py. Standard library only.
 
 BRIDGE_CERT and BRIDGE_KEY name the fields of the connection file that hold the
-bridge's TLS certificate and key (mcp_forge.keys writes them; the kernel's listener
+bridge's TLS certificate and key (mcp_forge.api.keys writes them; the kernel's listener
 reads them).
 """
 

@@ -48,6 +48,7 @@ from typing import Any
 import yaml
 
 from mcp_forge.api import kernelsession
+from mcp_forge.api import status as st
 from mcp_forge.api.connection import (
     BRIDGE_DIR_IN_POD,
     BRIDGE_SOCKET,
@@ -58,8 +59,9 @@ from mcp_forge.api.connection import (
     new_key,
 )
 from mcp_forge.api.kernelsession import KernelSession, parse_quantity
-from mcp_forge.api.status import Termination, termination_of
+from mcp_forge.api.status import Termination, parse_time, stamp, termination_of
 from mcp_forge.clients import podman
+from mcp_forge.control.lifecycle import QUICK_DEATH, Activity, after_death, idle_since, stop_of
 from mcp_forge.control.render import (
     CONTAINER,
     SECCOMP_PROFILE_ROOT,
@@ -67,7 +69,6 @@ from mcp_forge.control.render import (
     podman_pod_name,
     render_podman,
 )
-from mcp_forge.control.restarts import QUICK_DEATH, local_backoff, local_gives_up
 from mcp_forge.errors import (
     ForgeError,
     ImageError,
@@ -86,6 +87,9 @@ from mcp_forge.settings import Settings
 log = logging.getLogger(__name__)
 
 LABEL_SELECTOR = "app.kubernetes.io/managed-by=mcp-forge"
+# A busy mark (a gateway runs code in the kernel) lasts this long unless renewed: the
+# gateway renews it while the code runs, so it lapses by itself if the gateway goes away.
+BUSY_LEASE = 30.0
 # Spec fields that change no pod: applied without touching the kernel. Local mode
 # applies every other change at once (there is no updateStrategy to wait on here).
 _LIVE_FIELDS = (
@@ -98,15 +102,7 @@ _LIVE_FIELDS = (
 )
 
 
-_USER_SUSPENDED = ("Suspended", "UserRequested", "spec.operatingMode is Suspended")
-
-
-def now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(text: str) -> float:
-    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
+_USER_SUSPENDED = (st.SUSPENDED, st.USER_REQUESTED, "spec.operatingMode is Suspended")
 
 
 @dataclass(frozen=True)
@@ -253,8 +249,8 @@ class LocalRuntime:
         except SessionNotFound:
             current = None
         if current is None:
-            meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
-            body["status"] = {"phase": "Pending", "restarts": 0}
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=stamp(), generation=1)
+            body["status"] = {"phase": st.PENDING, "restarts": 0}
             await self._check_image(body["spec"]["image"])
             self.store.create(body, new_key())
             session = kernelsession.load(body)
@@ -276,7 +272,7 @@ class LocalRuntime:
                 "labels"
             ):
                 session = await self._refresh_locked(kernelsession.load(current), restart=True)
-                if session.status.get("phase") == "Failed":
+                if session.status.get("phase") == st.FAILED:
                     self._patch(session, lastTermination=None)  # applied again: a new count
                     await self._realize(session, wait=wait)
                     return Applied(
@@ -298,8 +294,8 @@ class LocalRuntime:
                 await self._stop_locked(session, *_USER_SUSPENDED)
             elif (
                 needs_pod
-                or phase == "Expired"  # a longer maxLifetime, or a changed spec: a new start
-                or (phase == "Suspended" and session.status.get("reason") != "Idle")
+                or phase == st.EXPIRED  # a longer maxLifetime, or a changed spec: a new start
+                or (phase == st.SUSPENDED and session.status.get("reason") != st.IDLE)
             ):
                 await self._remove_pod(session)
                 await self._realize(session, wait=wait)
@@ -394,7 +390,7 @@ class LocalRuntime:
             os.close(fd)
 
     async def _realize(
-        self, session: KernelSession, *, wait: bool, phase: str = "Starting"
+        self, session: KernelSession, *, wait: bool, phase: str = st.STARTING
     ) -> None:
         key = self.store.key(session.namespace, session.name)
         info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
@@ -403,7 +399,7 @@ class LocalRuntime:
         manifest = yaml.safe_dump_all(render_podman(session, paths), sort_keys=False)
         (self._dir(session) / "pod.yaml").write_text(manifest)
         # A restart keeps the death's reason and message until the new kernel is ready.
-        cleared = {"reason": None, "message": None} if phase == "Starting" else {}
+        cleared = {"reason": None, "message": None} if phase == st.STARTING else {}
         self._patch(session, phase=phase, podName=self.pod_name(session), **cleared)
         try:
             await self._mount(session)
@@ -456,8 +452,8 @@ class LocalRuntime:
         self._patch(
             session,
             kernelId=str(uuid.uuid4()),
-            startedAt=now(),
-            lastActivity=now(),
+            startedAt=stamp(),
+            lastActivity=stamp(),
             connection={
                 "transport": "ipc",
                 "host": self.host_paths(session).run + "/kernel",
@@ -494,10 +490,9 @@ class LocalRuntime:
             self._seal(session)
             self._patch(
                 session,
-                phase="Ready",
-                reason=None,
-                message=None,
-                **self._ready_condition(session, True, "KernelReady", "the kernel answers"),
+                phase=st.READY,
+                reason=st.KERNEL_READY,
+                message="the kernel answered",
             )
             return
         if died.done() and not died.cancelled() and died.exception() is None:
@@ -508,33 +503,12 @@ class LocalRuntime:
         exc = ready.exception() if ready.done() and not ready.cancelled() else died.exception()
         raise exc if exc is not None else SessionNotReady("the kernel did not start")
 
-    def _ready_condition(
-        self, session: KernelSession, ready: bool, reason: str, message: str
-    ) -> dict[str, Any]:
-        generation = self.store.get(session.namespace, session.name)["metadata"].get(
-            "generation", 1
-        )
-        return {
-            "observedGeneration": generation,
-            "conditions": [
-                {
-                    "type": "Ready",
-                    "status": "True" if ready else "False",
-                    "reason": reason,
-                    "message": message[:1000],
-                    "lastTransitionTime": now(),
-                    "observedGeneration": generation,
-                }
-            ],
-        }
-
     def _fail(self, session: KernelSession, reason: str, message: str) -> None:
         self._patch(
             session,
-            phase="Failed",
+            phase=st.FAILED,
             reason=reason,
             message=message[:2000],
-            **self._ready_condition(session, False, reason, message),
         )
 
     async def _wait_exited(self, session: KernelSession) -> Termination:
@@ -562,7 +536,7 @@ class LocalRuntime:
     async def delete(self, name: str, namespace: str = "default") -> None:
         session = await self.get(name, namespace)
         async with self._locked(session):
-            self._patch(session, phase="Terminating")
+            self._patch(session, phase=st.TERMINATING)
             await self._remove_pod(session)
             await self._unmount(session)
             self.store.delete(namespace, name)
@@ -715,14 +689,14 @@ class LocalRuntime:
 
     async def _refresh_locked(self, session: KernelSession, *, restart: bool) -> KernelSession:
         phase = session.status.get("phase")
-        if phase == "Suspended" and session.status.get("reason") == "Idle" and restart:
+        if phase == st.SUSPENDED and session.status.get("reason") == st.IDLE and restart:
             await self._realize(session, wait=True)  # used again: it resumes
             return await self.get(session.name, session.namespace)
-        if phase not in ("Ready", "Starting", "Restarting"):
+        if phase not in (st.READY, st.STARTING, st.RESTARTING):
             return session
         term = await self.termination(session)
         if term is None:
-            if phase != "Ready" and restart:  # a process that was starting it went away
+            if phase != st.READY and restart:  # a process that was starting it went away
                 await self.wait_ready(session)
         elif session.spec.restart_policy == "Never":
             self._fail(session, term.reason, term.message)
@@ -730,8 +704,8 @@ class LocalRuntime:
             await self._restart_locked(
                 session, reason=term.reason, crashed=True, message=term.message
             )
-        elif phase == "Ready":
-            await self._record_death(session, term.reason, term.message, phase="Restarting")
+        elif phase == st.READY:
+            await self._record_death(session, term.reason, term.message, phase=st.RESTARTING)
         return await self.get(session.name, session.namespace)
 
     async def _record_death(
@@ -758,9 +732,9 @@ class LocalRuntime:
         last = {
             "reason": reason,
             "message": message,
-            "at": now(),
+            "at": stamp(),
             "quickDeaths": quick_deaths,
-            "nextStartAt": _stamp(at + local_backoff(quick_deaths)),
+            "nextStartAt": stamp(after_death(quick_deaths, at, message, now=at, local=True).at),
         }
         self._patch(
             session,
@@ -783,28 +757,19 @@ class LocalRuntime:
         quick = int(last.get("quickDeaths") or 0)
         if not quick:
             return False
-        why = (
-            f"{last.get('message') or last.get('reason')}; it died {quick} time(s) in a row "
-            f"within {QUICK_DEATH:.0f}s of starting"
+        verdict = after_death(
+            quick,
+            parse_time(last.get("at")) or time.time(),
+            str(last.get("message") or last.get("reason")),
+            now=time.time(),
+            local=True,
         )
-        if local_gives_up(quick):
-            self._fail(
-                session,
-                "CrashLoop",
-                f"{why}, so it is not started again. Fix the cause (the session's env, or a "
-                "sitecustomize or startup file its PYTHONPATH finds in the workspace) and "
-                "apply the session again",
-            )
+        if verdict.give_up:
+            self._fail(session, verdict.reason, verdict.message)
             return True
-        wait = parse_time(str(last.get("nextStartAt"))) - time.time()
-        if wait <= 0:
+        if not verdict.reason:  # its backoff is over
             return False
-        self._patch(
-            session,
-            phase="Restarting",
-            reason="CrashLoopBackOff",
-            message=f"{why}; next start in {wait:.0f}s",
-        )
+        self._patch(session, phase=st.RESTARTING, reason=verdict.reason, message=verdict.message)
         return True
 
     async def restart_kernel(
@@ -822,10 +787,10 @@ class LocalRuntime:
     async def _restart_locked(
         self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
     ) -> None:
-        if crashed and session.status.get("phase") != "Restarting":
-            await self._record_death(session, reason, message or reason, phase="Restarting")
+        if crashed and session.status.get("phase") != st.RESTARTING:
+            await self._record_death(session, reason, message or reason, phase=st.RESTARTING)
         else:
-            self._patch(session, phase="Restarting")
+            self._patch(session, phase=st.RESTARTING)
         if crashed and self._crash_loop(session):
             return
         try:
@@ -835,7 +800,7 @@ class LocalRuntime:
                 raise
             # It died while starting: one more quick death, and a backoff before the next.
             await self._record_death(
-                session, "StartFailed", str(exc)[:1500], phase="Restarting", quick=True
+                session, "StartFailed", str(exc)[:1500], phase=st.RESTARTING, quick=True
             )
             self._crash_loop(session)
             status = self.store.get(session.namespace, session.name).get("status", {})
@@ -855,42 +820,51 @@ class LocalRuntime:
         before user namespaces gets one now.
         """
         await self._remove_pod(session)
-        await self._realize(session, wait=True, phase="Restarting")
+        await self._realize(session, wait=True, phase=st.RESTARTING)
 
     async def record_activity(self, session: KernelSession, *, busy: bool = False) -> None:
-        self._patch(session, lastActivity=now())
+        with contextlib.suppress(SessionNotFound):
+            self.store.patch_status(
+                session.namespace,
+                session.name,
+                {"lastActivity": stamp()},
+                private={"busyUntil": time.time() + BUSY_LEASE if busy else None},
+            )
 
     async def cull_idle(self) -> builtins.list[str]:
         """Expire sessions past their maxLifetime; delete or suspend (idleAction) those idle
         past their idleTimeout. Returns their names."""
         culled = []
         for session in await self.list():
-            spec, status = session.spec, session.status
-            if status.get("phase") in ("Suspended", "Expired", "Terminating"):
+            status = session.status
+            if status.get("phase") in st.NO_KERNEL:
                 continue
-            created = parse_time(session.body["metadata"]["creationTimestamp"])
+            created = parse_time(session.body["metadata"]["creationTimestamp"]) or time.time()
             last = status.get("lastActivity")
-            idle_for = time.time() - (parse_time(last) if last else created)
             try:
-                if spec.max_lifetime and time.time() >= created + spec.max_lifetime:
-                    lifetime = session.body["spec"]["maxLifetime"]
-                    why = f"the session reached its maxLifetime of {lifetime}"
-                    log.info("expiring %s/%s: %s", session.namespace, session.name, why)
-                    await self._stop(session, "Expired", "Expired", why)
-                elif spec.idle_timeout <= 0 or idle_for < spec.idle_timeout:
-                    continue
-                elif spec.idle_action == "Suspend":
-                    why = f"no activity for {session.body['spec']['idleTimeout']}"
-                    log.info("suspending %s/%s: %s", session.namespace, session.name, why)
-                    await self._stop(session, "Suspended", "Idle", f"{why}; used again, it resumes")
-                else:
-                    log.info(
-                        "culling %s/%s: idle for more than %ss",
-                        session.namespace,
-                        session.name,
-                        spec.idle_timeout,
-                    )
+                private = self.store.private(session.namespace, session.name)
+            except SessionNotFound:
+                continue
+            activity = Activity(parse_time(last) or created, private.get("busyUntil"))
+            floor = idle_since(activity, started=None, starting_since=None)
+            verdict = stop_of(
+                session, created=created, idle_from=floor, activity=activity, now=time.time()
+            )
+            stop = verdict.stop
+            if stop is None or (stop.phase == st.SUSPENDED and stop.reason != st.IDLE):
+                continue  # operatingMode Suspended is applied by apply, not here
+            try:
+                log.info(
+                    "%s %s/%s: %s",
+                    "deleting" if stop.delete else "stopping",
+                    session.namespace,
+                    session.name,
+                    stop.message,
+                )
+                if stop.delete:
                     await self.delete(session.name, session.namespace)
+                else:
+                    await self._stop(session, stop.phase, stop.reason, stop.message)
             except SessionNotFound:
                 continue
             except ForgeError as exc:
@@ -917,12 +891,26 @@ class LocalRuntime:
             message=message,
             kernelId=None,
             podName=None,
-            suspendedAt=now() if phase == "Suspended" else None,
-            **self._ready_condition(session, False, reason, message),
+            suspendedAt=stamp() if phase == st.SUSPENDED else None,
         )
 
     def _patch(self, session: KernelSession, **patch: Any) -> None:
+        """Write status fields; with a phase, reason or message, the conditions follow."""
         with contextlib.suppress(SessionNotFound):
+            if {"phase", "reason", "message"} & patch.keys():
+                body = self.store.get(session.namespace, session.name)
+                old = body.get("status") or {}
+                new = {**old, **patch}
+                generation = int(body["metadata"].get("generation", 1))
+                patch["observedGeneration"] = generation
+                patch["conditions"] = st.conditions(
+                    old.get("conditions"),
+                    str(new.get("phase") or st.PENDING),
+                    str(new.get("reason") or new.get("phase") or st.PENDING),
+                    str(new.get("message") or ""),
+                    generation=generation,
+                    now=stamp(),
+                )
             self.store.patch_status(session.namespace, session.name, patch)
 
 
@@ -951,10 +939,6 @@ def userns_flag(idmap: dict[str, int]) -> str:
         f"--userns=auto:uidmapping=0:{idmap['uid']}:{idmap['size']},"
         f"gidmapping=0:{idmap['gid']}:{idmap['size']}"
     )
-
-
-def _stamp(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _lifetime(info: dict[str, Any] | None) -> float | None:

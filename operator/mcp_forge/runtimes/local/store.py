@@ -167,27 +167,45 @@ class Store:
             if cur.rowcount == 0:
                 raise SessionNotFound(f"no KernelSession {meta['name']!r}")
 
-    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        """Merge `patch` into status (None deletes a key) in one transaction; return the body."""
+    def patch_status(
+        self,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        private: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Merge `patch` into status and `private` into the bookkeeping (None deletes a
+        key) in one transaction; return the body."""
         with self._db() as db:
             row = db.execute(
-                "SELECT body FROM sessions WHERE namespace=? AND name=?", (namespace, name)
+                "SELECT body, private FROM sessions WHERE namespace=? AND name=?",
+                (namespace, name),
             ).fetchone()
             if row is None:
                 raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
             body: dict[str, Any] = json.loads(row[0])
-            status = body.setdefault("status", {})
-            for k, v in patch.items():
-                if v is None:
-                    status.pop(k, None)
-                else:
-                    status[k] = v
+            _merge(body.setdefault("status", {}), patch)
             db.execute(
                 "UPDATE sessions SET body=? WHERE namespace=? AND name=?",
                 (json.dumps(body), namespace, name),
             )
+            if private:
+                kept: dict[str, Any] = json.loads(row[1]) if row[1] else {}
+                _merge(kept, private)
+                db.execute(
+                    "UPDATE sessions SET private=? WHERE namespace=? AND name=?",
+                    (json.dumps(kept), namespace, name),
+                )
         return body
 
     def delete(self, namespace: str, name: str) -> None:
         with self._db() as db:
             db.execute("DELETE FROM sessions WHERE namespace=? AND name=?", (namespace, name))
+
+
+def _merge(into: dict[str, Any], patch: dict[str, Any]) -> None:
+    for k, v in patch.items():
+        if v is None:
+            into.pop(k, None)
+        else:
+            into[k] = v

@@ -1,0 +1,213 @@
+"""A session's lifecycle, decided once for the operator and local mode. Pure: no I/O.
+
+Two decisions, each a function of the spec, what was recorded and the time, and each
+applied by the operator (control/handlers.py) and by local mode (runtimes/local/) with
+its own means:
+
+- `stop_of`: whether a session must have no kernel now (maxLifetime reached,
+  operatingMode Suspended, idle past idleTimeout while no code runs) and, if not, when
+  to look again.
+- `after_death`: whether a kernel that died is started again now, after a backoff, or,
+  in local mode, not at all.
+- `plan_kernel` (the operator's): what to do with a session's kernel pod as the kubelet
+  shows it: keep it, replace it (a death, a restart asked for, a new spec), or wait.
+
+A kernel that dies sooner than QUICK_DEATH after it started is crash-looping (a
+sitecustomize that exits, an import that segfaults). It is started again after a
+backoff that doubles with each such death in a row, as a kubelet does; the operator
+keeps waiting at CRASH_BACKOFF_MAX, local mode (nothing watches its kernels between
+calls) gives up there and fails the session with the reason. Local mode starts a
+kernel again at once after its first quick death: that death is most often the code of
+the call that just ran (an OOM, an os._exit), the call is answered with it, and the
+next call must find a kernel. It backs off from the second quick death in a row, one
+step behind the operator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mcp_forge.api import status as st
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.control.pods import Observation
+
+QUICK_DEATH = 10.0  # a kernel that dies sooner after starting is crash-looping
+CRASH_BACKOFF = 5.0  # ... and is started again after this, doubling per death
+CRASH_BACKOFF_MAX = 300.0
+BUSY_MAX = 600.0  # a busy mark counts for at most this long ahead
+START_GRACE = 120.0  # a starting kernel is not idle for this long
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What gateways recorded: the last use, and until when code is running (busy)."""
+
+    last: float  # wall-clock time of the last activity (or of creation)
+    busy_until: float | None = None  # a gateway runs code in the kernel until then
+
+    def busy(self, now: float) -> bool:
+        return self.busy_until is not None and min(self.busy_until, now + BUSY_MAX) > now
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The session must have no kernel: it is Suspended or Expired (or, `delete`, gone)."""
+
+    phase: str
+    reason: str
+    message: str
+    delete: bool = False  # idleAction Delete: the session itself is deleted
+
+
+@dataclass(frozen=True)
+class Verdict:
+    stop: Stop | None
+    due: list[float] = field(default_factory=list)  # wall-clock times to look again
+
+
+def idle_since(activity: Activity, *, started: float | None, starting_since: float | None) -> float:
+    """When idleness counts from: the last use, or the current kernel's start, whichever is
+    later; a kernel still starting gets START_GRACE more from when its pod was made (a
+    slow pull or a busy node is not idleness, but one that never starts is culled)."""
+    floor = max(activity.last, started or 0.0)
+    if starting_since is not None:
+        floor = max(floor, starting_since + START_GRACE)
+    return floor
+
+
+def stop_of(
+    session: KernelSession, *, created: float, idle_from: float, activity: Activity, now: float
+) -> Verdict:
+    """Whether the session must have no kernel now, and when to look again if not."""
+    spec, written = session.spec, session.body["spec"]
+    expires = created + spec.max_lifetime if spec.max_lifetime else None
+    if expires is not None and now >= expires:
+        why = f"the session reached its maxLifetime of {written['maxLifetime']}"
+        return Verdict(Stop(st.EXPIRED, st.EXPIRED, why))
+    if spec.operating_mode == "Suspended":
+        return Verdict(Stop(st.SUSPENDED, st.USER_REQUESTED, "spec.operatingMode is Suspended"))
+    busy = activity.busy(now)
+    if spec.idle_timeout and not busy and now - idle_from >= spec.idle_timeout:
+        why = f"no activity for {written['idleTimeout']}"
+        if spec.idle_action == "Delete":
+            return Verdict(Stop(st.SUSPENDED, st.IDLE, why, delete=True))
+        return Verdict(Stop(st.SUSPENDED, st.IDLE, f"{why}; used again, it resumes"))
+    due = []
+    if expires is not None:
+        due.append(expires)
+    # Idle already but busy: looked at again when the busy mark ends (below), not at once
+    # and again and again while the code runs.
+    if spec.idle_timeout and idle_from + spec.idle_timeout > now:
+        due.append(idle_from + spec.idle_timeout)
+    if busy and activity.busy_until is not None:
+        due.append(min(activity.busy_until, now + BUSY_MAX))
+    return Verdict(None, due)
+
+
+def crash_backoff(quick_deaths: int) -> float:
+    """Seconds to wait before the next start, after `quick_deaths` quick deaths in a row."""
+    if quick_deaths <= 0:
+        return 0.0
+    return min(CRASH_BACKOFF_MAX, CRASH_BACKOFF * 2.0 ** (quick_deaths - 1))
+
+
+def _gives_up(quick_deaths: int) -> bool:
+    return quick_deaths > 0 and CRASH_BACKOFF * 2.0 ** (quick_deaths - 1) > CRASH_BACKOFF_MAX
+
+
+@dataclass(frozen=True)
+class Restart:
+    """What to do about a dead kernel: start one `at` (now or later), or `give_up`."""
+
+    at: float
+    give_up: bool = False
+    reason: str = ""  # CrashLoopBackOff while waiting, CrashLoop when given up
+    message: str = ""
+
+
+def after_death(
+    quick_deaths: int, died_at: float, death: str, *, now: float, local: bool
+) -> Restart:
+    """When the next kernel starts, `quick_deaths` quick deaths in a row after `death`.
+
+    Local mode is one step behind the operator, and gives up where the operator keeps
+    waiting at the longest backoff (see the module docstring).
+    """
+    steps = quick_deaths - 1 if local else quick_deaths
+    at = died_at + crash_backoff(steps)
+    why = f"{death}; it died {quick_deaths} time(s) in a row within {QUICK_DEATH:.0f}s of starting"
+    if local and _gives_up(steps):
+        return Restart(
+            at,
+            give_up=True,
+            reason=st.CRASH_LOOP,
+            message=f"{why}, so it is not started again. Fix the cause (the session's env, or a "
+            "sitecustomize or startup file its PYTHONPATH finds in the workspace) and apply "
+            "the session again",
+        )
+    if at <= now:
+        return Restart(at)
+    return Restart(
+        at, reason=st.CRASH_LOOP_BACKOFF, message=f"{why}, next start in {at - now:.0f}s"
+    )
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """What to do with a session's kernel pod, and what the session shows meanwhile."""
+
+    seen: Observation
+    replace: bool = False  # delete the pod: the next reconcile makes a new one
+    pending: tuple[str, str] | None = None  # (reason, message) of a spec change waiting
+    due: float | None = None  # look again then (the end of a crash-loop backoff)
+
+
+def plan_kernel(
+    session: KernelSession,
+    seen: Observation,
+    *,
+    quick_deaths: int,
+    died_at: float | None,
+    outdated: bool,
+    deleting: bool,
+    restart_asked: bool,
+    busy: bool,
+    now: float,
+) -> KernelPlan:
+    """The operator's decision for an existing kernel pod, `seen` as control/pods.py reads
+    it: `quick_deaths` and `died_at` are the recorded death's (lastTermination),
+    `outdated` says the pod was made for an older spec, `restart_asked` that a gateway
+    asked to restart this very pod, `busy` that a gateway runs code in it."""
+    spec = session.spec
+    term = seen.termination
+    if term is not None:
+        # An exit 0 is a restart a gateway asked for (or the user's exit()); a pod for an
+        # older spec is replaced whatever restartPolicy says.
+        again = spec.restart_policy == "Always" or term.exit_code == 0 or outdated
+        if not again or deleting:
+            return KernelPlan(seen)
+        start = after_death(quick_deaths, died_at or now, term.message, now=now, local=False)
+        if start.at > now:
+            return KernelPlan(
+                Observation(st.RESTARTING, start.reason, start.message, term), due=start.at
+            )
+        return KernelPlan(Observation(st.RESTARTING, term.reason, term.message, term), replace=True)
+    if deleting:
+        return KernelPlan(
+            Observation(st.RESTARTING, "PodTerminating", "the kernel's pod is being deleted")
+        )
+    if restart_asked:
+        why = "a gateway restarts the kernel"
+        return KernelPlan(Observation(st.RESTARTING, st.RESTART_REQUESTED, why), replace=True)
+    if outdated and (not seen.ready or (spec.update_strategy == "Recreate" and not busy)):
+        # no kernel to keep (not started, stuck), or one Recreate may replace now
+        why = "the kernel's pod is replaced for a new spec"
+        return KernelPlan(Observation(st.RESTARTING, st.UPDATING, why), replace=True)
+    if outdated and spec.update_strategy == "Recreate":
+        why = "the kernel is running code; the update follows when it stops"
+        return KernelPlan(seen, pending=(st.KERNEL_BUSY, why))
+    if outdated:
+        why = "the spec changed; the new pod comes at the kernel's next restart"
+        why += " (updateStrategy OnRestart)"
+        return KernelPlan(seen, pending=(st.WAITING_FOR_RESTART, why))
+    return KernelPlan(seen)

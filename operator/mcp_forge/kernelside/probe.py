@@ -1,0 +1,82 @@
+"""The kernel container's startup probe on a cluster: does the kernel answer?
+
+The kubelet runs this program in the kernel's container (`python -I -S -c <source>`)
+until it exits 0: it sends a signed kernel_info_request on the kernel's shell channel
+(127.0.0.1, Curve when the connection file has keys) and succeeds when a reply to it,
+signed with the session's key, comes back within TIMEOUT. Until then the pod is not
+started, and the operator shows the session Starting; so on a cluster as locally, Ready
+means the kernel answered. Needs only the standard library and pyzmq, which the kernel
+image has for ipykernel; reads nothing but the connection file the kernel itself reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import sys
+import uuid
+from typing import Any
+
+import zmq
+
+CONNECTION_FILE = "/etc/mcp-forge/connection.json"
+TIMEOUT_MS = 2000
+REPLY_MAX = 1 << 20  # a kernel_info_reply is a few hundred bytes
+
+
+def _sign(key: bytes, parts: list[bytes]) -> bytes:
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.hexdigest().encode("ascii")
+
+
+def answers(info: dict[str, Any], host: str = "127.0.0.1", timeout_ms: int = TIMEOUT_MS) -> bool:
+    """True if the kernel described by `info` (a connection file) replies to kernel_info."""
+    key = str(info["key"]).encode()
+    msg_id = uuid.uuid4().hex
+    header = {
+        "msg_id": msg_id,
+        "msg_type": "kernel_info_request",
+        "session": uuid.uuid4().hex,
+        "username": "probe",
+        "version": "5.3",
+        "date": "1970-01-01T00:00:00Z",
+    }
+    parts = [json.dumps(p).encode() for p in (header, {}, {}, {})]
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX)
+        if info.get("curve_publickey"):
+            public = str(info["curve_publickey"]).encode("ascii")
+            sock.setsockopt(zmq.CURVE_SERVERKEY, public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, str(info["curve_secretkey"]).encode("ascii"))
+        sock.connect(f"tcp://{host}:{int(info['shell_port'])}")
+        sock.send_multipart([b"<IDS|MSG>", _sign(key, parts), *parts])
+        while sock.poll(timeout_ms):
+            frames = sock.recv_multipart()
+            if b"<IDS|MSG>" not in frames:
+                continue
+            rest = frames[frames.index(b"<IDS|MSG>") + 1 :]
+            if len(rest) < 5 or not hmac.compare_digest(rest[0], _sign(key, rest[1:5])):
+                continue
+            reply, parent = json.loads(rest[1]), json.loads(rest[2])
+            if reply.get("msg_type") == "kernel_info_reply" and parent.get("msg_id") == msg_id:
+                return True
+        return False
+    finally:
+        sock.close(0)
+        context.term()
+
+
+def main() -> int:
+    with open(CONNECTION_FILE, encoding="utf-8") as f:
+        return 0 if answers(json.load(f)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""The session lifecycle the operator and local mode share, as plain functions: when a
+session must have no kernel, when a dead kernel starts again, what the operator does with
+a kernel pod, and the conditions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mcp_forge.api import kernelsession
+from mcp_forge.api import status as st
+from mcp_forge.api.status import Termination
+from mcp_forge.control.lifecycle import (
+    BUSY_MAX,
+    START_GRACE,
+    Activity,
+    after_death,
+    crash_backoff,
+    idle_since,
+    plan_kernel,
+    stop_of,
+)
+from mcp_forge.control.pods import Observation
+
+T0 = 1_000_000.0  # the session's creation
+
+
+def session(**spec: Any) -> kernelsession.KernelSession:
+    body = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": "demo"},
+        "spec": {"resources": {"memory": "512Mi"}, **spec},
+    }
+    return kernelsession.load(kernelsession.validate(body))
+
+
+# spec, seconds since creation, seconds since the last use, busy for how long more
+# (None: not busy) -> (phase, reason, delete) of the stop, or None, and the times due.
+STOPS: list[tuple[dict[str, Any], float, float, float | None, tuple[str, str, bool] | None]] = [
+    ({}, 10, 10, None, None),
+    ({"maxLifetime": "1h"}, 3599, 0, None, None),
+    ({"maxLifetime": "1h"}, 3600, 0, None, (st.EXPIRED, st.EXPIRED, False)),
+    ({"maxLifetime": "1h"}, 3600, 0, 60, (st.EXPIRED, st.EXPIRED, False)),  # busy or not
+    ({"operatingMode": "Suspended"}, 5, 0, None, (st.SUSPENDED, st.USER_REQUESTED, False)),
+    ({"idleTimeout": "5m"}, 400, 299, None, None),
+    ({"idleTimeout": "5m"}, 400, 300, None, (st.SUSPENDED, st.IDLE, True)),  # Delete default
+    (
+        {"idleTimeout": "5m", "idleAction": "Suspend"},
+        400,
+        300,
+        None,
+        (st.SUSPENDED, st.IDLE, False),
+    ),
+    ({"idleTimeout": "5m"}, 400, 300, 30, None),  # code runs: not idle
+    ({"idleTimeout": "5m"}, 400, 300, -1, (st.SUSPENDED, st.IDLE, True)),  # the mark lapsed
+    ({"idleTimeout": "5m", "maxLifetime": "1h"}, 3600, 300, None, (st.EXPIRED, st.EXPIRED, False)),
+]
+
+
+@pytest.mark.parametrize(("spec", "age", "idle", "busy", "stop"), STOPS)
+def test_when_a_session_must_have_no_kernel(
+    spec: dict[str, Any],
+    age: float,
+    idle: float,
+    busy: float | None,
+    stop: tuple[str, str, bool] | None,
+) -> None:
+    now = T0 + age
+    activity = Activity(now - idle, None if busy is None else now + busy)
+    verdict = stop_of(
+        session(**spec), created=T0, idle_from=activity.last, activity=activity, now=now
+    )
+    got = (
+        None
+        if verdict.stop is None
+        else (verdict.stop.phase, verdict.stop.reason, verdict.stop.delete)
+    )
+    assert got == stop
+    if verdict.stop is not None:
+        assert verdict.due == []
+        assert verdict.stop.message  # says why, in words
+    else:  # looked at again when something can change
+        assert all(t > now for t in verdict.due)
+
+
+def test_a_running_session_is_looked_at_again_at_expiry_idleness_and_when_busy_lapses() -> None:
+    now = T0 + 100
+    activity = Activity(now - 10, now + 30)
+    spec = {"maxLifetime": "1h", "idleTimeout": "5m"}
+    verdict = stop_of(session(**spec), created=T0, idle_from=now - 10, activity=activity, now=now)
+    assert verdict.stop is None
+    assert sorted(verdict.due) == [now + 30, now - 10 + 300, T0 + 3600]
+
+
+def test_a_busy_mark_far_ahead_counts_for_at_most_busy_max() -> None:
+    now = T0
+    activity = Activity(now, now + 10 * BUSY_MAX)
+    assert activity.busy(now) and activity.busy(now + BUSY_MAX - 1)
+    verdict = stop_of(
+        session(idleTimeout="1h"), created=T0, idle_from=now, activity=activity, now=now
+    )
+    assert min(verdict.due) == now + BUSY_MAX
+
+
+@pytest.mark.parametrize(
+    ("last", "started", "starting_since", "floor"),
+    [
+        (100.0, None, None, 100.0),
+        (100.0, 200.0, None, 200.0),  # a new kernel counts from its start
+        (100.0, None, 150.0, 150.0 + START_GRACE),  # a starting kernel gets a grace
+        (500.0, None, 150.0, 500.0),
+    ],
+)
+def test_idleness_counts_from_the_last_use_or_the_kernel_s_start(
+    last: float, started: float | None, starting_since: float | None, floor: float
+) -> None:
+    assert idle_since(Activity(last), started=started, starting_since=starting_since) == floor
+
+
+@pytest.mark.parametrize(
+    ("quick_deaths", "backoff"),
+    [(0, 0.0), (1, 5.0), (2, 10.0), (6, 160.0), (7, 300.0), (12, 300.0)],
+)
+def test_the_operator_backs_off_doubling_up_to_the_cap_and_never_gives_up(
+    quick_deaths: int, backoff: float
+) -> None:
+    assert crash_backoff(quick_deaths) == backoff
+    verdict = after_death(quick_deaths, T0, "the kernel exited with code 1", now=T0, local=False)
+    assert (verdict.at, verdict.give_up) == (T0 + backoff, False)
+    if backoff:
+        assert verdict.reason == st.CRASH_LOOP_BACKOFF
+        assert f"next start in {backoff:.0f}s" in verdict.message
+        assert verdict.message.startswith("the kernel exited with code 1; it died")
+    else:
+        assert verdict.reason == ""  # started again now
+
+
+@pytest.mark.parametrize(
+    ("quick_deaths", "backoff", "gives_up"),
+    [(0, 0.0, False), (1, 0.0, False), (2, 5.0, False), (7, 160.0, False), (8, 300.0, True)],
+)
+def test_local_mode_restarts_at_once_after_one_quick_death_then_backs_off_and_gives_up(
+    quick_deaths: int, backoff: float, gives_up: bool
+) -> None:
+    verdict = after_death(quick_deaths, T0, "the kernel exited with code 1", now=T0, local=True)
+    assert (verdict.at, verdict.give_up) == (T0 + backoff, gives_up)
+    if gives_up:
+        assert verdict.reason == st.CRASH_LOOP and "not started again" in verdict.message
+
+
+def test_a_backoff_that_is_over_starts_the_kernel_now() -> None:
+    verdict = after_death(3, T0, "died", now=T0 + 20.0, local=False)
+    assert (verdict.at, verdict.reason) == (T0 + 20.0, "")
+
+
+PHASES = [
+    # phase -> Ready, Reconciling, Stalled
+    (st.PENDING, "False", "True", "False"),
+    (st.STARTING, "False", "True", "False"),
+    (st.READY, "True", "False", "False"),
+    (st.RESTARTING, "False", "True", "False"),
+    (st.FAILED, "False", "False", "True"),
+    (st.SUSPENDED, "False", "False", "False"),
+    (st.EXPIRED, "False", "False", "True"),
+]
+
+
+@pytest.mark.parametrize(("phase", "ready", "reconciling", "stalled"), PHASES)
+def test_the_four_conditions_follow_the_phase(
+    phase: str, ready: str, reconciling: str, stalled: str
+) -> None:
+    got = st.conditions(None, phase, "Why", "because", generation=3, now="T1")
+    by_type = {c["type"]: c for c in got}
+    assert list(by_type) == ["Ready", "UpdatePending", "Reconciling", "Stalled"]
+    assert (by_type["Ready"]["status"], by_type["Reconciling"]["status"]) == (ready, reconciling)
+    assert by_type["Stalled"]["status"] == stalled
+    assert by_type["UpdatePending"]["status"] == "False"
+    assert all(c["observedGeneration"] == 3 and c["lastTransitionTime"] == "T1" for c in got)
+
+
+def test_a_condition_keeps_its_transition_time_while_unchanged_and_says_what_is_pending() -> None:
+    first = st.conditions(None, st.READY, st.KERNEL_READY, "ok", generation=1, now="T1")
+    again = st.conditions(
+        first,
+        st.READY,
+        st.KERNEL_READY,
+        "ok",
+        pending=(st.KERNEL_BUSY, "later"),
+        generation=2,
+        now="T2",
+    )
+    ready, pending = again[0], again[1]
+    assert (ready["lastTransitionTime"], ready["observedGeneration"]) == ("T1", 2)
+    assert (pending["status"], pending["reason"], pending["lastTransitionTime"]) == (
+        "True",
+        st.KERNEL_BUSY,
+        "T2",
+    )
+    down = st.conditions(again, st.RESTARTING, "OOMKilled", "oom", generation=2, now="T3")
+    assert (down[0]["status"], down[0]["lastTransitionTime"]) == ("False", "T3")
+
+
+DIED = Termination("Error", 1, "the kernel exited with code 1")
+CLEAN = Termination("Completed", 0, "the kernel exited")
+RUNNING = Observation(st.READY, st.KERNEL_READY, "the kernel answered")
+STARTING_POD = Observation(st.STARTING, "ContainerCreating", "the kernel is starting")
+
+
+def dead(term: Termination, policy: str = "Always") -> Observation:
+    return Observation(
+        st.RESTARTING if policy == "Always" else st.FAILED, term.reason, term.message, term
+    )
+
+
+# spec, what the pod shows, and the facts -> (replace the pod?, phase, reason, pending reason)
+PLANS: list[
+    tuple[dict[str, Any], Observation, dict[str, Any], tuple[bool, str, str, str | None]]
+] = [
+    ({}, RUNNING, {}, (False, st.READY, st.KERNEL_READY, None)),
+    ({}, dead(DIED), {}, (True, st.RESTARTING, "Error", None)),
+    ({"restartPolicy": "Never"}, dead(DIED, "Never"), {}, (False, st.FAILED, "Error", None)),
+    (
+        {"restartPolicy": "Never"},
+        dead(CLEAN, "Never"),
+        {},
+        (True, st.RESTARTING, "Completed", None),
+    ),
+    (
+        {"restartPolicy": "Never"},
+        dead(DIED, "Never"),
+        {"outdated": True},
+        (True, st.RESTARTING, "Error", None),
+    ),
+    ({}, dead(DIED), {"quick_deaths": 2}, (False, st.RESTARTING, st.CRASH_LOOP_BACKOFF, None)),
+    ({}, dead(DIED), {"quick_deaths": 2, "died_at": T0 - 11}, (True, st.RESTARTING, "Error", None)),
+    ({}, dead(DIED), {"deleting": True}, (False, st.RESTARTING, "Error", None)),
+    ({}, RUNNING, {"deleting": True}, (False, st.RESTARTING, "PodTerminating", None)),
+    ({}, RUNNING, {"restart_asked": True}, (True, st.RESTARTING, st.RESTART_REQUESTED, None)),
+    ({}, RUNNING, {"outdated": True}, (False, st.READY, st.KERNEL_READY, st.WAITING_FOR_RESTART)),
+    ({}, STARTING_POD, {"outdated": True}, (True, st.RESTARTING, st.UPDATING, None)),
+    (
+        {"updateStrategy": "Recreate"},
+        RUNNING,
+        {"outdated": True},
+        (True, st.RESTARTING, st.UPDATING, None),
+    ),
+    (
+        {"updateStrategy": "Recreate"},
+        RUNNING,
+        {"outdated": True, "busy": True},
+        (False, st.READY, st.KERNEL_READY, st.KERNEL_BUSY),
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "seen", "facts", "want"), PLANS)
+def test_what_the_operator_does_with_a_kernel_pod(
+    spec: dict[str, Any],
+    seen: Observation,
+    facts: dict[str, Any],
+    want: tuple[bool, str, str, str | None],
+) -> None:
+    given: dict[str, Any] = {
+        "quick_deaths": 0,
+        "died_at": T0,
+        "outdated": False,
+        "deleting": False,
+        "restart_asked": False,
+        "busy": False,
+        **facts,
+    }
+    plan = plan_kernel(session(**spec), seen, now=T0, **given)
+    pending = plan.pending[0] if plan.pending else None
+    assert (plan.replace, plan.seen.phase, plan.seen.reason, pending) == want
+    if plan.seen.reason == st.CRASH_LOOP_BACKOFF:
+        assert plan.due == T0 + 10.0 and "next start in 10s" in plan.seen.message
+    else:
+        assert plan.due is None
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("2026-12-01T10:00:00Z", 1796119200.0),
+        ("2026-12-01T10:00:00.250000Z", 1796119200.25),  # a Lease's renewTime
+        ("2026-12-01T11:00:00+01:00", 1796119200.0),
+        ("2026-12-01T10:00:00", None),  # no zone: not a status time
+        ("yesterday", None),
+        ("", None),
+        (None, None),
+        (1796119200, None),
+    ],
+)
+def test_status_times_are_read_one_way_everywhere(text: Any, seconds: float | None) -> None:
+    assert st.parse_time(text) == seconds
+    if seconds is not None:
+        assert st.parse_time(st.stamp(seconds)) == int(seconds)
