@@ -24,7 +24,8 @@ def pod(
     state: dict[str, Any], phase: str = "Running", started: bool = True, **status: Any
 ) -> dict[str, Any]:
     """A kernel pod; `started`: its startupProbe (the kernel answered) has passed."""
-    kernel = {"name": "kernel", "state": state, "started": started and "running" in state}
+    answered = started and "running" in state
+    kernel = {"name": "kernel", "state": state, "started": answered, "ready": answered}
     return {
         "metadata": {"name": "ks-demo"},
         "status": {"phase": phase, "podIP": "10.1.2.3", "containerStatuses": [kernel], **status},

@@ -62,7 +62,9 @@ def observe(session: KernelSession, pod: Mapping[str, Any] | None) -> Observatio
     pod_ip = status.get("podIP") if isinstance(status.get("podIP"), str) else None
     state = _kernel_status(pod).get("state") or {}
     if "running" in state:
-        if not _kernel_status(pod).get("started"):  # its startupProbe has not passed yet
+        # Ready (its startupProbe passed, and the kubelet has said so in full): not merely
+        # started, which the kubelet writes one status update earlier.
+        if not _kernel_status(pod).get("ready"):
             why = "the kernel runs; it has not answered yet"
             return Observation(st.STARTING, "KernelStarting", why, None, None, pod_ip)
         started = (state.get("running") or {}).get("startedAt")
