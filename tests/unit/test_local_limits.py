@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mcp_forge.doctor import subordinate_ids
-from mcp_forge.runtimes.local.runtime import _lifetime, _podman_time
+from mcp_forge.runtimes.local.containers import lifetime, podman_time
 from mcp_forge.runtimes.local.volumes import MIN_INODES, workspace_inodes
 
 
@@ -19,17 +19,17 @@ def test_the_inode_bound_grows_with_the_workspace_and_has_a_floor() -> None:
 
 def test_a_containers_lifetime_comes_from_its_start_and_finish_times() -> None:
     start = "2026-11-30T20:35:14.250000000Z"
-    assert _podman_time("2026-11-30T20:35:15.75Z") - _podman_time(start) == pytest.approx(1.5)
-    assert _podman_time("2026-11-30T20:35:14+00:00") == pytest.approx(
-        _podman_time("2026-11-30T20:35:14Z")
+    assert podman_time("2026-11-30T20:35:15.75Z") - podman_time(start) == pytest.approx(1.5)
+    assert podman_time("2026-11-30T20:35:14+00:00") == pytest.approx(
+        podman_time("2026-11-30T20:35:14Z")
     )
     info = {
         "State": {"Running": False, "StartedAt": start, "FinishedAt": "2026-11-30T20:35:17.25Z"}
     }
-    assert _lifetime(info) == pytest.approx(3.0)
-    assert _lifetime({"State": {"Running": True, "StartedAt": start}}) is None
-    assert _lifetime(None) is None
-    assert _lifetime({"State": {"StartedAt": "0001-01-01T00:00:00Z", "FinishedAt": "?"}}) is None
+    assert lifetime(info) == pytest.approx(3.0)
+    assert lifetime({"State": {"Running": True, "StartedAt": start}}) is None
+    assert lifetime(None) is None
+    assert lifetime({"State": {"StartedAt": "0001-01-01T00:00:00Z", "FinishedAt": "?"}}) is None
 
 
 def test_subordinate_ids_are_counted_for_one_user(tmp_path: Path) -> None:

@@ -30,12 +30,9 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import datetime as dt
 import fcntl
-import json
 import logging
 import os
-import re
 import shutil
 import stat
 import time
@@ -59,7 +56,7 @@ from mcp_forge.api.connection import (
     new_key,
 )
 from mcp_forge.api.kernelsession import KernelSession, parse_quantity
-from mcp_forge.api.status import Termination, parse_time, stamp, termination_of
+from mcp_forge.api.status import Termination, parse_time, stamp
 from mcp_forge.clients import podman
 from mcp_forge.control.lifecycle import QUICK_DEATH, Activity, after_death, idle_since, stop_of
 from mcp_forge.control.render import (
@@ -80,13 +77,13 @@ from mcp_forge.errors import (
 from mcp_forge.image.kernel import missing_image_message
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.runtimes.local import userns, volumes
+from mcp_forge.runtimes.local.containers import Containers, lifetime
 from mcp_forge.runtimes.local.store import Claimed, Store
 from mcp_forge.sandbox import KERNEL_UID
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
 
-LABEL_SELECTOR = "app.kubernetes.io/managed-by=mcp-forge"
 # A busy mark (a gateway runs code in the kernel) lasts this long unless renewed: the
 # gateway renews it while the code runs, so it lapses by itself if the gateway goes away.
 BUSY_LEASE = 30.0
@@ -133,6 +130,7 @@ class LocalRuntime:
         self.settings = settings or Settings.from_env()
         _state_dir(self.settings.state_dir)
         self.store = Store(self.settings.store_path)
+        self.containers = Containers(self.store, self.settings)
 
     # ---- paths and locks -----------------------------------------------------------------
 
@@ -437,15 +435,14 @@ class LocalRuntime:
         return idmap
 
     async def _started(self, session: KernelSession, *, wait: bool) -> None:
-        info = await self._inspect(session)
+        info = await self.containers.inspect(self.container_name(session))
         if info is not None:
-            self._limit_pids(session, info)
+            self.containers.limit_pids(session, info)
             private = self.store.private(session.namespace, session.name)
             private["cgroup"] = str(info.get("State", {}).get("CgroupPath", "")).lstrip("/")
             self.store.set_private(session.namespace, session.name, private)
             # The baseline for telling a later death by OOM.
-            count = await self._oom_count(info.get("Id", ""))
-            self._set_oom(session, {"finishedAt": None, "count": count, "oom": False})
+            await self.containers.started(session, info)
         generation = int((session.status.get("connection") or {}).get("generation", 0))
         stored = self.store.get(session.namespace, session.name).get("status", {})
         generation = max(generation, int((stored.get("connection") or {}).get("generation", 0)))
@@ -573,108 +570,16 @@ class LocalRuntime:
                 done.stderr.strip()[-200:],
             )
 
-    # ---- observing -------------------------------------------------------------------------
-
-    async def _inspect(self, session: KernelSession) -> dict[str, Any] | None:
-        """The container's inspect data; None only when there is no such container."""
-        done = await podman.run("container", "inspect", self.container_name(session), check=False)
-        if done.returncode != 0:
-            if "no such container" in done.stderr.lower():
-                return None
-            raise PodmanError(["container", "inspect"], done.returncode, done.stderr)
-        data = json.loads(done.stdout or b"[]")
-        return data[0] if data else None
+    # ---- observing: runtimes/local/containers.py --------------------------------------------
 
     async def running_containers(self) -> set[str]:
-        """Names of the kernel containers that run now, in one podman call."""
-        rows = await podman.run_json(
-            "ps",
-            "--filter",
-            f"label={LABEL_SELECTOR}",
-            "--format",
-            "json",
-            timeout=self.settings.podman_timeout,
-        )
-        names: set[str] = set()
-        for row in rows or []:
-            names.update(n for n in row.get("Names") or [] if isinstance(n, str))
-        return names
+        return await self.containers.running()
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
-        """Bytes of memory each running kernel uses now (its cgroup's count), by name.
-
-        Read from the cgroup recorded when the kernel started: no podman call.
-        """
-        usage: dict[str, int] = {}
-        for session in sessions:
-            cgroup = self.store.private(session.namespace, session.name).get("cgroup")
-            if not cgroup:
-                continue
-            for path in (
-                Path("/sys/fs/cgroup/memory") / cgroup / "memory.usage_in_bytes",
-                Path("/sys/fs/cgroup") / cgroup / "memory.current",
-            ):
-                with contextlib.suppress(OSError, ValueError):
-                    usage[session.name] = int(path.read_text())
-                    break
-        return usage
+        return self.containers.memory_usage(sessions)
 
     async def termination(self, session: KernelSession) -> Termination | None:
-        info = await self._inspect(session)
-        if info is None:
-            return Termination("PodMissing", None, "the kernel's pod is gone")
-        state = info.get("State", {})
-        if state.get("Running"):
-            return None
-        code = state.get("ExitCode")
-        oom = bool(state.get("OOMKilled")) or (
-            code == 137 and await self._oom_killed(session, info)
-        )
-        return termination_of(code, oom=oom, memory_limit=session.spec.memory)
-
-    def _limit_pids(self, session: KernelSession, info: dict[str, Any]) -> None:
-        """Apply spec.resources.pids to the kernel's cgroup.
-
-        Podman 4.3.1's kube play has no per-container pids limit (no annotation, and
-        `podman update` has no --pids-limit), so write pids.max of the container's
-        cgroup, v1 or v2, right after each start.
-        """
-        cgroup = str(info.get("State", {}).get("CgroupPath", "")).lstrip("/")
-        if not cgroup:
-            # It died already (a kernel that exits at start): waiting for it says why.
-            return
-        for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")):
-            target = root / cgroup / "pids.max"
-            if target.is_file():
-                target.write_text(str(session.spec.pids))
-                return
-        log.warning("no pids cgroup for %s: its pids limit is not applied", session.name)
-
-    async def _oom_killed(self, session: KernelSession, info: dict[str, Any]) -> bool:
-        """Was the kernel's last death an OOM kill?
-
-        Podman's OOMKilled flag is only set when the container's init dies of it, and on
-        cgroup v1 hosts not even then; the kernel (under tini) is a child. The Linux
-        kernel logs every memory-cgroup OOM kill with the container's cgroup, which names
-        the container id, so count those. The answer is kept per death (FinishedAt), so
-        asking twice about one death gives one answer.
-        """
-        finished = str(info.get("State", {}).get("FinishedAt", ""))
-        seen = self.store.private(session.namespace, session.name).get("oom", {})
-        if seen.get("finishedAt") == finished:
-            return bool(seen.get("oom"))
-        count = await self._oom_count(info.get("Id", ""))
-        oom = count > int(seen.get("count", 0))
-        self._set_oom(session, {"finishedAt": finished, "count": count, "oom": oom})
-        return oom
-
-    async def _oom_count(self, container_id: str) -> int:
-        return await oom_kills(container_id)
-
-    def _set_oom(self, session: KernelSession, value: dict[str, Any]) -> None:
-        private = self.store.private(session.namespace, session.name)
-        private["oom"] = value
-        self.store.set_private(session.namespace, session.name, private)
+        return await self.containers.termination(session, self.container_name(session))
 
     async def refresh(self, session: KernelSession, *, restart: bool = True) -> KernelSession:
         """Bring status in line with what Podman shows.
@@ -724,7 +629,7 @@ class LocalRuntime:
         body = self.store.get(session.namespace, session.name)
         status = body.get("status", {})
         if quick is None:
-            lived = _lifetime(await self._inspect(session))
+            lived = lifetime(await self.containers.inspect(self.container_name(session)))
             quick = lived is not None and lived < QUICK_DEATH
         last = status.get("lastTermination") or {}
         quick_deaths = int(last.get("quickDeaths") or 0) + 1 if quick else 0
@@ -914,25 +819,6 @@ class LocalRuntime:
             self.store.patch_status(session.namespace, session.name, patch)
 
 
-async def oom_kills(container_id: str) -> int:
-    """How many memory-cgroup OOM kills the kernel log records for this container."""
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            "dmesg", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-        )
-    except OSError:  # no dmesg: deaths are reported by exit code only
-        return 0
-    try:
-        async with asyncio.timeout(10):
-            out, _ = await proc.communicate()
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return 0
-    needle = f"libpod-{container_id}".encode()
-    return sum(1 for line in out.splitlines() if b"oom-kill:" in line and needle in line)
-
-
 def userns_flag(idmap: dict[str, int]) -> str:
     """`podman kube play`'s --userns for a session's map."""
     return (
@@ -941,45 +827,20 @@ def userns_flag(idmap: dict[str, int]) -> str:
     )
 
 
-def _lifetime(info: dict[str, Any] | None) -> float | None:
-    """Seconds the container ran before it stopped (None if it runs, or is unknown)."""
-    state = (info or {}).get("State") or {}
-    if state.get("Running"):
-        return None
-    try:
-        started, finished = (_podman_time(str(state.get(k))) for k in ("StartedAt", "FinishedAt"))
-    except ValueError:
-        return None
-    return finished - started if finished >= started else None
-
-
-def _podman_time(text: str) -> float:
-    """Podman's "2026-11-30T20:35:14.123456789Z" (or with an offset), in seconds."""
-    m = _PODMAN_TIME.match(text)
-    if not m:
-        raise ValueError(f"not a time: {text!r}")
-    whole, frac, tz = m.groups()
-    stamp = dt.datetime.fromisoformat(whole + ("+00:00" if tz == "Z" else tz))
-    return stamp.timestamp() + (float("0." + frac) if frac else 0.0)
-
-
-_PODMAN_TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
-
-
 def _unsealed(run: Path, kernel_uid: int) -> str:
     """Why run/ cannot be trusted yet ("" if it can): root's, 0755, five real sockets."""
     try:
-        st = run.lstat()
+        found = run.lstat()
     except FileNotFoundError:
         return "its kernel has no sockets yet"
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or stat.S_IMODE(st.st_mode) != 0o755:
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != 0 or stat.S_IMODE(found.st_mode) != 0o755:
         return "its kernel is starting"
     bridge = run / "bridge"
     try:
-        st = bridge.lstat()
+        found = bridge.lstat()
     except FileNotFoundError:
         return "its bridge directory is missing"
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != kernel_uid:
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != kernel_uid:
         return "its bridge directory was replaced"  # e.g. by a symlink, while unsealed
     for port in PORTS.values():
         try:
