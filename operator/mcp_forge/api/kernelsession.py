@@ -14,11 +14,12 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jsonschema
 import yaml
 
+from mcp_forge.api.status import Status
 from mcp_forge.errors import InvalidSession
 from mcp_forge.sandbox import kernel_image
 
@@ -186,9 +187,9 @@ class KernelSession:
     body: dict[str, Any]
 
     @property
-    def status(self) -> dict[str, Any]:
-        status: dict[str, Any] = self.body.get("status") or {}
-        return status
+    def status(self) -> Status:
+        """The status as stored (read-only here: writers patch the store or the API)."""
+        return cast(Status, self.body.get("status") or {})
 
 
 def validate(obj: Any, *, default_namespace: str = "default") -> dict[str, Any]:

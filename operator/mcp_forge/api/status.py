@@ -12,7 +12,7 @@ import datetime as dt
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 # Phases (crds/kernelsession.yaml lists the same).
 PENDING = "Pending"  # accepted, no kernel pod yet
@@ -40,6 +40,41 @@ UPDATING = "Updating"
 KERNEL_BUSY = "KernelBusy"
 WAITING_FOR_RESTART = "WaitingForRestart"
 UP_TO_DATE = "UpToDate"
+
+
+class LastTermination(TypedDict, total=False):
+    """How the last kernel ended, and how many quick deaths in a row led up to it."""
+
+    reason: str
+    exitCode: int | None
+    message: str
+    at: str
+    podUID: str  # the operator's: the pod that died (one record per pod)
+    quickDeaths: int
+    nextStartAt: str  # local mode's: when the crash-loop backoff ends
+
+
+class Status(TypedDict, total=False):
+    """A KernelSession's status, as the operator and local mode write it (the CRD's
+    status schema says the same for the API server)."""
+
+    phase: str
+    reason: str | None
+    message: str | None
+    observedGeneration: int
+    conditions: list[dict[str, Any]]
+    connection: dict[str, Any]  # transport, host, ports, secretName, generation: no key
+    kernelId: str | None
+    podName: str | None
+    podIP: str | None
+    serviceName: str
+    templateHash: str | None
+    startedAt: str | None
+    lastActivity: str
+    suspendedAt: str | None
+    expiresAt: str | None
+    restarts: int
+    lastTermination: LastTermination
 
 
 def stamp(t: float | None = None) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 
+from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time
 from mcp_forge.errors import (
@@ -76,7 +77,7 @@ def _kernel_of(session: KernelSession) -> tuple[Any, Any]:
 def _backoff_left(session: KernelSession) -> float | None:
     """Seconds until a session in a crash-loop backoff starts its kernel again, if it is."""
     status = session.status
-    if (status.get("phase"), status.get("reason")) != ("Restarting", "CrashLoopBackOff"):
+    if (status.get("phase"), status.get("reason")) != (st.RESTARTING, st.CRASH_LOOP_BACKOFF):
         return None
     at = parse_time((status.get("lastTermination") or {}).get("nextStartAt"))
     return None if at is None else max(0.0, at - time.time())
@@ -129,8 +130,8 @@ class Gateway:
             raise
         self._forget(namespace, name, keep=session.uid)
         phase = session.status.get("phase")
-        if phase in ("Failed", "Terminating", "Pending", "Expired") or (
-            phase == "Suspended" and session.status.get("reason") != "Idle"
+        if phase in (st.FAILED, st.TERMINATING, st.PENDING, st.EXPIRED) or (
+            phase == st.SUSPENDED and session.status.get("reason") != st.IDLE
         ):
             why = session.status.get("message") or session.status.get("reason") or ""
             raise SessionNotReady(f"session {name!r} is {phase}" + (f": {why}" if why else ""))
@@ -143,7 +144,7 @@ class Gateway:
         )
 
     async def _connect(self, handle: _Handle, session: KernelSession) -> KernelConnection:
-        current = handle.kernel == _kernel_of(session) and session.status.get("phase") == "Ready"
+        current = handle.kernel == _kernel_of(session) and session.status.get("phase") == st.READY
         if handle.conn is not None and current:
             return handle.conn
         self._drop(handle)
@@ -154,7 +155,7 @@ class Gateway:
             # for it rather than fail (a real crash loop then dies again, and says so).
             await asyncio.sleep(wait)
             session = await self.runtime.refresh(session)
-        if session.status.get("phase") != "Ready":
+        if session.status.get("phase") != st.READY:
             raise SessionNotReady(
                 f"session {session.name!r} is {session.status.get('phase')}: "
                 f"{session.status.get('message', '')}"
@@ -503,7 +504,7 @@ class Gateway:
         except ForgeError as exc:
             message += f" Restarting the kernel failed: {exc}"
         else:
-            if after.status.get("phase") == "Ready":
+            if after.status.get("phase") == st.READY:
                 message += " It was restarted: all variables are lost (workspace files are kept)."
             else:
                 phase, policy = after.status.get("phase"), session.spec.restart_policy

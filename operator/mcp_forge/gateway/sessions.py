@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcp_forge.api import kernelsession
+from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.errors import ForgeError, InvalidRequest, InvalidSession, SessionNotFound
 from mcp_forge.image.kernel import VARIANTS, image_ref
@@ -216,7 +217,7 @@ class SessionService:
             except SessionNotFound:
                 pass  # culled or closed: make a new one
             else:
-                if session.status.get("phase") != "Failed":
+                if session.status.get("phase") != st.FAILED:
                     return session
                 await self._delete_quietly(session)
         session = await self.create(client, SessionRequest())

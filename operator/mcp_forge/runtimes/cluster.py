@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mcp_forge.api import kernelsession
+from mcp_forge.api import status as st
 from mcp_forge.api.connection import (
     BRIDGE_PORT,
     CONNECTION_FILE_IN_POD,
@@ -168,12 +169,12 @@ class KubernetesRuntime:
         and wake a session suspended for idleness (that is what a use does)."""
         fresh = await self.get(session.name, session.namespace)
         phase, reason = fresh.status.get("phase"), fresh.status.get("reason")
-        if phase == "Ready" or not restart:
+        if phase == st.READY or not restart:
             return fresh
-        if phase == "Suspended" and reason == "Idle":
+        if phase == st.SUSPENDED and reason == st.IDLE:
             self._renewed.pop((fresh.namespace, fresh.name), None)  # renew now, whatever
             await self.record_activity(fresh)
-        elif phase not in ("Pending", "Starting", "Restarting"):
+        elif phase not in (st.PENDING, st.STARTING, st.RESTARTING):
             return fresh
         return await self._wait_ready(fresh.namespace, fresh.name, lambda s: True, uid=fresh.uid)
 
@@ -264,10 +265,10 @@ class KubernetesRuntime:
             status = session.status
             generation = body["metadata"].get("generation")
             current = status.get("observedGeneration") == generation
-            if current and status.get("phase") == "Ready" and also(session):
+            if current and status.get("phase") == st.READY and also(session):
                 return session
-            if (current and status.get("phase") in ("Failed", "Expired")) or (
-                status.get("phase") == "Suspended" and status.get("reason") != "Idle"
+            if (current and status.get("phase") in (st.FAILED, st.EXPIRED)) or (
+                status.get("phase") == st.SUSPENDED and status.get("reason") != st.IDLE
             ):
                 raise SessionNotReady(
                     f"session {name!r} is {status.get('phase')}: {status.get('message', '')}"

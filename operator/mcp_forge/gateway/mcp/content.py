@@ -9,6 +9,7 @@ from typing import Literal
 
 from mcp_types import CallToolResult, ContentBlock, ImageContent, TextContent
 
+from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.gateway.mcp.models import ExecuteOutput, FileRead, SessionInfo
 from mcp_forge.jupyter.execution import ExecutionResult
@@ -23,7 +24,7 @@ def session_info(
     status = session.status
     return SessionInfo(
         session_id=session.name,
-        phase=str(status.get("phase", "Pending")),
+        phase=str(status.get("phase", st.PENDING)),
         image=session.spec.image,
         memory=session.spec.memory,
         cpu=session.spec.cpu,

@@ -114,12 +114,12 @@ def _state_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, mode=0o700)
     except FileExistsError:
-        st = path.stat()
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        found = path.stat()
+        if found.st_uid != os.geteuid() or found.st_mode & 0o077:
             raise InvalidSession(
                 f"the state directory {path} must be owned by uid {os.geteuid()} with mode "
-                f"0700 (it holds kernel keys); it is uid {st.st_uid}, mode "
-                f"{oct(st.st_mode & 0o777)}. Fix it (chmod 700) or set MCPFORGE_STATE_DIR"
+                f"0700 (it holds kernel keys); it is uid {found.st_uid}, mode "
+                f"{oct(found.st_mode & 0o777)}. Fix it (chmod 700) or set MCPFORGE_STATE_DIR"
             ) from None
 
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.errors import ForgeError
 from mcp_forge.runtimes.local.runtime import LocalRuntime
@@ -40,8 +41,8 @@ async def supervise_once(runtime: LocalRuntime) -> list[str]:
     stale = [
         s
         for s in (await runtime.list() if running is not None else [])
-        if s.status.get("phase") not in ("Suspended", "Expired")
-        and (s.status.get("phase") != "Ready" or runtime.container_name(s) not in (running or ()))
+        if s.status.get("phase") not in (st.SUSPENDED, st.EXPIRED)
+        and (s.status.get("phase") != st.READY or runtime.container_name(s) not in (running or ()))
     ]
     async with asyncio.TaskGroup() as group:
         for session in stale:
