@@ -1,8 +1,9 @@
-"""Code that runs inside the kernel, sent by the gateway.
+"""Code that runs inside the kernel's container, sent as its source.
 
-Each module here is a real module (linted, typed, tested), whose source the gateway
-reads with importlib.resources and runs silently in the kernel in a namespace of its
-own; its settings reach it as globals of that namespace.
+Each module here is a real module (linted, typed, tested), whose source is read with
+importlib.resources: the gateway runs the helpers, the guard and code mode's modules
+silently in the kernel, each in a namespace of its own, its settings reaching it as
+globals of that namespace; the renderer puts probe.py into a cluster pod's startupProbe.
 """
 
 from __future__ import annotations
