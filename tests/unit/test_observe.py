@@ -43,6 +43,12 @@ def test_a_running_kernel_that_has_not_answered_yet_is_starting() -> None:
     assert (seen.phase, seen.ready, seen.reason) == ("Starting", False, "KernelStarting")
 
 
+def test_a_kernel_s_start_is_when_it_answered_which_idleness_counts_from() -> None:
+    answered = {"type": "ContainersReady", "status": "True", "lastTransitionTime": "T2"}
+    seen = observe(session(), pod({"running": {"startedAt": "T1"}}, conditions=[answered]))
+    assert (seen.phase, seen.started_at) == ("Ready", "T2")
+
+
 def test_a_running_kernel_is_ready_with_its_ip_and_start() -> None:
     seen = observe(session(), pod({"running": {"startedAt": "2026-11-29T10:00:00Z"}}))
     assert (seen.phase, seen.ready, seen.pod_ip) == ("Ready", True, "10.1.2.3")

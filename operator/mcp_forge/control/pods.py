@@ -67,7 +67,17 @@ def observe(session: KernelSession, pod: Mapping[str, Any] | None) -> Observatio
         if not _kernel_status(pod).get("ready"):
             why = "the kernel runs; it has not answered yet"
             return Observation(st.STARTING, "KernelStarting", why, None, None, pod_ip)
-        started = (state.get("running") or {}).get("startedAt")
+        # startedAt is when the kernel answered (idleness counts from it): the pod's
+        # ContainersReady transition, else (an older kubelet) when the process started.
+        answered = next(
+            (
+                c.get("lastTransitionTime")
+                for c in status.get("conditions") or []
+                if c.get("type") == "ContainersReady" and c.get("status") == "True"
+            ),
+            None,
+        )
+        started = answered or (state.get("running") or {}).get("startedAt")
         return Observation(st.READY, st.KERNEL_READY, "the kernel answered", None, started, pod_ip)
     if "terminated" in state:
         ended = state.get("terminated") or {}
