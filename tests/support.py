@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, Self
 
+from mcp_forge.api import kernelsession
 from mcp_forge.errors import ForgeError
 
 log = logging.getLogger(__name__)
@@ -181,3 +182,14 @@ def release_state_dir(state_dir: Path) -> None:
         with contextlib.suppress(OSError):
             subprocess.run(["umount", "-l", target], check=False, capture_output=True)
     shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def kernel_session(**spec: Any) -> kernelsession.KernelSession:
+    """A validated KernelSession named demo (512Mi unless told), for tests of pure code."""
+    body = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": "demo"},
+        "spec": {"resources": {"memory": "512Mi"}, **spec},
+    }
+    return kernelsession.load(kernelsession.validate(body))

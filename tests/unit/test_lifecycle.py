@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from mcp_forge.api import kernelsession
 from mcp_forge.api import status as st
 from mcp_forge.api.status import Termination
 from mcp_forge.control.lifecycle import (
@@ -22,18 +21,9 @@ from mcp_forge.control.lifecycle import (
     stop_of,
 )
 from mcp_forge.control.pods import Observation
+from support import kernel_session as session
 
 T0 = 1_000_000.0  # the session's creation
-
-
-def session(**spec: Any) -> kernelsession.KernelSession:
-    body = {
-        "apiVersion": "mcpforge.dev/v1alpha1",
-        "kind": "KernelSession",
-        "metadata": {"name": "demo"},
-        "spec": {"resources": {"memory": "512Mi"}, **spec},
-    }
-    return kernelsession.load(kernelsession.validate(body))
 
 
 # spec, seconds since creation, seconds since the last use, busy for how long more

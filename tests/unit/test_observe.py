@@ -6,18 +6,8 @@ from typing import Any
 
 import pytest
 
-from mcp_forge.api import kernelsession
 from mcp_forge.control.pods import observe
-
-
-def session(**spec: Any) -> kernelsession.KernelSession:
-    body = {
-        "apiVersion": "mcpforge.dev/v1alpha1",
-        "kind": "KernelSession",
-        "metadata": {"name": "demo"},
-        "spec": {"resources": {"memory": "512Mi"}, **spec},
-    }
-    return kernelsession.load(kernelsession.validate(body))
+from support import kernel_session as session
 
 
 def pod(
