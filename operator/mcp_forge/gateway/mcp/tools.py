@@ -16,10 +16,10 @@ from typing import Annotated, Any, Literal, TypeVar
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import CallToolResult, ToolAnnotations
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
 from mcp_forge.api.kernelsession import KernelSession
-from mcp_forge.errors import ForgeError, InvalidRequest
+from mcp_forge.errors import ForgeError, InvalidRequest, InvalidSession
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.gateway.mcp.content import execution_result, file_result, session_info
 from mcp_forge.gateway.mcp.http import CLIENT_HEADER
@@ -81,6 +81,55 @@ def _tool_errors(fn: ToolFn) -> ToolFn:
             raise ToolError(str(exc)) from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+# mcp_servers as published: the SDK validates nothing of it (Any), so that anything else
+# gets _server_policies' error, which names the item, not pydantic's union report.
+_MCP_SERVERS_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "array",
+            "items": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {
+                        "type": "object",
+                        "properties": {"name": {"type": "string"}},
+                        "required": ["name"],
+                    },
+                ]
+            },
+        },
+        {"type": "null"},
+    ]
+}
+
+
+def _server_policies(value: Any) -> list[dict[str, Any]] | None:
+    """create_session's mcp_servers as spec.mcpServers: a plain name is that server with
+    the default policy; an object is passed on whole (the policy's own fields are checked
+    where spec.mcpServers is). Anything else is InvalidSession naming the item."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InvalidSession(
+            'must be a list of server names ("time") or objects with a name',
+            field="mcp_servers",
+        )
+    policies = []
+    for i, item in enumerate(value):
+        if isinstance(item, str) and item:
+            policies.append({"name": item})
+        elif isinstance(item, dict):
+            policies.append(item)
+        else:
+            got = "an empty string" if item == "" else type(item).__name__
+            raise InvalidSession(
+                'must be a server name ("time") or an object with a name '
+                f'({{"name": "time", "readOnly": true}}), got {got}',
+                field=f"mcp_servers[{i}]",
+            )
+    return policies
 
 
 class Tools:
@@ -171,13 +220,15 @@ class Tools:
             Field(description="Sessions with the same shared_group see one /shared directory."),
         ] = None,
         mcp_servers: Annotated[
-            list[dict[str, Any]] | None,
+            Any,
+            WithJsonSchema(_MCP_SERVERS_SCHEMA),
             Field(
                 description=(
                     "Code mode: upstream MCP servers code in this session may call through "
-                    "`import mcp_tools`, each {name, allow?: [glob], deny?: [glob], readOnly?: "
-                    "bool, callsPerExecution?: int, callsPerMinute?: int}; names are the "
-                    "gateway's configured servers. None: no upstream server."
+                    '`import mcp_tools`, each a name ("time": all its tools, the default '
+                    "policy) or {name, allow?: [glob], deny?: [glob], readOnly?: bool, "
+                    "callsPerExecution?: int, callsPerMinute?: int}; names are the gateway's "
+                    "configured servers. None: no upstream server."
                 )
             ),
         ] = None,
@@ -197,7 +248,7 @@ class Tools:
                 cpu=cpu,
                 env=env,
                 shared_group=shared_group,
-                mcp_servers=mcp_servers,
+                mcp_servers=_server_policies(mcp_servers),
             ),
         )
         return self._info(session, client)
