@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -125,9 +125,15 @@ def render(filename: str, target: str) -> None:
     "--wait/--no-wait", default=True, show_default=True, help="Wait until the kernel answers."
 )
 def apply(filename: str, wait: bool) -> None:
-    """Create or update KernelSessions (local mode)."""
+    """Create or update KernelSessions and KernelSessionPools (local mode).
+
+    A pool is filled before the command returns (with --wait); a running gateway keeps
+    refilling it as its kernels are claimed.
+    """
+    from mcp_forge.api import kernelsessionpool as ksp
+
     try:
-        bodies = kernelsession.parse_documents(_read(filename))
+        bodies = ksp.parse_resources(_read(filename))
     except ForgeError as exc:
         click.echo(f"error: {filename}: {exc}", err=True)
         sys.exit(1)
@@ -135,6 +141,14 @@ def apply(filename: str, wait: bool) -> None:
     async def go() -> None:
         rt = _local()
         for body in bodies:
+            if body["kind"] == ksp.KIND:
+                filled = await rt.pools.apply(body, wait=wait)
+                status = filled.pool.body.get("status") or {}
+                click.echo(
+                    f"kernelsessionpool/{filled.pool.name} {filled.action} "
+                    f"({status.get('ready', 0)}/{filled.pool.size} ready, {filled.seconds:.1f}s)"
+                )
+                continue
             done = await rt.apply(body, wait=wait)
             phase = done.session.status.get("phase", "")
             click.echo(
@@ -163,15 +177,23 @@ def _age(ts: str | None) -> str:
 def get(name: str | None, namespace: str | None, output: str) -> None:
     """Show KernelSessions, with their status checked against Podman."""
 
-    async def go() -> list[dict[str, Any]]:
-        rt = _local()
-        sessions = (
-            [await rt.get(name, namespace or "default")] if name else await rt.list(namespace)
-        )
-        # Observe only: a dead kernel is recorded, and restarted by its next use or the gateway.
-        return [(await rt.refresh(s, restart=False)).body for s in sessions]
+    from mcp_forge.api import kernelsessionpool as ksp
 
-    bodies = _run(go())
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        rt = _local()
+        if name:
+            sessions = [await rt.get(name, namespace or "default")]
+        else:  # a pool's unclaimed kernels are counted in its row, not listed
+            sessions = [
+                s
+                for s in await rt.list(namespace)
+                if ksp.LABEL_POOL not in (s.body["metadata"].get("labels") or {})
+            ]
+        # Observe only: a dead kernel is recorded, and restarted by its next use or the gateway.
+        found = [(await rt.refresh(s, restart=False)).body for s in sessions]
+        return found, [] if name else [p.body for p in rt.pools.all(namespace)]
+
+    bodies, pools = _run(go())
     if output == "yaml":
         click.echo(
             yaml.safe_dump(bodies[0] if name else {"items": bodies}, sort_keys=False), nl=False
@@ -191,16 +213,41 @@ def get(name: str | None, namespace: str | None, output: str) -> None:
                     _age(b["metadata"].get("creationTimestamp")),
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        for r in rows:
-            click.echo("   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        _table(rows)
+        if pools:
+            rows = [("POOL", "DESIRED", "READY", "CLAIMED", "AGE")]
+            for b in pools:
+                st = b.get("status", {})
+                rows.append(
+                    (
+                        b["metadata"]["name"],
+                        str(b["spec"]["size"]),
+                        str(st.get("ready", 0)),
+                        str(st.get("claimed", 0)),
+                        _age(b["metadata"].get("creationTimestamp")),
+                    )
+                )
+            click.echo("")
+            _table(rows)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
 @main.command()
 @click.argument("name")
 @click.option("-n", "--namespace", default="default")
 def delete(name: str, namespace: str) -> None:
-    """Delete a KernelSession, its pod and its files (local mode)."""
+    """Delete a KernelSession, its pod and its files; or, as pool/NAME, a
+    KernelSessionPool and its unclaimed kernels (claimed ones stay) (local mode)."""
+    kind, _, pool = name.partition("/")
+    if pool and kind in ("pool", "ksp", "kernelsessionpool"):
+        deleted = _run(_local().pools.delete(pool, namespace))
+        click.echo(f"kernelsessionpool/{pool} deleted ({deleted} unclaimed kernels)")
+        return
     _run(_local().delete(name, namespace))
     click.echo(f"kernelsession/{name} deleted")
 
@@ -407,6 +454,21 @@ def _endpoint(value: str) -> tuple[str, int]:
     default=10.0,
     show_default=True,
     help="Seconds between housekeeping passes (status, dead kernels, idle culling).",
+)
+@click.option(
+    "--pool",
+    default=None,
+    metavar="NAME",
+    help="Local mode: new sessions claim ready kernels of this KernelSessionPool "
+    "(mcp-forge apply one); the gateway keeps it filled.",
+)
+@click.option(
+    "--pool-size",
+    type=click.IntRange(0, 200),
+    default=2,
+    show_default=True,
+    help="Local mode, without --pool: kernels of the default image kept ready for new "
+    "sessions, in a pool of the gateway's own (deleted when it stops); 0 for none.",
 )
 def gateway(http: str | None, **options: Any) -> None:
     """Run the gateway: MCP for agents.

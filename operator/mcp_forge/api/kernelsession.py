@@ -40,27 +40,56 @@ MEMORY_MIN = 64 * 2**20
 CPU_MIN_MILLI = 50
 
 
-def _crd_text() -> str:
-    source = Path(__file__).resolve().parents[3] / "crds" / "kernelsession.yaml"
+def _crd_text(file: str) -> str:
+    source = Path(__file__).resolve().parents[3] / "crds" / file
     if source.is_file():
         return source.read_text()
-    return resources.files("mcp_forge").joinpath("data/kernelsession.yaml").read_text()
+    return resources.files("mcp_forge").joinpath(f"data/{file}").read_text()
 
 
 @functools.cache
-def crd() -> dict[str, Any]:
-    """The CustomResourceDefinition, as shipped in crds/kernelsession.yaml."""
-    loaded: dict[str, Any] = yaml.safe_load(_crd_text())
+def crd(file: str = "kernelsession.yaml") -> dict[str, Any]:
+    """A CustomResourceDefinition as shipped in crds/ (KernelSession's by default)."""
+    loaded: dict[str, Any] = yaml.safe_load(_crd_text(file))
     return loaded
 
 
 @functools.cache
-def _schema() -> dict[str, Any]:
+def _schema(file: str = "kernelsession.yaml") -> dict[str, Any]:
     schema: dict[str, Any] = copy.deepcopy(
-        crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        crd(file)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     )
     _make_strict(schema)
     return schema
+
+
+def check_schema(body: dict[str, Any], file: str) -> dict[str, Any]:
+    """Apply the CRD's structural defaults to `body` and validate it as the API server
+    would (unknown fields rejected); InvalidSession names the first offending field."""
+    schema = _schema(file)
+    body = _apply_defaults(body, schema)
+    validator = jsonschema.Draft7Validator(schema)
+    errors = sorted(validator.iter_errors(body), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        field, message = _describe(errors[0])
+        raise InvalidSession(message, field=field)
+    return body
+
+
+def check_name(meta: dict[str, Any], *, max_len: int, default_namespace: str) -> None:
+    """metadata.name and metadata.namespace of a resource (the namespace defaulted)."""
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidSession("required field missing", field="metadata.name")
+    if len(name) > max_len or not _NAME_RE.match(name):
+        raise InvalidSession(
+            f"{name!r} must be at most {max_len} characters of a-z, 0-9 and '-', "
+            "starting with a letter and ending with a letter or digit",
+            field="metadata.name",
+        )
+    namespace = meta.setdefault("namespace", default_namespace)
+    if not isinstance(namespace, str) or len(namespace) > 63 or not _NAME_RE.match(namespace):
+        raise InvalidSession(f"{namespace!r} is not a valid namespace", field="metadata.namespace")
 
 
 def _make_strict(node: dict[str, Any]) -> None:
@@ -174,6 +203,7 @@ class SessionSpec:
     idle_action: str = "Delete"
     max_lifetime: float = 0.0
     update_strategy: str = "OnRestart"
+    pool: str | None = None  # spec.poolRef.name: claim a ready kernel of this pool
 
 
 @dataclass(frozen=True)
@@ -209,27 +239,10 @@ def validate(obj: Any, *, default_namespace: str = "default") -> dict[str, Any]:
     meta = body.get("metadata")
     if not isinstance(meta, dict):
         raise InvalidSession("required field missing", field="metadata")
-    name = meta.get("name")
-    if not isinstance(name, str) or not name:
-        raise InvalidSession("required field missing", field="metadata.name")
-    if len(name) > NAME_MAX or not _NAME_RE.match(name):
-        raise InvalidSession(
-            f"{name!r} must be at most {NAME_MAX} characters of a-z, 0-9 and '-', "
-            "starting with a letter and ending with a letter or digit",
-            field="metadata.name",
-        )
-    namespace = meta.setdefault("namespace", default_namespace)
-    if not isinstance(namespace, str) or len(namespace) > 63 or not _NAME_RE.match(namespace):
-        raise InvalidSession(f"{namespace!r} is not a valid namespace", field="metadata.namespace")
+    check_name(meta, max_len=NAME_MAX, default_namespace=default_namespace)
     if body.get("spec") is None:
         body["spec"] = {}
-    schema = _schema()
-    body = _apply_defaults(body, schema)
-    validator = jsonschema.Draft7Validator(schema)
-    errors = sorted(validator.iter_errors(body), key=lambda e: list(map(str, e.absolute_path)))
-    if errors:
-        field, message = _describe(errors[0])
-        raise InvalidSession(message, field=field)
+    body = check_schema(body, "kernelsession.yaml")
     spec_of(body)  # the semantic rules
     validated: dict[str, Any] = body
     return validated
@@ -276,6 +289,7 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
         idle_action=spec["idleAction"],
         max_lifetime=parse_duration(spec["maxLifetime"], field="spec.maxLifetime"),
         update_strategy=spec["updateStrategy"],
+        pool=(spec.get("poolRef") or {}).get("name"),
     )
 
 

@@ -2,7 +2,7 @@
 
 Phases and the reasons the code decides on are named here once (plain strings: they
 go into YAML and JSON as they are). `conditions` is the one builder of the four
-conditions a session carries, on a cluster and locally alike: Ready (the kernel
+conditions a session always carries, on a cluster and locally alike: Ready (the kernel
 answered), UpdatePending, and Reconciling and Stalled, which Flux's kstatus reads.
 """
 
@@ -167,7 +167,7 @@ def conditions(
     def one(type_: str, value: bool, why: str, text: str) -> dict[str, Any]:
         return condition(old, type_, value, why, text, generation=generation, now=now)
 
-    return [
+    own = [
         one("Ready", phase == READY, reason, message),
         one(
             "UpdatePending",
@@ -183,3 +183,8 @@ def conditions(
         ),
         one("Stalled", stuck, reason if stuck else "NotStalled", message if stuck else "not stuck"),
     ]
+    # Conditions of other types (WarmStart) are kept as they are.
+    return own + [dict(c) for c in old or [] if c.get("type") not in _OWN]
+
+
+_OWN = frozenset({"Ready", "UpdatePending", "Reconciling", "Stalled"})

@@ -13,15 +13,19 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mcp_forge.errors import UpstreamError
+from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsessionpool as ksp
+from mcp_forge.errors import SessionNotFound, UpstreamError
 from mcp_forge.gateway.codemode.upstream import UpstreamPool, load_config
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.gateway.mcp.http import HttpServer, http_app
 from mcp_forge.gateway.mcp.server import build_server, serve_stdio
 from mcp_forge.gateway.mcp.tokens import load as load_tokens
-from mcp_forge.gateway.sessions import SessionService
+from mcp_forge.gateway.sessions import NAMESPACE, SessionService
+from mcp_forge.image.kernel import image_ref
 from mcp_forge.runtimes.local.runtime import LocalRuntime
 from mcp_forge.runtimes.local.supervisor import supervise
 
@@ -43,6 +47,8 @@ class GatewayOptions:
     mcp_processes_max: int | None  # code mode: the pool's default if None
     kubernetes: bool  # cluster mode
     cull_interval: float  # seconds between local housekeeping passes
+    pool: str | None = None  # local: new sessions claim kernels of this KernelSessionPool
+    pool_size: int = 2  # local, without --pool: the size of the gateway's own pool (0: none)
 
 
 async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
@@ -52,6 +58,7 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
     runtime: Runtime
     cluster: KubernetesRuntime | None = None
     local: LocalRuntime | None = None
+    own_pool: str | None = None
     if options.kubernetes:
         from mcp_forge.runtimes.cluster import KubernetesRuntime
 
@@ -60,6 +67,7 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
     else:
         runtime = local = LocalRuntime()
         service = SessionService(runtime, runtime.settings)
+        service.pool, own_pool = await _local_pool(local, options, service.gateway_id, say)
     configs = load_config(options.mcp_config) if options.mcp_config is not None else {}
     upstreams = UpstreamPool(configs)
     if options.mcp_processes_max is not None:
@@ -101,8 +109,9 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         housekeeping = asyncio.ensure_future(stop.wait())  # the operator keeps sessions
     else:
         assert local is not None
-        housekeeping = asyncio.ensure_future(
-            supervise(local, stop, interval=options.cull_interval, say=say)
+        housekeeping = asyncio.gather(
+            supervise(local, stop, interval=options.cull_interval, say=say),
+            local.pools.keep(stop, interval=options.cull_interval),
         )
     ended = asyncio.ensure_future(signalled.wait())
     try:
@@ -119,7 +128,10 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
             cluster.close()
             say("mcp-forge gateway stopped; its sessions keep running")
         else:
+            assert local is not None
             deleted = await service.cleanup()
+            if own_pool is not None:
+                await _delete_pool(local, own_pool)
             await gw.close()
             say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
         await upstreams.close()
@@ -141,3 +153,68 @@ async def _connect_upstreams(upstreams: UpstreamPool, say: Callable[[str], None]
             say(f"upstream MCP server {name}: {len(upstream.tools)} tools")
         except UpstreamError as exc:
             say(f"upstream MCP server {name}: {exc} (tried again when used)")
+
+
+# On the pool a local gateway makes for itself: which process it belongs to, so that a
+# gateway that died without cleaning up has its pool (and the kernels in it) deleted by
+# the next one.
+_POOL_PROCESS = "mcpforge.dev/gateway-process"
+
+
+async def _local_pool(
+    local: LocalRuntime, options: GatewayOptions, gateway_id: str, say: Callable[[str], None]
+) -> tuple[str | None, str | None]:
+    """The pool new sessions claim from, and the gateway's own pool if it made one.
+
+    With --pool, that KernelSessionPool, which must exist. Otherwise a pool of
+    --pool-size kernels of the default image and resources, named after this gateway,
+    filled in the background and deleted when it stops.
+    """
+    for pool in local.pools.all():
+        tag = (pool.body["metadata"].get("annotations") or {}).get(_POOL_PROCESS)
+        if isinstance(tag, str) and not _alive(tag):
+            say(f"deleting pool {pool.name}, left by a gateway that is gone")
+            await _delete_pool(local, pool.name, pool.namespace)
+    if options.pool is not None:
+        pool = local.pools.get(options.pool, NAMESPACE)  # SessionNotFound names it
+        say(f"new sessions claim kernels of pool {pool.name} (size {pool.size})")
+        return pool.name, None
+    if options.pool_size <= 0:
+        return None, None
+    name = f"gateway-{gateway_id[:8]}"
+    body = {
+        "apiVersion": kernelsession.API_VERSION,
+        "kind": ksp.KIND,
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "annotations": {_POOL_PROCESS: _process_tag(os.getpid())},
+        },
+        "spec": {"size": options.pool_size, "template": {"image": image_ref("default")}},
+    }
+    await local.pools.apply(body, wait=False)  # the keeper fills it
+    say(f"keeping {options.pool_size} kernels ready for new sessions (pool {name})")
+    return name, name
+
+
+async def _delete_pool(local: LocalRuntime, name: str, namespace: str = NAMESPACE) -> None:
+    with contextlib.suppress(SessionNotFound):
+        await local.pools.delete(name, namespace)
+
+
+def _process_tag(pid: int) -> str:
+    """pid:start time, which names one process even after its pid is reused."""
+    return f"{pid}:{_start_time(pid)}"
+
+
+def _start_time(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[-1].split()[19]  # field 22, after the command's parentheses
+
+
+def _alive(tag: str) -> bool:
+    pid, _, started = tag.partition(":")
+    return pid.isdigit() and bool(started) and _start_time(int(pid)) == started

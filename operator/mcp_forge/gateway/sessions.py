@@ -11,8 +11,9 @@ client) and the id of the gateway process that created it. A client sees and use
 
 A session the client may not use is reported exactly as one that does not exist.
 Created sessions get unguessable names (`s-` and 12 random hex digits) unless the client
-picks one; a client's shared group is its own (other clients' groups with the same
-name are different volumes). When the gateway stops, it deletes what it created.
+picks one, and claim a ready kernel of the gateway's pool when it serves their spec; a
+client's shared group is its own (other clients' groups with the same name are
+different volumes). When the gateway stops, it deletes what it created.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.errors import ForgeError, InvalidRequest, InvalidSession, SessionNotFound
@@ -91,6 +93,7 @@ class SessionService:
         self.settings = settings or Settings.from_env()
         self.namespace = namespace  # where this gateway's clients have their sessions
         self.mcp_servers: set[str] = set()  # code mode: the upstream servers configured
+        self.pool: str | None = None  # new sessions claim a kernel of this pool if it serves
         self.gateway_id = secrets.token_hex(8)
         self._defaults: dict[str, str] = {}  # owner → default session name
         self._create_lock = asyncio.Lock()
@@ -100,6 +103,8 @@ class SessionService:
         return owner_of(session) == client.owner
 
     def may_use(self, client: Client, session: KernelSession) -> bool:
+        if ksp.LABEL_POOL in (session.body["metadata"].get("labels") or {}):
+            return False  # a pool's kernel, not claimed yet: nobody's session
         owner = owner_of(session)
         if owner is not None:
             return owner == client.owner
@@ -161,6 +166,8 @@ class SessionService:
                     field="mcp_servers",
                 )
             spec["mcpServers"] = request.mcp_servers
+        if self.pool is not None:  # warm if the pool serves this spec, else cold (and why)
+            spec["poolRef"] = {"name": self.pool}
         draft: dict[str, Any] = {
             "apiVersion": kernelsession.API_VERSION,
             "kind": kernelsession.KIND,

@@ -81,6 +81,7 @@ def source_files() -> list[Path]:
         SOURCE / "pyproject.toml",
         SOURCE / "README.md",
         SOURCE / "crds" / "kernelsession.yaml",
+        SOURCE / "crds" / "kernelsessionpool.yaml",
     ]
     files += sorted(
         p for p in (SOURCE / "operator" / "mcp_forge").rglob("*")

@@ -45,6 +45,7 @@ from typing import Any
 import yaml
 
 from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.connection import (
     BRIDGE_DIR_IN_POD,
@@ -78,6 +79,7 @@ from mcp_forge.image.kernel import missing_image_message
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.runtimes.local import userns, volumes
 from mcp_forge.runtimes.local.containers import Containers, lifetime
+from mcp_forge.runtimes.local.pools import Pools
 from mcp_forge.runtimes.local.store import Claimed, Store
 from mcp_forge.sandbox import KERNEL_UID
 from mcp_forge.settings import Settings
@@ -131,6 +133,7 @@ class LocalRuntime:
         _state_dir(self.settings.state_dir)
         self.store = Store(self.settings.store_path)
         self.containers = Containers(self.store, self.settings)
+        self.pools = Pools(self)
 
     # ---- paths and locks -----------------------------------------------------------------
 
@@ -153,7 +156,13 @@ class LocalRuntime:
         )
 
     def pod_name(self, session: KernelSession) -> str:
-        return podman_pod_name(session.namespace, session.name)
+        """The session's pod: the one it was started in, as stored (a claimed kernel's is
+        the pool's name for it), or the one it would be started in."""
+        try:
+            status = self.store.get(session.namespace, session.name).get("status") or {}
+        except SessionNotFound:
+            status = {}
+        return str(status.get("podName") or podman_pod_name(session.namespace, session.name))
 
     def container_name(self, session: KernelSession) -> str:
         return f"{self.pod_name(session)}-{CONTAINER}"
@@ -174,6 +183,13 @@ class LocalRuntime:
             return KERNEL_UID, KERNEL_UID
         return idmap["uid"] + KERNEL_UID, idmap["gid"] + KERNEL_UID
 
+    def lock_path(self, session: KernelSession) -> Path:
+        return self._dir(session) / "lock"
+
+    def locked(self, session: KernelSession) -> contextlib.AbstractAsyncContextManager[None]:
+        """The session's lock (see _locked)."""
+        return self._locked(session)
+
     @contextlib.asynccontextmanager
     async def _locked(self, session: KernelSession, *, create: bool = False) -> AsyncIterator[None]:
         """Hold the session's lock file, so two processes never realize it at once.
@@ -184,7 +200,7 @@ class LocalRuntime:
         if create:
             base.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
-            fd = os.open(base / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fd = os.open(self.lock_path(session), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except FileNotFoundError:
             raise SessionNotFound(f"no KernelSession {session.name!r}") from None
         try:
@@ -247,11 +263,20 @@ class LocalRuntime:
         except SessionNotFound:
             current = None
         if current is None:
+            claim = await self.pools.claim(body) if body["spec"].get("poolRef") else None
+            if claim is not None and claim.session is not None:  # WarmStart is set
+                return Applied(
+                    await self.get(claim.session.name, claim.session.namespace),
+                    "created",
+                    time.monotonic() - started,
+                )
             meta.update(uid=str(uuid.uuid4()), creationTimestamp=stamp(), generation=1)
             body["status"] = {"phase": st.PENDING, "restarts": 0}
-            await self._check_image(body["spec"]["image"])
+            await self.check_image(body["spec"]["image"])
             self.store.create(body, new_key())
             session = kernelsession.load(body)
+            if claim is not None:
+                self.set_warm_start(session, False, claim.reason, claim.message)
             async with self._locked(session, create=True):
                 if session.spec.operating_mode == "Suspended":
                     await self._stop_locked(session, *_USER_SUSPENDED)
@@ -279,7 +304,7 @@ class LocalRuntime:
                         time.monotonic() - started,
                     )
                 return Applied(session, "unchanged", time.monotonic() - started)
-            await self._check_image(body["spec"]["image"])
+            await self.check_image(body["spec"]["image"])
             needs_pod = _pod_spec(current["spec"]) != _pod_spec(body["spec"])
             current["spec"] = body["spec"]
             current["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
@@ -316,7 +341,7 @@ class LocalRuntime:
             f"a session named {meta.get('name')!r} exists already", field="metadata.name"
         )
 
-    async def _check_image(self, image: str) -> None:
+    async def check_image(self, image: str) -> None:
         done = await podman.run("image", "exists", image, check=False)
         if done.returncode != 0:
             raise ImageError(missing_image_message(image))
@@ -398,7 +423,8 @@ class LocalRuntime:
         (self._dir(session) / "pod.yaml").write_text(manifest)
         # A restart keeps the death's reason and message until the new kernel is ready.
         cleared = {"reason": None, "message": None} if phase == st.STARTING else {}
-        self._patch(session, phase=phase, podName=self.pod_name(session), **cleared)
+        pod = podman_pod_name(session.namespace, session.name)
+        self._patch(session, phase=phase, podName=pod, **cleared)
         try:
             await self._mount(session)
             await podman.run(
@@ -485,12 +511,7 @@ class LocalRuntime:
             conn.close()
         if ready.done() and not ready.cancelled() and ready.exception() is None:
             self._seal(session)
-            self._patch(
-                session,
-                phase=st.READY,
-                reason=st.KERNEL_READY,
-                message="the kernel answered",
-            )
+            self.mark_ready(session, "the kernel answered")
             return
         if died.done() and not died.cancelled() and died.exception() is None:
             term = died.result()
@@ -499,6 +520,31 @@ class LocalRuntime:
             )
         exc = ready.exception() if ready.done() and not ready.cancelled() else died.exception()
         raise exc if exc is not None else SessionNotReady("the kernel did not start")
+
+    def mark_ready(self, session: KernelSession, message: str) -> None:
+        self._patch(session, phase=st.READY, reason=st.KERNEL_READY, message=message)
+
+    def set_warm_start(self, session: KernelSession, warm: bool, reason: str, message: str) -> None:
+        """Condition WarmStart: whether the session claimed a pooled kernel, and why not."""
+        with contextlib.suppress(SessionNotFound):
+            body = self.store.get(session.namespace, session.name)
+            old = (body.get("status") or {}).get("conditions") or []
+            new = st.condition(
+                old,
+                ksp.WARM_START,
+                warm,
+                reason,
+                message,
+                generation=int(body["metadata"].get("generation", 1)),
+                now=stamp(),
+            )
+            kept = [c for c in old if c.get("type") != ksp.WARM_START]
+            self.store.patch_status(session.namespace, session.name, {"conditions": [*kept, new]})
+
+    async def restart_cold(self, session: KernelSession) -> None:
+        """A new pod for the session, from its own spec (a claim that went wrong)."""
+        await self._remove_pod(session)
+        await self._realize(session, wait=True)
 
     def _fail(self, session: KernelSession, reason: str, message: str) -> None:
         self._patch(
@@ -533,11 +579,19 @@ class LocalRuntime:
     async def delete(self, name: str, namespace: str = "default") -> None:
         session = await self.get(name, namespace)
         async with self._locked(session):
-            self._patch(session, phase=st.TERMINATING)
-            await self._remove_pod(session)
-            await self._unmount(session)
-            self.store.delete(namespace, name)
-            await asyncio.to_thread(shutil.rmtree, self._dir(session), True)
+            # Re-read: a pool's kernel may have been claimed (renamed) while we waited.
+            current = self.store.get(namespace, name)
+            if current["metadata"].get("uid") != session.uid:
+                raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+            await self.delete_locked(session)
+
+    async def delete_locked(self, session: KernelSession) -> None:
+        """Delete a session whose lock is held: its pod, filesystems, row and directory."""
+        self._patch(session, phase=st.TERMINATING)
+        await self._remove_pod(session)
+        await self._unmount(session)
+        self.store.delete(session.namespace, session.name)
+        await asyncio.to_thread(shutil.rmtree, self._dir(session), True)
 
     async def _unmount(self, session: KernelSession) -> None:
         """Unmount the session's filesystems (their loop devices go with them)."""
@@ -600,7 +654,10 @@ class LocalRuntime:
         if phase not in (st.READY, st.STARTING, st.RESTARTING):
             return session
         term = await self.termination(session)
-        if term is None:
+        if term is None and phase == st.STARTING and session.status.get("reason") == ksp.CLAIMED:
+            if restart:  # a claim whose process went away before it was done
+                await self.pools.finish(session)
+        elif term is None:
             if phase != st.READY and restart:  # a process that was starting it went away
                 await self.wait_ready(session)
         elif session.spec.restart_policy == "Never":

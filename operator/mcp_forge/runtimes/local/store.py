@@ -1,13 +1,15 @@
 """The local store: KernelSessions kept on disk in SQLite, as a cluster would keep them.
 
 One row per session: the whole object (metadata, spec, status) as JSON, plus its
-connection key, which never appears in the object. Writes are transactions, so a
-crash never leaves half an object; SQLite's locking lets the CLI and a running
-gateway share the file.
+connection key, which never appears in the object. KernelSessionPools have a table of
+their own; their kernels are sessions labelled with the pool until one is claimed.
+Writes are transactions, so a crash never leaves half an object; SQLite's locking lets
+the CLI and a running gateway share the file.
 """
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import sqlite3
@@ -25,6 +27,14 @@ CREATE TABLE IF NOT EXISTS sessions (
     body TEXT NOT NULL,
     key TEXT NOT NULL,
     private TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (namespace, name)
+)
+"""
+_POOLS = """
+CREATE TABLE IF NOT EXISTS pools (
+    namespace TEXT NOT NULL,
+    name TEXT NOT NULL,
+    body TEXT NOT NULL,
     PRIMARY KEY (namespace, name)
 )
 """
@@ -54,6 +64,7 @@ class Store:
             db.close()
         with self._db() as tx:
             tx.execute(_SCHEMA)
+            tx.execute(_POOLS)
 
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
@@ -201,6 +212,90 @@ class Store:
     def delete(self, namespace: str, name: str) -> None:
         with self._db() as db:
             db.execute("DELETE FROM sessions WHERE namespace=? AND name=?", (namespace, name))
+
+    def take(
+        self,
+        namespace: str,
+        name: str,
+        claimable: Callable[[dict[str, Any]], bool],
+        make: Callable[[dict[str, Any]], dict[str, Any]],
+    ) -> dict[str, Any] | None:
+        """A pool's kernel becomes a session: if the stored `name` is still `claimable`,
+        its row takes the body `make` builds from it (a new name; the key and the
+        bookkeeping stay), in one transaction. None if it was claimable no longer;
+        InvalidSession if the new name is taken."""
+        with self._db() as db:
+            row = db.execute(
+                "SELECT body FROM sessions WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+            if row is None or not claimable(json.loads(row[0])):
+                return None
+            body = make(json.loads(row[0]))
+            new = body["metadata"]["name"]
+            try:
+                db.execute(
+                    "UPDATE sessions SET name=?, body=? WHERE namespace=? AND name=?",
+                    (new, json.dumps(body), namespace, name),
+                )
+            except sqlite3.IntegrityError:
+                raise InvalidSession(
+                    f"a KernelSession named {new!r} exists already", field="metadata.name"
+                ) from None
+        return body
+
+    # ---- KernelSessionPools ----------------------------------------------------------------
+
+    def put_pool(self, body: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        with self._db() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO pools (namespace, name, body) VALUES (?, ?, ?)",
+                (meta["namespace"], meta["name"], json.dumps(body)),
+            )
+
+    def get_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
+        with self._db() as db:
+            row = db.execute(
+                "SELECT body FROM pools WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def list_pools(self, namespace: str | None = None) -> builtins.list[dict[str, Any]]:
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT body FROM pools WHERE ? IS NULL OR namespace=? ORDER BY namespace, name",
+                (namespace, namespace),
+            ).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def patch_pool_status(
+        self,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        *,
+        add: dict[str, int] | None = None,
+    ) -> None:
+        """Merge `patch` into the pool's status and add `add` to its counters, at once."""
+        with self._db() as db:
+            row = db.execute(
+                "SELECT body FROM pools WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+            if row is None:
+                return
+            body = json.loads(row[0])
+            status = body.setdefault("status", {})
+            _merge(status, patch)
+            for k, n in (add or {}).items():
+                status[k] = int(status.get(k) or 0) + n
+            db.execute(
+                "UPDATE pools SET body=? WHERE namespace=? AND name=?",
+                (json.dumps(body), namespace, name),
+            )
+
+    def delete_pool(self, namespace: str, name: str) -> None:
+        with self._db() as db:
+            db.execute("DELETE FROM pools WHERE namespace=? AND name=?", (namespace, name))
 
 
 def _merge(into: dict[str, Any], patch: dict[str, Any]) -> None:

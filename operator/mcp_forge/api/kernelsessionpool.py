@@ -1,0 +1,186 @@
+"""The KernelSessionPool resource: kernels started ahead of time, claimed by sessions.
+
+A pool keeps `spec.size` kernels started from `spec.template` and answering, each in its
+own pod with its own key. A KernelSession that names the pool (`spec.poolRef`) takes one
+of them instead of starting a pod: a warm start. The template holds what a running pod
+cannot change (image, resources, workspace size, network); a session is served by the
+pool when its own values of those fields are the same. The rest of its spec (env,
+mcpServers, idleTimeout, ...) is given to the claimed kernel, or needs nothing of the pod.
+
+`unservable` says why a session cannot be served (a cold start, and condition WarmStart
+says so); like the CRD (crds/kernelsessionpool.yaml), everything here is pure.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from mcp_forge.api import kernelsession as ks
+from mcp_forge.errors import InvalidSession
+
+KIND = "KernelSessionPool"
+PLURAL = "kernelsessionpools"
+CRD_FILE = "kernelsessionpool.yaml"
+NAME_MAX = 31  # its kernels are named <pool>-<8 hex digits>, within KernelSession's 40
+
+# On a pooled kernel (a KernelSession locally, a pod on a cluster): the pool it belongs
+# to while unclaimed, and the template it was started with.
+LABEL_POOL = "mcpforge.dev/pool"
+LABEL_TEMPLATE = "mcpforge.dev/pool-template"
+# On a session that claimed one: the pool it came from (kept after the claim).
+ANNOTATION_CLAIMED_FROM = "mcpforge.dev/claimed-from"
+
+TEMPLATE_FIELDS = ("image", "resources", "workspace", "network")
+# Environment variables read only when the interpreter or the C library starts: set on
+# an already running kernel they would change nothing, so they need a cold start.
+_STARTUP_ENV = re.compile(r"^(PYTHON|LD_|MALLOC_|GLIBC_|LC_|LANG$|TZ$)")
+
+# Condition WarmStart: True when the session claimed a pooled kernel; else why not.
+WARM_START = "WarmStart"
+CLAIMED = "Claimed"
+POOL_NOT_FOUND = "PoolNotFound"
+POOL_MISMATCH = "PoolMismatch"
+POOL_EXHAUSTED = "PoolExhausted"
+CLAIM_FAILED = "ClaimFailed"
+
+
+@dataclass(frozen=True)
+class KernelSessionPool:
+    name: str
+    namespace: str
+    uid: str
+    size: int
+    max_starting: int
+    template: dict[str, Any]  # image, resources, workspace, network, defaults applied
+    body: dict[str, Any]
+
+    @property
+    def template_hash(self) -> str:
+        text = json.dumps(self.template, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def validate(obj: Any, *, default_namespace: str = "default") -> dict[str, Any]:
+    """Validate a KernelSessionPool object; return a copy with defaults applied."""
+    if not isinstance(obj, dict):
+        raise InvalidSession("a KernelSessionPool must be a mapping", field="(root)")
+    if obj.get("apiVersion") != ks.API_VERSION:
+        raise InvalidSession(
+            f"must be {ks.API_VERSION}, got {obj.get('apiVersion')!r}", field="apiVersion"
+        )
+    body = copy.deepcopy(obj)
+    meta = body.get("metadata")
+    if not isinstance(meta, dict):
+        raise InvalidSession("required field missing", field="metadata")
+    ks.check_name(meta, max_len=NAME_MAX, default_namespace=default_namespace)
+    body = ks.check_schema(body, CRD_FILE)
+    # The template's values must make a valid KernelSession (quantities, minimums).
+    try:
+        ks.spec_of(ks.check_schema(_session_draft(body, "x"), "kernelsession.yaml"))
+    except InvalidSession as exc:
+        field = exc.field or ""
+        text = str(exc).removeprefix(f"{field}: ")
+        raise InvalidSession(text, field=field.replace("spec.", "spec.template.", 1)) from None
+    return body
+
+
+def load(body: dict[str, Any]) -> KernelSessionPool:
+    meta, spec = body["metadata"], body["spec"]
+    template = {k: copy.deepcopy(spec["template"][k]) for k in TEMPLATE_FIELDS}
+    return KernelSessionPool(
+        name=meta["name"],
+        namespace=meta.get("namespace", "default"),
+        uid=meta.get("uid", ""),
+        size=int(spec["size"]),
+        max_starting=int(spec.get("maxStarting", 2)),
+        template=template,
+        body=body,
+    )
+
+
+def _session_draft(pool_body: dict[str, Any], name: str) -> dict[str, Any]:
+    meta = pool_body["metadata"]
+    return {
+        "apiVersion": ks.API_VERSION,
+        "kind": ks.KIND,
+        "metadata": {"name": name, "namespace": meta.get("namespace", "default")},
+        "spec": copy.deepcopy(pool_body["spec"].get("template") or {}),
+    }
+
+
+def member_body(pool: KernelSessionPool, name: str) -> dict[str, Any]:
+    """The KernelSession a pooled kernel is (local mode): the template, never culled."""
+    body = _session_draft(pool.body, name)
+    body["metadata"]["labels"] = {LABEL_POOL: pool.name, LABEL_TEMPLATE: pool.template_hash}
+    body["spec"].update(idleTimeout="0", maxLifetime="0", restartPolicy="Always")
+    return ks.validate(body)
+
+
+def unservable(pool: KernelSessionPool, spec: dict[str, Any]) -> str:
+    """Why the pool cannot serve a session of this (validated) spec; "" if it can."""
+    for field in TEMPLATE_FIELDS:
+        want, have = spec.get(field), pool.template.get(field)
+        if want != have:
+            return (
+                f"spec.{field} is {_show(want)} but pool {pool.name!r} starts its kernels "
+                f"with {_show(have)}"
+            )
+    if spec.get("sharedGroup"):
+        return "spec.sharedGroup needs a /shared volume in the pod, which pooled kernels lack"
+    for var in spec.get("env") or []:
+        if _STARTUP_ENV.match(str(var.get("name", ""))):
+            return (
+                f"spec.env {var['name']} takes effect only when the interpreter starts, "
+                "so it cannot be given to a running kernel"
+            )
+    if spec.get("operatingMode") == "Suspended":
+        return "spec.operatingMode is Suspended: there is no kernel to claim"
+    return ""
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(", ", ": "))
+
+
+def claim_env(session: ks.KernelSession) -> dict[str, str]:
+    """What a claimed kernel's environment gains: the session's env and its name."""
+    env = {e.name: e.value for e in session.spec.env}
+    env["MCPFORGE_SESSION"] = session.name
+    return env
+
+
+def claim_program(env: dict[str, str]) -> str:
+    """Silent code that sets the claimed kernel's environment, leaving no name behind.
+
+    The values are Python literals made by repr, which round-trips every str exactly;
+    nothing the kernel sends back is evaluated.
+    """
+    return f"__import__('os').environ.update({env!r})"
+
+
+def parse_resources(text: str) -> list[dict[str, Any]]:
+    """The KernelSessions and KernelSessionPools in a YAML stream, each validated by
+    its kind; empty documents are skipped."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise InvalidSession(f"not valid YAML: {exc}") from exc
+    if not docs:
+        raise InvalidSession("no KernelSession or KernelSessionPool in the input")
+    out = []
+    for i, doc in enumerate(docs):
+        try:
+            kind = doc.get("kind") if isinstance(doc, dict) else None
+            out.append(validate(doc) if kind == KIND else ks.validate(doc))
+        except InvalidSession as exc:
+            if len(docs) > 1:
+                raise InvalidSession(f"document {i + 1}: {exc}") from exc
+            raise
+    return out

@@ -1,0 +1,153 @@
+"""The KernelSessionPool resource (api/kernelsessionpool.py, crds/kernelsessionpool.yaml):
+validation, the template it serves, and the code that gives a claimed kernel its env."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from mcp_forge.api import kernelsession as ks
+from mcp_forge.api import kernelsessionpool as ksp
+from mcp_forge.errors import InvalidSession
+
+
+def pool(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSessionPool",
+        "metadata": {"name": "warm"},
+        "spec": {"size": 2, **spec},
+    }
+
+
+def session_spec(**spec: Any) -> dict[str, Any]:
+    body = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": "s"},
+        "spec": {"poolRef": {"name": "warm"}, **spec},
+    }
+    validated: dict[str, Any] = ks.validate(body)["spec"]
+    return validated
+
+
+def test_the_template_has_the_kernelsession_schema_of_each_field_it_holds() -> None:
+    session = ks.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    pools = ks.crd(ksp.CRD_FILE)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    template = pools["properties"]["spec"]["properties"]["template"]["properties"]
+    assert set(template) == set(ksp.TEMPLATE_FIELDS)
+    for field in ksp.TEMPLATE_FIELDS:
+        assert template[field] == session["properties"]["spec"]["properties"][field], field
+
+
+def test_defaults_are_applied_and_the_template_defaults_to_a_default_session() -> None:
+    body = ksp.validate(pool())
+    loaded = ksp.load(body)
+    assert (loaded.size, loaded.max_starting) == (2, 2)
+    assert loaded.template == {k: session_spec()[k] for k in ksp.TEMPLATE_FIELDS}
+    assert ksp.unservable(loaded, session_spec()) == ""
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "says"),
+    [
+        ({"size": -1}, "spec.size", "minimum"),
+        ({"size": "2"}, "spec.size", "type integer"),
+        ({"template": {"resources": {"memory": "lots"}}}, "spec.template.resources.memory", ""),
+        ({"template": {"resources": {"memory": "32Mi"}}}, "spec.template.resources.memory", "64"),
+        ({"template": {"env": []}}, "spec.template.env", "unknown field"),
+        ({"replicas": 2}, "replicas", "unknown field"),
+    ],
+)
+def test_a_bad_pool_is_refused_naming_the_field(
+    spec: dict[str, Any], field: str, says: str
+) -> None:
+    body = pool()
+    body["spec"].update(spec)
+    with pytest.raises(InvalidSession) as caught:
+        ksp.validate(body)
+    assert caught.value.field is not None and caught.value.field.endswith(field)
+    assert says in str(caught.value)
+
+
+def test_a_pool_name_leaves_room_for_its_kernels_names() -> None:
+    body = pool()
+    body["metadata"]["name"] = "p" * 32
+    with pytest.raises(InvalidSession, match="at most 31"):
+        ksp.validate(body)
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ({"image": "localhost/other:1"}, "spec.image"),
+        ({"resources": {"memory": "2Gi"}}, "spec.resources"),
+        ({"resources": {"pids": 512}}, "spec.resources"),
+        ({"workspace": {"size": "5Gi"}}, "spec.workspace"),
+        ({"network": {"egress": "All"}}, "spec.network"),
+        ({"sharedGroup": "team"}, "sharedGroup"),
+        ({"env": [{"name": "PYTHONPATH", "value": "/w"}]}, "PYTHONPATH"),
+        ({"env": [{"name": "LD_PRELOAD", "value": "x.so"}]}, "LD_PRELOAD"),
+        ({"operatingMode": "Suspended"}, "Suspended"),
+    ],
+)
+def test_what_a_pool_cannot_serve_is_named(spec: dict[str, Any], says: str) -> None:
+    why = ksp.unservable(ksp.load(ksp.validate(pool())), session_spec(**spec))
+    assert says in why
+
+
+def test_what_is_given_at_claim_time_is_served() -> None:
+    spec = session_spec(
+        env=[{"name": "API_TOKEN", "value": "x"}, {"name": "OMP_NUM_THREADS", "value": "1"}],
+        idleTimeout="5m",
+        mcpServers=[{"name": "time"}],
+        restartPolicy="Never",
+        maxLifetime="1h",
+    )
+    assert ksp.unservable(ksp.load(ksp.validate(pool())), spec) == ""
+
+
+def test_a_template_change_changes_the_hash_and_a_reordering_does_not() -> None:
+    a = ksp.load(ksp.validate(pool(template={"resources": {"memory": "1Gi", "cpu": "1"}})))
+    b = ksp.load(ksp.validate(pool(template={"resources": {"cpu": "1", "memory": "1Gi"}})))
+    c = ksp.load(ksp.validate(pool(template={"resources": {"memory": "2Gi"}})))
+    assert a.template_hash == b.template_hash != c.template_hash
+
+
+def test_a_member_is_the_template_never_culled_and_labelled() -> None:
+    loaded = ksp.load(ksp.validate(pool()))
+    member = ksp.member_body(loaded, "warm-0123abcd")
+    assert member["metadata"]["labels"] == {
+        ksp.LABEL_POOL: "warm",
+        ksp.LABEL_TEMPLATE: loaded.template_hash,
+    }
+    assert (member["spec"]["idleTimeout"], member["spec"]["maxLifetime"]) == ("0", "0")
+    assert {k: member["spec"][k] for k in ksp.TEMPLATE_FIELDS} == loaded.template
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["plain", "quote ' and \" both", "back\\slash\\", "new\nline", "emoji 😀 and é"],
+)
+def test_the_claim_program_sets_each_value_exactly(value: str) -> None:
+    env = {"GIVEN": value, "MCPFORGE_SESSION": "s"}
+    code = ksp.claim_program(env) + "\nimport os, json; print(json.dumps(os.environ['GIVEN']))"
+    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, check=True)
+    assert json.loads(out.stdout) == value
+
+
+def test_resources_of_both_kinds_are_parsed_from_one_stream() -> None:
+    text = (
+        "apiVersion: mcpforge.dev/v1alpha1\nkind: KernelSessionPool\n"
+        "metadata: {name: warm}\nspec: {size: 1}\n---\n"
+        "apiVersion: mcpforge.dev/v1alpha1\nkind: KernelSession\n"
+        "metadata: {name: s}\nspec: {poolRef: {name: warm}}\n"
+    )
+    kinds = [b["kind"] for b in ksp.parse_resources(text)]
+    assert kinds == ["KernelSessionPool", "KernelSession"]
+    with pytest.raises(InvalidSession, match="document 2"):
+        ksp.parse_resources(text.replace("poolRef: {name: warm}", "poolRef: {}"))
