@@ -193,7 +193,7 @@ async def test_a_service_of_our_own_starts_answers_and_stops(tmp_path: Path) -> 
     binary = podman.podman_binary()
     assert binary is not None
     path = Path("/run/mcp-forge") / f"test-{uuid.uuid4().hex[:8]}.sock"
-    service = await podman_api.start_service(path, binary=binary)
+    service = await podman_api.start_service(path, binary=binary, timeout=120)
     try:
         api = PodmanApi(path, timeout=30, owned=service)
         assert await api.inspect_container(f"no-such-{uuid.uuid4().hex[:8]}") is None
@@ -208,4 +208,4 @@ async def test_a_service_that_cannot_start_says_why(tmp_path: Path) -> None:
     fake.write_text("#!/bin/sh\necho 'no API service here' >&2\nexit 3\n")
     fake.chmod(0o755)
     with pytest.raises(PodmanError, match=r"did not start.*no API service here"):
-        await podman_api.start_service(tmp_path / "p.sock", binary=str(fake))
+        await podman_api.start_service(tmp_path / "p.sock", binary=str(fake), timeout=120)
