@@ -193,3 +193,29 @@ def kernel_session(**spec: Any) -> kernelsession.KernelSession:
         "spec": {"resources": {"memory": "512Mi"}, **spec},
     }
     return kernelsession.load(kernelsession.validate(body))
+
+
+def pod_of(state_dir: Path, session_id: str, namespace: str = "default") -> str:
+    """The Podman pod a local session runs in, as its status says: a session that claimed
+    a pool's kernel keeps the pod the pool named (`mcpforge-<ns>-<pool>-<hex>`)."""
+    from mcp_forge.runtimes.local.store import Store
+
+    status = Store(state_dir / "store.db").get(namespace, session_id).get("status") or {}
+    return str(status.get("podName") or f"mcpforge-{namespace}-{session_id}")
+
+
+async def pods() -> set[str]:
+    """The names of every Podman pod on the machine."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        ["podman", "pod", "ls", "--format", "{{.Name}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return set(done.stdout.split())
+
+
+def gateway_pools(names: set[str]) -> set[str]:
+    """Those of `names` that are kernels of a local gateway's own pool."""
+    return {n for n in names if n.startswith("mcpforge-default-gateway-")}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 import signal
 import socket
@@ -22,6 +23,8 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import TextContent
+
+from support import pod_of, pods
 
 pytestmark = pytest.mark.podman
 
@@ -159,14 +162,6 @@ def text(result: Any) -> str:
 
 def session_ids(result: Any) -> list[str]:
     return [s["session_id"] for s in result.structured_content["sessions"]]
-
-
-async def pod_exists(session_id: str) -> bool:
-    done = await asyncio.to_thread(
-        subprocess.run, ["podman", "pod", "exists", f"mcpforge-default-{session_id}"]
-    )
-    assert done.returncode in (0, 1), done
-    return done.returncode == 0
 
 
 @pytest.mark.parametrize(
@@ -323,11 +318,13 @@ async def test_sigterm_deletes_the_sessions_it_created_and_exits_0(
             )
             assert not made.is_error and not ran.is_error, (text(made), text(ran))
         created = [made.structured_content["session_id"], ran.structured_content["session_id"]]
-        for sid in created:
-            assert await pod_exists(sid), sid
+        made_pods = [pod_of(state_dir, sid) for sid in created]  # one may be a pool's
+        assert set(made_pods) <= await pods()
+        (pool,) = re.findall(r"\(pool (gateway-[0-9a-f]+)\)", "".join(gw.log))
         assert await stop(gw) == 0, "".join(gw.log)
-    for sid in created:
-        assert not await pod_exists(sid), sid
+    assert not set(made_pods) & await pods()
+    # The gateway's own pool went with it: no kernel of it is left.
+    assert not [p for p in await pods() if p.startswith(f"mcpforge-default-{pool}-")]
 
 
 async def test_a_shared_group_is_a_clients_own(http_gateway: HttpGateway) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from support import gateway_pools, pods
+
 pytestmark = pytest.mark.podman
 
 GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
@@ -94,6 +96,7 @@ async def test_the_inspector_lists_the_eleven_tools_with_portable_schemas(
 async def test_the_inspector_runs_code_and_gets_its_value_back(
     inspector: str, state_dir: Path
 ) -> None:
+    before = await pods()
     called = await inspect(
         inspector,
         state_dir,
@@ -103,9 +106,8 @@ async def test_the_inspector_runs_code_and_gets_its_value_back(
     assert called["structuredContent"]["status"] == "ok"
     assert called["structuredContent"]["result"]["data"]["text/plain"] == "42"
     assert "[result]\n42" in [c["text"] for c in called["content"] if c["type"] == "text"]
-    # The gateway deleted the default session it made when the Inspector closed stdin.
+    # The gateway deleted the default session it made when the Inspector closed stdin,
+    # and the kernels of its own pool.
     session_id = called["structuredContent"]["session_id"]
-    exists = await asyncio.to_thread(
-        subprocess.run, ["podman", "pod", "exists", f"mcpforge-default-{session_id}"]
-    )
-    assert exists.returncode == 1, session_id
+    assert f"mcpforge-default-{session_id}" not in await pods()
+    assert not gateway_pools(await pods() - before)

@@ -19,6 +19,8 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp_types import ImageContent, TextContent
 
+from support import gateway_pools, pod_of, pods
+
 pytestmark = pytest.mark.podman
 
 GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
@@ -215,15 +217,16 @@ async def test_bad_arguments_get_a_clear_tool_error_and_the_gateway_stays_up(
 
 
 async def test_stdin_eof_leaves_no_pods_behind(state_dir) -> None:
+    before = await pods()
     async with gateway(state_dir) as c:
         r = await c.call_tool("execute_code", {"code": "1"})
         made = await c.call_tool("create_session", {"variant": "minimal"})
         names = [r.structured_content["session_id"], made.structured_content["session_id"]]
-    for name in names:
-        exists = await asyncio.to_thread(
-            subprocess.run, ["podman", "pod", "exists", f"mcpforge-default-{name}"]
-        )
-        assert exists.returncode == 1, name
+        made_pods = {pod_of(state_dir, name) for name in names}  # one may be a pool's
+        assert made_pods <= await pods()
+    # Neither session's pod, nor any kernel of the gateway's own pool, is left.
+    assert not made_pods & await pods()
+    assert not gateway_pools(await pods() - before)
 
 
 async def test_a_declared_session_is_usable_by_name_and_left_alone_at_exit(

@@ -129,9 +129,10 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
             say("mcp-forge gateway stopped; its sessions keep running")
         else:
             assert local is not None
-            deleted = await service.cleanup()
-            if own_pool is not None:
-                await _delete_pool(local, own_pool)
+            # At once: a stdio client gives its server about 2 s after closing stdin.
+            deleted, _ = await asyncio.gather(
+                service.cleanup(), _delete_pool(local, own_pool) if own_pool else _nothing()
+            )
             await gw.close()
             say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
         await upstreams.close()
@@ -195,6 +196,10 @@ async def _local_pool(
     await local.pools.apply(body, wait=False)  # the keeper fills it
     say(f"keeping {options.pool_size} kernels ready for new sessions (pool {name})")
     return name, name
+
+
+async def _nothing() -> None:
+    return None
 
 
 async def _delete_pool(local: LocalRuntime, name: str, namespace: str = NAMESPACE) -> None:
