@@ -20,7 +20,9 @@ LOG_FORWARD_MAX = 100_000  # characters of stream output sent as log messages pe
 
 
 class _Informer:
-    """One call's notifications: output gathered by on_stream, sent by run()."""
+    """One call's notifications: output gathered by on_stream, sent by run(), which starts
+    with the first output or when the first progress is due, whichever comes first (most
+    calls end before either, and then cost no task)."""
 
     def __init__(self, ctx: Context, total: float) -> None:
         self.ctx = ctx
@@ -28,6 +30,13 @@ class _Informer:
         self.pending: list[tuple[str, str]] = []
         self.arrived = asyncio.Event()
         self.forwarded = 0
+        self.started = time.monotonic()
+        self.task: asyncio.Task[None] | None = None
+        self.timer = asyncio.get_running_loop().call_later(1, self._start)
+
+    def _start(self) -> None:
+        if self.task is None:
+            self.task = asyncio.create_task(self.run(self.started))
 
     def on_stream(self, name: str, text: str) -> None:
         if self.forwarded < LOG_FORWARD_MAX:
@@ -35,6 +44,14 @@ class _Informer:
             self.forwarded += len(piece)
             self.pending.append((name, piece))
             self.arrived.set()
+            self._start()
+
+    async def stop(self) -> None:
+        self.timer.cancel()
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
 
     async def run(self, started: float) -> None:
         last_progress = started
@@ -68,10 +85,7 @@ async def keeping_informed(ctx: Context, total: float) -> AsyncIterator[Callable
     """Notify the client of ctx until the block ends; yields the `on_stream(name, text)`
     callback to hand to the gateway. `total` is the call's timeout, the progress total."""
     informer = _Informer(ctx, total)
-    task = asyncio.create_task(informer.run(time.monotonic()))
     try:
         yield informer.on_stream
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await informer.stop()
