@@ -6,7 +6,9 @@ In one run, medians (and p90) of:
   * the `1+1` round trip: the SDK client over stdio and over streamable HTTP to
     `mcp-forge gateway` (kernel in a Podman pod), next to jupyter-client straight to a
     bare local ipykernel, and next to a direct MCP call of a tool that does nothing
-    (list_sessions), which is the MCP transport's own cost;
+    (list_sessions), which is the MCP transport's own cost; the two calls alternate, so a
+    change in the machine's load falls on both. The last rows are what execute_code
+    costs beyond the kernel's round trip and a tool call (issue 12 asks for < 0.5 ms);
   * create_session to Ready, next to a bare local ipykernel's start.
 The machines are shared and noisy: compare ratios, not absolute numbers.
 """
@@ -60,7 +62,10 @@ async def measure(client: Client, runs: int, creates: int) -> dict[str, list[flo
     made = await client.call_tool("create_session", {"variant": "minimal"})
     sid = made.structured_content["session_id"]
     await execute()
-    result = {"execute": await timed(execute, runs), "noop": await timed(noop, runs)}
+    result: dict[str, list[float]] = {"execute": [], "noop": []}
+    for _ in range(runs):  # interleaved, so that the machine's load drifts on both alike
+        result["execute"] += await timed(execute, 1)
+        result["noop"] += await timed(noop, 1)
     create = []
     for _ in range(creates):
         t = time.perf_counter()
@@ -121,6 +126,14 @@ async def main(runs: int, creates: int) -> None:
     for label, xs in rows:
         m, p = stats(xs)
         print(f"{label:44}{m * 1000:>8.2f}{p * 1000:>8.2f}{m / bm:>8.2f}x")
+    # The MCP layer's own cost of execute_code: what it adds to the kernel's round trip
+    # (bare) beyond what any tool call costs (list_sessions), in ms.
+    for name, d in (("stdio", stdio), ("HTTP", over_http)):
+        em, nm = stats(d["execute"])[0], stats(d["noop"])[0]
+        print(
+            f"{'MCP ' + name + ': execute_code - bare - list_sessions':44}"
+            f"{(em - bm - nm) * 1000:>8.2f}"
+        )
     (cm, c90), (sm, s90) = stats(stdio["create"]), stats(bare_starts)
     print(
         f"\n{'start to ready, s (n=' + str(creates) + ')':44}{'median':>8}{'p90':>8}{'vs bare':>9}"
