@@ -11,6 +11,7 @@ from mcp_types import CallToolResult, ContentBlock, ImageContent, TextContent
 
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.kernelsessionpool import WARM_START
 from mcp_forge.gateway.mcp.models import ExecuteOutput, FileRead, SessionInfo
 from mcp_forge.jupyter.execution import ExecutionResult
 
@@ -22,6 +23,7 @@ def session_info(
 ) -> SessionInfo:
     """What a client is told about a session."""
     status = session.status
+    warm = next((c for c in status.get("conditions") or [] if c.get("type") == WARM_START), {})
     return SessionInfo(
         session_id=session.name,
         phase=str(status.get("phase", st.PENDING)),
@@ -34,6 +36,8 @@ def session_info(
         restarts=int(status.get("restarts", 0)),
         execution_count=execution_count,
         owned=owned,
+        start="warm" if warm.get("status") == "True" else "cold",
+        start_reason=warm.get("message") if warm.get("status") == "False" else None,
     )
 
 

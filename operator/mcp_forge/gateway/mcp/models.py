@@ -21,6 +21,9 @@ class SessionInfo(BaseModel):
     execution_count: int | None = None
     memory_bytes: int | None = None
     owned: bool = True
+    # warm: it claimed a kernel a pool had ready (tens of ms); cold: a new pod was started.
+    start: Literal["warm", "cold"] = "cold"
+    start_reason: str | None = None  # why it started cold, when a pool was asked
 
 
 class SessionList(BaseModel):

@@ -233,7 +233,9 @@ class Tools:
             ),
         ] = None,
     ) -> SessionInfo:
-        """Create a new isolated Python session and wait until its kernel is ready (~1-2 s).
+        """Create a new isolated Python session and wait until its kernel is ready: tens of
+        milliseconds when the gateway has a kernel of that image and resources ready
+        (start "warm"), about a second otherwise (start "cold", start_reason says why).
 
         Returns its session_id (pass it to the other tools) and limits. The session keeps
         its variables and /workspace files until closed, restarted, or idle for its idle
