@@ -209,3 +209,18 @@ async def test_a_service_that_cannot_start_says_why(tmp_path: Path) -> None:
     fake.chmod(0o755)
     with pytest.raises(PodmanError, match=r"did not start.*no API service here"):
         await podman_api.start_service(tmp_path / "p.sock", binary=str(fake), timeout=120)
+
+
+async def test_the_runtime_s_image_check_and_logs_through_the_api(
+    runtime, make_session, images
+) -> None:
+    session = await runtime.get(await make_session())
+    name = runtime.container_name(session)
+    assert await runtime.containers.image_exists(images["minimal"])
+    assert not await runtime.containers.image_exists(f"localhost/none:{uuid.uuid4().hex[:8]}")
+    # The kernel writes to its log as it starts; both ways read the same lines.
+    by_api = await runtime.containers.logs(name, 200)
+    done = await podman.run("logs", "--tail", "200", name)
+    by_cli = (done.stdout.decode(errors="replace") + done.stderr).split()
+    assert set(by_api.split()) <= set(by_cli)
+    assert "no container" in await runtime.containers.logs(f"none-{uuid.uuid4().hex[:8]}")

@@ -50,6 +50,17 @@ class Containers:
             names.update(n for n in row.get("Names") or [] if isinstance(n, str))
         return names
 
+    async def image_exists(self, image: str) -> bool:
+        """Is the image in Podman's store? (~5 ms; `podman image exists` ~70 ms)"""
+        return await (await self.api()).image_exists(image)
+
+    async def logs(self, name: str, lines: int = 20) -> str:
+        """The container's last lines, stdout and stderr in order, at most 1500 characters."""
+        text = await (await self.api()).logs(name, tail=lines, limit=6000)
+        if text is None:
+            return f"(no container {name})"
+        return text.strip()[-1500:]
+
     async def deaths(self, *, subscribed: Callable[[], None] | None = None) -> AsyncIterator[Event]:
         """Kernel containers that died or were removed, as Podman reports them (about
         0.2 s after the fact here), for ever; an Event with `resync` after the stream was
