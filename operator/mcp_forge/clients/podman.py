@@ -3,7 +3,7 @@
 Local mode reaches Podman two ways. clients/podman_api.py (podman-py against the API
 service) answers the small questions, and its event stream tells deaths; this module
 runs `podman` for the rest. Measured side by side (tests/bench/bench_podman.py, 10 runs,
-shared 2-core host, medians):
+shared 2-core host, medians; a second run gave 17-32x, 1.2x, 0.6x and 215 ms):
 
     operation                 CLI       API      CLI/API
     inspect                   119 ms    7.0 ms   17x
@@ -11,8 +11,8 @@ shared 2-core host, medians):
     image exists               71 ms    4.5 ms   16x
     logs --tail 20             76 ms    3.4 ms   22x
     kube play (same YAML)     484 ms    451 ms   1.1x   (Podman's own work dominates)
-    pod rm -f -t 0            217 ms    480 ms   0.5x   (API: kill + DELETE; p90 3.5 s)
-    death noticed        ~5 s       192 ms           (the supervisor's `podman ps` every
+    pod rm -f -t 0            217 ms    480 ms   0.5x   (API: kill + DELETE)
+    death noticed            ~5 s    192 ms           (the supervisor's `podman ps` every
                                                       10 s; back to back 152 ms, at a
                                                       process per 0.1 s; `podman events`
                                                       262 ms: the same file-event stream)
@@ -22,8 +22,9 @@ So the CLI stays for:
   seccomp-profile-root parameter, and the pod needs --userns=auto:uidmapping=… and our
   seccomp profile root. (Its create time would not move anyway: 1.1x.)
 - `pod rm -f -t 0`: 4.3.1's DELETE /pods has no stop timeout; kill + forced delete was
-  no faster and had multi-second outliers (3 in 16 runs), and POST /pods/NAME/stop?t=0
-  made the service drop the connection.
+  slower (0.5x and 0.6x of the CLI's median in two runs; both ways have multi-second
+  outliers, Podman's own), and POST /pods/NAME/stop?t=0 made the service drop the
+  connection.
 - `podman wait` while a kernel starts: a cancellable process; the API's wait would hold
   a pool thread that nothing can cancel.
 - image import and tagging (image/), and `podman info` in doctor: once per build.
