@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 REPLACED = "it was restarted while the call ran (a new kernel process answers)"
 OUTPUT_FILES_KEPT = 20
+BUSY_FROM_START = 10.0  # seconds: a session culled sooner after its last use is busy at once
 _WRITE_CHUNK = 1_000_000
 
 StreamCallback = Callable[[str, str], None]
@@ -122,12 +123,18 @@ class Gateway:
             self._drop(handle)
         self._handles.clear()
 
-    async def _session(self, name: str, namespace: str) -> KernelSession:
-        try:
-            session = await self.runtime.get(name, namespace)
-        except SessionNotFound:
-            self._forget(namespace, name)  # deleted elsewhere: close what we held
-            raise
+    async def _session(
+        self, name: str, namespace: str, *, read: KernelSession | None = None
+    ) -> KernelSession:
+        """The session, ready to take work; `read` is one the caller has just read."""
+        if read is not None:
+            session = read
+        else:
+            try:
+                session = await self.runtime.get(name, namespace)
+            except SessionNotFound:
+                self._forget(namespace, name)  # deleted elsewhere: close what we held
+                raise
         self._forget(namespace, name, keep=session.uid)
         phase = session.status.get("phase")
         if phase in (st.FAILED, st.TERMINATING, st.PENDING, st.EXPIRED) or (
@@ -294,15 +301,19 @@ class Gateway:
         timeout: float | None = None,
         namespace: str = "default",
         on_stream: StreamCallback | None = None,
+        read: KernelSession | None = None,
     ) -> ExecutionResult:
         """Run `code` in the session's kernel. Errors of the code are in the result.
+
+        `read` is the session as the caller has just read it (the MCP tool has, to check
+        who may use it): it is not read again.
 
         `on_stream(name, text)` is called with stdout/stderr text as it arrives. If the
         caller is cancelled, the kernel is interrupted (and restarted if it does not
         stop) before the cancellation goes on.
         """
         seconds = self.check_code(code, timeout)
-        session = await self._session(name, namespace)
+        session = await self._session(name, namespace, read=read)
         handle = self._handle(session)
         async with handle.lock:
             conn = await self._connect(handle, session)
@@ -314,7 +325,12 @@ class Gateway:
                 data_budget=s.data_budget,
                 on_stream=on_stream,
             )
-            await self._record_activity(handle, session, busy=True)
+            # A call is activity. It is marked busy (a lease the culler honours) once it has
+            # run a heartbeat interval (in _run), or from its start when the idle timeout is
+            # so short that a quick call could outlast it: a burst of short calls then
+            # writes the store once per activity_interval, not twice per call.
+            idle = session.spec.idle_timeout
+            await self._record_activity(handle, session, busy=0 < idle < BUSY_FROM_START)
             if handle.bridge is not None:
                 handle.bridge.new_execution()
             try:

@@ -330,6 +330,7 @@ class Tools:
                 timeout=limit,
                 namespace=session.namespace,
                 on_stream=on_stream,
+                read=session,  # just read, to check who may use it: not read again
             )
         return execution_result(session.name, result)
 
