@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CLAIM_TIMEOUT = 10.0  # the claimed kernel answers the environment's silent execute
+# A ready kernel whose lock is held (a refresh reads its container: milliseconds) is
+# waited for this long, in steps, when no other ready kernel is free.
+LOCK_PATIENCE = 1.0
+_LOCK_STEP = 0.005
 
 
 @dataclass(frozen=True)
@@ -301,8 +305,10 @@ class Pools:
             return Claim(None, ksp.POOL_MISMATCH, f"{why}: started cold")
         members = self.members(pool)
         ready = [m for m in members if self._fresh(pool, m) and m.status.get("phase") == st.READY]
-        for member in ready:
-            session = await self._take(pool, member, body)
+        tried: list[str] = []
+        for member in ready + ready:  # a second round waits for a lock held meanwhile
+            session = await self._take(pool, member, body, wait=member.name in tried)
+            tried.append(member.name)
             if session is not None:
                 self.store.patch_pool_status(namespace, name, {}, add={"claims": 1})
                 self._write_status(pool)
@@ -319,18 +325,20 @@ class Pools:
         )
 
     async def _take(
-        self, pool: KernelSessionPool, member: KernelSession, body: dict[str, Any]
+        self, pool: KernelSessionPool, member: KernelSession, body: dict[str, Any], *, wait: bool
     ) -> KernelSession | None:
-        """Claim `member` for `body` (None if another claim, a fill or a delete has it)."""
+        """Claim `member` for `body` (None if another claim, a fill or a delete has it).
+
+        Its lock is taken at once, or with `wait` within LOCK_PATIENCE: never behind
+        whatever long thing (a restart) its holder may be doing.
+        """
         lock = self.runtime.lock_path(member)
         try:
             fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not await _lock_within(fd, LOCK_PATIENCE if wait else 0.0):
                 return None  # being refreshed, deleted or claimed: try the next one
 
             def claimable(stored: dict[str, Any]) -> bool:
@@ -400,3 +408,20 @@ class Pools:
                 raise SessionNotReady(f"the kernel refused it ({result.status})")
         finally:
             conn.close()
+
+
+async def _lock_within(fd: int, patience: float) -> bool:
+    """Take an exclusive flock on `fd` if it is free now or within `patience` seconds.
+
+    flock has no timeout, and a thread blocked in it cannot be called back; polling
+    without blocking, in small steps, bounds the wait and leaves nothing behind.
+    """
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+        await asyncio.sleep(_LOCK_STEP)

@@ -342,8 +342,7 @@ class LocalRuntime:
         )
 
     async def check_image(self, image: str) -> None:
-        done = await podman.run("image", "exists", image, check=False)
-        if done.returncode != 0:
+        if not await self.containers.image_exists(image):
             raise ImageError(missing_image_message(image))
 
     def _prepare_dirs(self, session: KernelSession, info: ConnectionInfo) -> HostPaths:
@@ -570,11 +569,7 @@ class LocalRuntime:
                 return term
 
     async def logs(self, session: KernelSession, lines: int = 20) -> str:
-        done = await podman.run(
-            "logs", "--tail", str(lines), self.container_name(session), check=False
-        )
-        text = done.stdout[-4000:].decode(errors="replace") + done.stderr[-2000:]
-        return text.strip()[-1500:]
+        return await self.containers.logs(self.container_name(session), lines)
 
     async def delete(self, name: str, namespace: str = "default") -> None:
         session = await self.get(name, namespace)
