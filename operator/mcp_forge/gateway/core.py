@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 REPLACED = "it was restarted while the call ran (a new kernel process answers)"
 OUTPUT_FILES_KEPT = 20
-BUSY_FROM_START = 10.0  # seconds: a session culled sooner after its last use is busy at once
+BUSY_FROM_START = 10.0  # seconds: the margin past activity_interval (see execute)
 _WRITE_CHUNK = 1_000_000
 
 StreamCallback = Callable[[str, str], None]
@@ -326,11 +326,13 @@ class Gateway:
                 on_stream=on_stream,
             )
             # A call is activity. It is marked busy (a lease the culler honours) once it has
-            # run a heartbeat interval (in _run), or from its start when the idle timeout is
-            # so short that a quick call could outlast it: a burst of short calls then
-            # writes the store once per activity_interval, not twice per call.
+            # run a heartbeat interval (in _run); from its start only when the session could
+            # be culled before then: its lastActivity may be up to activity_interval old, so
+            # an idle timeout within that plus a margin is marked at once. A burst of short
+            # calls then writes the store once per activity_interval, not twice per call.
             idle = session.spec.idle_timeout
-            await self._record_activity(handle, session, busy=0 < idle < BUSY_FROM_START)
+            soon = self.settings.activity_interval + BUSY_FROM_START
+            await self._record_activity(handle, session, busy=0 < idle < soon)
             if handle.bridge is not None:
                 handle.bridge.new_execution()
             try:

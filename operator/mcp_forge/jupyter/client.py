@@ -176,15 +176,21 @@ class KernelConnection:
 
     @property
     def shell(self) -> zmq.asyncio.Socket:
-        return self._channels["shell"]
+        return self._channel("shell")
 
     @property
     def control(self) -> zmq.asyncio.Socket:
-        return self._channels["control"]
+        return self._channel("control")
 
     @property
     def iopub(self) -> zmq.asyncio.Socket:
-        return self._channels["iopub"]
+        return self._channel("iopub")
+
+    def _channel(self, name: str) -> zmq.asyncio.Socket:
+        try:
+            return self._channels[name]
+        except KeyError:  # closed (the gateway dropped it) while a call still settled
+            raise SessionNotReady("the connection to the kernel was closed") from None
 
     def _open(self, channel: str) -> None:
         """Open `channel`'s socket, closing the one it had."""

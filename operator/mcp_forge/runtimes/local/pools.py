@@ -41,7 +41,6 @@ from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.kernelsessionpool import KernelSessionPool
 from mcp_forge.errors import ForgeError, SessionNotFound, SessionNotReady
 from mcp_forge.jupyter.client import KernelConnection
-from mcp_forge.jupyter.execution import Collector
 
 if TYPE_CHECKING:
     from mcp_forge.runtimes.local.runtime import LocalRuntime
@@ -395,17 +394,18 @@ class Pools:
         """The session's environment, set in its claimed kernel by a silent execute."""
         key = self.store.key(session.namespace, session.name)
         info = ConnectionInfo("ipc", self.runtime.host_paths(session).run + "/kernel", key)
-        conn = KernelConnection(info, max_frame=100_000, max_message=1_000_000)
+        conn = KernelConnection(info, max_frame=100_000, max_message=100_000)
         try:
-            collector = Collector("", budget=10_000, spool_max=0, data_budget=0)
-            await conn.before_request()
+            # The shell reply alone says how it went: a silent execute broadcasts nothing
+            # we need, so no IOPub subscription is waited for.
             code = ksp.claim_program(ksp.claim_env(session))
-            collector.msg_id = conn.send_execute(code, silent=True, store_history=False)
-            if not await conn.pump(collector, CLAIM_TIMEOUT):
+            msg_id = conn.send_execute(code, silent=True, store_history=False)
+            reply = await conn.reply(conn.shell, msg_id, CLAIM_TIMEOUT)
+            if reply is None:
                 raise SessionNotReady(f"no answer in {CLAIM_TIMEOUT:.0f}s")
-            result = collector.finish(duration=0)
-            if result.status != "ok":
-                raise SessionNotReady(f"the kernel refused it ({result.status})")
+            status = reply["content"].get("status")
+            if status != "ok":
+                raise SessionNotReady(f"the kernel refused it ({str(status)[:40]})")
         finally:
             conn.close()
 
