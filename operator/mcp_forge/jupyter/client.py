@@ -355,11 +355,20 @@ class KernelConnection:
 
     # ---- requests ----------------------------------------------------------------------
 
-    async def wait_ready(self, timeout: float, *, retry: float = 2.0) -> dict[str, Any]:
+    async def wait_ready(
+        self, timeout: float, *, retry: float = 2.0, iopub: float = 0.1
+    ) -> dict[str, Any]:
         """Wait until the kernel answers kernel_info and IOPub carries its status.
 
         The request is sent again every `retry` seconds: a kernel that was starting
-        when the first one left may not have seen it.
+        when the first one left may not have seen it. It is sent again, too, when its
+        status has not crossed IOPub within `iopub` seconds of the reply: the kernel
+        publishes that status (busy) before it replies, so a status still missing by
+        then was almost always dropped, our subscription not having reached the kernel
+        yet (a kernel that answers within milliseconds of binding its sockets, as ours
+        do in a pod); a status that was only late costs one more request. Waiting a
+        second for a dropped status was a one-second tail on such starts
+        (tests/bench/profile_cold.py counts them).
         """
         deadline = time.monotonic() + timeout
         async with self._control_lock:
@@ -374,7 +383,7 @@ class KernelConnection:
                 self.kernel_session = got["header"].get("session")
                 with contextlib.suppress(ChannelDropped):  # asked again on the next turn
                     left = max(deadline - time.monotonic(), 0)
-                    if await self._iopub_has(msg_id, min(1.0, left)):
+                    if await self._iopub_has(msg_id, min(iopub, left)):
                         self._subscribed = True
                         return self.kernel_info
         raise SessionNotReady(f"the kernel did not answer kernel_info within {timeout:.0f}s")
