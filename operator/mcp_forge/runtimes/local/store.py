@@ -59,8 +59,12 @@ class Store:
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        os.close(fd)
+        # Made 0600 if new. Never open and close an existing one here: closing any
+        # descriptor of the file drops every POSIX lock this process holds on it,
+        # those of a connection of ours included, and another process could then write
+        # under its feet (https://sqlite.org/howtocorrupt.html, 2.2).
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
         # WAL: readers never wait for a writer, and a commit is one fsync of the log.
         db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
         try:
