@@ -102,6 +102,7 @@ class Gateway:
         )
         self._handles: dict[tuple[str, str, str], _Handle] = {}
         self._guard_code = guard_program(self.settings)
+        self._preparing: set[asyncio.Task[None]] = set()
 
     def _handle(self, session: KernelSession) -> _Handle:
         key = (session.namespace, session.name, session.uid)
@@ -119,9 +120,28 @@ class Gateway:
                 del self._handles[key]
 
     async def close(self) -> None:
+        for task in self._preparing:
+            task.cancel()
+        await asyncio.gather(*self._preparing, return_exceptions=True)
         for handle in self._handles.values():
             self._drop(handle)
         self._handles.clear()
+
+    def prepare(self, session: KernelSession) -> None:
+        """Connect to a new session's kernel in the background (its output guard, its
+        code-mode bridge), so its first call does not wait for that. A call that comes
+        meanwhile waits for the connection, as it would have made it itself."""
+        task = asyncio.ensure_future(self._prepare(session))
+        self._preparing.add(task)
+        task.add_done_callback(self._preparing.discard)
+
+    async def _prepare(self, session: KernelSession) -> None:
+        handle = self._handle(session)
+        try:
+            async with handle.lock:
+                await self._connect(handle, session)
+        except (ForgeError, OSError, TimeoutError) as exc:  # the first call says it again
+            log.info("could not connect to new session %s ahead of use: %s", session.name, exc)
 
     async def _session(
         self, name: str, namespace: str, *, read: KernelSession | None = None

@@ -253,6 +253,7 @@ class Tools:
                 mcp_servers=_server_policies(mcp_servers),
             ),
         )
+        self.gateway.prepare(session)  # its first execute_code finds it connected
         return self._info(session, client)
 
     @tool(READ_ONLY)
