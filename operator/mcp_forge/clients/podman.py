@@ -33,6 +33,7 @@ So the CLI stays for:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -70,6 +71,7 @@ async def run(
         # podman halfway through removing a pod; we stop it ourselves if we must.
         start_new_session=True,
     )
+    deadline = asyncio.get_running_loop().time() + timeout
     try:
         async with asyncio.timeout(timeout):
             out, err = await proc.communicate(input)
@@ -77,13 +79,28 @@ async def run(
         await _reap(proc)
         raise PodmanError(list(args), -1, f"timed out after {timeout:g}s") from None
     except BaseException:
-        await _reap(proc)
+        # Cancelled while podman works: it is left to finish, within its timeout, and
+        # waited for. Killed halfway, podman can leave one of its locks held, and every
+        # later command needing that lock hangs (seen here as `kube play` timing out
+        # after 120 s, once gateways stopped mid-play when their pool refilled).
+        finishing = asyncio.ensure_future(_finish(proc, deadline))
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(finishing)  # cancelled again: it still finishes
         raise
     assert proc.returncode is not None
     done = Completed(proc.returncode, out, err.decode(errors="replace"))
     if check and done.returncode != 0:
         raise PodmanError(list(args), done.returncode, done.stderr)
     return done
+
+
+async def _finish(proc: asyncio.subprocess.Process, deadline: float) -> None:
+    """Wait for podman to end by itself until `deadline`; kill it only past that."""
+    left = deadline - asyncio.get_running_loop().time()
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(max(left, 0.0)):
+            await proc.wait()
+    await _reap(proc)
 
 
 async def _reap(proc: asyncio.subprocess.Process) -> None:

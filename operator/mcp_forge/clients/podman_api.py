@@ -442,6 +442,10 @@ def _spawn(socket_path: Path, binary: str) -> tuple[subprocess.Popen[bytes], soc
             stderr=subprocess.PIPE,
             env={**os.environ, "NOTIFY_SOCKET": str(notify_path)},
             preexec_fn=_die_with_parent,  # only a prctl: nothing that a fork could deadlock
+            # Its own session: a signal to our process group (an MCP client killing its
+            # server's group) must not kill it halfway through a request, which can leave
+            # one of Podman's locks held; it gets SIGTERM when we end (above).
+            start_new_session=True,
         )
     except BaseException:
         notify.close()
