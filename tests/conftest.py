@@ -17,6 +17,10 @@ from mcp_forge.errors import SessionNotFound
 from mcp_forge.settings import Settings
 from support import scratch_state_dir
 
+# Gateways the tests start keep no pool of their own unless a test asks (--pool-size N,
+# as tests/e2e/test_pools_mcp.py does): other tests then count only their own pods.
+os.environ.setdefault("MCPFORGE_POOL_SIZE", "0")
+
 MINIMAL_IMAGE = "localhost/mcp-forge-kernel:0.1.0-minimal"
 DEFAULT_IMAGE = "localhost/mcp-forge-kernel:0.1.0"
 

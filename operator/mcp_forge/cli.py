@@ -466,6 +466,7 @@ def _endpoint(value: str) -> tuple[str, int]:
     "--pool-size",
     type=click.IntRange(0, 200),
     default=2,
+    envvar="MCPFORGE_POOL_SIZE",
     show_default=True,
     help="Local mode, without --pool: kernels of the default image kept ready for new "
     "sessions, in a pool of the gateway's own (deleted when it stops); 0 for none.",

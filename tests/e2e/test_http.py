@@ -102,13 +102,16 @@ async def stop(gw: HttpGateway) -> int:
 
 
 @asynccontextmanager
-async def running_gateway(state_dir: Path, tokens_dir: Path) -> AsyncIterator[HttpGateway]:
+async def running_gateway(
+    state_dir: Path, tokens_dir: Path, *args: str
+) -> AsyncIterator[HttpGateway]:
     port = free_port()
     tokens = {name: secrets.token_urlsafe(24) for name in CLIENTS}
     tokens_file = tokens_dir / f"tokens-{port}"
     tokens_file.write_text("".join(f"{name} {token}\n" for name, token in tokens.items()))
     process = await asyncio.create_subprocess_exec(
         *(GATEWAY, "gateway", "--http", f"127.0.0.1:{port}", "--tokens-file", str(tokens_file)),
+        *args,
         env={**os.environ, "MCPFORGE_STATE_DIR": str(state_dir)},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -310,7 +313,7 @@ async def test_each_client_gets_its_own_default_session_which_outlives_its_conne
 async def test_sigterm_deletes_the_sessions_it_created_and_exits_0(
     state_dir: Path, tmp_path: Path
 ) -> None:
-    async with running_gateway(state_dir, tmp_path) as gw:
+    async with running_gateway(state_dir, tmp_path, "--pool-size", "2") as gw:
         async with connect(gw, "alice") as alice, connect(gw, "bob") as bob:
             made, ran = await asyncio.gather(
                 alice.call_tool("create_session", {"variant": "minimal"}),

@@ -55,9 +55,17 @@ def podman_binary() -> str | None:
 
 
 async def run(
-    *args: str, input: bytes | None = None, check: bool = True, timeout: float = 120.0
+    *args: str,
+    input: bytes | None = None,
+    check: bool = True,
+    timeout: float = 120.0,
+    interruptible: bool = False,
 ) -> Completed:
-    """Run `podman ARGS...`; raise PodmanError on a non-zero exit when `check`."""
+    """Run `podman ARGS...`; raise PodmanError on a non-zero exit when `check`.
+
+    Cancelled, it waits for podman to finish (see below), unless `interruptible`: a
+    command that only waits or reads (`podman wait`), killed at once.
+    """
     binary = podman_binary()
     if binary is None:
         raise PodmanError(list(args), 127, "podman is not installed (apt-get install podman runc)")
@@ -79,6 +87,9 @@ async def run(
         await _reap(proc)
         raise PodmanError(list(args), -1, f"timed out after {timeout:g}s") from None
     except BaseException:
+        if interruptible:
+            await _reap(proc)
+            raise
         # Cancelled while podman works: it is left to finish, within its timeout, and
         # waited for. Killed halfway, podman can leave one of its locks held, and every
         # later command needing that lock hangs (seen here as `kube play` timing out

@@ -563,6 +563,7 @@ class LocalRuntime:
                 self.container_name(session),
                 check=False,
                 timeout=self.settings.kernel_ready_timeout + 60,
+                interruptible=True,  # it only waits: cancelled when the kernel answers
             )
             term = await self.termination(session)
             if term is not None:
