@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from support import CALL_DEADLINE, StdioGateway
+from support import CALL_DEADLINE, StdioGateway, pods
 
 from .conftest import gateway, run, text
 
@@ -127,7 +126,7 @@ async def test_the_client_quota_holds_against_concurrent_creates(state_dir: Path
         assert sorted(s["session_id"] for s in listed.structured_content["sessions"]) == sorted(
             made
         )
-        assert {f"mcpforge-default-{sid}" for sid in made} <= await _pods()
+        assert {f"mcpforge-default-{sid}" for sid in made} <= await pods()
 
 
 async def test_concurrent_calls_on_one_session_queue_and_never_mix(state_dir: Path) -> None:
@@ -201,14 +200,3 @@ async def _session_ids(raw: StdioGateway) -> set[str]:
         await raw.request("tools/call", {"name": "list_sessions", "arguments": {}})
     )
     return {s["session_id"] for s in listed["structuredContent"]["sessions"]}
-
-
-async def _pods() -> set[str]:
-    done = await asyncio.to_thread(
-        subprocess.run,
-        ["podman", "pod", "ls", "--format", "{{.Name}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return set(done.stdout.split())

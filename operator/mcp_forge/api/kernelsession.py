@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -307,16 +308,24 @@ def load(body: dict[str, Any]) -> KernelSession:
 
 def parse_documents(text: str) -> list[dict[str, Any]]:
     """The KernelSessions in a YAML stream, each validated; empty documents are skipped."""
+    return parse_stream(text, validate, "KernelSession")
+
+
+def parse_stream(
+    text: str, check: Callable[[Any], dict[str, Any]], what: str
+) -> list[dict[str, Any]]:
+    """The documents of a YAML stream, each made valid by `check` (empty ones skipped);
+    an error names the document when there are several."""
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
         raise InvalidSession(f"not valid YAML: {exc}") from exc
     if not docs:
-        raise InvalidSession("no KernelSession in the input")
+        raise InvalidSession(f"no {what} in the input")
     out = []
     for i, doc in enumerate(docs):
         try:
-            out.append(validate(doc))
+            out.append(check(doc))
         except InvalidSession as exc:
             if len(docs) > 1:
                 raise InvalidSession(f"document {i + 1}: {exc}") from exc

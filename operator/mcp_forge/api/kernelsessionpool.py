@@ -20,8 +20,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from mcp_forge.api import kernelsession as ks
 from mcp_forge.errors import InvalidSession
 
@@ -168,19 +166,9 @@ def claim_program(env: dict[str, str]) -> str:
 def parse_resources(text: str) -> list[dict[str, Any]]:
     """The KernelSessions and KernelSessionPools in a YAML stream, each validated by
     its kind; empty documents are skipped."""
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        raise InvalidSession(f"not valid YAML: {exc}") from exc
-    if not docs:
-        raise InvalidSession("no KernelSession or KernelSessionPool in the input")
-    out = []
-    for i, doc in enumerate(docs):
-        try:
-            kind = doc.get("kind") if isinstance(doc, dict) else None
-            out.append(validate(doc) if kind == KIND else ks.validate(doc))
-        except InvalidSession as exc:
-            if len(docs) > 1:
-                raise InvalidSession(f"document {i + 1}: {exc}") from exc
-            raise
-    return out
+
+    def check(doc: Any) -> dict[str, Any]:
+        kind = doc.get("kind") if isinstance(doc, dict) else None
+        return validate(doc) if kind == KIND else ks.validate(doc)
+
+    return ks.parse_stream(text, check, "KernelSession or KernelSessionPool")
