@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from jupyter_client.manager import AsyncKernelManager
+import bench_local  # tests/bench, beside this script
 
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.clients import podman
@@ -265,14 +265,7 @@ async def cold_start(rt: LocalRuntime, image: str) -> dict[str, float]:
 
 
 async def bare_start() -> float:
-    km = AsyncKernelManager(kernel_name="python3")
-    t = time.perf_counter()
-    await km.start_kernel()
-    kc = km.client()
-    kc.start_channels()
-    await kc.wait_for_ready(timeout=60)
-    took = time.perf_counter() - t
-    kc.stop_channels()
+    took, km = await bench_local.bare_start()
     await km.shutdown_kernel(now=True)
     return took
 
