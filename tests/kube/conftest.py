@@ -38,6 +38,7 @@ from mcp_forge.clients.kube import Kube
 from . import testcluster
 
 CRD_PATH = Path(__file__).parents[2] / "crds" / "kernelsession.yaml"
+POOL_CRD_PATH = CRD_PATH.with_name("kernelsessionpool.yaml")
 CLUSTER = Path(__file__).parent / "cluster"
 KERNEL_IMAGES = ("localhost/mcp-forge-kernel:0.1.0", "localhost/mcp-forge-kernel:0.1.0-minimal")
 RESTRICTED = {
@@ -102,7 +103,7 @@ def test_cluster() -> Iterator[ClusterUnderTest]:
     external = os.environ.get("MCPFORGE_TEST_KUBECONFIG")
     if external:
         cluster = ClusterUnderTest(Path(external), own=False)
-        install_crd(cluster.kubeconfig)
+        install_crds(cluster.kubeconfig)
         yield cluster
         return
     already = _cluster_cli("status").returncode == 0
@@ -115,12 +116,18 @@ def test_cluster() -> Iterator[ClusterUnderTest]:
         if imported.returncode != 0:
             pytest.fail(f"importing the kernel images failed:\n{imported.stderr}")
         cluster = ClusterUnderTest(testcluster.ROOT / "conf" / "admin.kubeconfig", own=True)
-        install_crd(cluster.kubeconfig)
+        install_crds(cluster.kubeconfig)
         yield cluster
     finally:
         if not already:  # ours: gone completely, or the session ends in an error
             down = _cluster_cli("down")
             assert down.returncode == 0, f"tests/kube/cluster down failed:\n{down.stderr}"
+
+
+def install_crds(kubeconfig: Path) -> None:
+    """Both of ours: KernelSession and KernelSessionPool."""
+    install_crd(kubeconfig)
+    install_crd(kubeconfig, yaml.safe_load(POOL_CRD_PATH.read_text()))
 
 
 def install_crd(kubeconfig: Path, crd: dict[str, Any] | None = None) -> None:

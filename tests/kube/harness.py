@@ -188,7 +188,8 @@ async def connection_of(kube: Kube, namespace: str, name: str) -> ConnectionInfo
     of its Secret."""
     obj = await asyncio.to_thread(kube.get, KS, namespace, name)
     assert obj is not None and obj["status"].get("podIP"), f"{name} has no pod IP: {obj}"
-    secret = await asyncio.to_thread(kube.get, "Secret", namespace, f"ks-{name}-conn")
+    secret_name = obj["status"].get("connection", {}).get("secretName") or f"ks-{name}-conn"
+    secret = await asyncio.to_thread(kube.get, "Secret", namespace, secret_name)
     info = connection_file_of(secret)
     assert info is not None, f"{name}: no connection file in {secret}"
     return connection_from_file(info, obj["status"]["podIP"], f"Secret of {name}")

@@ -29,7 +29,7 @@ from mcp_types import TextContent
 
 from mcp_forge.image.control_plane import TARGETS, build_control_plane, image_ref
 
-from .conftest import ClusterUnderTest, install_crd
+from .conftest import ClusterUnderTest, install_crds
 
 pytestmark = pytest.mark.podman
 
@@ -106,7 +106,7 @@ def uninstall(cluster: ClusterUnderTest, kustomization: Path) -> None:
         kubectl(cluster, "delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found")
     kubectl(cluster, "delete", "namespace", SYSTEM, SESSIONS, "--ignore-not-found", "--wait=true",
             f"--timeout={DEADLINE}")  # fmt: skip
-    install_crd(cluster.kubeconfig)
+    install_crds(cluster.kubeconfig)
 
 
 @pytest.fixture

@@ -386,6 +386,9 @@ OPERATOR_RULES = {
     # delete: a session idle past its idleTimeout with idleAction Delete is deleted.
     ("mcpforge.dev", "kernelsessions"): "get list watch patch delete",
     ("mcpforge.dev", "kernelsessions/status"): "get patch",
+    # Pools: filled and counted (status); kopf's own annotations are patches.
+    ("mcpforge.dev", "kernelsessionpools"): "get list watch patch",
+    ("mcpforge.dev", "kernelsessionpools/status"): "get patch",
     ("", "pods"): "get list watch create patch delete",
     ("", "services"): "get list watch create patch delete",
     ("", "secrets"): "get list watch create patch delete",

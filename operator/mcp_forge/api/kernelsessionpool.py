@@ -147,20 +147,29 @@ def _show(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(", ", ": "))
 
 
-def claim_env(session: ks.KernelSession) -> dict[str, str]:
-    """What a claimed kernel's environment gains: the session's env and its name."""
+CLAIM_MARK = "MCPFORGE_CLAIM"
+
+
+def claim_env(session: ks.KernelSession, kernel: str = "") -> dict[str, str]:
+    """What a claimed kernel's environment gains: the session's env and its name; with
+    `kernel` (the claimed kernel's id), a mark that it was given (see claim_program)."""
     env = {e.name: e.value for e in session.spec.env}
     env["MCPFORGE_SESSION"] = session.name
+    if kernel:
+        env[CLAIM_MARK] = kernel
     return env
 
 
 def claim_program(env: dict[str, str]) -> str:
     """Silent code that sets the claimed kernel's environment, leaving no name behind.
 
-    The values are Python literals made by repr, which round-trips every str exactly;
-    nothing the kernel sends back is evaluated.
+    With CLAIM_MARK in `env`, it is set once: a kernel that already has that mark (a
+    gateway connecting again, a second replica) keeps its environment as its code left
+    it. The values are Python literals made by repr, which round-trips every str
+    exactly; nothing the kernel sends back is evaluated.
     """
-    return f"__import__('os').environ.update({env!r})"
+    once = f"{CLAIM_MARK!r} in e and o.environ.get({CLAIM_MARK!r}) == e[{CLAIM_MARK!r}] or "
+    return f"(lambda o, e: {once}o.environ.update(e))(__import__('os'), {env!r})"
 
 
 def parse_resources(text: str) -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ PATHS: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies"),
     "Lease": ("apis/coordination.k8s.io/v1", "leases"),
     "KernelSession": (f"apis/{API_VERSION}", "kernelsessions"),
+    "KernelSessionPool": (f"apis/{API_VERSION}", "kernelsessionpools"),
 }
 MERGE = "application/merge-patch+json"
 REQUEST_TIMEOUT = 30.0
@@ -226,21 +227,30 @@ class Kube:
         return obj
 
     def delete(
-        self, kind: str, namespace: str, name: str, *, grace: int | None = None, uid: str = ""
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        *,
+        grace: int | None = None,
+        uid: str = "",
+        resource_version: str = "",
     ) -> bool:
-        """Delete it (only that incarnation, with `uid`); False if it was gone already."""
+        """Delete it (only that incarnation, with `uid`; only if unchanged since it was
+        read, with `resource_version`); False if it was gone already, or is not that."""
         options: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
         if grace is not None:
             options["gracePeriodSeconds"] = grace
-        if uid:
-            options["preconditions"] = {"uid": uid}
+        preconditions = {"uid": uid, "resourceVersion": resource_version}
+        if uid or resource_version:
+            options["preconditions"] = {k: v for k, v in preconditions.items() if v}
         try:
             self._call("DELETE", self.path(kind, namespace, name), body=options)
         except ApiError as exc:
             if exc.not_found:
                 return False
-            if exc.conflict and uid:
-                return False  # a newer incarnation: not ours to delete
+            if exc.conflict and (uid or resource_version):
+                return False  # a newer incarnation, or changed: not ours to delete
             raise
         return True
 

@@ -26,6 +26,7 @@ from typing import Any
 import kopf
 
 from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.connection import PORTS, ConnectionInfo, new_key
 from mcp_forge.api.kernelsession import GROUP, KernelSession
@@ -46,6 +47,7 @@ from mcp_forge.control.lifecycle import (
     stop_of,
 )
 from mcp_forge.control.pods import Observation, observe
+from mcp_forge.control.pools import Claim, PoolKeeper, connection_secret_of
 from mcp_forge.control.render import (
     LABEL_COMPONENT,
     LABEL_SESSION,
@@ -72,7 +74,9 @@ BACKOFF_MAX = 60.0
 LAST_ACTIVITY_STEP = 30.0  # status.lastActivity mirrors the Lease to this resolution
 WORKERS = 16  # reconciles running at once
 
-Key = tuple[str, str]
+KS = kernelsession.KIND
+POOL = ksp.KIND
+Key = tuple[str, str, str]  # kind, namespace, name
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class Outcome:
     invalid: str | None = None  # the spec is wrong: a permanent error
     gone: bool = False  # the session no longer exists (or was just deleted: idle)
     due: float | None = None  # wall-clock time it must be looked at again
+    refill: str | None = None  # the pool it claimed a kernel of, to be refilled
 
 
 def _activity(lease: dict[str, Any], created: float, now: float) -> tuple[Activity, str]:
@@ -119,6 +124,7 @@ class Reconciler:
     def __init__(self, kube: Kube, settings: Settings) -> None:
         self.kube = kube
         self.settings = settings
+        self.pools = PoolKeeper(kube, settings)
         self._locks: dict[Key, asyncio.Lock] = {}
         self._due: dict[Key, float] = {}
         self._failures: dict[Key, int] = {}
@@ -128,16 +134,16 @@ class Reconciler:
 
     # ---- scheduling ----------------------------------------------------------------------
 
-    def poke(self, namespace: str, name: str, at: float | None = None) -> None:
-        """Reconcile the session at `at` (now if None), or earlier if already due."""
+    def poke(self, namespace: str, name: str, at: float | None = None, *, kind: str = KS) -> None:
+        """Reconcile the session (or pool) at `at` (now if None), or earlier if due."""
         when = time.time() if at is None else at
-        key = (namespace, name)
+        key = (kind, namespace, name)
         if key not in self._due or when < self._due[key]:
             self._due[key] = when
             self._wake.set()
 
-    def forget(self, namespace: str, name: str) -> None:
-        key = (namespace, name)
+    def forget(self, namespace: str, name: str, *, kind: str = KS) -> None:
+        key = (kind, namespace, name)
         self._due.pop(key, None)
         self._failures.pop(key, None)
         self._locks.pop(key, None)
@@ -157,22 +163,42 @@ class Reconciler:
                 async with asyncio.timeout(max(0.0, wait)):
                     await self._wake.wait()
 
-    async def _background(self, namespace: str, name: str) -> None:
-        key = (namespace, name)
+    async def _background(self, kind: str, namespace: str, name: str) -> None:
+        key = (kind, namespace, name)
         async with self._slots:
             try:
-                await self.reconcile(namespace, name)
+                if kind == POOL:
+                    await self.reconcile_pool(namespace, name)
+                else:
+                    await self.reconcile(namespace, name)
             except Exception as exc:  # kept going: retried with backoff
                 n = self._failures.get(key, 0) + 1
                 self._failures[key] = n
                 delay = min(BACKOFF_MAX, 2.0**n)
-                log.warning("reconcile of %s/%s failed (retry in %.0fs): %s", *key, delay, exc)
-                self.poke(namespace, name, time.time() + delay)
+                log.warning("reconcile of %s %s/%s failed (retry in %.0fs): %s", *key, delay, exc)
+                self.poke(namespace, name, time.time() + delay, kind=kind)
             else:
                 self._failures.pop(key, None)
 
+    async def reconcile_pool(self, namespace: str, name: str) -> None:
+        """Keep a KernelSessionPool full (control/pools.py)."""
+        key = (POOL, namespace, name)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            try:
+                due = await asyncio.to_thread(self.pools.reconcile, namespace, name)
+            except ApiError as exc:
+                if not exc.not_found:
+                    raise
+                if await asyncio.to_thread(self.kube.get, POOL, namespace, name):
+                    raise
+                due = None  # deleted while we were at it: its kernels are GC'd
+        if due is None:
+            self.forget(namespace, name, kind=POOL)
+        else:
+            self.poke(namespace, name, time.time() + due, kind=POOL)
+
     async def reconcile(self, namespace: str, name: str) -> Outcome:
-        key = (namespace, name)
+        key = (KS, namespace, name)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             try:
@@ -184,6 +210,8 @@ class Reconciler:
                 if await asyncio.to_thread(self.kube.get, "KernelSession", namespace, name):
                     raise
                 outcome = Outcome(gone=True)
+        if outcome.refill:
+            self.poke(namespace, outcome.refill, kind=POOL)
         if outcome.gone:
             self.forget(namespace, name)
             return outcome
@@ -264,6 +292,44 @@ class Reconciler:
             )
         return made
 
+    def _kernel_pod(self, session: KernelSession, old: dict[str, Any]) -> dict[str, Any] | None:
+        """The session's kernel pod: its own (ks-<name>), or the one it claimed from a pool.
+
+        Found by the session's label and owner, so a claim whose status write was lost is
+        found as well. Another live one (which no reconcile makes) is deleted: a session
+        never holds two kernels.
+        """
+        listed = self.kube.list(
+            "Pod",
+            session.namespace,
+            labels={LABEL_SESSION: session.name, LABEL_COMPONENT: "kernel"},
+        )
+        mine: list[dict[str, Any]] = [
+            p for p in listed.get("items") or [] if self._owned(p, session) is not None
+        ]
+        if not mine:
+            return None
+
+        def rank(pod: dict[str, Any]) -> tuple[bool, bool, str]:
+            meta = pod["metadata"]
+            return (
+                not meta.get("deletionTimestamp"),
+                meta.get("uid") == old.get("kernelId"),
+                str(meta.get("creationTimestamp")),
+            )
+
+        mine.sort(key=rank, reverse=True)
+        for extra in mine[1:]:
+            meta = extra["metadata"]
+            if not meta.get("deletionTimestamp"):
+                log.warning(
+                    "deleting pod %s/%s: a second kernel of one session",
+                    meta["namespace"],
+                    meta["name"],
+                )
+                self.kube.delete("Pod", meta["namespace"], meta["name"], uid=meta["uid"])
+        return mine[0]
+
     def _children(
         self, session: KernelSession
     ) -> tuple[dict[str, Any], str, dict[str, Any] | None]:
@@ -324,7 +390,7 @@ class Reconciler:
         created = parse_time(body["metadata"].get("creationTimestamp")) or now
         act, restart = _activity(lease, created, now)
         expires = created + spec.max_lifetime if spec.max_lifetime else None
-        pod = self._owned(self.kube.get("Pod", ns, child_name(session)), session)
+        pod = self._kernel_pod(session, old)
         starting = pod is not None and old.get("phase") in (None, *st.IN_PROGRESS)
         made = parse_time(pod["metadata"].get("creationTimestamp")) if pod is not None else None
         floor = idle_since(
@@ -348,9 +414,11 @@ class Reconciler:
         conn = dict(old.get("connection") or {})
         kernel_gen = int(conn.get("generation") or 0)
         pending: tuple[str, str] | None = None
+        claim: Claim | None = None
         if stop is not None:
             if pod is not None and not pod["metadata"].get("deletionTimestamp"):
-                self.kube.delete("Pod", ns, child_name(session), uid=pod["metadata"]["uid"])
+                meta = pod["metadata"]
+                self.kube.delete("Pod", ns, meta["name"], uid=meta["uid"])
             seen = stop
             if old.get("phase") != stop.phase:
                 status["suspendedAt"] = stamp(now)
@@ -364,7 +432,13 @@ class Reconciler:
                     session.name,
                 )
                 self.kube.patch("Secret", ns, secret_name(session), complete_secret)
-            pod, _ = self.kube.ensure(want_pod)
+            if spec.pool and not old.get("kernelId"):  # the first kernel: a warm start?
+                claim = self.pools.claim(
+                    session, want_pod["metadata"]["annotations"][TEMPLATE_HASH]
+                )
+                pod = claim.pod
+            if pod is None:
+                pod, _ = self.kube.ensure(want_pod)
             if pod["metadata"].get("uid") != old.get("kernelId"):
                 if old.get("kernelId"):
                     status["restarts"] = int(old.get("restarts") or 0) + 1
@@ -409,7 +483,7 @@ class Reconciler:
                 now=now,
             )
             if plan.replace:
-                self.kube.delete("Pod", ns, child_name(session), uid=uid)
+                self.kube.delete("Pod", ns, pod["metadata"]["name"], uid=uid)
             seen, pending = plan.seen, plan.pending
             if plan.due is not None:
                 due.append(plan.due)
@@ -417,13 +491,14 @@ class Reconciler:
                 due.append(now + STARTING_RECHECK)
 
         stamp_now = stamp(now)
+        pod_name = pod["metadata"]["name"] if pod is not None else None
         status.update(
             phase=seen.phase,
             reason=seen.reason,
             message=seen.message,
             observedGeneration=generation,
             serviceName=child_name(session),
-            podName=child_name(session) if pod is not None else None,
+            podName=pod_name,
             podIP=seen.pod_ip,
             kernelId=pod["metadata"].get("uid") if pod is not None else None,
             templateHash=(
@@ -436,11 +511,13 @@ class Reconciler:
                 "transport": "tcp",
                 "host": host,
                 "ports": dict(PORTS),
-                "secretName": secret_name(session),
+                "secretName": connection_secret_of(pod_name or child_name(session)),
                 "generation": kernel_gen,
             },
         )
-        if seen.ready and seen.started_at:
+        if claim is not None and claim.pod is not None:
+            status["startedAt"] = stamp_now  # it ran in the pool before: this is its start
+        elif seen.ready and seen.started_at and not old.get("startedAt"):
             status["startedAt"] = seen.started_at
             # The floor above was a starting pod's (START_GRACE): now that the kernel runs,
             # idleness counts from its start, or nothing would wake us before the grace ends.
@@ -464,8 +541,23 @@ class Reconciler:
             generation=generation,
             now=stamp_now,
         )
+        if claim is not None:  # WarmStart: kept from then on, as the first kernel's story
+            warm = st.condition(
+                old.get("conditions"),
+                ksp.WARM_START,
+                claim.pod is not None,
+                claim.reason,
+                claim.message,
+                generation=generation,
+                now=stamp_now,
+            )
+            status["conditions"] = [
+                *(c for c in status["conditions"] if c["type"] != ksp.WARM_START),
+                warm,
+            ]
         self._write(body, status)
-        return Outcome(due=min(due) if due else None)
+        refill = spec.pool if claim is not None and claim.pod is not None else None
+        return Outcome(due=min(due) if due else None, refill=refill)
 
     def _write(self, body: dict[str, Any], status: dict[str, Any]) -> None:
         old = body.get("status") or {}
@@ -546,3 +638,34 @@ async def child_event(
 ) -> None:
     """A kernel pod or an activity Lease changed: look at its session now."""
     _reconciler(memo).poke(namespace or "default", labels[LABEL_SESSION])
+
+
+@kopf.on.resume(GROUP, VERSION, ksp.PLURAL)
+@kopf.on.create(GROUP, VERSION, ksp.PLURAL)
+@kopf.on.update(GROUP, VERSION, ksp.PLURAL, field="spec")
+async def reconcile_pool(*, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+    """A pool made, found at start-up or changed: fill it (in the deadlines' task)."""
+    _reconciler(memo).poke(namespace or "default", name, kind=POOL)
+
+
+@kopf.on.event(GROUP, VERSION, ksp.PLURAL)
+async def pool_event(*, type: str, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+    if type == "DELETED":
+        _reconciler(memo).forget(namespace or "default", name, kind=POOL)
+
+
+@kopf.on.event(
+    "",
+    "v1",
+    "pods",
+    labels={
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        LABEL_COMPONENT: "kernel",
+        ksp.LABEL_POOL: kopf.PRESENT,
+    },
+)
+async def pool_kernel_event(
+    *, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
+) -> None:
+    """A pool's kernel changed (started, answered, died, went): look at its pool now."""
+    _reconciler(memo).poke(namespace or "default", labels[ksp.LABEL_POOL], kind=POOL)

@@ -1,0 +1,428 @@
+"""Warm pools on a cluster: KernelSessionPools kept full, and their kernels claimed.
+
+A pool's kernel is a Pod and its Secret (a key of its own: never one shared by two pods),
+named ``ksp-<pool>-<8 hex digits>``, labelled with the pool and its template's hash and
+owned by the pool. The Secret is owned by its Pod, so it goes wherever the Pod goes. A
+NetworkPolicy per pool admits the gateways to its kernels, as a session's does.
+
+A claim is one write: a JSON merge patch of the Pod, guarded by the resourceVersion read,
+that moves its owner reference from the pool to the session and its labels from the
+pool's to the session's (the session's Service and NetworkPolicy select it from then on).
+Two claims of one pod, or a claim racing the pool's own deletion of it, cannot both
+succeed: the second write finds a newer resourceVersion and is refused. A claim whose
+status write is lost is found again by its labels and owner; a pod that no write claimed
+stays the pool's. The claimed kernel keeps running: no restart.
+
+`plan` (which kernels to delete, how many to start) is pure; `PoolKeeper` does the I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsessionpool as ksp
+from mcp_forge.api import status as st
+from mcp_forge.api.connection import ConnectionInfo, new_key
+from mcp_forge.api.kernelsession import API_VERSION, KernelSession
+from mcp_forge.api.kernelsessionpool import KernelSessionPool
+from mcp_forge.api.keys import new_bridge_cert, new_curve_keys
+from mcp_forge.api.status import parse_time, stamp
+from mcp_forge.clients.kube import Kube
+from mcp_forge.control.pods import observe
+from mcp_forge.control.render import (
+    LABEL_COMPONENT,
+    LABEL_NAMESPACE,
+    LABEL_SESSION,
+    MANAGED_BY,
+    TEMPLATE_HASH,
+    render_kubernetes,
+)
+from mcp_forge.errors import ApiError, InvalidSession
+from mcp_forge.settings import Settings
+
+log = logging.getLogger(__name__)
+
+KIND = ksp.KIND
+# On a claimed pod: the pool it came from (a label, so a pool counts its claimed kernels).
+LABEL_CLAIMED_FROM = ksp.ANNOTATION_CLAIMED_FROM
+STARTING_RECHECK = 15.0
+
+
+def member_pod_name(pool: str, suffix: str) -> str:
+    return f"ksp-{pool}-{suffix}"
+
+
+def connection_secret_of(pod_name: str) -> str:
+    """The Secret holding a kernel pod's key: `<pod>-conn`, for pooled and own pods alike."""
+    return f"{pod_name}-conn"
+
+
+def pool_labels(pool: KernelSessionPool) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "mcp-forge",
+        LABEL_COMPONENT: "kernel",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        ksp.LABEL_POOL: pool.name,
+        ksp.LABEL_TEMPLATE: pool.template_hash,
+    }
+
+
+def _owner(kind: str, name: str, uid: str, api_version: str = API_VERSION) -> dict[str, Any]:
+    return {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "controller": True}
+
+
+# ---- the plan (pure) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Member:
+    """One of a pool's unclaimed kernel pods, as the plan sees it."""
+
+    name: str
+    uid: str
+    resource_version: str
+    template: str  # the template hash it was started with
+    created: float
+    ready: bool
+    failed: bool
+    deleting: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    delete: tuple[Member, ...]
+    start: int
+    ready: int  # current and ready, once the deletes are done
+    starting: int
+
+
+def plan(members: Sequence[Member], *, size: int, max_starting: int, template: str) -> Plan:
+    """What makes the pool `size` ready kernels of `template`, rolling.
+
+    Failed kernels go. Kernels of an older template go only as ready ones of the current
+    template take their place, so a template change never leaves the pool emptier than it
+    was. Beyond `size`, starting kernels go before ready ones, the newest first. At most
+    `max_starting` kernels start at once.
+    """
+    live = [m for m in members if not m.deleting]
+    delete = [m for m in live if m.failed]
+    live = [m for m in live if not m.failed]
+    current = [m for m in live if m.template == template]
+    older = [m for m in live if m.template != template]
+    excess = len(current) - size
+    if excess > 0:
+        order = sorted(current, key=lambda m: (m.ready, -m.created))
+        delete += order[:excess]
+        current = order[excess:]
+    ready = [m for m in current if m.ready]
+    starting = len(current) - len(ready)
+    # Each ready kernel of the current template retires one of an older one.
+    retire = max(0, len(older) + len(ready) - size)
+    delete += sorted(older, key=lambda m: (m.ready, m.created))[:retire]
+    start = max(0, min(size - len(current), max_starting - starting))
+    return Plan(tuple(delete), start, len(ready), starting + start)
+
+
+# ---- the keeper --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    pod: dict[str, Any] | None  # the claimed pod; None: start cold
+    reason: str  # kernelsessionpool's WarmStart reasons
+    message: str
+
+
+class PoolKeeper:
+    """Keeps KernelSessionPools full and serves claims; blocking calls, run in a thread."""
+
+    def __init__(self, kube: Kube, settings: Settings) -> None:
+        self.kube = kube
+        self.settings = settings
+
+    # ---- filling -------------------------------------------------------------------------
+
+    def reconcile(self, namespace: str, name: str) -> float | None:
+        """Make the pool's kernels what its spec says; when to look again (None: gone)."""
+        body = self.kube.get(KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        try:
+            spec_only = {k: v for k, v in body.items() if k != "status"}
+            pool = ksp.load(ksp.validate(spec_only, default_namespace=namespace))
+        except InvalidSession as exc:
+            self._write_status(body, None, None, error=("InvalidSpec", str(exc)))
+            return None
+        pods = self.kube.list("Pod", namespace, labels={ksp.LABEL_POOL: name}).get("items") or []
+        members = []
+        for pod in pods:
+            refs = pod["metadata"].get("ownerReferences") or []
+            if not any(r.get("uid") == pool.uid for r in refs):
+                self._delete_pod(pod, why="left by an earlier pool of that name")
+                continue
+            members.append(self._member(pool, pod))
+        self._collect_secrets(pool, {p["metadata"]["name"] for p in pods})
+        todo = plan(
+            members, size=pool.size, max_starting=pool.max_starting, template=pool.template_hash
+        )
+        for member in todo.delete:
+            self._delete_member(pool, member)
+        self._ensure_policy(pool)
+        error = None
+        for _ in range(todo.start):
+            try:
+                self._start_member(pool)
+            except ApiError as exc:
+                error = ("KernelStartFailed", str(exc))
+                log.warning("pool %s/%s could not start a kernel: %s", namespace, name, exc)
+                break
+        self._write_status(body, pool, todo, error=error)
+        if todo.starting or todo.delete or error:
+            return STARTING_RECHECK
+        return self.settings.operator_resync
+
+    @staticmethod
+    def _member(pool: KernelSessionPool, pod: dict[str, Any]) -> Member:
+        meta = pod["metadata"]
+        seen = observe(_draft(pool, meta["name"]), pod)
+        return Member(
+            name=meta["name"],
+            uid=meta["uid"],
+            resource_version=meta["resourceVersion"],
+            template=(meta.get("labels") or {}).get(ksp.LABEL_TEMPLATE, ""),
+            created=parse_time(meta.get("creationTimestamp")) or 0.0,
+            ready=seen.ready,
+            failed=seen.phase in (st.FAILED, st.RESTARTING),
+            deleting=bool(meta.get("deletionTimestamp")),
+        )
+
+    def _delete_member(self, pool: KernelSessionPool, member: Member) -> None:
+        """Delete it unless a claim wrote it since we read it (its resourceVersion moved)."""
+        log.info("pool %s/%s: removing kernel %s", pool.namespace, pool.name, member.name)
+        self.kube.delete(
+            "Pod",
+            pool.namespace,
+            member.name,
+            uid=member.uid,
+            resource_version=member.resource_version,
+        )
+
+    def _delete_pod(self, pod: dict[str, Any], *, why: str) -> None:
+        meta = pod["metadata"]
+        log.info("removing pod %s/%s, %s", meta["namespace"], meta["name"], why)
+        self.kube.delete(
+            "Pod",
+            meta["namespace"],
+            meta["name"],
+            uid=meta["uid"],
+            resource_version=meta["resourceVersion"],
+        )
+
+    def _collect_secrets(self, pool: KernelSessionPool, pods: set[str]) -> None:
+        """A Secret still owned by the pool is one whose pod was never made, or made and
+        not yet given the Secret (a reconcile cut short): hand it to its pod, or delete it."""
+        listed = self.kube.list("Secret", pool.namespace, labels={ksp.LABEL_POOL: pool.name})
+        for secret in listed.get("items") or []:
+            meta = secret["metadata"]
+            refs = meta.get("ownerReferences") or []
+            if any(r.get("kind") == "Pod" for r in refs):
+                continue
+            pod_name = meta["name"].removesuffix("-conn")
+            pod = self.kube.get("Pod", pool.namespace, pod_name) if pod_name in pods else None
+            if pod is not None:
+                self._give_secret(pool.namespace, meta["name"], pod)
+            else:
+                self.kube.delete("Secret", pool.namespace, meta["name"], uid=meta["uid"])
+
+    def _give_secret(self, namespace: str, secret: str, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        owner = _owner("Pod", meta["name"], meta["uid"], api_version="v1")
+        self.kube.patch("Secret", namespace, secret, {"metadata": {"ownerReferences": [owner]}})
+
+    def _render(self, pool: KernelSessionPool, pod_name: str) -> list[dict[str, Any]]:
+        ns = pool.namespace
+        return render_kubernetes(
+            _draft(pool, pod_name),
+            ConnectionInfo(
+                "tcp",
+                f"{pod_name}.{ns}",
+                new_key(),
+                new_curve_keys(),
+                new_bridge_cert(f"{ns}/{pod_name}"),
+            ),
+            gateway_namespace=self.settings.gateway_namespace or None,
+            runtime_class=self.settings.runtime_class or None,
+            seccomp_profile=self.settings.seccomp_profile or None,
+        )
+
+    def _start_member(self, pool: KernelSessionPool) -> None:
+        """A new kernel for the pool: its Secret (owned by the pool until the Pod exists,
+        then by the Pod), then its Pod."""
+        pod_name = member_pod_name(pool.name, secrets.token_hex(4))
+        secret, _service, _policy, pod = self._render(pool, pod_name)
+        owner = _owner(KIND, pool.name, pool.uid)
+        labels = pool_labels(pool)
+        secret["metadata"].update(
+            name=connection_secret_of(pod_name), labels=labels, ownerReferences=[owner]
+        )
+        pod["metadata"].update(name=pod_name, labels=labels, ownerReferences=[owner])
+        for volume in pod["spec"]["volumes"]:
+            if "secret" in volume:
+                volume["secret"]["secretName"] = connection_secret_of(pod_name)
+        self.kube.create(secret)
+        made = self.kube.create(pod)
+        self._give_secret(pool.namespace, connection_secret_of(pod_name), made)
+        log.info("pool %s/%s: started kernel %s", pool.namespace, pool.name, pod_name)
+
+    def _ensure_policy(self, pool: KernelSessionPool) -> None:
+        """The pool's kernels admit what a session's kernel admits: the gateways only."""
+        policy = self._render(pool, f"ksp-{pool.name}")[2]
+        policy["metadata"].update(
+            name=f"ksp-{pool.name}",
+            labels={k: v for k, v in pool_labels(pool).items() if k != ksp.LABEL_TEMPLATE},
+            ownerReferences=[_owner(KIND, pool.name, pool.uid)],
+        )
+        policy["spec"]["podSelector"] = {
+            "matchLabels": {ksp.LABEL_POOL: pool.name, LABEL_COMPONENT: "kernel"}
+        }
+        current, _ = self.kube.ensure(policy)
+        if current.get("spec", {}).get("egress") != policy["spec"]["egress"] and (
+            policy["spec"]["egress"] or current.get("spec", {}).get("egress")
+        ):
+            self.kube.patch(
+                "NetworkPolicy",
+                pool.namespace,
+                policy["metadata"]["name"],
+                {"spec": policy["spec"]},
+            )
+
+    def _write_status(
+        self,
+        body: dict[str, Any],
+        pool: KernelSessionPool | None,
+        todo: Plan | None,
+        *,
+        error: tuple[str, str] | None,
+    ) -> None:
+        meta = body["metadata"]
+        generation = int(meta.get("generation") or 1)
+        old = body.get("status") or {}
+        status: dict[str, Any] = {"observedGeneration": generation}
+        ready = todo.ready if todo is not None else 0
+        size = pool.size if pool is not None else 0
+        if pool is not None and todo is not None:
+            claimed = (
+                self.kube.list(
+                    "Pod", meta["namespace"], labels={LABEL_CLAIMED_FROM: pool.name}
+                ).get("items")
+                or []
+            )
+            status.update(
+                templateHash=pool.template_hash,
+                ready=todo.ready,
+                starting=todo.starting,
+                claimed=sum(1 for p in claimed if not p["metadata"].get("deletionTimestamp")),
+            )
+        if error is not None:
+            reason, message = error
+        elif ready >= size:
+            reason, message = "Filled", f"{ready} of {size} kernels ready"
+        else:
+            reason, message = "Filling", f"{ready} of {size} kernels ready"
+        status["conditions"] = [
+            st.condition(
+                old.get("conditions"),
+                "Ready",
+                error is None and ready >= size,
+                reason,
+                message,
+                generation=generation,
+                now=stamp(),
+            )
+        ]
+        patch = {k: v for k, v in status.items() if old.get(k) != v}
+        if patch:
+            self.kube.patch(KIND, meta["namespace"], meta["name"], {"status": patch}, status=True)
+
+    # ---- claims --------------------------------------------------------------------------
+
+    def claim(self, session: KernelSession, template_hash: str) -> Claim:
+        """Take a ready kernel of the session's pool for it, or say why it starts cold.
+
+        `template_hash` is what the session's own pod would be: set on the claimed pod, so
+        that a later change of the spec is seen as one.
+        """
+        ns, name = session.namespace, session.spec.pool or ""
+        body = self.kube.get(KIND, ns, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            why = f"there is no KernelSessionPool {name!r} in {ns}: started cold"
+            return Claim(None, ksp.POOL_NOT_FOUND, why)
+        try:
+            spec_only = {k: v for k, v in body.items() if k != "status"}
+            pool = ksp.load(ksp.validate(spec_only, default_namespace=ns))
+        except InvalidSession as exc:
+            return Claim(
+                None, ksp.POOL_NOT_FOUND, f"pool {name!r} is invalid ({exc}): started cold"
+            )
+        why = ksp.unservable(pool, session.body["spec"])
+        if why:
+            return Claim(None, ksp.POOL_MISMATCH, f"{why}: started cold")
+        labels = {ksp.LABEL_POOL: pool.name, ksp.LABEL_TEMPLATE: pool.template_hash}
+        pods = self.kube.list("Pod", ns, labels=labels).get("items") or []
+        ready = [
+            p
+            for p in pods
+            if any(r.get("uid") == pool.uid for r in p["metadata"].get("ownerReferences") or [])
+            and not p["metadata"].get("deletionTimestamp")
+            and observe(session, p).ready
+        ]
+        ready.sort(key=lambda p: str(p["metadata"].get("creationTimestamp")))
+        for pod in ready:
+            taken = self._take(pool, pod, session, template_hash)
+            if taken is not None:
+                return Claim(
+                    taken, ksp.CLAIMED, f"claimed kernel {taken['metadata']['name']} of pool {name}"
+                )
+        return Claim(None, ksp.POOL_EXHAUSTED, f"pool {name!r} had no ready kernel: started cold")
+
+    def _take(
+        self, pool: KernelSessionPool, pod: dict[str, Any], session: KernelSession, hash_: str
+    ) -> dict[str, Any] | None:
+        meta = pod["metadata"]
+        patch = {
+            "metadata": {
+                "resourceVersion": meta["resourceVersion"],
+                "labels": {
+                    ksp.LABEL_POOL: None,
+                    LABEL_SESSION: session.name,
+                    LABEL_NAMESPACE: session.namespace,
+                    LABEL_CLAIMED_FROM: pool.name,
+                },
+                "annotations": {TEMPLATE_HASH: hash_},
+                "ownerReferences": [_owner(kernelsession.KIND, session.name, session.uid)],
+            }
+        }
+        try:
+            taken = self.kube.patch("Pod", session.namespace, meta["name"], patch)
+        except ApiError as exc:
+            if exc.conflict or exc.not_found:
+                return None  # another claim, or the pool's own delete, wrote it first
+            raise
+        log.info(
+            "session %s/%s claimed kernel %s of pool %s",
+            session.namespace,
+            session.name,
+            meta["name"],
+            pool.name,
+        )
+        return taken
+
+
+def _draft(pool: KernelSessionPool, pod_name: str) -> KernelSession:
+    """The KernelSession a pool's kernel is rendered from: the pool's template."""
+    return kernelsession.load(ksp.member_body(pool, pod_name.removeprefix("ksp-")))

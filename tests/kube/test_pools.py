@@ -1,0 +1,386 @@
+"""Warm pools on the real test cluster: the operator (real kopf) fills KernelSessionPools
+with real kernel pods on the real kubelet, and sessions claim them.
+
+What a claim must never do is checked against the API server itself: two sessions never
+hold one pod or one key, a claimed pod is never restarted or deleted by its pool, and an
+operator that stops between its claim and its status write leaves nothing claimed twice
+or leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import kubernetes
+import pytest
+
+from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsessionpool as ksp
+from mcp_forge.clients.kube import Kube
+from mcp_forge.control.pools import PoolKeeper
+from mcp_forge.control.render import TEMPLATE_HASH
+from mcp_forge.settings import Settings
+
+from .conftest import KubeAPI
+from .harness import (
+    KS,
+    condition,
+    eventually,
+    kernel,
+    key_in,
+    phase,
+    ready,
+    run_in_kernel,
+    running_operator,
+    session_body,
+)
+
+POOL = ksp.KIND
+FILL = 120.0  # a pool of two to ready, on a busy 2-core machine
+# Requests are limits, and the test node has 2 CPUs: small kernels, so that a pool, its
+# refills and the cold starts of one test all fit on it at once.
+SMALL = {"cpu": "100m", "memory": "256Mi"}
+
+
+@pytest.fixture
+async def operator(kube: Kube) -> AsyncIterator[Any]:
+    async with running_operator(kube) as op:
+        yield op
+
+
+@pytest.fixture
+def ns(kube_api: KubeAPI) -> str:
+    return kube_api.namespace
+
+
+def pool_body(name: str, ns: str, size: int, image: str, **template: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": POOL,
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"size": size, "template": {"image": image, "resources": SMALL, **template}},
+    }
+
+
+async def members(kube: Kube, ns: str, pool: str) -> list[dict[str, Any]]:
+    listed = await asyncio.to_thread(kube.list, "Pod", ns, labels={ksp.LABEL_POOL: pool})
+    return [p for p in listed.get("items") or [] if not p["metadata"].get("deletionTimestamp")]
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("ready") for c in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
+async def filled(
+    kube: Kube, ns: str, pool: str, size: int, *, claimed: int = 0, hash_: str = ""
+) -> dict[str, Any]:
+    """The pool once its status counts `size` ready kernels (of template `hash_`) and
+    `claimed` claimed ones."""
+
+    def full(o: dict[str, Any] | None) -> bool:
+        status = (o or {}).get("status") or {}
+        return (
+            status.get("ready") == size
+            and status.get("claimed", 0) == claimed
+            and (not hash_ or status.get("templateHash") == hash_)
+        )
+
+    obj = await eventually(kube, POOL, ns, pool, full, timeout=FILL, what=f"{size} ready")
+    assert obj is not None
+    return obj
+
+
+async def restarts(kube: Kube, ns: str, pod: str) -> int:
+    obj = await asyncio.to_thread(kube.get, "Pod", ns, pod)
+    assert obj is not None, f"pod {pod} is gone"
+    return sum(int(c.get("restartCount", 0)) for c in obj["status"]["containerStatuses"])
+
+
+def served_by(kube_api: KubeAPI, ns: str, service: str, pod: str, timeout: int = 30) -> bool:
+    """Whether the Service's endpoints come to be `pod` within `timeout` (a watch)."""
+    core = kubernetes.client.CoreV1Api(kube_api.api_client())
+    stream = kubernetes.watch.Watch().stream(
+        core.list_namespaced_endpoints,
+        ns,
+        field_selector=f"metadata.name={service}",
+        timeout_seconds=timeout,
+    )
+    for event in stream:
+        subsets = event["object"].subsets or []
+        if any(
+            a.target_ref and a.target_ref.name == pod for s in subsets for a in s.addresses or []
+        ):
+            return True
+    return False
+
+
+async def test_a_pool_fills_with_kernels_each_with_its_own_key_and_a_claim_moves_one(
+    kube: Kube, kube_api: KubeAPI, ns: str, operator: Any, images: dict[str, str]
+) -> None:
+    await asyncio.to_thread(kube.create, pool_body("warm", ns, 2, images["minimal"]))
+    pool = await filled(kube, ns, "warm", 2)
+    assert condition(pool, "Ready")["status"] == "True"
+    pods = await members(kube, ns, "warm")
+    assert len(pods) == 2 and all(pod_ready(p) for p in pods)
+    keys = set()
+    for pod in pods:
+        meta = pod["metadata"]
+        assert meta["ownerReferences"][0]["kind"] == POOL
+        secret = await asyncio.to_thread(kube.get, "Secret", ns, f"{meta['name']}-conn")
+        assert secret is not None
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == meta["uid"], "the pod owns it"
+        keys.add(key_in(secret))
+    assert len(keys) == 2, "never one key shared by two kernels"
+
+    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
+    await asyncio.to_thread(
+        kube.create,
+        session_body(
+            "alpha", ns, image=images["minimal"], resources=SMALL, poolRef={"name": "warm"}
+        ),
+    )
+    obj = await ready(kube, ns, "alpha")
+    status = obj["status"]
+    assert status["podName"] in before, status
+    assert before[status["podName"]] == status["kernelId"], "the same pod: no new one"
+    warm = condition(obj, ksp.WARM_START)
+    assert (warm["status"], warm["reason"]) == ("True", ksp.CLAIMED), warm
+    assert status["connection"]["secretName"] == f"{status['podName']}-conn"
+    claimed = await asyncio.to_thread(kube.get, "Pod", ns, status["podName"])
+    assert claimed is not None
+    assert claimed["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    assert ksp.LABEL_POOL not in claimed["metadata"]["labels"]
+    assert await restarts(kube, ns, status["podName"]) == 0, "no restart on claim"
+    async with kernel(kube, ns, "alpha") as conn:
+        assert (await run_in_kernel(conn, "print(6 * 7)")).strip() == "42"
+    # The session's Service now selects the claimed pod (kube-proxy routes to it).
+    assert await asyncio.to_thread(served_by, kube_api, ns, "ks-alpha", status["podName"])
+
+    # The pool refills; then its count says one is claimed.
+    await filled(kube, ns, "warm", 2, claimed=1)
+    assert status["podName"] not in {p["metadata"]["name"] for p in await members(kube, ns, "warm")}
+
+    # Deleting the session takes the claimed pod and its Secret with it (garbage collector).
+    await asyncio.to_thread(kube.delete, KS, ns, "alpha")
+    await eventually(
+        kube, "Pod", ns, status["podName"], lambda p: p is None, timeout=60, what="pod gone"
+    )
+    await eventually(
+        kube, "Secret", ns, f"{status['podName']}-conn", lambda s: s is None, what="Secret gone"
+    )
+
+
+async def test_two_claims_at_once_never_share_a_kernel(
+    kube: Kube, ns: str, operator: Any, images: dict[str, str]
+) -> None:
+    await asyncio.to_thread(kube.create, pool_body("duo", ns, 2, images["minimal"]))
+    await filled(kube, ns, "duo", 2)
+    names = ("one", "two", "three")
+    await asyncio.gather(
+        *(
+            asyncio.to_thread(
+                kube.create,
+                session_body(
+                    n, ns, image=images["minimal"], resources=SMALL, poolRef={"name": "duo"}
+                ),
+            )
+            for n in names
+        )
+    )
+    objs = [await ready(kube, ns, n) for n in names]
+    pods = [o["status"]["podName"] for o in objs]
+    assert len(set(pods)) == 3, pods
+    reasons = sorted(condition(o, ksp.WARM_START)["reason"] for o in objs)
+    # Two were in the pool; the third found it empty (or claimed a refill already ready).
+    assert reasons.count(ksp.CLAIMED) >= 2, reasons
+    assert set(reasons) <= {ksp.CLAIMED, ksp.POOL_EXHAUSTED}, reasons
+    secrets = [o["status"]["connection"]["secretName"] for o in objs]
+    keys = set()
+    for name in secrets:
+        secret = await asyncio.to_thread(kube.get, "Secret", ns, name)
+        assert secret is not None, name
+        keys.add(key_in(secret))
+    assert len(keys) == 3
+
+
+async def test_a_session_the_pool_cannot_serve_starts_cold_and_says_why(
+    kube: Kube, ns: str, operator: Any, images: dict[str, str]
+) -> None:
+    await asyncio.to_thread(kube.create, pool_body("small", ns, 1, images["minimal"]))
+    await filled(kube, ns, "small", 1)
+    cases: dict[str, tuple[dict[str, Any], str, str]] = {
+        "big": (
+            {
+                "image": images["minimal"],
+                "resources": {"memory": "1Gi"},
+                "poolRef": {"name": "small"},
+            },
+            ksp.POOL_MISMATCH,
+            "spec.resources",
+        ),
+        "nowhere": (
+            {"image": images["minimal"], "resources": SMALL, "poolRef": {"name": "absent"}},
+            ksp.POOL_NOT_FOUND,
+            "absent",
+        ),
+        "startup": (
+            {
+                "image": images["minimal"],
+                "resources": SMALL,
+                "env": [{"name": "PYTHONHASHSEED", "value": "1"}],
+                "poolRef": {"name": "small"},
+            },
+            ksp.POOL_MISMATCH,
+            "PYTHONHASHSEED",
+        ),
+    }
+    for name, (spec, _, _) in cases.items():
+        await asyncio.to_thread(kube.create, session_body(name, ns, **spec))
+    for name, (_, reason, names) in cases.items():
+        obj = await ready(kube, ns, name)
+        warm = condition(obj, ksp.WARM_START)
+        assert (warm["status"], warm["reason"]) == ("False", reason), warm
+        assert names in warm["message"] and "started cold" in warm["message"], warm
+        assert obj["status"]["podName"] == f"ks-{name}", "its own pod"
+    # None of them touched the pool.
+    assert len(await members(kube, ns, "small")) == 1
+
+
+async def test_a_template_change_replaces_unclaimed_kernels_only(
+    kube: Kube, ns: str, operator: Any, images: dict[str, str]
+) -> None:
+    await asyncio.to_thread(kube.create, pool_body("roll", ns, 1, images["minimal"]))
+    first = await filled(kube, ns, "roll", 1)
+    await asyncio.to_thread(
+        kube.create,
+        session_body(
+            "keep", ns, image=images["minimal"], resources=SMALL, poolRef={"name": "roll"}
+        ),
+    )
+    held = (await ready(kube, ns, "keep"))["status"]
+    await filled(kube, ns, "roll", 1, claimed=1)
+    old = {p["metadata"]["name"] for p in await members(kube, ns, "roll")}
+    assert len(old) == 1, old
+    await asyncio.to_thread(
+        kube.patch, POOL, ns, "roll", {"spec": {"template": {"resources": {"memory": "320Mi"}}}}
+    )
+    changed = await eventually(
+        kube,
+        POOL,
+        ns,
+        "roll",
+        lambda o: (
+            (o or {}).get("status", {}).get("templateHash")
+            not in (None, first["status"]["templateHash"])
+        ),
+        what="a new template hash",
+    )
+    assert changed is not None
+    await filled(kube, ns, "roll", 1, claimed=1, hash_=changed["status"]["templateHash"])
+    now = await members(kube, ns, "roll")
+    # The old unclaimed kernel goes once the new one is ready (it may still be terminating).
+    await eventually(
+        kube, "Pod", ns, next(iter(old)), lambda p: p is None, timeout=60, what="old kernel gone"
+    )
+    assert all(p["spec"]["containers"][0]["resources"]["limits"]["memory"] == "320Mi" for p in now)
+    # The claimed one is untouched: same pod, never restarted, the session still Ready.
+    pod = await asyncio.to_thread(kube.get, "Pod", ns, held["podName"])
+    assert pod is not None and pod["metadata"]["uid"] == held["kernelId"]
+    assert await restarts(kube, ns, held["podName"]) == 0
+    assert phase(await asyncio.to_thread(kube.get, KS, ns, "keep")) == "Ready"
+
+
+async def test_deleting_a_pool_leaves_claimed_sessions_alone(
+    kube: Kube, ns: str, operator: Any, images: dict[str, str]
+) -> None:
+    await asyncio.to_thread(kube.create, pool_body("gone", ns, 2, images["minimal"]))
+    await filled(kube, ns, "gone", 2)
+    await asyncio.to_thread(
+        kube.create,
+        session_body(
+            "stay", ns, image=images["minimal"], resources=SMALL, poolRef={"name": "gone"}
+        ),
+    )
+    held = (await ready(kube, ns, "stay"))["status"]
+    unclaimed = [p["metadata"]["name"] for p in await members(kube, ns, "gone")]
+    await asyncio.to_thread(kube.delete, POOL, ns, "gone")
+    for name in unclaimed:
+        await eventually(kube, "Pod", ns, name, lambda p: p is None, timeout=60, what="GC'd")
+    pod = await asyncio.to_thread(kube.get, "Pod", ns, held["podName"])
+    assert pod is not None and not pod["metadata"].get("deletionTimestamp")
+    assert await asyncio.to_thread(kube.get, "Secret", ns, f"{held['podName']}-conn")
+    async with kernel(kube, ns, "stay") as conn:
+        assert (await run_in_kernel(conn, "print('alive')")).strip() == "alive"
+
+
+async def test_an_operator_stopped_between_claim_and_status_leaves_nothing_twice(
+    kube: Kube, ns: str, images: dict[str, str]
+) -> None:
+    """The claim is written (the pod moved) and the operator stops before the session's
+    status says so: the next operator finds that pod and neither claims another nor
+    starts a cold one. Two keepers racing for the pool's one kernel: one wins."""
+    async with running_operator(kube):
+        await asyncio.to_thread(kube.create, pool_body("race", ns, 1, images["minimal"]))
+        await filled(kube, ns, "race", 1)
+    # No operator runs now. Two sessions, and two keepers claim for them at once.
+    bodies = [
+        await asyncio.to_thread(
+            kube.create,
+            session_body(n, ns, image=images["minimal"], resources=SMALL, poolRef={"name": "race"}),
+        )
+        for n in ("left", "right")
+    ]
+    sessions = [kernelsession.load(kernelsession.validate(b, default_namespace=ns)) for b in bodies]
+    keepers = [PoolKeeper(kube, Settings.from_env()) for _ in sessions]
+    claims = await asyncio.gather(
+        *(asyncio.to_thread(k.claim, s, "h") for k, s in zip(keepers, sessions, strict=True))
+    )
+    won = [c for c in claims if c.pod is not None]
+    assert len(won) == 1, [c.reason for c in claims]
+    assert {c.reason for c in claims} == {ksp.CLAIMED, ksp.POOL_EXHAUSTED}
+    winner = sessions[claims.index(won[0])].name
+    taken = won[0].pod
+    assert taken is not None and taken["metadata"]["annotations"][TEMPLATE_HASH] == "h"
+    # The operator starts again: the winner adopts the claimed pod, the other starts cold.
+    async with running_operator(kube):
+        objs = {n: await ready(kube, ns, n) for n in ("left", "right")}
+        assert objs[winner]["status"]["podName"] == taken["metadata"]["name"]
+        assert objs[winner]["status"]["kernelId"] == taken["metadata"]["uid"]
+        loser = "right" if winner == "left" else "left"
+        assert objs[loser]["status"]["podName"] == f"ks-{loser}"
+        # The pool refills: exactly one unclaimed kernel, and no pod of either session twice.
+        await filled(kube, ns, "race", 1, claimed=1)
+        listed = await asyncio.to_thread(kube.list, "Pod", ns)
+        live = [p for p in listed["items"] if not p["metadata"].get("deletionTimestamp")]
+        owners = [r["name"] for p in live for r in p["metadata"].get("ownerReferences") or []]
+        assert sorted(owners) == sorted(["left", "right", "race"]), owners
+        # A Secret left by a pool reconcile cut short (no pod made) is collected.
+        race = await asyncio.to_thread(kube.get, POOL, ns, "race")
+        assert race is not None
+        pool_uid = race["metadata"]["uid"]
+        orphan = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": "ksp-race-deadbeef-conn",
+                "namespace": ns,
+                "labels": {ksp.LABEL_POOL: "race"},
+                "ownerReferences": [
+                    {
+                        "apiVersion": "mcpforge.dev/v1alpha1",
+                        "kind": POOL,
+                        "name": "race",
+                        "uid": pool_uid,
+                        "controller": True,
+                    }
+                ],
+            },
+            "stringData": {"connection.json": "{}"},
+        }
+        await asyncio.to_thread(kube.create, orphan)
+        await asyncio.to_thread(kube.patch, POOL, ns, "race", {"spec": {"maxStarting": 3}})
+        await eventually(
+            kube, "Secret", ns, "ksp-race-deadbeef-conn", lambda s: s is None, what="collected"
+        )

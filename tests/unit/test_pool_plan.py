@@ -1,0 +1,102 @@
+"""control/pools.plan: which of a pool's kernels go and how many start (pure)."""
+
+from __future__ import annotations
+
+from mcp_forge.api import kernelsessionpool as ksp
+from mcp_forge.control.pools import Member, plan
+
+NEW, OLD = "new", "old"
+
+
+def member(
+    n: int,
+    *,
+    template: str = NEW,
+    ready: bool = True,
+    failed: bool = False,
+    deleting: bool = False,
+) -> Member:
+    return Member(f"m{n}", f"uid{n}", str(n), template, float(n), ready, failed, deleting)
+
+
+def names(p: object) -> list[str]:
+    return sorted(m.name for m in p.delete)  # type: ignore[attr-defined]
+
+
+def test_an_empty_pool_starts_up_to_max_starting() -> None:
+    p = plan([], size=5, max_starting=2, template=NEW)
+    assert (p.start, p.ready, p.starting, p.delete) == (2, 0, 2, ())
+
+
+def test_a_full_pool_does_nothing() -> None:
+    p = plan([member(1), member(2)], size=2, max_starting=2, template=NEW)
+    assert (p.start, p.ready, p.delete) == (0, 2, ())
+
+
+def test_kernels_still_starting_count_against_max_starting() -> None:
+    p = plan([member(1, ready=False)], size=4, max_starting=2, template=NEW)
+    assert (p.start, p.starting) == (1, 2)
+
+
+def test_a_failed_kernel_is_deleted_and_replaced() -> None:
+    p = plan([member(1), member(2, failed=True)], size=2, max_starting=2, template=NEW)
+    assert names(p) == ["m2"]
+    assert p.start == 1
+
+
+def test_a_kernel_being_deleted_is_not_counted_nor_deleted_again() -> None:
+    p = plan([member(1), member(2, deleting=True)], size=2, max_starting=2, template=NEW)
+    assert (names(p), p.start) == ([], 1)
+
+
+def test_shrinking_removes_starting_kernels_first_then_the_newest() -> None:
+    members = [member(1), member(2), member(3), member(4, ready=False)]
+    p = plan(members, size=2, max_starting=2, template=NEW)
+    assert names(p) == ["m3", "m4"]
+    assert (p.start, p.ready) == (0, 2)
+
+
+def test_a_template_change_replaces_old_kernels_only_as_new_ones_are_ready() -> None:
+    old = [member(1, template=OLD), member(2, template=OLD)]
+    # Nothing new yet: start new ones, keep every old one (they still serve nothing new,
+    # but the pool never gets emptier than it was while the new ones start).
+    p = plan(old, size=2, max_starting=2, template=NEW)
+    assert (names(p), p.start) == ([], 2)
+    # One new one is ready: one old one goes.
+    p = plan([*old, member(3), member(4, ready=False)], size=2, max_starting=2, template=NEW)
+    assert (names(p), p.start) == (["m1"], 0)
+    # Both ready: the last old one goes.
+    p = plan([old[1], member(3), member(4)], size=2, max_starting=2, template=NEW)
+    assert (names(p), p.start, p.ready) == (["m2"], 0, 2)
+
+
+def test_an_old_kernel_not_ready_goes_before_a_ready_one() -> None:
+    old = [member(1, template=OLD), member(2, template=OLD, ready=False)]
+    p = plan([*old, member(3)], size=2, max_starting=1, template=NEW)
+    assert names(p) == ["m2"]
+
+
+def test_size_zero_empties_the_pool() -> None:
+    p = plan([member(1), member(2, template=OLD)], size=0, max_starting=2, template=NEW)
+    assert names(p) == ["m1", "m2"]
+    assert p.start == 0
+
+
+def test_the_claim_program_gives_the_environment_once_per_kernel() -> None:
+    import os
+
+    saved = dict(os.environ)
+    try:
+        os.environ.pop(ksp.CLAIM_MARK, None)
+        exec(ksp.claim_program({"A": "1", ksp.CLAIM_MARK: "k1"}))
+        assert os.environ["A"] == "1"
+        os.environ["A"] = "changed by the kernel's code"
+        exec(ksp.claim_program({"A": "1", ksp.CLAIM_MARK: "k1"}))  # a gateway reconnects
+        assert os.environ["A"] == "changed by the kernel's code"
+        exec(ksp.claim_program({"A": "2", ksp.CLAIM_MARK: "k2"}))  # another kernel's claim
+        assert os.environ["A"] == "2"
+        exec(ksp.claim_program({"A": "3"}))  # no mark: always given
+        assert os.environ["A"] == "3"
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
