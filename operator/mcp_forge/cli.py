@@ -459,8 +459,9 @@ def _endpoint(value: str) -> tuple[str, int]:
     "--pool",
     default=None,
     metavar="NAME",
-    help="Local mode: new sessions claim ready kernels of this KernelSessionPool "
-    "(mcp-forge apply one); the gateway keeps it filled.",
+    help="New sessions claim ready kernels of this KernelSessionPool. Local mode: "
+    "`mcp-forge apply` one, the gateway keeps it filled. --kubernetes: the operator keeps "
+    "it, in the sessions' namespace.",
 )
 @click.option(
     "--pool-size",

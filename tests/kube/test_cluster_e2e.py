@@ -285,3 +285,76 @@ async def test_code_mode_on_the_cluster_and_after_a_kernel_restart(
         ran = await agent.call_tool("execute_code", {"session_id": sid, "code": add})
         assert "42" in text(ran), "the module is injected again after a restart: " + text(ran)
         await agent.call_tool("close_session", {"session_id": sid})
+
+
+async def test_warm_sessions_through_the_gateway_get_their_env_once(
+    kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
+) -> None:
+    """A pool the operator keeps: create_session claims from it (the result says warm);
+    a declared session claims with env of its own, which the gateway gives the running
+    kernel when it connects, once: a new gateway process leaves it as the code set it."""
+    ns = kube_api.namespace
+    token = secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"agent {token}\n")
+    small = {"cpu": "100m", "memory": "256Mi"}
+    pool = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSessionPool",
+        "metadata": {"name": "warm", "namespace": ns},
+        "spec": {"size": 2, "template": {"image": images["minimal"], "resources": small}},
+    }
+    declared = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": KS,
+        "metadata": {
+            "name": "given",
+            "namespace": ns,
+            "annotations": {"mcpforge.dev/clients": "agent"},
+        },
+        "spec": {
+            "image": images["minimal"],
+            "resources": small,
+            "poolRef": {"name": "warm"},
+            "env": [{"name": "GREETING", "value": "hello from the claim"}],
+        },
+    }
+    show = "import os; print(os.environ.get('GREETING'), os.environ['MCPFORGE_SESSION'])"
+    async with running_operator(kube):
+        await asyncio.to_thread(kube.create, pool)
+        await eventually(
+            kube,
+            "KernelSessionPool",
+            ns,
+            "warm",
+            lambda o: (o or {}).get("status", {}).get("ready") == 2,
+            timeout=120,
+            what="2 ready",
+        )
+        async with (
+            cluster_gateway(kube_api, tokens, token, "--pool", "warm") as gw,
+            connect(gw) as agent,
+        ):
+            made = await agent.call_tool(
+                "create_session", {"variant": "minimal", "memory": "256Mi", "cpu": "100m"}
+            )
+            assert not made.is_error, text(made)
+            assert made.structured_content["start"] == "warm", made.structured_content
+            sid = made.structured_content["session_id"]
+            ran = await agent.call_tool("execute_code", {"session_id": sid, "code": show})
+            assert f"None {sid}" in text(ran), text(ran)
+
+            await asyncio.to_thread(kube.create, declared)
+            await eventually(kube, KS, ns, "given", lambda o: phase(o) == "Ready", timeout=90)
+            obj = await asyncio.to_thread(kube.get, KS, ns, "given")
+            assert obj is not None and obj["status"]["podName"].startswith("ksp-warm-")
+            ran = await agent.call_tool("execute_code", {"session_id": "given", "code": show})
+            assert "hello from the claim given" in text(ran), text(ran)
+            changed = "import os; os.environ['GREETING'] = 'changed by the code'"
+            ran = await agent.call_tool("execute_code", {"session_id": "given", "code": changed})
+            assert not ran.is_error, text(ran)
+            assert "hello from the claim" not in str(obj["status"]), "env is not in status"
+        async with cluster_gateway(kube_api, tokens, token) as gw, connect(gw) as agent:
+            ran = await agent.call_tool("execute_code", {"session_id": "given", "code": show})
+            assert "changed by the code given" in text(ran), text(ran)
+        await asyncio.to_thread(kube.delete, KS, ns, "given")

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 
+from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time
@@ -196,6 +197,15 @@ class Gateway:
             conn.close()
             raise
         handle.conn, handle.kernel = conn, _kernel_of(session)
+        env = await self.runtime.claimed_env(session)
+        if env:
+            try:
+                await self._silently(
+                    conn, ksp.claim_program(env), "the claimed kernel did not take its environment"
+                )
+            except BaseException:
+                self._drop(handle)
+                raise
         try:
             await self._silently(conn, self._guard_code, "the kernel's output guard failed")
         except SessionNotReady as exc:

@@ -47,7 +47,7 @@ class GatewayOptions:
     mcp_processes_max: int | None  # code mode: the pool's default if None
     kubernetes: bool  # cluster mode
     cull_interval: float  # seconds between local housekeeping passes
-    pool: str | None = None  # local: new sessions claim kernels of this KernelSessionPool
+    pool: str | None = None  # new sessions claim kernels of this KernelSessionPool
     pool_size: int = 2  # local, without --pool: the size of the gateway's own pool (0: none)
 
 
@@ -64,6 +64,7 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
 
         runtime = cluster = KubernetesRuntime()
         service = SessionService(runtime, runtime.settings, namespace=cluster.namespace)
+        service.pool = options.pool  # the operator says, per session, whether it served it
     else:
         runtime = local = LocalRuntime()
         service = SessionService(runtime, runtime.settings)

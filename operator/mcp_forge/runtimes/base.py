@@ -62,6 +62,11 @@ class Runtime(Protocol):
         gateway reaches it."""
         ...
 
+    async def claimed_env(self, session: KernelSession) -> dict[str, str] | None:
+        """The environment the gateway gives the session's kernel when it connects (a
+        kernel claimed from a pool was started without it); None: nothing to give."""
+        ...
+
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         """Bytes of memory each running kernel uses now, by session name."""
         ...

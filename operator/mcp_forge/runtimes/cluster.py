@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.connection import (
     BRIDGE_PORT,
@@ -236,6 +237,15 @@ class KubernetesRuntime:
         if info.bridge is None:
             return ("tcp", "0.0.0.0", BRIDGE_PORT), address
         return ("tls", "0.0.0.0", BRIDGE_PORT, CONNECTION_FILE_IN_POD), address
+
+    async def claimed_env(self, session: KernelSession) -> dict[str, str] | None:
+        """A kernel claimed from a pool runs as the pool started it: the operator moved
+        its pod, and the session's env is given here, once per kernel (claim_program)."""
+        status = session.status
+        pod, kernel = status.get("podName"), status.get("kernelId")
+        if not pod or not kernel or pod == child_name(session):
+            return None  # the session's own pod: started with its env
+        return ksp.claim_env(session, kernel=str(kernel))
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return {}  # the metrics API is not asked: the gateway may not read pods

@@ -625,6 +625,9 @@ class LocalRuntime:
     async def running_containers(self) -> set[str]:
         return await self.containers.running()
 
+    async def claimed_env(self, session: KernelSession) -> dict[str, str] | None:
+        return None  # given by the claim itself, before the session is Ready (pools.py)
+
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return self.containers.memory_usage(sessions)
 
