@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 Message = dict[str, Any]
 
 DEPTH_MAX = 100  # nesting of lists and mappings in a message's parts (JSON displays)
+IOPUB_FIRST_WAIT = 0.01  # wait_ready: first wait for its status on IOPub (see there)
 
 
 def nested_deeper_than(value: Any, limit: int) -> bool:
@@ -362,15 +363,18 @@ class KernelConnection:
 
         The request is sent again every `retry` seconds: a kernel that was starting
         when the first one left may not have seen it. It is sent again, too, when its
-        status has not crossed IOPub within `iopub` seconds of the reply: the kernel
-        publishes that status (busy) before it replies, so a status still missing by
-        then was almost always dropped, our subscription not having reached the kernel
-        yet (a kernel that answers within milliseconds of binding its sockets, as ours
-        do in a pod); a status that was only late costs one more request. Waiting a
-        second for a dropped status was a one-second tail on such starts
+        status has not crossed IOPub soon after the reply: the kernel publishes that
+        status (busy) before it replies, so a status still missing by then was almost
+        always dropped, our subscription not having reached the kernel yet (a kernel
+        that answers within milliseconds of binding its sockets, as ours do in a pod, or
+        one already running, as a pool's is); a status that was only late costs one more
+        request. The first wait is 10 ms, doubled each time up to `iopub` seconds: a new
+        connection to a running kernel mostly needs one more round trip, not 100 ms.
+        Waiting a second for a dropped status was a one-second tail on such starts
         (tests/bench/profile_cold.py counts them).
         """
         deadline = time.monotonic() + timeout
+        patience = min(IOPUB_FIRST_WAIT, iopub)
         async with self._control_lock:
             while (left := deadline - time.monotonic()) > 0:
                 msg_id = self.send(self.control, "kernel_info_request", {})
@@ -383,9 +387,10 @@ class KernelConnection:
                 self.kernel_session = got["header"].get("session")
                 with contextlib.suppress(ChannelDropped):  # asked again on the next turn
                     left = max(deadline - time.monotonic(), 0)
-                    if await self._iopub_has(msg_id, min(iopub, left)):
+                    if await self._iopub_has(msg_id, min(patience, left)):
                         self._subscribed = True
                         return self.kernel_info
+                    patience = min(patience * 2, iopub)
         raise SessionNotReady(f"the kernel did not answer kernel_info within {timeout:.0f}s")
 
     async def _iopub_has(self, msg_id: str, timeout: float) -> bool:
