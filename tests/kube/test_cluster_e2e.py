@@ -292,7 +292,10 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
 ) -> None:
     """A pool the operator keeps: create_session claims from it (the result says warm);
     a declared session claims with env of its own, which the gateway gives the running
-    kernel when it connects, once: a new gateway process leaves it as the code set it."""
+    kernel when it connects, once: a new gateway process leaves it as the code set it.
+    Code mode works in a claimed kernel (its bridge's certificate is the pool's Secret's)."""
+    import json
+
     ns = kube_api.namespace
     token = secrets.token_urlsafe(24)
     tokens = tmp_path / "tokens"
@@ -320,6 +323,11 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
         },
     }
     show = "import os; print(os.environ.get('GREETING'), os.environ['MCPFORGE_SESSION'])"
+    from mcp_servers.config import upstream_config
+
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps(upstream_config(tmp_path)))
+    add = "import mcp_tools\nprint(mcp_tools.edge.add(a=40)['sum'])"
     async with running_operator(kube):
         await asyncio.to_thread(kube.create, pool)
         await eventually(
@@ -332,17 +340,27 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
             what="2 ready",
         )
         async with (
-            cluster_gateway(kube_api, tokens, token, "--pool", "warm") as gw,
+            cluster_gateway(
+                kube_api, tokens, token, "--pool", "warm", "--mcp-config", str(config)
+            ) as gw,
             connect(gw) as agent,
         ):
             made = await agent.call_tool(
-                "create_session", {"variant": "minimal", "memory": "256Mi", "cpu": "100m"}
+                "create_session",
+                {
+                    "variant": "minimal",
+                    "memory": "256Mi",
+                    "cpu": "100m",
+                    "mcp_servers": [{"name": "edge"}],
+                },
             )
             assert not made.is_error, text(made)
             assert made.structured_content["start"] == "warm", made.structured_content
             sid = made.structured_content["session_id"]
             ran = await agent.call_tool("execute_code", {"session_id": sid, "code": show})
             assert f"None {sid}" in text(ran), text(ran)
+            ran = await agent.call_tool("execute_code", {"session_id": sid, "code": add})
+            assert "42" in text(ran), "code mode in a claimed kernel: " + text(ran)
 
             await asyncio.to_thread(kube.create, declared)
             await eventually(kube, KS, ns, "given", lambda o: phase(o) == "Ready", timeout=90)
