@@ -12,6 +12,8 @@ everyone else's. In one run, medians (and p90) of:
   * create -> the kernel answering kernel_info at its pod IP (operator, scheduler, kubelet,
     containerd, runc), next to a bare local ipykernel start (jupyter-client) and local
     mode's create -> Ready (`mcp-forge apply`'s path);
+  * the same with `spec.poolRef`: a kernel claimed from a KernelSessionPool of 2 (refilled
+    between runs, untimed): create -> Ready, and create -> kernel_info answered;
   * N KernelSessions created and reconciled (operatingMode Suspended: every child but the
     pod, so that N kernels need not fit in memory): the time, the operator's memory (RSS)
     and its API requests per session;
@@ -49,7 +51,7 @@ from kube import testcluster  # noqa: E402
 from kube.conftest import (  # noqa: E402
     KERNEL_IMAGES,
     delete_namespace,
-    install_crd,
+    install_crds,
     make_namespace,
 )
 from kube.harness import KS, condition, eventually, kernel, session_body  # noqa: E402
@@ -84,7 +86,7 @@ def cluster() -> Iterator[Path]:
     try:
         subprocess.run([CLUSTER, "import", *KERNEL_IMAGES], check=True)
         kubeconfig = testcluster.ROOT / "conf" / "admin.kubeconfig"
-        install_crd(kubeconfig)
+        install_crds(kubeconfig)
         yield kubeconfig
     finally:
         if not already:
@@ -214,6 +216,36 @@ async def with_kernels(
     return to_pod, to_ready, to_answer
 
 
+async def warm_kernels(kube: Kube, ns: str, runs: int) -> tuple[list[float], list[float]]:
+    small = {"cpu": "100m", "memory": "256Mi"}  # a pool of 2 and a claimed one fit 2 CPUs
+    pool = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSessionPool",
+        "metadata": {"name": "bench", "namespace": ns},
+        "spec": {"size": 2, "template": {"image": MINIMAL, "resources": small}},
+    }
+    await asyncio.to_thread(kube.create, pool)
+
+    def full(o: dict[str, Any] | None) -> bool:
+        return ((o or {}).get("status") or {}).get("ready") == 2
+
+    to_ready, to_answer = [], []
+    for _ in range(runs):
+        await eventually(kube, "KernelSessionPool", ns, "bench", full, timeout=120)
+        name = f"w-{uuid.uuid4().hex[:8]}"
+        body = session_body(name, ns, image=MINIMAL, resources=small, poolRef={"name": "bench"})
+        t0 = time.perf_counter()
+        await asyncio.to_thread(kube.create, body)
+        obj = await eventually(kube, KS, ns, name, ready, timeout=60)
+        to_ready.append(time.perf_counter() - t0)
+        assert condition(obj, "WarmStart").get("status") == "True", obj
+        async with kernel(kube, ns, name):  # kernel_info answered
+            to_answer.append(time.perf_counter() - t0)
+        await asyncio.to_thread(kube.delete, KS, ns, name)
+    await asyncio.to_thread(kube.delete, "KernelSessionPool", ns, "bench")
+    return to_ready, to_answer
+
+
 async def local_baseline(runs: int) -> list[float]:
     from mcp_forge.runtimes.local.runtime import LocalRuntime
     from mcp_forge.settings import Settings
@@ -270,6 +302,7 @@ async def main(runs: int, sessions: int) -> None:
                 idle_rss = rss(proc.pid)
                 base = await api_baseline(kube, ns, runs * 5)
                 to_pod, to_ready, to_answer = await with_kernels(kube, ns, runs)
+                warm_ready, warm_answer = await warm_kernels(kube, ns, runs)
                 audit = Audit(user)
                 before = rss(proc.pid)
                 took = await many(kube, ns, sessions)
@@ -298,6 +331,8 @@ async def main(runs: int, sessions: int) -> None:
     ref = stats(bare)[0]
     row("local mode: mcp-forge apply -> Ready (podman kube play)", local, ref)
     row("cluster: KernelSession -> kernel_info answered", to_answer, ref)
+    row("cluster, warm (poolRef): KernelSession -> Ready", warm_ready, ref)
+    row("cluster, warm (poolRef): KernelSession -> kernel_info answered", warm_answer, ref)
     total = sum(burst.values())
     writes = sum(n for verb, n in quiet.items() if verb in WRITES)
     print(
