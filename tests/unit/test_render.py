@@ -272,3 +272,21 @@ def test_pods_run_the_kernel_alone_and_ipython_in_a_directory_it_cannot_make() -
         env = {e["name"]: e["value"] for e in kernel["env"]}
         conf = [m for m in kernel["volumeMounts"] if env["IPYTHONDIR"].startswith(m["mountPath"])]
         assert [m["readOnly"] for m in conf] == [True], kernel["volumeMounts"]
+
+
+def test_a_secret_env_var_is_a_secret_key_ref_on_a_cluster_and_absent_from_a_local_pod() -> None:
+    """The kubelet reads the Secret; local mode gives the value to the kernel itself, so
+    neither pod spec holds it (`podman inspect` shows a container's env)."""
+    ref = {"secretKeyRef": {"name": "api-keys", "key": "token"}}
+    s = session(env=[{"name": "PLAIN", "value": "1"}, {"name": "TOKEN", "valueFrom": ref}])
+    cluster = by_kind(render_kubernetes(s, CONN))["Pod"]
+    (kernel,) = cluster["spec"]["containers"]
+    env = {e["name"]: e for e in kernel["env"]}
+    assert env["TOKEN"] == {"name": "TOKEN", "valueFrom": ref}
+    assert env["PLAIN"] == {"name": "PLAIN", "value": "1"}
+    kubernetes_validate.validate(cluster, K8S_VERSION, strict=True)
+
+    (local,) = render_podman(s, PATHS)[0]["spec"]["containers"]
+    names = [e["name"] for e in local["env"]]
+    assert "PLAIN" in names and "TOKEN" not in names
+    assert "valueFrom" not in json.dumps(local)

@@ -18,6 +18,7 @@ BASE: dict[str, Any] = {
     "metadata": {"name": "demo"},
     "spec": {},
 }
+REF: dict[str, Any] = {"valueFrom": {"secretKeyRef": {"name": "api-keys", "key": "token"}}}
 
 
 def with_spec(**spec: Any) -> dict[str, Any]:
@@ -73,6 +74,49 @@ def test_the_input_object_is_not_modified() -> None:
         (with_spec(env=[{"name": "MCPFORGE_X"}]), "spec.env[0].name", "reserved"),
         (with_spec(env=[{"name": "A"}] * 65), "spec.env", "too long"),
         (with_spec(env="A=1"), "spec.env", "array"),
+        (
+            with_spec(env=[{"name": "A", "value": "1"}, {"name": "B", "value": "2", **REF}]),
+            "spec.env[1].valueFrom",
+            "exclude each other",
+        ),
+        (
+            with_spec(env=[{"name": "A", "valueFrom": {}}]),
+            "spec.env[0].valueFrom.secretKeyRef",
+            "required",
+        ),
+        (
+            with_spec(
+                env=[{"name": "A", "valueFrom": {**REF["valueFrom"], "configMapKeyRef": {}}}]
+            ),
+            "spec.env[0].valueFrom.configMapKeyRef",
+            "unknown field",
+        ),
+        (
+            with_spec(env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s"}}}]),
+            "spec.env[0].valueFrom.secretKeyRef.key",
+            "required",
+        ),
+        (
+            with_spec(
+                env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "Bad", "key": "k"}}}]
+            ),
+            "spec.env[0].valueFrom.secretKeyRef.name",
+            "pattern",
+        ),
+        (
+            with_spec(
+                env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s" * 254, "key": "k"}}}]
+            ),
+            "spec.env[0].valueFrom.secretKeyRef.name",
+            "too long",
+        ),
+        (
+            with_spec(
+                env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "a/b"}}}]
+            ),
+            "spec.env[0].valueFrom.secretKeyRef.key",
+            "pattern",
+        ),
         (with_spec(workspace={"size": "lots"}), "spec.workspace.size", "pattern"),
         (with_spec(sharedGroup="Team A"), "spec.sharedGroup", "pattern"),
         (with_spec(network={"egress": "Some"}), "spec.network.egress", "one of None, All"),
@@ -96,6 +140,21 @@ def test_an_invalid_session_names_the_field(body: dict[str, Any], field: str, wo
         kernelsession.validate(body)
     assert err.value.field == field
     assert words in str(err.value)
+
+
+def test_env_takes_a_value_a_secret_key_or_a_name_alone() -> None:
+    body = kernelsession.validate(
+        with_spec(env=[{"name": "A", "value": "1"}, {"name": "T", **REF}, {"name": "E"}])
+    )
+    assert body["spec"]["env"][2] == {"name": "E"}  # no value defaulted: valueFrom may follow
+    env = kernelsession.load(body).spec.env
+    assert [(e.name, e.value, e.secret) for e in env] == [
+        ("A", "1", None),
+        ("T", "", ("api-keys", "token")),
+        ("E", "", None),
+    ]
+    dotted = {"valueFrom": {"secretKeyRef": {"name": "a.b-c", "key": "-._Ab9"}}}
+    assert kernelsession.validate(with_spec(env=[{"name": "A", **dotted}]))
 
 
 def test_mcp_servers_carry_a_policy_and_a_typo_is_named() -> None:
@@ -168,5 +227,11 @@ def test_the_crd_carries_the_rules_local_mode_checks_in_code() -> None:
 
     walk(spec)
     messages = " ".join(found)
-    for words in ("at least 64Mi", "at least 50m", "env names must be unique", "reserved"):
+    for words in (
+        "at least 64Mi",
+        "at least 50m",
+        "env names must be unique",
+        "reserved",
+        "value and valueFrom exclude each other",
+    ):
         assert words in messages

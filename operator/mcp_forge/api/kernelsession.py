@@ -179,8 +179,19 @@ def parse_duration(text: str, *, field: str) -> float:
 
 @dataclass(frozen=True)
 class EnvVar:
+    """A variable of spec.env: a value, or a key of a Secret (`secret`: its name and key),
+    read where the session runs; `value` is then "" and never holds the Secret's."""
+
     name: str
-    value: str
+    value: str = ""
+    secret: tuple[str, str] | None = None  # valueFrom.secretKeyRef: (name, key)
+
+
+def _env_var(item: dict[str, Any]) -> EnvVar:
+    ref = (item.get("valueFrom") or {}).get("secretKeyRef")
+    if ref is not None:
+        return EnvVar(item["name"], secret=(ref["name"], ref["key"]))
+    return EnvVar(item["name"], item.get("value", ""))
 
 
 @dataclass(frozen=True)
@@ -261,6 +272,11 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
         raise InvalidSession("must be at least 50m", field="spec.resources.cpu")
     parse_quantity(spec["workspace"]["size"], field="spec.workspace.size")
     names = [e["name"] for e in spec.get("env", [])]
+    for i, item in enumerate(spec.get("env", [])):
+        if "value" in item and "valueFrom" in item:
+            raise InvalidSession(
+                "value and valueFrom exclude each other: give one", field=f"spec.env[{i}].valueFrom"
+            )
     for i, n in enumerate(names):
         if n in names[:i]:
             raise InvalidSession(f"duplicate variable {n!r}", field=f"spec.env[{i}].name")
@@ -280,7 +296,7 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
         cpu_milli=cpu_milli,
         pids=res["pids"],
         idle_timeout=parse_duration(spec["idleTimeout"], field="spec.idleTimeout"),
-        env=tuple(EnvVar(e["name"], e.get("value", "")) for e in spec.get("env", [])),
+        env=tuple(_env_var(e) for e in spec.get("env", [])),
         workspace_size=spec["workspace"]["size"],
         shared_group=spec.get("sharedGroup"),
         egress=spec["network"]["egress"],

@@ -149,14 +149,21 @@ def startup_probe() -> dict[str, Any]:
 
 def _container(session: KernelSession, target: Target, seccomp: dict[str, str]) -> dict[str, Any]:
     spec = session.spec
-    env = [
+    env: list[dict[str, Any]] = [
         {"name": "HOME", "value": WORKSPACE},
         {"name": "IPYTHONDIR", "value": IPYTHON_DIR},
         {"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"},
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
         {"name": "MCPFORGE_SESSION", "value": session.name},
     ]
-    env += [{"name": e.name, "value": e.value} for e in spec.env]
+    for e in spec.env:
+        if e.secret is None:
+            env.append({"name": e.name, "value": e.value})
+        elif target == "kubernetes":  # the kubelet reads the Secret: no value in the pod
+            ref = {"name": e.secret[0], "key": e.secret[1]}
+            env.append({"name": e.name, "valueFrom": {"secretKeyRef": ref}})
+        # podman: a pod's env shows in `podman inspect`; local mode gives the kernel these
+        # over its own channel at every start, before the session is Ready
     mounts = [
         {"name": "conf", "mountPath": CONF_DIR_IN_POD, "readOnly": True},
         {"name": "workspace", "mountPath": WORKSPACE},
