@@ -125,12 +125,14 @@ def render(filename: str, target: str) -> None:
     "--wait/--no-wait", default=True, show_default=True, help="Wait until the kernel answers."
 )
 def apply(filename: str, wait: bool) -> None:
-    """Create or update KernelSessions and KernelSessionPools (local mode).
+    """Create or update KernelSessions, KernelSessionPools and Secrets (v1) (local mode).
 
     A pool is filled before the command returns (with --wait); a running gateway keeps
-    refilling it as its kernels are claimed.
+    refilling it as its kernels are claimed. A Secret's values are read by sessions
+    whose env names them (valueFrom.secretKeyRef) when their kernels start.
     """
     from mcp_forge.api import kernelsessionpool as ksp
+    from mcp_forge.api import secret
 
     try:
         bodies = ksp.parse_resources(_read(filename))
@@ -141,6 +143,10 @@ def apply(filename: str, wait: bool) -> None:
     async def go() -> None:
         rt = _local()
         for body in bodies:
+            if body["kind"] == secret.KIND:
+                stored, action = rt.secrets.apply(body)
+                click.echo(f"secret/{stored.name} {action} ({len(stored.keys)} keys)")
+                continue
             if body["kind"] == ksp.KIND:
                 filled = await rt.pools.apply(body, wait=wait)
                 status = filled.pool.body.get("status") or {}
@@ -175,9 +181,17 @@ def _age(ts: str | None) -> str:
 @click.option("-n", "--namespace", default=None)
 @click.option("-o", "--output", type=click.Choice(["table", "yaml", "json"]), default="table")
 def get(name: str | None, namespace: str | None, output: str) -> None:
-    """Show KernelSessions, with their status checked against Podman."""
+    """Show KernelSessions, with their status checked against Podman (`ks/NAME` for a
+    session named like a kind); `secrets` or `secret/NAME`: Secrets, their keys only."""
 
     from mcp_forge.api import kernelsessionpool as ksp
+
+    kind, _, named = (name or "").rpartition("/")
+    if kind in ("secret", "secrets") or (not kind and named in ("secret", "secrets")):
+        _get_secrets(named if kind else None, namespace, output)
+        return
+    if kind in ("ks", "kernelsession", "kernelsessions"):
+        name = named
 
     async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         rt = _local()
@@ -231,6 +245,45 @@ def get(name: str | None, namespace: str | None, output: str) -> None:
             _table(rows)
 
 
+def _get_secrets(name: str | None, namespace: str | None, output: str) -> None:
+    """Secrets: names, keys and types. Their values are never printed."""
+
+    async def go() -> list[dict[str, Any]]:
+        rt = _local()
+        found = (
+            [rt.secrets.get(name, namespace or "default")] if name else rt.secrets.all(namespace)
+        )
+        return [
+            {
+                "apiVersion": s.body["apiVersion"],
+                "kind": s.body["kind"],
+                "metadata": s.body["metadata"],
+                "type": s.body.get("type", "Opaque"),
+                "keys": s.keys,
+            }
+            for s in found
+        ]
+
+    items = _run(go())
+    shown: Any = items[0] if name else {"items": items}
+    if output == "yaml":
+        click.echo(yaml.safe_dump(shown, sort_keys=False), nl=False)
+    elif output == "json":
+        click.echo(json.dumps(shown, indent=2))
+    else:
+        rows = [("NAME", "TYPE", "KEYS", "AGE")]
+        rows += [
+            (
+                i["metadata"]["name"],
+                i["type"],
+                ",".join(i["keys"]) or "-",
+                _age(i["metadata"].get("creationTimestamp")),
+            )
+            for i in items
+        ]
+        _table(rows)
+
+
 def _table(rows: Sequence[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -242,12 +295,23 @@ def _table(rows: Sequence[tuple[str, ...]]) -> None:
 @click.option("-n", "--namespace", default="default")
 def delete(name: str, namespace: str) -> None:
     """Delete a KernelSession, its pod and its files; or, as pool/NAME, a
-    KernelSessionPool and its unclaimed kernels (claimed ones stay) (local mode)."""
+    KernelSessionPool and its unclaimed kernels (claimed ones stay); or, as secret/NAME,
+    a Secret (kernels keep the values they were given) (local mode)."""
     kind, _, pool = name.partition("/")
     if pool and kind in ("pool", "ksp", "kernelsessionpool"):
         deleted = _run(_local().pools.delete(pool, namespace))
         click.echo(f"kernelsessionpool/{pool} deleted ({deleted} unclaimed kernels)")
         return
+    if pool and kind in ("secret", "secrets"):
+
+        async def forget() -> None:
+            _local().secrets.delete(pool, namespace)
+
+        _run(forget())
+        click.echo(f"secret/{pool} deleted")
+        return
+    if pool and kind in ("ks", "kernelsession", "kernelsessions"):
+        name = pool
     _run(_local().delete(name, namespace))
     click.echo(f"kernelsession/{name} deleted")
 

@@ -5,6 +5,7 @@
     ├── InvalidRequest          bad input to an operation: empty code, negative timeout, bad path
     ├── SessionNotFound         no KernelSession of that name
     ├── SessionNotReady         it exists, but its kernel cannot take work now
+    ├── SecretError             a Secret a session's env names is missing or unusable
     ├── KernelProtocolError     the kernel sent something we refuse (too large, malformed)
     ├── ImageError              the kernel image is missing or could not be built
     ├── PodmanError             a podman command failed (carries its stderr)
@@ -44,6 +45,16 @@ class SessionNotFound(ForgeError):
 
 class SessionNotReady(ForgeError):
     """The session exists but its kernel is not available."""
+
+
+class SecretError(ForgeError):
+    """A Secret (or a key of it) that a session's env takes a value from is missing or
+    holds no usable value. The message names the Secret and key, never a value;
+    `reason` is the session's status reason (SecretNotFound, InvalidSecret)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class KernelProtocolError(ForgeError):

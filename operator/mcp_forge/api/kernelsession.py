@@ -335,7 +335,7 @@ def parse_stream(
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
-        raise InvalidSession(f"not valid YAML: {exc}") from exc
+        raise InvalidSession(f"not valid YAML: {_yaml_problem(exc)}") from None
     if not docs:
         raise InvalidSession(f"no {what} in the input")
     out = []
@@ -347,6 +347,16 @@ def parse_stream(
                 raise InvalidSession(f"document {i + 1}: {exc}") from exc
             raise
     return out
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong and where, without PyYAML's snippet of the text: the line may hold
+    a Secret's value."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        return f"{exc.problem or exc.context or 'malformed'}{where}"
+    return type(exc).__name__
 
 
 def default_image() -> str:

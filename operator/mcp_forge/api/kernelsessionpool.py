@@ -17,10 +17,12 @@ import copy
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from mcp_forge.api import kernelsession as ks
+from mcp_forge.api import secret
 from mcp_forge.errors import InvalidSession
 
 KIND = "KernelSessionPool"
@@ -150,10 +152,23 @@ def _show(value: Any) -> str:
 CLAIM_MARK = "MCPFORGE_CLAIM"
 
 
-def claim_env(session: ks.KernelSession, kernel: str = "") -> dict[str, str]:
-    """What a claimed kernel's environment gains: the session's env and its name; with
-    `kernel` (the claimed kernel's id), a mark that it was given (see claim_program)."""
-    env = {e.name: e.value for e in session.spec.env}
+def claim_env(
+    session: ks.KernelSession,
+    kernel: str = "",
+    *,
+    secret_values: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """What a claimed kernel's environment gains: the session's env, the variables taken
+    from Secrets with their values (`secret_values`: `secret.resolve`), and its name;
+    with `kernel` (the claimed kernel's id), a mark that it was given (see claim_program)."""
+    values = secret_values or {}
+    env = {}
+    for e in session.spec.env:
+        if e.secret is not None and e.name not in values:
+            raise InvalidSession(
+                f"no value was resolved for {e.name} (Secret {e.secret[0]!r})", field="spec.env"
+            )
+        env[e.name] = values[e.name] if e.secret is not None else e.value
     env["MCPFORGE_SESSION"] = session.name
     if kernel:
         env[CLAIM_MARK] = kernel
@@ -173,11 +188,13 @@ def claim_program(env: dict[str, str]) -> str:
 
 
 def parse_resources(text: str) -> list[dict[str, Any]]:
-    """The KernelSessions and KernelSessionPools in a YAML stream, each validated by
-    its kind; empty documents are skipped."""
+    """The KernelSessions, KernelSessionPools and Secrets (v1) in a YAML stream, each
+    validated by its kind; empty documents are skipped."""
 
     def check(doc: Any) -> dict[str, Any]:
         kind = doc.get("kind") if isinstance(doc, dict) else None
+        if kind == secret.KIND:
+            return secret.validate(doc)
         return validate(doc) if kind == KIND else ks.validate(doc)
 
-    return ks.parse_stream(text, check, "KernelSession or KernelSessionPool")
+    return ks.parse_stream(text, check, "KernelSession, KernelSessionPool or Secret")

@@ -40,6 +40,8 @@ UPDATING = "Updating"
 KERNEL_BUSY = "KernelBusy"
 WAITING_FOR_RESTART = "WaitingForRestart"
 UP_TO_DATE = "UpToDate"
+SECRET_NOT_FOUND = "SecretNotFound"  # a Secret or key spec.env names is not there (Failed)
+INVALID_SECRET = "InvalidSecret"  # its value is not text an env variable can hold (Failed)
 
 
 class LastTermination(TypedDict, total=False):

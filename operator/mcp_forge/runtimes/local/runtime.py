@@ -80,6 +80,7 @@ from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.runtimes.local import userns, volumes
 from mcp_forge.runtimes.local.containers import Containers, lifetime
 from mcp_forge.runtimes.local.pools import Pools
+from mcp_forge.runtimes.local.secrets import Secrets
 from mcp_forge.runtimes.local.store import Claimed, Store
 from mcp_forge.sandbox import KERNEL_UID
 from mcp_forge.settings import Settings
@@ -134,6 +135,7 @@ class LocalRuntime:
         self.store = Store(self.settings.store_path)
         self.containers = Containers(self.store, self.settings)
         self.pools = Pools(self)
+        self.secrets = Secrets(self.store)
 
     # ---- paths and locks -----------------------------------------------------------------
 

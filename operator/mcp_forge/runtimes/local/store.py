@@ -3,6 +3,7 @@
 One row per session: the whole object (metadata, spec, status) as JSON, plus its
 connection key, which never appears in the object. KernelSessionPools have a table of
 their own; their kernels are sessions labelled with the pool until one is claimed.
+Secrets (the values sessions' env may take) have one too.
 Writes are transactions, so a crash never leaves half an object; SQLite's locking lets
 the CLI and a running gateway share the file.
 """
@@ -34,6 +35,18 @@ CREATE TABLE IF NOT EXISTS sessions (
 """
 _POOLS = """
 CREATE TABLE IF NOT EXISTS pools (
+    namespace TEXT NOT NULL,
+    name TEXT NOT NULL,
+    body TEXT NOT NULL,
+    PRIMARY KEY (namespace, name)
+)
+"""
+
+# Secrets (core/v1) that sessions' env takes values from: the body with `data` in base64,
+# as the API server keeps them. The file is 0600 in a 0700 directory, like the keys; no
+# method here logs or puts a value in an error.
+_SECRETS = """
+CREATE TABLE IF NOT EXISTS secrets (
     namespace TEXT NOT NULL,
     name TEXT NOT NULL,
     body TEXT NOT NULL,
@@ -74,6 +87,7 @@ class Store:
         with self._db() as tx:
             tx.execute(_SCHEMA)
             tx.execute(_POOLS)
+            tx.execute(_SECRETS)
 
     @contextmanager
     def _db(self, *, write: bool = True) -> Iterator[sqlite3.Connection]:
@@ -331,6 +345,44 @@ class Store:
     def delete_pool(self, namespace: str, name: str) -> None:
         with self._db() as db:
             db.execute("DELETE FROM pools WHERE namespace=? AND name=?", (namespace, name))
+
+    # ---- Secrets -----------------------------------------------------------------------------
+
+    def put_secret(self, body: dict[str, Any]) -> str:
+        """Store a (validated) Secret; "created", "configured" or "unchanged"."""
+        meta = body["metadata"]
+        with self._db() as db:
+            row = db.execute(
+                "SELECT body FROM secrets WHERE namespace=? AND name=?",
+                (meta["namespace"], meta["name"]),
+            ).fetchone()
+            if row is not None and json.loads(row[0]) == body:
+                return "unchanged"
+            db.execute(
+                "INSERT OR REPLACE INTO secrets (namespace, name, body) VALUES (?, ?, ?)",
+                (meta["namespace"], meta["name"], json.dumps(body)),
+            )
+        return "created" if row is None else "configured"
+
+    def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        with self._db(write=False) as db:
+            row = db.execute(
+                "SELECT body FROM secrets WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def list_secrets(self, namespace: str | None = None) -> builtins.list[dict[str, Any]]:
+        with self._db(write=False) as db:
+            rows = db.execute(
+                "SELECT body FROM secrets WHERE ? IS NULL OR namespace=? ORDER BY namespace, name",
+                (namespace, namespace),
+            ).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def delete_secret(self, namespace: str, name: str) -> bool:
+        with self._db() as db:
+            cur = db.execute("DELETE FROM secrets WHERE namespace=? AND name=?", (namespace, name))
+        return cur.rowcount > 0
 
 
 def _merge(into: dict[str, Any], patch: dict[str, Any]) -> None:
