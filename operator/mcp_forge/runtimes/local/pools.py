@@ -36,18 +36,15 @@ from typing import TYPE_CHECKING, Any
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
-from mcp_forge.api.connection import ConnectionInfo
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.kernelsessionpool import KernelSessionPool
-from mcp_forge.errors import ForgeError, SessionNotFound, SessionNotReady
-from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.errors import ForgeError, SecretError, SessionNotFound
 
 if TYPE_CHECKING:
     from mcp_forge.runtimes.local.runtime import LocalRuntime
 
 log = logging.getLogger(__name__)
 
-CLAIM_TIMEOUT = 10.0  # the claimed kernel answers the environment's silent execute
 # A ready kernel whose lock is held (a refresh reads its container: milliseconds) is
 # waited for this long, in steps, when no other ready kernel is free.
 LOCK_PATIENCE = 1.0
@@ -298,6 +295,10 @@ class Pools:
         if raw is None:
             return Claim(None, ksp.POOL_NOT_FOUND, f"no KernelSessionPool {name!r}: started cold")
         pool = ksp.load(raw)
+        try:
+            self.runtime.secrets.values(kernelsession.load(body))
+        except SecretError as exc:  # the cold start fails with it, and says so
+            return Claim(None, ksp.CLAIM_FAILED, f"{exc}: not claimed")
         why = ksp.unservable(pool, spec)
         if why:
             self.store.patch_pool_status(namespace, name, {}, add={"misses": 1})
@@ -391,23 +392,9 @@ class Pools:
         self.runtime.set_warm_start(session, True, ksp.CLAIMED, message)
 
     async def _give(self, session: KernelSession) -> None:
-        """The session's environment, set in its claimed kernel by a silent execute."""
-        key = self.store.key(session.namespace, session.name)
-        info = ConnectionInfo("ipc", self.runtime.host_paths(session).run + "/kernel", key)
-        conn = KernelConnection(info, max_frame=100_000, max_message=100_000)
-        try:
-            # The shell reply alone says how it went: a silent execute broadcasts nothing
-            # we need, so no IOPub subscription is waited for.
-            code = ksp.claim_program(ksp.claim_env(session))
-            msg_id = conn.send_execute(code, silent=True, store_history=False)
-            reply = await conn.reply(conn.shell, msg_id, CLAIM_TIMEOUT)
-            if reply is None:
-                raise SessionNotReady(f"no answer in {CLAIM_TIMEOUT:.0f}s")
-            status = reply["content"].get("status")
-            if status != "ok":
-                raise SessionNotReady(f"the kernel refused it ({str(status)[:40]})")
-        finally:
-            conn.close()
+        """The session's environment (its Secrets' values too), set in its claimed kernel."""
+        env = ksp.claim_env(session, secret_values=self.runtime.secrets.values(session))
+        await self.runtime.give_env(session, env)
 
 
 async def _lock_within(fd: int, patience: float) -> bool:

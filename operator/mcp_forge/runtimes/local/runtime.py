@@ -72,6 +72,7 @@ from mcp_forge.errors import (
     ImageError,
     InvalidSession,
     PodmanError,
+    SecretError,
     SessionNotFound,
     SessionNotReady,
 )
@@ -90,6 +91,8 @@ log = logging.getLogger(__name__)
 # A busy mark (a gateway runs code in the kernel) lasts this long unless renewed: the
 # gateway renews it while the code runs, so it lapses by itself if the gateway goes away.
 BUSY_LEASE = 30.0
+# A kernel that answered takes its environment's silent execute within this long.
+GIVE_ENV_TIMEOUT = 10.0
 # Spec fields that change no pod: applied without touching the kernel. Local mode
 # applies every other change at once (there is no updateStrategy to wait on here).
 _LIVE_FIELDS = (
@@ -416,6 +419,11 @@ class LocalRuntime:
     async def _realize(
         self, session: KernelSession, *, wait: bool, phase: str = st.STARTING
     ) -> None:
+        try:
+            self.secrets.values(session)  # a Secret that is not there: no pod at all
+        except SecretError as exc:
+            self._fail(session, exc.reason, str(exc))
+            raise
         key = self.store.key(session.namespace, session.name)
         info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
         idmap = self.idmap(session) or self._claim_idmap(session)
@@ -494,7 +502,8 @@ class LocalRuntime:
             await self._wait_ready(session)
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
-                self._fail(session, "NotReady", str(exc))
+                reason = exc.reason if isinstance(exc, SecretError) else "NotReady"
+                self._fail(session, reason, str(exc))
             raise
 
     async def _wait_ready(self, session: KernelSession) -> None:
@@ -512,6 +521,11 @@ class LocalRuntime:
             conn.close()
         if ready.done() and not ready.cancelled() and ready.exception() is None:
             self._seal(session)
+            # Variables from Secrets are never in the pod (podman inspect shows its env):
+            # every new kernel gets them here, over its sealed channel, before it is Ready.
+            values = self.secrets.values(session)
+            if values:
+                await self.give_env(session, values)
             self.mark_ready(session, "the kernel answered")
             return
         if died.done() and not died.cancelled() and died.exception() is None:
@@ -521,6 +535,29 @@ class LocalRuntime:
             )
         exc = ready.exception() if ready.done() and not ready.cancelled() else died.exception()
         raise exc if exc is not None else SessionNotReady("the kernel did not start")
+
+    async def give_env(self, session: KernelSession, env: dict[str, str]) -> None:
+        """Set `env` in the session's running kernel by a silent execute on its shell
+        channel: no output, no history, no name left in its namespace. Errors say how
+        it went, never what was given (values may come from Secrets)."""
+        key = self.store.key(session.namespace, session.name)
+        info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
+        conn = KernelConnection(info, max_frame=100_000, max_message=100_000)
+        try:
+            # The shell reply alone says how it went: a silent execute broadcasts nothing
+            # we need, so no IOPub subscription is waited for.
+            code = ksp.claim_program(env)
+            msg_id = conn.send_execute(code, silent=True, store_history=False)
+            reply = await conn.reply(conn.shell, msg_id, GIVE_ENV_TIMEOUT)
+            if reply is None:
+                raise SessionNotReady(
+                    f"the kernel did not take its environment in {GIVE_ENV_TIMEOUT:.0f}s"
+                )
+            status = reply["content"].get("status")
+            if status != "ok":
+                raise SessionNotReady(f"the kernel refused its environment ({str(status)[:40]})")
+        finally:
+            conn.close()
 
     def mark_ready(self, session: KernelSession, message: str) -> None:
         self._patch(session, phase=st.READY, reason=st.KERNEL_READY, message=message)
