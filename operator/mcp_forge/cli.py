@@ -145,7 +145,8 @@ def apply(filename: str, wait: bool) -> None:
         for body in bodies:
             if body["kind"] == secret.KIND:
                 stored, action = rt.secrets.apply(body)
-                click.echo(f"secret/{stored.name} {action} ({len(stored.keys)} keys)")
+                n = len(stored.keys)
+                click.echo(f"secret/{stored.name} {action} ({n} key{'' if n == 1 else 's'})")
                 continue
             if body["kind"] == ksp.KIND:
                 filled = await rt.pools.apply(body, wait=wait)
