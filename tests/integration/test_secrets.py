@@ -235,6 +235,40 @@ async def test_a_missing_secret_or_key_fails_the_session_naming_them_and_no_pod_
     assert started.status["phase"] == st.READY
 
 
+async def test_a_claim_without_its_secret_takes_no_pool_kernel_and_fails_naming_it(
+    runtime: Any, sessions: Any, images: dict[str, str], secret_name: str
+) -> None:
+    pool = f"p{uuid.uuid4().hex[:8]}"
+    spec = {"image": images["minimal"], "resources": {"memory": "512Mi"}}
+    await runtime.pools.apply(
+        {
+            "apiVersion": "mcpforge.dev/v1alpha1",
+            "kind": "KernelSessionPool",
+            "metadata": {"name": pool},
+            "spec": {"size": 1, "template": spec},
+        }
+    )
+    try:
+        before = runtime.pools.members(runtime.pools.get(pool))
+        body = session_body(images["minimal"], env=env(secret_name), poolRef={"name": pool})
+        with pytest.raises(SecretError, match=f"Secret {secret_name!r} not found"):
+            await sessions(body)
+        failed = await runtime.get(body["metadata"]["name"])
+        assert (failed.status["phase"], failed.status["reason"]) == (
+            st.FAILED,
+            st.SECRET_NOT_FOUND,
+        )
+        warm = [c for c in failed.status["conditions"] if c["type"] == ksp.WARM_START]
+        assert [(c["status"], c["reason"]) for c in warm] == [("False", ksp.CLAIM_FAILED)]
+        assert secret_name in warm[0]["message"]
+        # The pool's kernel was not taken: it still waits, Ready, for a claim.
+        after = runtime.pools.members(runtime.pools.get(pool))
+        assert [m.name for m in after] == [m.name for m in before]
+        assert {m.status["phase"] for m in after} == {st.READY}
+    finally:
+        await runtime.pools.delete(pool)
+
+
 async def test_the_cli_applies_lists_and_deletes_secrets_and_never_prints_a_value(
     runtime: Any,
     sessions: Any,
