@@ -148,3 +148,22 @@ def test_secrets_are_listed_deleted_and_kept_in_a_private_file(tmp_path: Path) -
     with pytest.raises(SecretError, match="no Secret 'api-keys'"):
         secrets.delete("api-keys")
     assert [s.name for s in secrets.all()] == ["other"]
+
+
+def test_a_pool_serves_secret_env_only_where_the_claim_can_read_the_secret() -> None:
+    """Locally the claim gives the value; on a cluster only the kubelet reads Secrets,
+    at a pod's start, so such a session starts cold and condition WarmStart says why."""
+    pool = ksp.load(
+        ksp.validate(
+            {
+                "apiVersion": "mcpforge.dev/v1alpha1",
+                "kind": "KernelSessionPool",
+                "metadata": {"name": "warm"},
+                "spec": {"size": 1, "template": {"resources": {"memory": "512Mi"}}},
+            }
+        )
+    )
+    spec = env_session().body["spec"]
+    assert ksp.unservable(pool, spec, reads_secrets=True) == ""
+    why = ksp.unservable(pool, spec)
+    assert "spec.env TOKEN takes its value from a Secret" in why
