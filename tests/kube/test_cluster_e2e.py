@@ -319,10 +319,21 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
             "image": images["minimal"],
             "resources": small,
             "poolRef": {"name": "warm"},
-            "env": [{"name": "GREETING", "value": "hello from the claim"}],
+            "env": [
+                {"name": "GREETING", "value": "hello from the claim"},
+                {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "api", "key": "t"}}},
+            ],
         },
     }
+    token_value = secrets.token_hex(16)
+    api_secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "api", "namespace": ns},
+        "stringData": {"t": token_value},
+    }
     show = "import os; print(os.environ.get('GREETING'), os.environ['MCPFORGE_SESSION'])"
+    show_token = "import os; print('token', os.environ.get('TOKEN'))"
     from mcp_servers.config import upstream_config
 
     config = tmp_path / "mcp.json"
@@ -362,16 +373,24 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
             ran = await agent.call_tool("execute_code", {"session_id": sid, "code": add})
             assert "42" in text(ran), "code mode in a claimed kernel: " + text(ran)
 
+            await asyncio.to_thread(kube.create, api_secret)
             await asyncio.to_thread(kube.create, declared)
             await eventually(kube, KS, ns, "given", lambda o: phase(o) == "Ready", timeout=90)
             obj = await asyncio.to_thread(kube.get, KS, ns, "given")
             assert obj is not None and obj["status"]["podName"].startswith("ksp-warm-")
             ran = await agent.call_tool("execute_code", {"session_id": "given", "code": show})
             assert "hello from the claim given" in text(ran), text(ran)
+            ran = await agent.call_tool("execute_code", {"session_id": "given", "code": show_token})
+            assert f"token {token_value}" in text(ran), text(ran)
+            claimed = await asyncio.to_thread(kube.get, "Pod", ns, obj["status"]["podName"])
+            assert token_value not in str(claimed), "the Secret's value is not in the pod"
+            again = await asyncio.to_thread(kube.get, KS, ns, "given")
+            assert token_value not in str(again), "nor in the session"
             changed = "import os; os.environ['GREETING'] = 'changed by the code'"
             ran = await agent.call_tool("execute_code", {"session_id": "given", "code": changed})
             assert not ran.is_error, text(ran)
             assert "hello from the claim" not in str(obj["status"]), "env is not in status"
+        assert not any(token_value in line for line in gw.log), "nor in the gateway's log"
         async with cluster_gateway(kube_api, tokens, token) as gw, connect(gw) as agent:
             ran = await agent.call_tool("execute_code", {"session_id": "given", "code": show})
             assert "changed by the code given" in text(ran), text(ran)

@@ -384,3 +384,32 @@ async def test_an_operator_stopped_between_claim_and_status_leaves_nothing_twice
         await eventually(
             kube, "Secret", ns, "ksp-race-deadbeef-conn", lambda s: s is None, what="collected"
         )
+
+
+async def test_a_claim_whose_secret_is_missing_takes_no_kernel_and_its_cold_pod_says_why(
+    kube: Kube, ns: str, operator: Any, images: dict[str, str]
+) -> None:
+    """The gateway gives Secret values to a claimed kernel; the operator claims only when
+    they are there. Without: a cold pod, whose kubelet names the missing Secret."""
+    await asyncio.to_thread(kube.create, pool_body("sec", ns, 1, images["minimal"]))
+    await filled(kube, ns, "sec", 1)
+    ref = {"secretKeyRef": {"name": "absent", "key": "token"}}
+    body = session_body(
+        "lacking",
+        ns,
+        image=images["minimal"],
+        resources=SMALL,
+        poolRef={"name": "sec"},
+        env=[{"name": "TOKEN", "valueFrom": ref}],
+    )
+    await asyncio.to_thread(kube.create, body)
+    obj = await eventually(
+        kube, KS, ns, "lacking", lambda o: phase(o) == "Failed", timeout=90, what="Failed"
+    )
+    assert obj is not None
+    warm = condition(obj, ksp.WARM_START)
+    assert (warm["status"], warm["reason"]) == ("False", ksp.CLAIM_FAILED), warm
+    assert "'absent'" in warm["message"], warm
+    assert obj["status"]["reason"] == "CreateContainerConfigError", obj["status"]
+    assert "absent" in obj["status"]["message"]
+    assert len(await members(kube, ns, "sec")) == 1, "the pool's kernel is still there"

@@ -123,14 +123,11 @@ def member_body(pool: KernelSessionPool, name: str) -> dict[str, Any]:
     return ks.validate(body)
 
 
-def unservable(
-    pool: KernelSessionPool, spec: dict[str, Any], *, reads_secrets: bool = False
-) -> str:
+def unservable(pool: KernelSessionPool, spec: dict[str, Any]) -> str:
     """Why the pool cannot serve a session of this (validated) spec; "" if it can.
 
-    `reads_secrets`: whoever gives the claimed kernel its env can read the Secrets its
-    env names (local mode); on a cluster only the kubelet reads them, at a pod's start.
-    """
+    Env taken from Secrets is served: whoever gives the claimed kernel its env reads
+    them (local mode's claim; on a cluster, the gateway when it connects)."""
     for field in TEMPLATE_FIELDS:
         want, have = spec.get(field), pool.template.get(field)
         if want != have:
@@ -141,11 +138,6 @@ def unservable(
     if spec.get("sharedGroup"):
         return "spec.sharedGroup needs a /shared volume in the pod, which pooled kernels lack"
     for var in spec.get("env") or []:
-        if "valueFrom" in var and not reads_secrets:
-            return (
-                f"spec.env {var['name']} takes its value from a Secret, which only the "
-                "kubelet reads, when it starts a pod"
-            )
         if _STARTUP_ENV.match(str(var.get("name", ""))):
             return (
                 f"spec.env {var['name']} takes effect only when the interpreter starts, "

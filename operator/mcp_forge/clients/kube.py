@@ -21,7 +21,8 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from mcp_forge.api.kernelsession import API_VERSION
+from mcp_forge.api import secret as secrets
+from mcp_forge.api.kernelsession import API_VERSION, KernelSession
 from mcp_forge.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,17 @@ def key_of(secret: dict[str, Any] | None) -> str | None:
     """The HMAC key in a connection Secret, if it holds a readable one."""
     key = (connection_file_of(secret) or {}).get("key")
     return key if isinstance(key, str) and len(key) >= 32 else None
+
+
+def secret_env(kube: Kube, session: KernelSession) -> dict[str, str]:
+    """The values of the session's env taken from Secrets (of its namespace), by variable;
+    SecretError names a missing Secret or key, never a value."""
+
+    def lookup(name: str) -> secrets.Secret | None:
+        body = kube.get("Secret", session.namespace, name)
+        return secrets.load(body) if body is not None else None
+
+    return secrets.resolve(session.spec.env, session.namespace, lookup)
 
 
 def _error(exc: ApiException) -> ApiError:

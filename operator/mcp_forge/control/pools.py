@@ -32,7 +32,7 @@ from mcp_forge.api.kernelsession import API_VERSION, KernelSession
 from mcp_forge.api.kernelsessionpool import KernelSessionPool
 from mcp_forge.api.keys import new_bridge_cert, new_curve_keys
 from mcp_forge.api.status import parse_time, stamp
-from mcp_forge.clients.kube import Kube
+from mcp_forge.clients.kube import Kube, secret_env
 from mcp_forge.control.pods import observe
 from mcp_forge.control.render import (
     LABEL_COMPONENT,
@@ -42,7 +42,7 @@ from mcp_forge.control.render import (
     TEMPLATE_HASH,
     render_kubernetes,
 )
-from mcp_forge.errors import ApiError, InvalidSession
+from mcp_forge.errors import ApiError, InvalidSession, SecretError
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -372,6 +372,10 @@ class PoolKeeper:
         why = ksp.unservable(pool, session.body["spec"])
         if why:
             return Claim(None, ksp.POOL_MISMATCH, f"{why}: started cold")
+        try:  # the gateway gives these when it connects: they must be there
+            secret_env(self.kube, session)
+        except SecretError as exc:
+            return Claim(None, ksp.CLAIM_FAILED, f"{exc}: started cold")
         labels = {ksp.LABEL_POOL: pool.name, ksp.LABEL_TEMPLATE: pool.template_hash}
         pods = self.kube.list("Pod", ns, labels=labels).get("items") or []
         ready = [

@@ -33,12 +33,20 @@ from mcp_forge.api.connection import (
 )
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import Termination
-from mcp_forge.clients.kube import BUSY_PREFIX, RESTART, Kube, connection_file_of, key_of
+from mcp_forge.clients.kube import (
+    BUSY_PREFIX,
+    RESTART,
+    Kube,
+    connection_file_of,
+    key_of,
+    secret_env,
+)
 from mcp_forge.control.render import child_name, secret_name
 from mcp_forge.errors import (
     ApiError,
     InvalidSession,
     KernelProtocolError,
+    SecretError,
     SessionNotFound,
     SessionNotReady,
 )
@@ -245,7 +253,11 @@ class KubernetesRuntime:
         pod, kernel = status.get("podName"), status.get("kernelId")
         if not pod or not kernel or pod == child_name(session):
             return None  # the session's own pod: started with its env
-        return ksp.claim_env(session, kernel=str(kernel))
+        try:
+            values = await asyncio.to_thread(secret_env, self.kube, session)
+        except SecretError as exc:  # named, never a value; the operator checked at claim
+            raise SessionNotReady(f"session {session.name!r}: {exc}") from None
+        return ksp.claim_env(session, kernel=str(kernel), secret_values=values)
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return {}  # the metrics API is not asked: the gateway may not read pods

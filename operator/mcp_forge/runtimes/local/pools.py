@@ -299,7 +299,7 @@ class Pools:
             self.runtime.secrets.values(kernelsession.load(body))
         except SecretError as exc:  # the cold start fails with it, and says so
             return Claim(None, ksp.CLAIM_FAILED, f"{exc}: not claimed")
-        why = ksp.unservable(pool, spec, reads_secrets=True)
+        why = ksp.unservable(pool, spec)
         if why:
             self.store.patch_pool_status(namespace, name, {}, add={"misses": 1})
             return Claim(None, ksp.POOL_MISMATCH, f"{why}: started cold")
