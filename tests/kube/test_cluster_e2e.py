@@ -323,8 +323,14 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
                 {"name": "GREETING", "value": "hello from the claim"},
                 {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "api", "key": "t"}}},
             ],
+            "files": [{"path": "data/in.txt", "content": "seeded"}],
         },
     }
+    # Its cold twin (more memory than the pool's template): the kubelet gives the env,
+    # the gateway the working files.
+    cold = json.loads(json.dumps(declared))
+    cold["metadata"]["name"] = "coldtwin"
+    cold["spec"]["resources"] = {"cpu": "100m", "memory": "300Mi"}
     token_value = secrets.token_hex(16)
     api_secret = {
         "apiVersion": "v1",
@@ -334,6 +340,7 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
     }
     show = "import os; print(os.environ.get('GREETING'), os.environ['MCPFORGE_SESSION'])"
     show_token = "import os; print('token', os.environ.get('TOKEN'))"
+    show_file = "print('file', open('data/in.txt').read())"
     from mcp_servers.config import upstream_config
 
     config = tmp_path / "mcp.json"
@@ -375,6 +382,7 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
 
             await asyncio.to_thread(kube.create, api_secret)
             await asyncio.to_thread(kube.create, declared)
+            await asyncio.to_thread(kube.create, cold)
             await eventually(kube, KS, ns, "given", lambda o: phase(o) == "Ready", timeout=90)
             obj = await asyncio.to_thread(kube.get, KS, ns, "given")
             assert obj is not None and obj["status"]["podName"].startswith("ksp-warm-")
@@ -382,6 +390,14 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
             assert "hello from the claim given" in text(ran), text(ran)
             ran = await agent.call_tool("execute_code", {"session_id": "given", "code": show_token})
             assert f"token {token_value}" in text(ran), text(ran)
+            ran = await agent.call_tool("execute_code", {"session_id": "given", "code": show_file})
+            assert "file seeded" in text(ran), text(ran)
+            await eventually(kube, KS, ns, "coldtwin", lambda o: phase(o) == "Ready", timeout=90)
+            twin = await asyncio.to_thread(kube.get, KS, ns, "coldtwin")
+            assert twin is not None and twin["status"]["podName"] == "ks-coldtwin"
+            both = f"{show_token}\n{show_file}"
+            ran = await agent.call_tool("execute_code", {"session_id": "coldtwin", "code": both})
+            assert f"token {token_value}" in text(ran) and "file seeded" in text(ran), text(ran)
             claimed = await asyncio.to_thread(kube.get, "Pod", ns, obj["status"]["podName"])
             assert token_value not in str(claimed), "the Secret's value is not in the pod"
             again = await asyncio.to_thread(kube.get, KS, ns, "given")
@@ -395,3 +411,4 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
             ran = await agent.call_tool("execute_code", {"session_id": "given", "code": show})
             assert "changed by the code given" in text(ran), text(ran)
         await asyncio.to_thread(kube.delete, KS, ns, "given")
+        await asyncio.to_thread(kube.delete, KS, ns, "coldtwin")

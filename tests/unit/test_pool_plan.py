@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.control.pools import Member, plan
 
@@ -100,3 +102,15 @@ def test_the_claim_program_gives_the_environment_once_per_kernel() -> None:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_the_claim_program_writes_missing_files_only_and_leaves_no_name(tmp_path: Path) -> None:
+    files = [("notes.md", "# hi\n"), ("data/deep/c.json", '{"k": "é \\"q\\""}')]
+    namespace: dict[str, object] = {}
+    exec(ksp.claim_program({}, files, root=str(tmp_path)), namespace)
+    assert (tmp_path / "notes.md").read_text() == "# hi\n"
+    assert (tmp_path / "data/deep/c.json").read_text(encoding="utf-8") == '{"k": "é \\"q\\""}'
+    assert set(namespace) == {"__builtins__"}, "no name left behind"
+    (tmp_path / "notes.md").write_text("changed")
+    exec(ksp.claim_program({}, files, root=str(tmp_path)))
+    assert (tmp_path / "notes.md").read_text() == "changed", "a changed file is kept"

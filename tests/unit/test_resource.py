@@ -127,6 +127,21 @@ def test_the_input_object_is_not_modified() -> None:
             "spec.mcpServers[1].name",
             "duplicate",
         ),
+        (with_spec(files=[{"path": "../up", "content": ""}]), "spec.files[0].path", "pattern"),
+        (with_spec(files=[{"path": "/etc/x", "content": ""}]), "spec.files[0].path", "pattern"),
+        (with_spec(files=[{"path": "a/./b", "content": ""}]), "spec.files[0].path", "pattern"),
+        (with_spec(files=[{"path": "a"}]), "spec.files[0].content", "required"),
+        (
+            with_spec(files=[{"path": "a", "content": "x" * 65537}]),
+            "spec.files[0].content",
+            "too long",
+        ),
+        (
+            with_spec(files=[{"path": "a", "content": ""}, {"path": "a", "content": "2"}]),
+            "spec.files[1].path",
+            "duplicate",
+        ),
+        (with_spec(files=[{"path": "a", "content": ""}] * 17), "spec.files", "too long"),
         (with_spec(gpus=1), "spec.gpus", "unknown field"),
         (
             with_spec(resources={"memory": "1Gi", "disk": "1Gi"}),
@@ -233,5 +248,6 @@ def test_the_crd_carries_the_rules_local_mode_checks_in_code() -> None:
         "env names must be unique",
         "reserved",
         "value and valueFrom exclude each other",
+        "spec.files paths must be unique",
     ):
         assert words in messages

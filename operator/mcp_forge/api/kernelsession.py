@@ -216,6 +216,7 @@ class SessionSpec:
     max_lifetime: float = 0.0
     update_strategy: str = "OnRestart"
     pool: str | None = None  # spec.poolRef.name: claim a ready kernel of this pool
+    files: tuple[tuple[str, str], ...] = ()  # spec.files: (path in the workspace, text)
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,10 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
     for i, n in enumerate(servers):
         if n in servers[:i]:
             raise InvalidSession(f"duplicate server {n!r}", field=f"spec.mcpServers[{i}].name")
+    paths = [f["path"] for f in spec.get("files", [])]
+    for i, p in enumerate(paths):
+        if p in paths[:i]:
+            raise InvalidSession(f"duplicate path {p!r}", field=f"spec.files[{i}].path")
     return SessionSpec(
         image=spec["image"],
         memory_bytes=memory_bytes,
@@ -307,6 +312,7 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
         max_lifetime=parse_duration(spec["maxLifetime"], field="spec.maxLifetime"),
         update_strategy=spec["updateStrategy"],
         pool=(spec.get("poolRef") or {}).get("name"),
+        files=tuple((f["path"], f["content"]) for f in spec.get("files", [])),
     )
 
 

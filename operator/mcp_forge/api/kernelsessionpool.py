@@ -17,13 +17,14 @@ import copy
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mcp_forge.api import kernelsession as ks
 from mcp_forge.api import secret
 from mcp_forge.errors import InvalidSession
+from mcp_forge.sandbox import WORKSPACE
 
 KIND = "KernelSessionPool"
 PLURAL = "kernelsessionpools"
@@ -178,16 +179,37 @@ def claim_env(
     return env
 
 
-def claim_program(env: dict[str, str]) -> str:
-    """Silent code that sets the claimed kernel's environment, leaving no name behind.
+# Run by claim_program in globals of its own: nothing is left in the user's namespace.
+_SETUP = """
+import os
+mark = ENV.get(MARK)
+if mark is None or os.environ.get(MARK) != mark:
+    os.environ.update(ENV)
+    for path, text in FILES:
+        full = os.path.join(ROOT, path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        try:
+            with open(full, "x", encoding="utf-8") as f:
+                f.write(text)
+        except FileExistsError:
+            pass
+"""
 
-    With CLAIM_MARK in `env`, it is set once: a kernel that already has that mark (a
-    gateway connecting again, a second replica) keeps its environment as its code left
-    it. The values are Python literals made by repr, which round-trips every str
-    exactly; nothing the kernel sends back is evaluated.
+
+def claim_program(
+    env: Mapping[str, str], files: Sequence[tuple[str, str]] = (), *, root: str = WORKSPACE
+) -> str:
+    """Silent code that gives a kernel its session's environment and working files.
+
+    Files are written below `root` where no file of that path exists (a file the code
+    changed is kept, across kernel restarts too). With CLAIM_MARK in `env`, all of it is
+    done once: a kernel that already has that mark (a gateway connecting again, a
+    second replica) keeps its environment and files as its code left them. The values
+    are Python literals made by repr, which round-trips every str exactly; nothing the
+    kernel sends back is evaluated. It runs in globals of its own, leaving no name.
     """
-    once = f"{CLAIM_MARK!r} in e and o.environ.get({CLAIM_MARK!r}) == e[{CLAIM_MARK!r}] or "
-    return f"(lambda o, e: {once}o.environ.update(e))(__import__('os'), {env!r})"
+    names = {"ENV": dict(env), "FILES": [list(f) for f in files], "MARK": CLAIM_MARK, "ROOT": root}
+    return f"exec({_SETUP!r}, {names!r})"
 
 
 def parse_resources(text: str) -> list[dict[str, Any]]:

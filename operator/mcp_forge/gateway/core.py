@@ -19,7 +19,6 @@ from typing import Any
 
 import anyio
 
-from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time
@@ -197,11 +196,11 @@ class Gateway:
             conn.close()
             raise
         handle.conn, handle.kernel = conn, _kernel_of(session)
-        env = await self.runtime.claimed_env(session)
-        if env:
+        setup = await self.runtime.kernel_setup(session)
+        if setup:
             try:
                 await self._silently(
-                    conn, ksp.claim_program(env), "the claimed kernel did not take its environment"
+                    conn, setup, "the kernel did not take its environment and working files"
                 )
             except BaseException:
                 self._drop(handle)

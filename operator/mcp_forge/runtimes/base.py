@@ -62,9 +62,10 @@ class Runtime(Protocol):
         gateway reaches it."""
         ...
 
-    async def claimed_env(self, session: KernelSession) -> dict[str, str] | None:
-        """The environment the gateway gives the session's kernel when it connects (a
-        kernel claimed from a pool was started without it); None: nothing to give."""
+    async def kernel_setup(self, session: KernelSession) -> str | None:
+        """Silent code the gateway runs in the session's kernel when it connects, before
+        any of the agent's (claim_program: the env a kernel claimed from a pool was
+        started without, and working files); None: nothing to give."""
         ...
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:

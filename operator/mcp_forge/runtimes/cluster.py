@@ -246,18 +246,24 @@ class KubernetesRuntime:
             return ("tcp", "0.0.0.0", BRIDGE_PORT), address
         return ("tls", "0.0.0.0", BRIDGE_PORT, CONNECTION_FILE_IN_POD), address
 
-    async def claimed_env(self, session: KernelSession) -> dict[str, str] | None:
+    async def kernel_setup(self, session: KernelSession) -> str | None:
         """A kernel claimed from a pool runs as the pool started it: the operator moved
-        its pod, and the session's env is given here, once per kernel (claim_program)."""
+        its pod, and the session's env is given here; so are working files, to every
+        kernel. Once per kernel (claim_program's mark, the pod's uid)."""
         status = session.status
         pod, kernel = status.get("podName"), status.get("kernelId")
-        if not pod or not kernel or pod == child_name(session):
-            return None  # the session's own pod: started with its env
-        try:
-            values = await asyncio.to_thread(secret_env, self.kube, session)
-        except SecretError as exc:  # named, never a value; the operator checked at claim
-            raise SessionNotReady(f"session {session.name!r}: {exc}") from None
-        return ksp.claim_env(session, kernel=str(kernel), secret_values=values)
+        if not pod or not kernel:
+            return None
+        env = {ksp.CLAIM_MARK: str(kernel)}
+        if pod != child_name(session):  # claimed: the session's own pod has its env
+            try:
+                values = await asyncio.to_thread(secret_env, self.kube, session)
+            except SecretError as exc:  # named, never a value; the operator checked
+                raise SessionNotReady(f"session {session.name!r}: {exc}") from None
+            env = ksp.claim_env(session, kernel=str(kernel), secret_values=values)
+        elif not session.spec.files:
+            return None
+        return ksp.claim_program(env, session.spec.files)
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return {}  # the metrics API is not asked: the gateway may not read pods

@@ -394,7 +394,7 @@ class Pools:
     async def _give(self, session: KernelSession) -> None:
         """The session's environment (its Secrets' values too), set in its claimed kernel."""
         env = ksp.claim_env(session, secret_values=self.runtime.secrets.values(session))
-        await self.runtime.give_env(session, env)
+        await self.runtime.give_env(session, env, session.spec.files)
 
 
 async def _lock_within(fd: int, patience: float) -> bool:

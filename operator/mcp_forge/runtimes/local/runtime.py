@@ -37,7 +37,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -523,9 +523,10 @@ class LocalRuntime:
             self._seal(session)
             # Variables from Secrets are never in the pod (podman inspect shows its env):
             # every new kernel gets them here, over its sealed channel, before it is Ready.
+            # So are its working files, where none is yet (a restart keeps what code wrote).
             values = self.secrets.values(session)
-            if values:
-                await self.give_env(session, values)
+            if values or session.spec.files:
+                await self.give_env(session, values, session.spec.files)
             self.mark_ready(session, "the kernel answered")
             return
         if died.done() and not died.cancelled() and died.exception() is None:
@@ -536,17 +537,23 @@ class LocalRuntime:
         exc = ready.exception() if ready.done() and not ready.cancelled() else died.exception()
         raise exc if exc is not None else SessionNotReady("the kernel did not start")
 
-    async def give_env(self, session: KernelSession, env: dict[str, str]) -> None:
-        """Set `env` in the session's running kernel by a silent execute on its shell
-        channel: no output, no history, no name left in its namespace. Errors say how
-        it went, never what was given (values may come from Secrets)."""
+    async def give_env(
+        self,
+        session: KernelSession,
+        env: dict[str, str],
+        files: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        """Set `env` in the session's running kernel, and write its missing working
+        `files`, by a silent execute on its shell channel: no output, no history, no
+        name left in its namespace. Errors say how it went, never what was given
+        (values may come from Secrets)."""
         key = self.store.key(session.namespace, session.name)
         info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
         conn = KernelConnection(info, max_frame=100_000, max_message=100_000)
         try:
             # The shell reply alone says how it went: a silent execute broadcasts nothing
             # we need, so no IOPub subscription is waited for.
-            code = ksp.claim_program(env)
+            code = ksp.claim_program(env, files)
             msg_id = conn.send_execute(code, silent=True, store_history=False)
             reply = await conn.reply(conn.shell, msg_id, GIVE_ENV_TIMEOUT)
             if reply is None:
@@ -664,8 +671,8 @@ class LocalRuntime:
     async def running_containers(self) -> set[str]:
         return await self.containers.running()
 
-    async def claimed_env(self, session: KernelSession) -> dict[str, str] | None:
-        return None  # given by the claim itself, before the session is Ready (pools.py)
+    async def kernel_setup(self, session: KernelSession) -> str | None:
+        return None  # given to each new kernel before it is Ready (_wait_ready, pools.py)
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return self.containers.memory_usage(sessions)
