@@ -36,6 +36,7 @@ import yaml
 from mcp_forge.clients.kube import Kube
 
 from . import testcluster
+from .harness import running_operator
 
 CRD_PATH = Path(__file__).parents[2] / "crds" / "kernelsession.yaml"
 POOL_CRD_PATH = CRD_PATH.with_name("kernelsessionpool.yaml")
@@ -234,3 +235,16 @@ async def kube(kube_api: KubeAPI) -> AsyncIterator[Kube]:
     k = Kube(config)
     yield k
     k.close()
+
+
+@pytest.fixture
+async def operator(kube: Kube) -> AsyncIterator[Any]:
+    """The real operator (kopf, in a thread of its own) for this test."""
+    async with running_operator(kube) as op:
+        yield op
+
+
+@pytest.fixture
+def ns(kube_api: KubeAPI) -> str:
+    """This test's own namespace."""
+    return kube_api.namespace

@@ -17,7 +17,6 @@ import contextlib
 import json
 import ssl
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -61,12 +60,6 @@ from .harness import (
 )
 
 SILENCE = 3.0  # how long a refused client listens for the reply that must not come
-
-
-@pytest.fixture
-async def operator(kube: Kube) -> AsyncIterator[Any]:
-    async with running_operator(kube) as op:
-        yield op
 
 
 async def secret_file(kube: Kube, ns: str, name: str) -> dict[str, Any]:

@@ -13,7 +13,6 @@ import copy
 import json
 import subprocess
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -34,17 +33,6 @@ from .harness import (
     running_operator,
     session_body,
 )
-
-
-@pytest.fixture
-async def operator(kube: Kube) -> AsyncIterator[Any]:
-    async with running_operator(kube) as op:
-        yield op
-
-
-@pytest.fixture
-def ns(kube_api: KubeAPI) -> str:
-    return kube_api.namespace
 
 
 async def create(kube: Kube, ns: str, name: str, **spec: Any) -> dict[str, Any]:

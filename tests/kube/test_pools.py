@@ -10,11 +10,9 @@ or leaked.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import kubernetes
-import pytest
 
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
@@ -42,17 +40,6 @@ FILL = 120.0  # a pool of two to ready, on a busy 2-core machine
 # Requests are limits, and the test node has 2 CPUs: small kernels, so that a pool, its
 # refills and the cold starts of one test all fit on it at once.
 SMALL = {"cpu": "100m", "memory": "256Mi"}
-
-
-@pytest.fixture
-async def operator(kube: Kube) -> AsyncIterator[Any]:
-    async with running_operator(kube) as op:
-        yield op
-
-
-@pytest.fixture
-def ns(kube_api: KubeAPI) -> str:
-    return kube_api.namespace
 
 
 def pool_body(name: str, ns: str, size: int, image: str, **template: Any) -> dict[str, Any]:

@@ -47,13 +47,14 @@ from mcp_forge.control.lifecycle import (
     stop_of,
 )
 from mcp_forge.control.pods import Observation, observe
-from mcp_forge.control.pools import Claim, PoolKeeper, connection_secret_of
+from mcp_forge.control.pools import Claim, PoolKeeper
 from mcp_forge.control.render import (
     LABEL_COMPONENT,
     LABEL_SESSION,
     MANAGED_BY,
     TEMPLATE_HASH,
     child_name,
+    connection_secret_of,
     render_kubernetes,
     render_lease,
     secret_name,

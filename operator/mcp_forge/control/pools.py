@@ -35,11 +35,12 @@ from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import Kube, secret_env
 from mcp_forge.control.pods import observe
 from mcp_forge.control.render import (
+    KERNEL_LABELS,
     LABEL_COMPONENT,
     LABEL_NAMESPACE,
     LABEL_SESSION,
-    MANAGED_BY,
     TEMPLATE_HASH,
+    connection_secret_of,
     render_kubernetes,
 )
 from mcp_forge.errors import ApiError, InvalidSession, SecretError
@@ -57,16 +58,9 @@ def member_pod_name(pool: str, suffix: str) -> str:
     return f"ksp-{pool}-{suffix}"
 
 
-def connection_secret_of(pod_name: str) -> str:
-    """The Secret holding a kernel pod's key: `<pod>-conn`, for pooled and own pods alike."""
-    return f"{pod_name}-conn"
-
-
 def pool_labels(pool: KernelSessionPool) -> dict[str, str]:
     return {
-        "app.kubernetes.io/name": "mcp-forge",
-        LABEL_COMPONENT: "kernel",
-        "app.kubernetes.io/managed-by": MANAGED_BY,
+        **KERNEL_LABELS,
         ksp.LABEL_POOL: pool.name,
         ksp.LABEL_TEMPLATE: pool.template_hash,
     }

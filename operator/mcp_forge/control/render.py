@@ -80,8 +80,14 @@ def child_name(session: KernelSession) -> str:
     return f"ks-{session.name}"
 
 
+def connection_secret_of(pod_name: str) -> str:
+    """The Secret holding a kernel pod's key: `<pod>-conn`, for a session's own pod and a
+    pool's alike."""
+    return f"{pod_name}-conn"
+
+
 def secret_name(session: KernelSession) -> str:
-    return f"ks-{session.name}-conn"
+    return connection_secret_of(child_name(session))
 
 
 def podman_pod_name(namespace: str, name: str) -> str:
@@ -89,14 +95,15 @@ def podman_pod_name(namespace: str, name: str) -> str:
     return f"mcpforge-{namespace}-{name}"
 
 
+KERNEL_LABELS = {
+    "app.kubernetes.io/name": "mcp-forge",
+    LABEL_COMPONENT: "kernel",
+    "app.kubernetes.io/managed-by": MANAGED_BY,
+}
+
+
 def labels(session: KernelSession) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "mcp-forge",
-        LABEL_COMPONENT: "kernel",
-        "app.kubernetes.io/managed-by": MANAGED_BY,
-        LABEL_SESSION: session.name,
-        LABEL_NAMESPACE: session.namespace,
-    }
+    return {**KERNEL_LABELS, LABEL_SESSION: session.name, LABEL_NAMESPACE: session.namespace}
 
 
 def _owner(session: KernelSession) -> list[dict[str, Any]]:
