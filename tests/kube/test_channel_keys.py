@@ -71,7 +71,12 @@ async def secret_file(kube: Kube, ns: str, name: str) -> dict[str, Any]:
 async def unanswered(conn: KernelConnection, sock: zmq.asyncio.Socket) -> bool:
     """A kernel_info_request signed with the session's own key, sent on `sock`: True if no
     reply comes within SILENCE."""
-    conn.send(sock, "kernel_info_request", {})
+    # A refused handshake leaves the socket no peer, and a send then blocks: bounded.
+    sock.sndtimeo = int(SILENCE * 1000)
+    try:
+        conn.send(sock, "kernel_info_request", {})
+    except zmq.Again:
+        return True  # not even delivered
     return not await sock.poll(SILENCE * 1000)
 
 
