@@ -76,6 +76,22 @@ async def test_malformed_and_badly_signed_messages_are_dropped(state_dir: Path) 
         assert "FORGED" not in r["_text"]
 
 
+async def test_a_replayed_message_is_dropped(state_dir: Path) -> None:
+    """A signed output message sent twice, byte for byte: the gateway keeps the first and
+    drops the copy (its signature was seen), as jupyter-client does."""
+    async with gateway(state_dir) as c:
+        code = SEND_RAW + (
+            "m = s.msg('stream', {'name': 'stdout', 'text': 'ONCE\\n'}, parent=parent)\n"
+            "wire = [b'stream', *s.serialize(m)]\n"
+            "k.iopub_socket.send_multipart(wire)\n"
+            "k.iopub_socket.send_multipart(wire)\n"
+            "print('real')"
+        )
+        r = await run(c, code)
+        assert r["status"] == "ok", r["_text"][:2000]
+        assert r["stdout"] == "ONCE\nreal\n"
+
+
 async def test_a_forged_reply_for_another_msg_id_is_ignored(state_dir: Path) -> None:
     """The kernel sends an execute_reply and an idle status for a made-up request: the call
     waits for its own and returns its own output."""
