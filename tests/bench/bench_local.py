@@ -19,6 +19,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from jupyter_client.manager import AsyncKernelManager
 
@@ -55,6 +56,20 @@ async def bare_start() -> tuple[float, AsyncKernelManager]:
     return took, km
 
 
+async def read_until_idle(kc: Any, msg_id: str) -> None:
+    """Read `msg_id`'s output until the kernel is idle for it, then its shell reply."""
+    while True:
+        msg = await kc.get_iopub_msg(timeout=10)
+        if (
+            msg["parent_header"].get("msg_id") == msg_id
+            and msg["msg_type"] == "status"
+            and msg["content"]["execution_state"] == "idle"
+        ):
+            break
+    while (await kc.get_shell_msg(timeout=10))["parent_header"].get("msg_id") != msg_id:
+        pass
+
+
 async def bare_execute(km: AsyncKernelManager, runs: int, code: str = "1+1") -> list[float]:
     """Seconds each of `runs` executions of `code` takes, all its output read until idle."""
     kc = km.client()
@@ -63,17 +78,7 @@ async def bare_execute(km: AsyncKernelManager, runs: int, code: str = "1+1") -> 
     out = []
     for _ in range(runs):
         t = time.perf_counter()
-        msg_id = kc.execute(code)
-        while True:
-            msg = await kc.get_iopub_msg(timeout=10)
-            if (
-                msg["parent_header"].get("msg_id") == msg_id
-                and msg["msg_type"] == "status"
-                and msg["content"]["execution_state"] == "idle"
-            ):
-                break
-        while (await kc.get_shell_msg(timeout=10))["parent_header"].get("msg_id") != msg_id:
-            pass
+        await read_until_idle(kc, kc.execute(code))
         out.append(time.perf_counter() - t)
     kc.stop_channels()
     return out

@@ -7,8 +7,12 @@ In one run, medians (and p90) of:
     `mcp-forge gateway` (kernel in a Podman pod), next to jupyter-client straight to a
     bare local ipykernel, and next to a direct MCP call of a tool that does nothing
     (list_sessions), which is the MCP transport's own cost; the two calls alternate, so a
-    change in the machine's load falls on both. The last rows are what execute_code
-    costs beyond the kernel's round trip and a tool call (issue 12 asks for < 0.5 ms);
+    change in the machine's load falls on both. The same pod kernel is also reached
+    without MCP, interleaved with those calls: by jupyter-client, and by the gateway's own
+    connection (KernelConnection: its relays, its checks). The last rows are what
+    execute_code costs beyond the kernel's round trip and a tool call (issue 12 asks for
+    < 0.5 ms): against the bare kernel, and against the gateway's connection to the same
+    pod kernel (the MCP layer alone);
   * create_session to Ready, next to a bare local ipykernel's start.
 The machines are shared and noisy: compare ratios, not absolute numbers.
 """
@@ -27,12 +31,18 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx2
+from jupyter_client.asynchronous import AsyncKernelClient
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_local import bare_execute, bare_start
+from bench_local import bare_start, read_until_idle
+
+from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.jupyter.execution import Collector
+from mcp_forge.runtimes.local.runtime import LocalRuntime
+from mcp_forge.settings import Settings
 
 GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
 
@@ -51,7 +61,45 @@ async def timed(fn: Callable[[], Awaitable[object]], runs: int) -> list[float]:
     return out
 
 
-async def measure(client: Client, runs: int, creates: int) -> dict[str, list[float]]:
+class Direct:
+    """The session's own pod kernel, reached without MCP: by jupyter-client and by the
+    gateway's KernelConnection (made here, in this process, as the gateway makes it)."""
+
+    def __init__(self, state: str, name: str, bare: AsyncKernelClient) -> None:
+        self.runtime = LocalRuntime(Settings(state_dir=Path(state)))
+        self.name = name
+        self.bare = bare
+
+    async def __aenter__(self) -> Direct:
+        info = await self.runtime.connection(await self.runtime.get(self.name))
+        self.kc = AsyncKernelClient()
+        self.kc.load_connection_info(info.to_jupyter())  # type: ignore[arg-type]
+        self.kc.start_channels()
+        await self.kc.wait_for_ready(timeout=60)
+        self.conn = KernelConnection(info, max_frame=1 << 20, max_message=1 << 20)
+        await self.conn.wait_ready(60)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.kc.stop_channels()
+        self.conn.close()
+
+    async def bare_kernel(self) -> None:
+        await read_until_idle(self.bare, self.bare.execute("1+1"))
+
+    async def jupyter_client(self) -> None:
+        await read_until_idle(self.kc, self.kc.execute("1+1"))
+
+    async def gateway_connection(self) -> None:
+        await self.conn.before_request()
+        collector = Collector("", budget=100_000, spool_max=0)
+        collector.msg_id = self.conn.send_execute("1+1", silent=False, store_history=True)
+        assert await self.conn.pump(collector, 10)
+
+
+async def measure(
+    client: Client, state: str, bare: AsyncKernelClient, runs: int, creates: int
+) -> dict[str, list[float]]:
     async def execute() -> None:
         r = await client.call_tool("execute_code", {"code": "1+1", "session_id": sid})
         assert not r.is_error
@@ -62,10 +110,14 @@ async def measure(client: Client, runs: int, creates: int) -> dict[str, list[flo
     made = await client.call_tool("create_session", {"variant": "minimal"})
     sid = made.structured_content["session_id"]
     await execute()
-    result: dict[str, list[float]] = {"execute": [], "noop": []}
-    for _ in range(runs):  # interleaved, so that the machine's load drifts on both alike
-        result["execute"] += await timed(execute, 1)
-        result["noop"] += await timed(noop, 1)
+    result: dict[str, list[float]] = {"execute": [], "noop": [], "bare": [], "jc": [], "conn": []}
+    async with Direct(state, sid, bare) as direct:
+        for _ in range(runs):  # interleaved, so that the machine's load drifts on all alike
+            result["bare"] += await timed(direct.bare_kernel, 1)
+            result["execute"] += await timed(execute, 1)
+            result["noop"] += await timed(noop, 1)
+            result["jc"] += await timed(direct.jupyter_client, 1)
+            result["conn"] += await timed(direct.gateway_connection, 1)
     create = []
     for _ in range(creates):
         t = time.perf_counter()
@@ -78,10 +130,14 @@ async def measure(client: Client, runs: int, creates: int) -> dict[str, list[flo
 
 async def main(runs: int, creates: int) -> None:
     state = tempfile.mkdtemp(prefix="mf-bench-", dir="/tmp")
+    _, bare_km = await bare_start()  # the baseline, measured alongside the calls
+    bare_kc = bare_km.client()
+    bare_kc.start_channels()
+    await bare_kc.wait_for_ready(timeout=60)
     env = {**os.environ, "MCPFORGE_STATE_DIR": state}
     params = StdioServerParameters(command=GATEWAY, args=["gateway"], env=env)
     async with Client(params) as client:
-        stdio = await measure(client, runs, creates)
+        stdio = await measure(client, state, bare_kc, runs, creates)
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -100,46 +156,54 @@ async def main(runs: int, creates: int) -> None:
         httpx2.AsyncClient(headers=headers, timeout=60) as http,
         Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http)) as client,
     ):
-        over_http = await measure(client, runs, 0)
+        over_http = await measure(client, state, bare_kc, runs, 0)
     proc.terminate()
     await proc.wait()
 
+    bare_kc.stop_channels()
+    await bare_km.shutdown_kernel(now=True)
     bare_starts = []
     for _ in range(creates):
         took, km = await bare_start()
         bare_starts.append(took)
         await km.shutdown_kernel(now=True)
-    _, km = await bare_start()
-    bare = await bare_execute(km, runs)
-    await km.shutdown_kernel(now=True)
+    bare = stdio["bare"] + over_http["bare"]
 
     bm, _ = stats(bare)
     title = f"execute 1+1 round trip, ms (n={runs})"
-    print(f"{title:44}{'median':>8}{'p90':>8}{'vs bare':>9}")
+    print(f"{title:56}{'median':>8}{'p90':>8}{'vs bare':>9}")
     rows = [
         ("bare ipykernel, jupyter-client (baseline)", bare),
         ("MCP stdio: execute_code", stdio["execute"]),
         ("MCP HTTP: execute_code", over_http["execute"]),
         ("MCP stdio: list_sessions (transport only)", stdio["noop"]),
         ("MCP HTTP: list_sessions (transport only)", over_http["noop"]),
+        ("pod kernel, jupyter-client", stdio["jc"] + over_http["jc"]),
+        ("pod kernel, the gateway's connection", stdio["conn"] + over_http["conn"]),
     ]
     for label, xs in rows:
         m, p = stats(xs)
-        print(f"{label:44}{m * 1000:>8.2f}{p * 1000:>8.2f}{m / bm:>8.2f}x")
+        print(f"{label:56}{m * 1000:>8.2f}{p * 1000:>8.2f}{m / bm:>8.2f}x")
     # The MCP layer's own cost of execute_code: what it adds to the kernel's round trip
     # (bare) beyond what any tool call costs (list_sessions), in ms.
+    # And what it adds beyond the gateway's own connection to the same kernel, measured
+    # alongside: the MCP layer alone.
     for name, d in (("stdio", stdio), ("HTTP", over_http)):
-        em, nm = stats(d["execute"])[0], stats(d["noop"])[0]
+        em, nm, gm = stats(d["execute"])[0], stats(d["noop"])[0], stats(d["conn"])[0]
         print(
-            f"{'MCP ' + name + ': execute_code - bare - list_sessions':44}"
+            f"{'MCP ' + name + ': execute_code - bare - list_sessions':56}"
             f"{(em - bm - nm) * 1000:>8.2f}"
+        )
+        print(
+            f"{'MCP ' + name + ': execute_code - connection - list_sessions':56}"
+            f"{(em - gm - nm) * 1000:>8.2f}"
         )
     (cm, c90), (sm, s90) = stats(stdio["create"]), stats(bare_starts)
     print(
-        f"\n{'start to ready, s (n=' + str(creates) + ')':44}{'median':>8}{'p90':>8}{'vs bare':>9}"
+        f"\n{'start to ready, s (n=' + str(creates) + ')':56}{'median':>8}{'p90':>8}{'vs bare':>9}"
     )
-    print(f"{'bare ipykernel start (baseline)':44}{sm:>8.2f}{s90:>8.2f}{1:>8.2f}x")
-    print(f"{'MCP stdio: create_session to Ready':44}{cm:>8.2f}{c90:>8.2f}{cm / sm:>8.2f}x")
+    print(f"{'bare ipykernel start (baseline)':56}{sm:>8.2f}{s90:>8.2f}{1:>8.2f}x")
+    print(f"{'MCP stdio: create_session to Ready':56}{cm:>8.2f}{c90:>8.2f}{cm / sm:>8.2f}x")
 
 
 if __name__ == "__main__":
