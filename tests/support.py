@@ -219,3 +219,18 @@ async def pods() -> set[str]:
 def gateway_pools(names: set[str]) -> set[str]:
     """Those of `names` that are kernels of a local gateway's own pool."""
     return {n for n in names if n.startswith("mcpforge-default-gateway-")}
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """A Prometheus endpoint's samples: (name, labels) -> value (sync; call in a thread)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+    }

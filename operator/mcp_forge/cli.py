@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,6 +20,7 @@ from mcp_forge.api import kernelsession
 from mcp_forge.errors import ForgeError
 
 if TYPE_CHECKING:
+    from mcp_forge.gateway.core import Gateway
     from mcp_forge.runtimes.local.runtime import LocalRuntime
 
 T = TypeVar("T")
@@ -48,6 +49,17 @@ def _local() -> LocalRuntime:
     from mcp_forge.runtimes.local.runtime import LocalRuntime
 
     return LocalRuntime()
+
+
+async def _on_gateway(step: Callable[[Gateway], Awaitable[T]]) -> T:
+    """`step` on a gateway core of local mode, closed after."""
+    from mcp_forge.gateway.core import Gateway
+
+    gw = Gateway(_local())
+    try:
+        return await step(gw)
+    finally:
+        await gw.close()
 
 
 @click.group()
@@ -369,16 +381,7 @@ def exec_(
 @click.option("-n", "--namespace", default="default")
 def interrupt(name: str, namespace: str) -> None:
     """Interrupt the code a session's kernel is running; variables are kept."""
-    from mcp_forge.gateway.core import Gateway
-
-    async def go() -> bool:
-        gw = Gateway(_local())
-        try:
-            return await gw.interrupt(name, namespace=namespace)
-        finally:
-            await gw.close()
-
-    acked = _run(go())
+    acked = _run(_on_gateway(lambda gw: gw.interrupt(name, namespace=namespace)))
     click.echo(f"kernelsession/{name} interrupted" if acked else f"kernelsession/{name}: no answer")
     sys.exit(0 if acked else 1)
 
@@ -388,17 +391,30 @@ def interrupt(name: str, namespace: str) -> None:
 @click.option("-n", "--namespace", default="default")
 def restart(name: str, namespace: str) -> None:
     """Restart a session's kernel: variables are cleared, workspace files kept."""
-    from mcp_forge.gateway.core import Gateway
-
-    async def go() -> None:
-        gw = Gateway(_local())
-        try:
-            await gw.restart(name, namespace=namespace)
-        finally:
-            await gw.close()
-
-    _run(go())
+    _run(_on_gateway(lambda gw: gw.restart(name, namespace=namespace)))
     click.echo(f"kernelsession/{name} restarted")
+
+
+@main.command()
+@click.argument("name")
+@click.option("-n", "--namespace", default="default")
+@click.option(
+    "-o", "--output", default=None, help="The .ipynb file to write (NAME.ipynb); - for stdout."
+)
+def export(name: str, namespace: str, output: str | None) -> None:
+    """Write every cell run in a session so far as a Jupyter notebook (nbformat 4)."""
+    nb = _run(_on_gateway(lambda gw: gw.export_notebook(name, namespace=namespace)))
+    if output == "-":
+        sys.stdout.write(nb.text)
+        return
+    target = Path(output or f"{name}.ipynb")
+    try:
+        target.write_text(nb.text)
+    except OSError as exc:
+        click.echo(f"error: cannot write {target}: {exc.strerror}", err=True)
+        sys.exit(1)
+    skipped = f" ({nb.skipped} malformed record(s) left out)" if nb.skipped else ""
+    click.echo(f"kernelsession/{name}: {nb.cells} cell(s) written to {target}{skipped}")
 
 
 @main.group()
@@ -452,16 +468,29 @@ def doctor() -> None:
     sys.exit(0 if ok else 1)
 
 
-def _endpoint(value: str) -> tuple[str, int]:
+def _endpoint(value: str, *, any_port: bool = False) -> tuple[str, int]:
+    """[HOST:]PORT as (host, port), host 127.0.0.1 if not given; port 0 (a free port,
+    which the command then prints) only if `any_port`."""
     host, _, port = value.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     try:
         number = int(port)
     except ValueError:
         raise click.BadParameter(f"{value!r} is not [HOST:]PORT") from None
-    if not 0 < number < 65536:
+    if not (0 if any_port else 1) <= number < 65536:
         raise click.BadParameter(f"port {number} is out of range")
     return host or "127.0.0.1", number
+
+
+# --metrics, of the gateway and of the operator.
+_METRICS_OPTION = click.option(
+    "--metrics",
+    "metrics_at",
+    metavar="[HOST:]PORT",
+    default=None,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (host: 127.0.0.1; port 0: "
+    "any free one, printed).",
+)
 
 
 @main.command()
@@ -537,7 +566,8 @@ def _endpoint(value: str) -> tuple[str, int]:
     help="Local mode, without --pool: kernels of the default image kept ready for new "
     "sessions, in a pool of the gateway's own (deleted when it stops); 0 for none.",
 )
-def gateway(http: str | None, **options: Any) -> None:
+@_METRICS_OPTION
+def gateway(http: str | None, metrics_at: str | None, **options: Any) -> None:
     """Run the gateway: MCP for agents.
 
     Local mode (the default) also keeps sessions true (housekeeping). Over stdio it
@@ -551,8 +581,9 @@ def gateway(http: str | None, **options: Any) -> None:
     from mcp_forge.gateway.serve import GatewayOptions, serve
 
     endpoint = _endpoint(http) if http is not None else None
+    scraped = _endpoint(metrics_at, any_port=True) if metrics_at is not None else None
     # The other options as they are, by name: GatewayOptions's fields are named after them.
-    wanted = GatewayOptions(http=endpoint, **options)
+    wanted = GatewayOptions(http=endpoint, metrics=scraped, **options)
     _run(serve(wanted, say=lambda message: click.echo(message, err=True)))
 
 
@@ -574,9 +605,14 @@ def gateway(http: str | None, **options: Any) -> None:
     is_flag=True,
     help="Serve KernelSessions of every namespace (the default without --namespace).",
 )
+@_METRICS_OPTION
 @click.option("--verbose", "-v", is_flag=True, help="Log every handler kopf runs.")
 def operator(
-    namespaces: tuple[str, ...], liveness: str | None, all_namespaces: bool, verbose: bool
+    namespaces: tuple[str, ...],
+    liveness: str | None,
+    all_namespaces: bool,
+    metrics_at: str | None,
+    verbose: bool,
 ) -> None:
     """Run the Kubernetes operator (kopf): KernelSessions become kernel pods.
 
@@ -591,9 +627,24 @@ def operator(
         raise click.UsageError("--all-namespaces and --namespace exclude each other")
 
     kopf.configure(verbose=verbose)
-    kopf.run(
-        standalone=True,
-        namespaces=list(namespaces),
-        clusterwide=not namespaces,
-        liveness_endpoint=liveness,
-    )
+    exporter = None
+    if metrics_at is not None:
+        from mcp_forge.metrics import MetricsServer
+
+        host, port = _endpoint(metrics_at, any_port=True)
+        try:
+            exporter = MetricsServer(host, port)
+        except ForgeError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+        click.echo(f"Prometheus metrics at http://{host}:{exporter.port}/metrics", err=True)
+    try:
+        kopf.run(
+            standalone=True,
+            namespaces=list(namespaces),
+            clusterwide=not namespaces,
+            liveness_endpoint=liveness,
+        )
+    finally:
+        if exporter is not None:
+            exporter.close()

@@ -44,6 +44,7 @@ class Settings:
     message_max: int = 32_000_000  # one Jupyter message from the kernel (all its frames)
     helper_reply_max: int = 16_000_000  # a file of file_max, base64-encoded, fits
     file_max: int = 10_000_000  # read_file / write_file
+    notebook_max: int = 50_000_000  # a session's notebook journal; past it, no outputs
     repr_max: int = 2_000  # variable repr, when inspected
     repr_list_max: int = 200  # variable repr, in a namespace listing
     variables_max: int = 500  # entries in a namespace listing

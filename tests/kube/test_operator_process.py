@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterable
 
 from mcp_forge.clients.kube import Kube
+from support import scrape
 
 from .conftest import KubeAPI
 from .harness import START, ready, session_body
@@ -22,6 +23,7 @@ from .harness import START, ready, session_body
 FORBIDDEN = ("mcp", "mcp_types", "mcp_forge.gateway", "mcp_forge.runtimes")
 EXPECTED = ("kopf", "mcp_forge.control.handlers")  # the log is the operator's own
 RECONCILED = re.compile(r"Handler 'reconcile_session[^']*' succeeded")  # kopf's INFO line
+METRICS = re.compile(r"Prometheus metrics at (http://\S+)")
 STOP_DEADLINE = 30.0  # SIGTERM to exit: kopf runs the cleanup handlers, closes its watches
 
 
@@ -55,6 +57,7 @@ async def test_the_operator_process_never_imports_the_mcp_sdk_the_gateway_or_a_r
 ) -> None:
     ns = kube_api.namespace
     command = [sys.executable, "-X", "importtime", "-m", "mcp_forge", "operator", "-n", ns]
+    command += ["--metrics", "127.0.0.1:0"]
     proc = await asyncio.create_subprocess_exec(
         *command,
         stdout=asyncio.subprocess.PIPE,
@@ -75,6 +78,11 @@ async def test_the_operator_process_never_imports_the_mcp_sdk_the_gateway_or_a_r
         # Drained meanwhile, so a full pipe never blocks the operator.
         rest = asyncio.create_task(read_until(proc.stdout, lines, None))
         await ready(kube, ns, "plain")  # its pod events handled too: the whole loop ran
+        where = next(m.group(1) for line in lines if (m := METRICS.search(line)))
+        samples = await asyncio.to_thread(scrape, where)
+        kind = frozenset({("kind", "KernelSession")})
+        assert samples[("mcpforge_reconcile_seconds_count", kind)] >= 1, samples
+        assert samples.get(("mcpforge_reconcile_errors_total", kind), 0) == 0
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(STOP_DEADLINE):
             await proc.wait()

@@ -96,6 +96,9 @@ def parse_time(text: Any) -> float | None:
     return when.timestamp() if when.tzinfo is not None else None
 
 
+OOM_KILLED = "OOMKilled"  # a Termination's reason when the kernel ran out of memory
+
+
 @dataclass(frozen=True)
 class Termination:
     """Why a kernel stopped."""
@@ -109,7 +112,7 @@ def termination_of(exit_code: int | None, *, oom: bool, memory_limit: str) -> Te
     """Name a kernel's death in words a person (or a model) can act on."""
     if oom:
         return Termination(
-            "OOMKilled",
+            OOM_KILLED,
             exit_code,
             f"the kernel ran out of memory (limit {memory_limit}) and was killed (OOM)",
         )

@@ -25,6 +25,7 @@ from typing import Any
 
 import kopf
 
+from mcp_forge import metrics
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
@@ -186,7 +187,8 @@ class Reconciler:
         key = (POOL, namespace, name)
         async with self._locks.setdefault(key, asyncio.Lock()):
             try:
-                due = await asyncio.to_thread(self.pools.reconcile, namespace, name)
+                with metrics.timed(metrics.RECONCILE_SECONDS, metrics.RECONCILE_ERRORS, kind=POOL):
+                    due = await asyncio.to_thread(self.pools.reconcile, namespace, name)
             except ApiError as exc:
                 if not exc.not_found:
                     raise
@@ -203,7 +205,8 @@ class Reconciler:
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             try:
-                outcome = await asyncio.to_thread(self._reconcile, namespace, name)
+                with metrics.timed(metrics.RECONCILE_SECONDS, metrics.RECONCILE_ERRORS, kind=KS):
+                    outcome = await asyncio.to_thread(self._reconcile, namespace, name)
             except ApiError as exc:
                 # Deleted while we were at it: nothing left to do (its children are GC'd).
                 if not exc.not_found:
@@ -443,6 +446,10 @@ class Reconciler:
             if pod["metadata"].get("uid") != old.get("kernelId"):
                 if old.get("kernelId"):
                     status["restarts"] = int(old.get("restarts") or 0) + 1
+                    last = (old.get("lastTermination") or {}).get("reason")
+                    metrics.KERNEL_RESTARTS.labels(
+                        reason="oom" if last == st.OOM_KILLED else "replaced"
+                    ).inc()
                 kernel_gen += 1
                 status["startedAt"] = None
             seen = observe(session, pod)

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 
+from mcp_forge import metrics, tracing
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time
@@ -29,15 +30,17 @@ from mcp_forge.errors import (
     SessionNotFound,
     SessionNotReady,
 )
-from mcp_forge.gateway import introspection
+from mcp_forge.gateway import introspection, notebook
 from mcp_forge.gateway.codemode.bridge import Bridge
 from mcp_forge.gateway.codemode.policy import policies_of
 from mcp_forge.gateway.codemode.upstream import Upstream, UpstreamPool
+from mcp_forge.gateway.notebook import Notebook
 from mcp_forge.gateway.sessions import owner_of
 from mcp_forge.jupyter.client import ChannelDropped, KernelConnection, KernelReplaced
 from mcp_forge.jupyter.execution import (
     EVALUE_MAX,
     GUARD_KEY,
+    NOTEBOOK_JOURNAL,
     OUTPUT_DIR,
     TRACEBACK_MAX,
     Collector,
@@ -362,20 +365,24 @@ class Gateway:
             idle = session.spec.idle_timeout
             soon = self.settings.activity_interval + BUSY_FROM_START
             await self._record_activity(handle, session, busy=0 < idle < soon)
-            if handle.bridge is not None:
-                handle.bridge.new_execution()
-            try:
-                result = await self._run(handle, conn, session, code, seconds, collector)
-            except asyncio.CancelledError:
-                await self._settle_after_cancel(handle, conn, session, collector)
-                raise
-            except BaseException:
-                await self._record_activity(handle, session)
-                raise
+            with tracing.span("kernel execute", session=session.name) as span:
+                if handle.bridge is not None:
+                    handle.bridge.new_execution(tracing.current())
+                try:
+                    result = await self._run(handle, conn, session, code, seconds, collector)
+                except asyncio.CancelledError:
+                    await self._settle_after_cancel(handle, conn, session, collector)
+                    raise
+                except BaseException:
+                    await self._record_activity(handle, session)
+                    raise
+                span.set_attribute("mcpforge.status", result.status)
             if result.truncated and collector.dropped and collector.kernel_spill_path is None:
                 result = await self._save_full_output(handle, session, result, collector)
             if result.execution_count is not None:
                 handle.execution_count = result.execution_count
+            metrics.EXECUTIONS.labels(status=result.status).inc()
+            metrics.EXECUTION_SECONDS.observe(result.duration)
             await self._record_activity(handle, session)
             return result
 
@@ -636,6 +643,16 @@ class Gateway:
     async def _helper_locked(
         self, handle: _Handle, session: KernelSession, op: str, **args: Any
     ) -> dict[str, Any]:
+        """The helper's reply; InvalidRequest naming what it refused."""
+        reply = await self._ask_locked(handle, session, op, **args)
+        if "error" in reply:
+            raise InvalidRequest(f"{reply['error']}: {reply.get('message', '')}")
+        return reply
+
+    async def _ask_locked(
+        self, handle: _Handle, session: KernelSession, op: str, **args: Any
+    ) -> dict[str, Any]:
+        """The helper's reply as it is, a refusal ({"error": kind, "message"}) included."""
         s = self.settings
         conn = await self._connect(handle, session)
         code, marker = introspection.program(op, **args)
@@ -655,10 +672,7 @@ class Gateway:
             raise KernelProtocolError(
                 f"the kernel's reply is over the {s.helper_reply_max} character limit"
             )
-        reply = introspection.parse_reply(result.stdout, marker, limit=s.helper_reply_max)
-        if "error" in reply:
-            raise InvalidRequest(f"{reply['error']}: {reply.get('message', '')}")
-        return reply
+        return introspection.parse_reply(result.stdout, marker, limit=s.helper_reply_max)
 
     async def kernel_tools(self, name: str, *, namespace: str = "default") -> dict[str, Any]:
         """The `mcp_tools` stubs (signatures, docstrings) code in this session may call."""
@@ -709,16 +723,55 @@ class Gateway:
     async def read_file(self, name: str, path: str, *, namespace: str = "default") -> bytes:
         rel = introspection.workspace_path(path)
         reply = await self._helper(name, namespace, "read", path=rel, max=self.settings.file_max)
-        data = reply.get("base64")
-        if not isinstance(data, str):
-            raise KernelProtocolError("the kernel's file reply is malformed")
-        try:
-            raw = base64.b64decode(data, validate=True)
-        except ValueError as exc:
-            raise KernelProtocolError("the kernel's file reply is not base64") from exc
-        if len(raw) > self.settings.file_max:
-            raise KernelProtocolError("the kernel sent more than the file limit")
-        return raw
+        return _decoded(reply.get("base64"), self.settings.file_max)
+
+    async def export_notebook(
+        self, name: str, *, namespace: str = "default", save_to: str | None = None
+    ) -> Notebook:
+        """The session's notebook: every cell run in it, as its journal has them; also
+        written to `save_to` in its workspace if given (replacing a file there)."""
+        rel = None
+        if save_to is not None:
+            rel = introspection.workspace_path(save_to)
+            if rel == ".":
+                raise InvalidRequest("path names the workspace itself, not a file")
+        session = await self._session(name, namespace)
+        handle = self._handle(session)
+        async with self._turn(handle, session):  # no cell is half-written meanwhile
+            nb = notebook.build(await self._journal_locked(handle, session), session=name)
+            if rel is not None:
+                await self._write_locked(handle, session, rel, nb.text.encode())
+            await self._record_activity(handle, session)
+        return nb
+
+    async def _journal_locked(self, handle: _Handle, session: KernelSession) -> bytes:
+        """The session's notebook journal, read in windows of file_max."""
+        journal = bytearray()
+        window = self.settings.file_max
+        most = self.settings.notebook_max + self.settings.data_budget  # its last record
+        while len(journal) <= most:
+            reply = await self._ask_locked(
+                handle,
+                session,
+                "read",
+                path=NOTEBOOK_JOURNAL,
+                max=window,
+                offset=len(journal),
+            )
+            if reply.get("error") == "FileNotFound" and not journal:
+                break  # no cell has run yet
+            if "error" in reply:
+                raise InvalidRequest(f"{reply['error']}: {reply.get('message', '')}")
+            part = _decoded(reply.get("base64"), window)
+            journal += part
+            if len(part) < window:
+                break
+        if len(journal) > most:
+            raise InvalidRequest(
+                f"the notebook journal of {session.name!r} is over {most} bytes: "
+                f"read it with read_file ({NOTEBOOK_JOURNAL}) in parts"
+            )
+        return bytes(journal)
 
     async def write_file(
         self, name: str, path: str, data: bytes, *, namespace: str = "default"
@@ -757,6 +810,19 @@ class Gateway:
         return size
 
 
+def _decoded(data: Any, limit: int) -> bytes:
+    """A file's bytes as the kernel's helper sent them (base64), at most `limit`."""
+    if not isinstance(data, str):
+        raise KernelProtocolError("the kernel's file reply is malformed")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError as exc:
+        raise KernelProtocolError("the kernel's file reply is not base64") from exc
+    if len(raw) > limit:
+        raise KernelProtocolError("the kernel sent more than the file limit")
+    return raw
+
+
 def guard_program(settings: Settings) -> str:
     """The silent code that installs the kernel-side output guard (kernelside/guard.py)
     with this gateway's limits; like the helpers, it leaves no name in the user's
@@ -769,6 +835,8 @@ def guard_program(settings: Settings) -> str:
         "traceback": TRACEBACK_MAX,
         "spill_dir": f"{WORKSPACE}/{OUTPUT_DIR}",
         "report_key": GUARD_KEY,
+        "journal": f"{WORKSPACE}/{NOTEBOOK_JOURNAL}",
+        "journal_max": settings.notebook_max,
     }
     return (
         f"exec(compile({source('guard')!r}, '<mcp-forge-guard>', 'exec'), "

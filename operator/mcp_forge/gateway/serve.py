@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mcp_forge import metrics, tracing
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
-from mcp_forge.errors import SessionNotFound, UpstreamError
+from mcp_forge.api import status as st
+from mcp_forge.errors import ForgeError, SessionNotFound, UpstreamError
 from mcp_forge.gateway.codemode.upstream import UpstreamPool, load_config
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.gateway.mcp.http import HttpServer, http_app
@@ -32,6 +35,8 @@ from mcp_forge.runtimes.local.supervisor import supervise
 if TYPE_CHECKING:
     from mcp_forge.runtimes.base import Runtime
     from mcp_forge.runtimes.cluster import KubernetesRuntime
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,11 +54,19 @@ class GatewayOptions:
     cull_interval: float  # seconds between local housekeeping passes
     pool: str | None = None  # new sessions claim kernels of this KernelSessionPool
     pool_size: int = 2  # local, without --pool: the size of the gateway's own pool (0: none)
+    metrics: tuple[str, int] | None = None  # (host, port) to serve Prometheus metrics on
 
 
 async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
     """Run the gateway until its client goes (stdio) or a signal comes; `say` tells the
     person who started it what happens (a line on stderr)."""
+    traces = tracing.Tracing()  # when the OTEL_* variables ask for them
+    if traces.enabled:
+        say("traces: OpenTelemetry, exported by OTLP (the OTEL_* variables)")
+    exporter: metrics.MetricsServer | None = None  # first: a port in use changes nothing
+    if options.metrics is not None:
+        exporter = metrics.MetricsServer(*options.metrics)
+        say(f"Prometheus metrics at http://{options.metrics[0]}:{exporter.port}/metrics")
     # Typed as the protocol the gateway sees, so mypy checks each runtime against it.
     runtime: Runtime
     cluster: KubernetesRuntime | None = None
@@ -77,6 +90,9 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
     gw = Gateway(runtime, runtime.settings, upstreams=upstreams)
 
     upstart = asyncio.ensure_future(_connect_upstreams(upstreams, say))
+    gauges: asyncio.Future[Any] = asyncio.ensure_future(_nothing())
+    if exporter is not None:
+        gauges = asyncio.ensure_future(_keep_gauges(runtime, local, options.cull_interval))
     server = build_server(service, gw, transport="stdio" if options.http is None else "http")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -120,6 +136,9 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
     finally:
         ended.cancel()
         upstart.cancel()
+        gauges.cancel()
+        if exporter is not None:
+            exporter.close()
         stop.set()
         housekeeping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -137,9 +156,31 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
             await gw.close()
             say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
         await upstreams.close()
+        await asyncio.to_thread(traces.close)
         if not serving.done():  # stdio, ended by a signal: its reader thread never returns
             sys.stderr.flush()
             os._exit(0)
+
+
+async def _keep_gauges(runtime: Runtime, local: LocalRuntime | None, interval: float) -> None:
+    """Set the sessions and pools gauges from what the runtime holds, every `interval`."""
+    while True:
+        try:
+            sessions = await runtime.list()
+            metrics.set_sessions(
+                str(s.status.get("phase") or st.PENDING)
+                for s in sessions
+                if ksp.LABEL_POOL not in (s.body["metadata"].get("labels") or {})  # unclaimed
+            )
+            for pool in local.pools.all() if local is not None else ():
+                status = pool.body.get("status") or {}
+                for state in ("ready", "starting", "claimed"):
+                    value = status.get(state)
+                    if isinstance(value, int):
+                        metrics.POOL_KERNELS.labels(pool=pool.name, state=state).set(value)
+        except ForgeError as exc:
+            log.warning("metrics: could not read the sessions: %s", exc)
+        await asyncio.sleep(interval)  # a period, not a wait for an event
 
 
 async def _connect_upstreams(upstreams: UpstreamPool, say: Callable[[str], None]) -> None:

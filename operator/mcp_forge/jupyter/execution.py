@@ -37,6 +37,7 @@ DISPLAY_OVERHEAD = 200  # bytes charged per display against the data budget
 DISPLAYS_MAX = 1_000  # displays kept per call
 RESULT_TEXT_MIN = 2_000  # text of the execute_result kept even when streams used the budget
 OUTPUT_DIR = ".mcp-forge/outputs"  # in the workspace: one full-output file per call
+NOTEBOOK_JOURNAL = ".mcp-forge/notebook.jsonl"  # in the workspace: one line per user cell
 GUARD_KEY = "mcp-forge"  # the guard's report in an execute_reply's metadata
 
 

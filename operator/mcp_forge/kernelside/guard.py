@@ -17,6 +17,12 @@ It also makes a thread remember the cell that started it: output a thread prints
 its cell ended carries that cell's parent (the gateway then drops it as late output),
 never the parent of whatever call runs at the time (ipykernel's default for threads).
 
+And it keeps the session's notebook: each user cell, once replied to, is one JSON line
+appended to the journal (`JOURNAL`, in the workspace, so it outlives the gateway and the
+kernel): its source, execution count, outputs as sent (so as bounded), start and end
+times, status, and the kernel process it ran in. The gateway builds the .ipynb from it
+(gateway/notebook.py). Past `journal_max` bytes, cells are recorded without outputs.
+
 The gateway does not trust any of this: code may remove the guard, and the gateway
 bounds what it receives on its own. The guard is for honest code to finish fast.
 """
@@ -24,6 +30,7 @@ bounds what it receives on its own. The guard is for honest code to finish fast.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -37,6 +44,9 @@ ENVELOPE = 200  # what a display costs besides its data (the gateway counts the 
 DISPLAYS_MAX = 1_000  # displays sent per cell (the gateway keeps as many)
 RESULT_TEXT_MIN = 2_000  # text of a result shown even when streams used the budget
 CELLS_KEPT = 16  # cells whose budgets are remembered (for late output of threads)
+# The messages of a cell that are its outputs in a notebook.
+RECORDED = ("stream", "display_data", "update_display_data", "execute_result", "error")
+JOURNAL_VERSION = 1
 
 
 class Limits:
@@ -50,13 +60,19 @@ class Limits:
         self.traceback = int(raw.get("traceback", 50_000))
         self.spill_dir = str(raw.get("spill_dir", "/workspace/.mcp-forge/outputs"))
         self.report_key = str(raw.get("report_key", "mcp-forge"))
+        self.journal = str(raw.get("journal", "/workspace/.mcp-forge/notebook.jsonl"))
+        self.journal_max = int(raw.get("journal_max", 100_000_000))  # bytes
 
 
 class Cell:
     """What one user cell has sent so far."""
 
-    def __init__(self, msg_id: str) -> None:
+    def __init__(self, msg_id: str, source: str = "") -> None:
         self.msg_id = msg_id
+        self.source = source
+        self.started = _now()
+        # Its outputs as sent, {"type": msg_type, "content": ...}; None once journaled.
+        self.outputs: list[dict[str, Any]] | None = []
         self.text = 0  # characters of text sent
         self.data = 0  # bytes of non-text mime data sent
         self.envelope = 0
@@ -85,16 +101,17 @@ class Cell:
 
 
 class Guard:
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, kernel_id: str = "") -> None:
         self.limits = limits
+        self.kernel_id = kernel_id
         self.cells: OrderedDict[str, Cell] = OrderedDict()
         self.lock = threading.Lock()
 
     # ---- cells -----------------------------------------------------------------------
 
-    def begin(self, msg_id: str) -> None:
+    def begin(self, msg_id: str, source: str = "") -> None:
         with self.lock:
-            self.cells[msg_id] = Cell(msg_id)
+            self.cells[msg_id] = Cell(msg_id, source)
             while len(self.cells) > CELLS_KEPT:
                 _, old = self.cells.popitem(last=False)
                 _close(old)
@@ -211,6 +228,60 @@ class Guard:
                 used += len(text)
             content["traceback"] = lines
 
+    # ---- the notebook ----------------------------------------------------------------
+
+    def record(self, kind: str, content: dict[str, Any], parent_id: Any) -> None:
+        """Note an output of a cell as it is sent (consecutive stream text is joined)."""
+        with self.lock:
+            cell = self.cells.get(parent_id) if isinstance(parent_id, str) else None
+            if cell is None or cell.outputs is None:
+                return
+            last = cell.outputs[-1] if cell.outputs else None
+            if (
+                kind == "stream"
+                and last is not None
+                and last["type"] == "stream"
+                and last["content"].get("name") == content.get("name")
+                and isinstance(last["content"].get("text"), str)
+                and isinstance(content.get("text"), str)
+            ):
+                last["content"]["text"] += content["text"]
+                return
+            cell.outputs.append({"type": kind, "content": dict(content)})
+
+    def journal(self, parent_id: Any, reply: Any) -> None:
+        """Append the cell `parent_id`, just replied to, to the journal (at most once)."""
+        with self.lock:
+            cell = self.cells.get(parent_id) if isinstance(parent_id, str) else None
+            if cell is None or cell.outputs is None:
+                return
+            outputs, cell.outputs = cell.outputs, None
+        reply = reply if isinstance(reply, dict) else {}
+        entry: dict[str, Any] = {
+            "v": JOURNAL_VERSION,
+            "kernel": self.kernel_id,
+            "source": cell.source,
+            "execution_count": reply.get("execution_count"),
+            "status": reply.get("status"),
+            "started": cell.started,
+            "ended": _now(),
+            "outputs": outputs,
+        }
+        try:
+            os.makedirs(os.path.dirname(self.limits.journal), exist_ok=True)
+            fd = os.open(self.limits.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError:
+            return  # no workspace to write to: the cell goes unrecorded, the code runs on
+        try:
+            if os.fstat(fd).st_size >= self.limits.journal_max:
+                entry["outputs"], entry["omitted"] = [], "the journal is full"
+            line = json.dumps(entry, default=str) + "\n"
+            os.write(fd, line.encode("utf-8", "replace"))
+        except (OSError, ValueError, TypeError, RecursionError):
+            pass
+        finally:
+            os.close(fd)
+
     def finish(self, parent_id: Any) -> dict[str, Any] | None:
         """The report for a cell's execute_reply; its spill file is flushed."""
         with self.lock:
@@ -235,6 +306,10 @@ def _close(cell: Cell) -> None:
     if cell.file is not None:
         with contextlib.suppress(OSError):
             cell.file.close()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat()
 
 
 def _parent_id(parent: Any) -> Any:
@@ -274,6 +349,8 @@ def _wrap_send(session: Any, guard: Guard) -> None:
             body = content
         if isinstance(body, dict) and not g.bound(kind, body, parent_id):
             return None
+        if kind in RECORDED and isinstance(body, dict):
+            g.record(kind, body, parent_id)
         if kind == "execute_reply":
             report = g.finish(parent_id)
             if report is not None:
@@ -283,6 +360,9 @@ def _wrap_send(session: Any, guard: Guard) -> None:
                     metadata = dict(kwargs.get("metadata") or {})
                     metadata[g.limits.report_key] = report
                     kwargs["metadata"] = metadata
+            sent = original(stream, msg_or_type, content, parent, *args, **kwargs)
+            g.journal(parent_id, body)  # after the reply: it waits for no file
+            return sent
         return original(stream, msg_or_type, content, parent, *args, **kwargs)
 
     send.mcp_forge_guard = holder  # type: ignore[attr-defined]
@@ -331,7 +411,7 @@ def _wrap_threads(shell: Any) -> None:
 def install(shell: Any, raw: dict[str, Any]) -> None:
     """Install (or re-install with new limits) the guard in this kernel."""
     kernel = shell.kernel
-    guard = Guard(Limits(raw))
+    guard = Guard(Limits(raw), str(getattr(kernel.session, "session", "")))
     _wrap_send(kernel.session, guard)
     previous = getattr(kernel, "_mcp_forge_begin", None)
     if previous is not None:
@@ -341,7 +421,8 @@ def install(shell: Any, raw: dict[str, Any]) -> None:
     def begin(info: Any = None) -> None:
         parent_id = _parent_id(shell.parent_header)
         if isinstance(parent_id, str):
-            guard.begin(parent_id)
+            source = getattr(info, "raw_cell", "")
+            guard.begin(parent_id, source if isinstance(source, str) else "")
 
     kernel._mcp_forge_begin = begin
     shell.events.register("pre_run_cell", begin)

@@ -222,11 +222,17 @@ def list_dir(tree: Tree, rel: str, limit: int) -> dict[str, Any]:
         os.close(fd)
 
 
-def read(tree: Tree, rel: str, limit: int) -> dict[str, Any]:
+def read(tree: Tree, rel: str, limit: int, offset: int | None = None) -> dict[str, Any]:
+    """The file whole (TooLarge past `limit`), or with `offset` at most `limit` bytes of it
+    from there, and its size: a window, for files read in parts."""
     dfd, fd = tree.open_file(rel, os.O_RDONLY)
     os.close(dfd)
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
+        if offset is not None:
+            f.seek(max(offset, 0))
+            data = f.read(limit)
+            return {"path": rel, "size": size, "base64": base64.b64encode(data).decode()}
         if size > limit:
             raise Refused("TooLarge", f"file is {size} bytes; the limit is {limit}")
         data = f.read(limit + 1)
@@ -474,7 +480,8 @@ def run(a: dict[str, Any], get_ipython: Callable[[], Any] | None) -> dict[str, A
             if op == "list":
                 return list_dir(tree, path, int(a["max"]))
             if op == "read":
-                return read(tree, path, int(a["max"]))
+                offset = a.get("offset")
+                return read(tree, path, int(a["max"]), None if offset is None else int(offset))
             if op == "write":
                 return write(tree, path, base64.b64decode(a["base64"]), bool(a.get("append")))
             return prune(tree, path, int(a["keep"]))

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mcp_forge import metrics, tracing
 from mcp_forge.api.connection import Address
 from mcp_forge.api.keys import BridgeCert, bridge_client_context
 from mcp_forge.errors import KernelProtocolError, UpstreamError
@@ -82,6 +83,7 @@ class Bridge:
         self._write_lock = asyncio.Lock()
         self.tools: dict[str, list[dict[str, Any]]] = {}  # server -> tools this session may call
         self.started = 0  # calls served so far (observability, and tests wait on it)
+        self.trace: tracing.Context | None = None  # the running execution's, for its calls
         self.call_started = asyncio.Event()  # set (and replaced) as each call starts
 
     @property
@@ -222,10 +224,11 @@ class Bridge:
             self._writer = None
         self._released()
 
-    def new_execution(self) -> None:
-        """A new execute_code call: the per-execution budgets start again, and a bridge
-        that lost its connection dials again."""
+    def new_execution(self, trace: tracing.Context | None = None) -> None:
+        """A new execute_code call: the per-execution budgets start again, its calls are
+        spans of its trace, and a bridge that lost its connection dials again."""
         self.meter.new_execution()
+        self.trace = trace
         if not self.connected and self._address is not None and not self._closing:
             self._redials.clear()
             self._start_redial()
@@ -315,8 +318,10 @@ class Bridge:
         server, tool, args = frame.get("server"), frame.get("tool"), frame.get("arguments", {})
         size_in = len(json.dumps(args, separators=(",", ":"))) if isinstance(args, dict) else 0
         status, size_out = "error", 0
+        named = f"{str(server)[:100]}.{str(tool)[:100]}"  # the kernel's words: bounded
         try:
-            answer = await self._answer(server, tool, args)
+            with tracing.span(f"bridge {named}", session=self.session, parent=self.trace):
+                answer = await self._answer(server, tool, args)
             status = "ok" if answer.get("ok") else answer["error"]["kind"]
             if answer.get("ok") and answer.get("isError"):
                 status = "tool-error"
@@ -334,6 +339,8 @@ class Bridge:
             status = "cancelled"
             raise
         finally:
+            known = server if isinstance(server, str) and server in self.policies else "unknown"
+            metrics.BRIDGE_CALLS.labels(server=known, status=status).inc()
             log.info(
                 "bridge call session=%s server=%s tool=%s status=%s ms=%.0f in=%d out=%d",
                 self.session,

@@ -105,6 +105,14 @@ class FileRead(BaseModel):
     mime_type: str | None = None
 
 
+class NotebookExported(BaseModel):
+    session_id: str
+    path: str  # in the session's /workspace
+    cells: int  # code cells
+    size: int  # bytes of the .ipynb
+    skipped: int  # journal records left out as malformed
+
+
 class FileWritten(BaseModel):
     session_id: str
     path: str

@@ -6,10 +6,12 @@ here but an isError result of execute_code, with its traceback."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import functools
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -18,6 +20,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import CallToolResult, ToolAnnotations
 from pydantic import Field, WithJsonSchema
 
+from mcp_forge import metrics, tracing
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.errors import ForgeError, InvalidRequest, InvalidSession
 from mcp_forge.gateway.core import Gateway
@@ -32,6 +35,7 @@ from mcp_forge.gateway.mcp.models import (
     FileWritten,
     Interrupted,
     KernelTools,
+    NotebookExported,
     Restarted,
     SessionInfo,
     SessionList,
@@ -69,16 +73,33 @@ def tool(annotations: ToolAnnotations) -> Callable[[ToolFn], ToolFn]:
     return mark
 
 
+_OUTCOMES = ("ok", "error", "cancelled", "failed")  # failed: not an error of ours
+
+
 def _tool_errors(fn: ToolFn) -> ToolFn:
     """Our errors reach the model as tool errors with their message (the SDK hides the
-    text of any other exception)."""
+    text of any other exception). Each call is counted and timed (metrics.py)."""
+
+    seconds = metrics.TOOL_SECONDS.labels(tool=fn.__name__)
+    outcomes = {o: metrics.TOOL_CALLS.labels(tool=fn.__name__, outcome=o) for o in _OUTCOMES}
 
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        outcome = "failed"
         try:
-            return await fn(*args, **kwargs)
+            answer = await fn(*args, **kwargs)
+            outcome = "ok"
+            return answer
         except ForgeError as exc:
+            outcome = "error"
             raise ToolError(str(exc)) from exc
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            seconds.observe(time.perf_counter() - started)
+            outcomes[outcome].inc()
 
     return wrapper  # type: ignore[return-value]
 
@@ -333,7 +354,10 @@ class Tools:
                 on_stream=on_stream,
                 read=session,  # just read, to check who may use it: not read again
             )
-        return execution_result(session.name, result)
+        answer = execution_result(session.name, result)
+        if (trace_id := tracing.trace_id()) is not None:  # the SDK's span of this call
+            answer.meta = {tracing.TRACE_ID_META: trace_id}
+        return answer
 
     @tool(_hints(read_only=False, destructive=False, idempotent=True))
     async def interrupt_kernel(self, ctx: Context, session_id: str) -> Interrupted:
@@ -436,6 +460,36 @@ class Tools:
             data = content.encode()
         size = await self.gateway.write_file(session.name, path, data, namespace=session.namespace)
         return FileWritten(session_id=session.name, path=path, size=size)
+
+    @tool(_hints(read_only=False, destructive=True, idempotent=True))
+    async def export_notebook(
+        self,
+        ctx: Context,
+        session_id: Annotated[
+            str | None,
+            Field(description="Session to export; omit for your default session."),
+        ] = None,
+        path: Annotated[
+            str, Field(description="Where to save it in the session's /workspace.")
+        ] = "notebook.ipynb",
+    ) -> NotebookExported:
+        """Save every cell run in the session so far as a Jupyter notebook (.ipynb,
+        nbformat 4): code, outputs, images, errors, execution counts and timings, in
+        order; a kernel restart is marked where variables were lost. It is written to
+        `path` in /workspace (replacing a file there) for a person to open in JupyterLab;
+        read_file returns it. Cells are recorded as they run, so they outlive a gateway
+        restart; outputs are as execute_code returned them (bounded)."""
+        session = await self._session_for(ctx, session_id)
+        nb = await self.gateway.export_notebook(
+            session.name, namespace=session.namespace, save_to=path
+        )
+        return NotebookExported(
+            session_id=session.name,
+            path=path,
+            cells=nb.cells,
+            size=len(nb.text.encode()),
+            skipped=nb.skipped,
+        )
 
     @tool(READ_ONLY)
     async def list_files(

@@ -44,6 +44,7 @@ from typing import Any
 
 import yaml
 
+from mcp_forge import metrics
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
@@ -728,6 +729,7 @@ class LocalRuntime:
 
         Returns the new lastTermination (with quickDeaths, and nextStartAt: the backoff).
         """
+        metrics.KERNEL_RESTARTS.labels(reason="oom" if reason == st.OOM_KILLED else "died").inc()
         body = self.store.get(session.namespace, session.name)
         status = body.get("status", {})
         if quick is None:
