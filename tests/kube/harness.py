@@ -163,6 +163,21 @@ async def ready(kube: Kube, ns: str, name: str, *, other_than: str = "") -> dict
     return obj
 
 
+# Requests are limits, and the test node has 2 CPUs: small kernels, so that a pool, its
+# refills and the cold starts of one test all fit on it at once.
+SMALL = {"cpu": "100m", "memory": "256Mi"}
+
+
+def pool_body(name: str, ns: str, size: int, image: str, **template: Any) -> dict[str, Any]:
+    """A KernelSessionPool of `size` SMALL kernels of `image`."""
+    return {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSessionPool",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"size": size, "template": {"image": image, "resources": SMALL, **template}},
+    }
+
+
 def session_body(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": "mcpforge.dev/v1alpha1",

@@ -10,6 +10,7 @@ or leaked.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import kubernetes
@@ -17,18 +18,20 @@ import kubernetes
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
-from mcp_forge.control.pools import PoolKeeper
+from mcp_forge.control.pools import PoolKeeper, Tally
 from mcp_forge.control.render import TEMPLATE_HASH
 from mcp_forge.settings import Settings
 
 from .conftest import KubeAPI
 from .harness import (
     KS,
+    SMALL,
     condition,
     eventually,
     kernel,
     key_in,
     phase,
+    pool_body,
     ready,
     run_in_kernel,
     running_operator,
@@ -37,18 +40,6 @@ from .harness import (
 
 POOL = ksp.KIND
 FILL = 120.0  # a pool of two to ready, on a busy 2-core machine
-# Requests are limits, and the test node has 2 CPUs: small kernels, so that a pool, its
-# refills and the cold starts of one test all fit on it at once.
-SMALL = {"cpu": "100m", "memory": "256Mi"}
-
-
-def pool_body(name: str, ns: str, size: int, image: str, **template: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "mcpforge.dev/v1alpha1",
-        "kind": POOL,
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {"size": size, "template": {"image": image, "resources": SMALL, **template}},
-    }
 
 
 async def members(kube: Kube, ns: str, pool: str) -> list[dict[str, Any]]:
@@ -75,6 +66,20 @@ async def filled(
         )
 
     obj = await eventually(kube, POOL, ns, pool, full, timeout=FILL, what=f"{size} ready")
+    assert obj is not None
+    return obj
+
+
+async def counted(kube: Kube, ns: str, pool: str, claims: int, misses: int) -> dict[str, Any]:
+    """The pool once its status counts exactly these claims and misses (written after
+    the claims, off their path)."""
+
+    def right(o: dict[str, Any] | None) -> bool:
+        status = (o or {}).get("status") or {}
+        return (status.get("claims", 0), status.get("misses", 0)) == (claims, misses)
+
+    what = f"{claims} claims and {misses} misses counted"
+    obj = await eventually(kube, POOL, ns, pool, right, timeout=30, what=what)
     assert obj is not None
     return obj
 
@@ -145,8 +150,9 @@ async def test_a_pool_fills_with_kernels_each_with_its_own_key_and_a_claim_moves
     # The session's Service now selects the claimed pod (kube-proxy routes to it).
     assert await asyncio.to_thread(served_by, kube_api, ns, "ks-alpha", status["podName"])
 
-    # The pool refills; then its count says one is claimed.
+    # The pool refills; then its count says one is claimed, and one claim was served.
     await filled(kube, ns, "warm", 2, claimed=1)
+    await counted(kube, ns, "warm", claims=1, misses=0)
     assert status["podName"] not in {p["metadata"]["name"] for p in await members(kube, ns, "warm")}
 
     # Deleting the session takes the claimed pod and its Secret with it (garbage collector).
@@ -183,6 +189,8 @@ async def test_two_claims_at_once_never_share_a_kernel(
     # Two were in the pool; the third found it empty (or claimed a refill already ready).
     assert reasons.count(ksp.CLAIMED) >= 2, reasons
     assert set(reasons) <= {ksp.CLAIMED, ksp.POOL_EXHAUSTED}, reasons
+    # Claimed at once, counted exactly: a claim per warm session, a miss per cold one.
+    await counted(kube, ns, "duo", reasons.count(ksp.CLAIMED), reasons.count(ksp.POOL_EXHAUSTED))
     secrets = [o["status"]["connection"]["secretName"] for o in objs]
     keys = set()
     for name in secrets:
@@ -231,8 +239,10 @@ async def test_a_session_the_pool_cannot_serve_starts_cold_and_says_why(
         assert (warm["status"], warm["reason"]) == ("False", reason), warm
         assert names in warm["message"] and "started cold" in warm["message"], warm
         assert obj["status"]["podName"] == f"ks-{name}", "its own pod"
-    # None of them touched the pool.
+    # None of them touched the pool; the two it could not serve are its misses (the
+    # session naming a pool that does not exist is nobody's).
     assert len(await members(kube, ns, "small")) == 1
+    await counted(kube, ns, "small", claims=0, misses=2)
 
 
 async def test_a_template_change_replaces_unclaimed_kernels_only(
@@ -328,6 +338,8 @@ async def test_an_operator_stopped_between_claim_and_status_leaves_nothing_twice
     assert len(won) == 1, [c.reason for c in claims]
     assert {c.reason for c in claims} == {ksp.CLAIMED, ksp.POOL_EXHAUSTED}
     winner = sessions[claims.index(won[0])].name
+    # Two keepers, two writers of the pool's counters: both counts land.
+    await counted(kube, ns, "race", claims=1, misses=1)
     taken = won[0].pod
     assert taken is not None and taken["metadata"]["annotations"][TEMPLATE_HASH] == "h"
     # The operator starts again: the winner adopts the claimed pod, the other starts cold.
@@ -371,6 +383,47 @@ async def test_an_operator_stopped_between_claim_and_status_leaves_nothing_twice
         await eventually(
             kube, "Secret", ns, "ksp-race-deadbeef-conn", lambda s: s is None, what="collected"
         )
+
+
+async def test_counts_written_at_once_by_many_operators_are_all_kept(
+    kube: Kube, ns: str, images: dict[str, str]
+) -> None:
+    """Eight tallies (as eight operators would) add to one pool's counters at the same
+    moment, while its status is also written: every count lands, none twice."""
+    body = await asyncio.to_thread(kube.create, pool_body("tally", ns, 0, images["minimal"]))
+    pool = ksp.load(ksp.validate(body, default_namespace=ns))
+    tallies = [Tally(kube) for _ in range(8)]
+    go = threading.Barrier(len(tallies) + 1)
+
+    def add(tally: Tally, field: str) -> None:
+        go.wait(timeout=30)
+        tally.add(pool, field)
+
+    def write_status() -> None:
+        go.wait(timeout=30)
+        for n in range(5):
+            kube.patch(POOL, ns, "tally", {"status": {"starting": n}}, status=True)
+
+    threads = [
+        threading.Thread(target=add, args=(t, "claims" if i % 4 else "misses"))
+        for i, t in enumerate(tallies)
+    ]
+    threads.append(threading.Thread(target=write_status))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        await asyncio.to_thread(thread.join, 60)
+    await counted(kube, ns, "tally", claims=6, misses=2)
+    for tally in tallies[1:]:
+        tally.close()
+    # A count for a pool deleted and made again under its name is not the new pool's.
+    await asyncio.to_thread(kube.delete, POOL, ns, "tally")
+    await eventually(kube, POOL, ns, "tally", lambda o: o is None, what="pool gone")
+    await asyncio.to_thread(kube.create, pool_body("tally", ns, 0, images["minimal"]))
+    tallies[0].add(pool, "claims")
+    await asyncio.to_thread(tallies[0].close)  # its write is done
+    again = await asyncio.to_thread(kube.get, POOL, ns, "tally")
+    assert again is not None and "claims" not in (again.get("status") or {}), again
 
 
 async def test_a_claim_whose_secret_is_missing_takes_no_kernel_and_its_cold_pod_says_why(

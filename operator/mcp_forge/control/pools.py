@@ -13,13 +13,25 @@ succeed: the second write finds a newer resourceVersion and is refused. A claim 
 status write is lost is found again by its labels and owner; a pod that no write claimed
 stays the pool's. The claimed kernel keeps running: no restart.
 
+Claims and misses are counted in the pool's status (`claims`, `misses`), as local pools
+count them: a miss is a session the pool could not serve (PoolMismatch) or had no ready
+kernel for (PoolExhausted); a session naming no such pool, or one it could serve but
+whose Secrets are missing (ClaimFailed), is no miss. The count is written off the
+claim's path, by `Tally`'s one thread: a JSON merge patch of the status guarded by the
+resourceVersion read, read again and retried on a conflict, so two claims at once (or
+two operators) never write the same count. A count not yet written when the operator
+stops is lost: a counter, not a ledger.
+
 `plan` (which kernels to delete, how many to start) is pure; `PoolKeeper` does the I/O.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import secrets
+import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +64,7 @@ KIND = ksp.KIND
 # On a claimed pod: the pool it came from (a label, so a pool counts its claimed kernels).
 LABEL_CLAIMED_FROM = ksp.ANNOTATION_CLAIMED_FROM
 STARTING_RECHECK = 15.0
+COUNT_ATTEMPTS = 8  # conflicting status writes before a count waits for the next one
 
 
 def member_pod_name(pool: str, suffix: str) -> str:
@@ -132,12 +145,84 @@ class Claim:
     message: str
 
 
+class Tally:
+    """Claims and misses added to pools' status counters, in a thread of its own.
+
+    `add` returns at once; the writes follow in order, one pool's pending counts in
+    one write. A count whose write fails is kept for the next `add` or `flush`.
+    """
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, str, str], Counter[str]] = {}
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "mcp-forge-pool-counts")
+
+    def add(self, pool: KernelSessionPool, field: str) -> None:
+        key = (pool.namespace, pool.name, pool.uid)
+        with self._lock:
+            scheduled = key in self._pending
+            self._pending.setdefault(key, Counter())[field] += 1
+        if not scheduled:
+            self._writer.submit(self._flush_logged, key)
+
+    def close(self) -> None:
+        """Write what was added (bounded by the API's timeouts), then stop."""
+        self._writer.shutdown(wait=True)
+
+    def flush(self, namespace: str, name: str) -> None:
+        """Write the pool's pending counts now (the pool's reconcile calls it)."""
+        with self._lock:
+            keys = [k for k in self._pending if k[:2] == (namespace, name)]
+        for key in keys:
+            self._flush(key)
+
+    def _flush_logged(self, key: tuple[str, str, str]) -> None:
+        try:
+            self._flush(key)
+        except ApiError as exc:
+            log.warning("pool %s/%s: counts kept for the next write: %s", *key[:2], exc)
+
+    def _flush(self, key: tuple[str, str, str]) -> None:
+        with self._lock:
+            add = self._pending.pop(key, None)
+        if not add:
+            return
+        try:
+            self._write(key, add)
+        except ApiError:
+            with self._lock:
+                self._pending.setdefault(key, Counter()).update(add)
+            raise
+
+    def _write(self, key: tuple[str, str, str], add: Counter[str]) -> None:
+        namespace, name, uid = key
+        for _ in range(COUNT_ATTEMPTS):
+            body = self.kube.get(KIND, namespace, name)
+            if body is None or body["metadata"].get("uid") != uid:
+                return  # that pool is gone: nothing left to count on
+            meta, old = body["metadata"], body.get("status") or {}
+            counts = {k: int(old.get(k) or 0) + n for k, n in add.items()}
+            patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": counts}
+            try:
+                self.kube.patch(KIND, namespace, name, patch, status=True)
+            except ApiError as exc:
+                if exc.not_found:
+                    return
+                if exc.conflict:
+                    continue  # written meanwhile (its reconcile, another count): read again
+                raise
+            return
+        raise ApiError(409, "Conflict", f"{COUNT_ATTEMPTS} status writes of the pool conflicted")
+
+
 class PoolKeeper:
     """Keeps KernelSessionPools full and serves claims; blocking calls, run in a thread."""
 
     def __init__(self, kube: Kube, settings: Settings) -> None:
         self.kube = kube
         self.settings = settings
+        self.tally = Tally(kube)
 
     # ---- filling -------------------------------------------------------------------------
 
@@ -176,6 +261,7 @@ class PoolKeeper:
                 log.warning("pool %s/%s could not start a kernel: %s", namespace, name, exc)
                 break
         self._write_status(body, pool, todo, error=error)
+        self.tally.flush(namespace, name)
         if todo.starting or todo.delete or error:
             return STARTING_RECHECK
         return self.settings.operator_resync
@@ -365,10 +451,11 @@ class PoolKeeper:
             )
         why = ksp.unservable(pool, session.body["spec"])
         if why:
+            self.tally.add(pool, "misses")
             return Claim(None, ksp.POOL_MISMATCH, f"{why}: started cold")
         try:  # the gateway gives these when it connects: they must be there
             secret_env(self.kube, session)
-        except SecretError as exc:
+        except SecretError as exc:  # no miss: the pool could have served it
             return Claim(None, ksp.CLAIM_FAILED, f"{exc}: started cold")
         labels = {ksp.LABEL_POOL: pool.name, ksp.LABEL_TEMPLATE: pool.template_hash}
         pods = self.kube.list("Pod", ns, labels=labels).get("items") or []
@@ -383,9 +470,11 @@ class PoolKeeper:
         for pod in ready:
             taken = self._take(pool, pod, session, template_hash)
             if taken is not None:
+                self.tally.add(pool, "claims")
                 return Claim(
                     taken, ksp.CLAIMED, f"claimed kernel {taken['metadata']['name']} of pool {name}"
                 )
+        self.tally.add(pool, "misses")
         return Claim(None, ksp.POOL_EXHAUSTED, f"pool {name!r} had no ready kernel: started cold")
 
     def _take(
