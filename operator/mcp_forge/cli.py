@@ -555,7 +555,8 @@ _METRICS_OPTION = click.option(
     metavar="NAME",
     help="New sessions claim ready kernels of this KernelSessionPool. Local mode: "
     "`mcp-forge apply` one, the gateway keeps it filled. --kubernetes: the operator keeps "
-    "it, in the sessions' namespace.",
+    "it, in the sessions' namespace; without --pool, each new session claims from a pool "
+    "of that namespace whose template serves it (most ready kernels first), if any.",
 )
 @click.option(
     "--pool-size",

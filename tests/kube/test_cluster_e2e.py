@@ -29,7 +29,7 @@ from mcp_types import TextContent
 
 from mcp_forge.clients.kube import Kube
 
-from .harness import KS, eventually, phase, running_operator
+from .harness import KS, SMALL, eventually, phase, pool_body, running_operator
 
 pytestmark = pytest.mark.podman
 
@@ -111,6 +111,21 @@ async def connect(gw: Gateway) -> AsyncIterator[Client]:
         ) as c,
     ):
         yield c
+
+
+async def make_filled(kube: Kube, pool: dict[str, Any]) -> None:
+    """Create the KernelSessionPool and wait until the operator has it full."""
+    await asyncio.to_thread(kube.create, pool)
+    meta, size = pool["metadata"], pool["spec"]["size"]
+    await eventually(
+        kube,
+        "KernelSessionPool",
+        meta["namespace"],
+        meta["name"],
+        lambda o: (o or {}).get("status", {}).get("ready") == size,
+        timeout=120,
+        what=f"{size} ready",
+    )
 
 
 def text(result: Any) -> str:
@@ -300,13 +315,7 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
     token = secrets.token_urlsafe(24)
     tokens = tmp_path / "tokens"
     tokens.write_text(f"agent {token}\n")
-    small = {"cpu": "100m", "memory": "256Mi"}
-    pool = {
-        "apiVersion": "mcpforge.dev/v1alpha1",
-        "kind": "KernelSessionPool",
-        "metadata": {"name": "warm", "namespace": ns},
-        "spec": {"size": 2, "template": {"image": images["minimal"], "resources": small}},
-    }
+    pool = pool_body("warm", ns, 2, images["minimal"])
     declared = {
         "apiVersion": "mcpforge.dev/v1alpha1",
         "kind": KS,
@@ -317,7 +326,7 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
         },
         "spec": {
             "image": images["minimal"],
-            "resources": small,
+            "resources": SMALL,
             "poolRef": {"name": "warm"},
             "env": [
                 {"name": "GREETING", "value": "hello from the claim"},
@@ -347,16 +356,7 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
     config.write_text(json.dumps(upstream_config(tmp_path)))
     add = "import mcp_tools\nprint(mcp_tools.edge.add(a=40)['sum'])"
     async with running_operator(kube):
-        await asyncio.to_thread(kube.create, pool)
-        await eventually(
-            kube,
-            "KernelSessionPool",
-            ns,
-            "warm",
-            lambda o: (o or {}).get("status", {}).get("ready") == 2,
-            timeout=120,
-            what="2 ready",
-        )
+        await make_filled(kube, pool)
         async with (
             cluster_gateway(
                 kube_api, tokens, token, "--pool", "warm", "--mcp-config", str(config)
@@ -412,3 +412,56 @@ async def test_warm_sessions_through_the_gateway_get_their_env_once(
             assert "changed by the code given" in text(ran), text(ran)
         await asyncio.to_thread(kube.delete, KS, ns, "given")
         await asyncio.to_thread(kube.delete, KS, ns, "coldtwin")
+
+
+async def test_a_gateway_without_a_pool_claims_from_one_whose_template_serves_the_request(
+    kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
+) -> None:
+    """No --pool: each create_session looks for a pool of the namespace that serves it.
+    A request the pool's template fits claims one of its kernels (warm, and counted); a
+    request for more memory than any pool's template starts cold, naming no pool."""
+    ns = kube_api.namespace
+    token = secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"agent {token}\n")
+    pool = pool_body("picked", ns, 1, images["minimal"])
+    async with running_operator(kube):
+        await make_filled(kube, pool)
+        async with cluster_gateway(kube_api, tokens, token) as gw, connect(gw) as agent:
+            fits = {"variant": "minimal", "memory": "256Mi", "cpu": "100m"}
+            made = await agent.call_tool("create_session", fits)
+            assert not made.is_error, text(made)
+            assert made.structured_content["start"] == "warm", made.structured_content
+            warm = made.structured_content["session_id"]
+            obj = await asyncio.to_thread(kube.get, KS, ns, warm)
+            assert obj is not None and obj["spec"]["poolRef"] == {"name": "picked"}, obj
+            assert obj["status"]["podName"].startswith("ksp-picked-"), obj["status"]
+            ran = await agent.call_tool("execute_code", {"session_id": warm, "code": "6 * 7"})
+            assert "42" in text(ran), text(ran)
+
+            bigger = {**fits, "memory": "320Mi"}
+            made = await agent.call_tool("create_session", bigger)
+            assert not made.is_error, text(made)
+            assert made.structured_content["start"] == "cold", made.structured_content
+            cold = made.structured_content["session_id"]
+            obj = await asyncio.to_thread(kube.get, KS, ns, cold)
+            assert obj is not None, cold
+            assert "poolRef" not in obj["spec"], obj["spec"]
+            assert obj["status"]["podName"] == f"ks-{cold}", obj["status"]
+            for sid in (warm, cold):
+                closed = await agent.call_tool("close_session", {"session_id": sid})
+                assert not closed.is_error, text(closed)
+
+        # One claim served; the cold session named no pool, so it is no pool's miss.
+        def counts(o: dict[str, Any] | None) -> tuple[Any, Any]:
+            status = (o or {}).get("status") or {}
+            return status.get("claims"), status.get("misses", 0)
+
+        await eventually(
+            kube,
+            "KernelSessionPool",
+            ns,
+            "picked",
+            lambda o: counts(o) == (1, 0),
+            what="1 claim and no miss counted",
+        )

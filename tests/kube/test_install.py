@@ -180,6 +180,7 @@ async def test_kubectl_apply_k_serves_agents_through_the_gateway_service(
     gateway = f"system:serviceaccount:{SYSTEM}:mcp-forge-gateway"
     assert can_i(test_cluster, gateway, "list", "pods") == "no"
     assert can_i(test_cluster, gateway, "create", "kernelsessions") == "yes"
+    assert can_i(test_cluster, gateway, "list", "kernelsessionpools") == "yes", "to pick one"
 
 
 def can_i(cluster: ClusterUnderTest, user: str, verb: str, resource: str) -> str:

@@ -403,6 +403,8 @@ OPERATOR_SCANNING = {
 GATEWAY_RULES = {
     ("mcpforge.dev", "kernelsessions"): "get list watch create delete",
     ("mcpforge.dev", "kernelsessions/status"): "get",
+    # Without --pool it picks, per new session, a pool that serves it.
+    ("mcpforge.dev", "kernelsessionpools"): "list",
     ("", "secrets"): "get",
     ("coordination.k8s.io", "leases"): "get create patch update",
 }

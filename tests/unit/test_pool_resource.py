@@ -111,6 +111,21 @@ def test_what_is_given_at_claim_time_is_served() -> None:
     assert ksp.unservable(ksp.load(ksp.validate(pool())), spec) == ""
 
 
+def test_a_pool_is_chosen_when_it_serves_the_spec_the_one_with_most_ready_first() -> None:
+    def loaded(name: str, ready: int | None, **template: Any) -> ksp.KernelSessionPool:
+        body = ksp.validate({**pool(template=template), "metadata": {"name": name}})
+        return ksp.load({**body, "status": {} if ready is None else {"ready": ready}})
+
+    big = loaded("big", 5, resources={"memory": "2Gi"})
+    empty, fresh, full = loaded("empty", 0), loaded("fresh", None), loaded("full", 2)
+    assert ksp.choose([empty, full, big], session_spec()) == full
+    assert ksp.choose([fresh, empty], session_spec()) == empty, "a tie goes by name"
+    assert ksp.choose([empty], session_spec()) == empty, "an empty one too: its miss is counted"
+    assert ksp.choose([empty, full], session_spec(resources={"memory": "2Gi"})) is None
+    assert ksp.choose([empty, full, big], session_spec(resources={"memory": "2Gi"})) == big
+    assert ksp.choose([], session_spec()) is None
+
+
 def test_a_template_change_changes_the_hash_and_a_reordering_does_not() -> None:
     a = ksp.load(ksp.validate(pool(template={"resources": {"memory": "1Gi", "cpu": "1"}})))
     b = ksp.load(ksp.validate(pool(template={"resources": {"cpu": "1", "memory": "1Gi"}})))

@@ -149,6 +149,21 @@ def unservable(pool: KernelSessionPool, spec: dict[str, Any]) -> str:
     return ""
 
 
+def choose(pools: Sequence[KernelSessionPool], spec: dict[str, Any]) -> KernelSessionPool | None:
+    """The pool a session of this (validated) spec should claim from, when it names none:
+    one that serves it, the one with most ready kernels first (by its status; then by
+    name, so that two gateways choose alike). None: no pool serves it, it starts cold."""
+    serving = [p for p in pools if not unservable(p, spec)]
+    if not serving:
+        return None
+    return min(serving, key=lambda p: (-_ready(p), p.name))
+
+
+def _ready(pool: KernelSessionPool) -> int:
+    ready = (pool.body.get("status") or {}).get("ready")
+    return ready if isinstance(ready, int) else 0
+
+
 def _show(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(", ", ": "))
 

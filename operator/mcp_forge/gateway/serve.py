@@ -78,6 +78,8 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         runtime = cluster = KubernetesRuntime()
         service = SessionService(runtime, runtime.settings, namespace=cluster.namespace)
         service.pool = options.pool  # the operator says, per session, whether it served it
+        if options.pool is None:  # each new session: a pool of the namespace that serves it
+            service.find_pools = cluster.pools
     else:
         runtime = local = LocalRuntime()
         service = SessionService(runtime, runtime.settings)

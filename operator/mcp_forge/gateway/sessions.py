@@ -11,7 +11,9 @@ client) and the id of the gateway process that created it. A client sees and use
 
 A session the client may not use is reported exactly as one that does not exist.
 Created sessions get unguessable names (`s-` and 12 random hex digits) unless the client
-picks one, and claim a ready kernel of the gateway's pool when it serves their spec; a
+picks one, and claim a ready kernel of the gateway's pool when it serves their spec (a
+cluster gateway given no pool picks, per session, one of the namespace's pools that
+serves it, the one with most ready kernels first: `kernelsessionpool.choose`); a
 client's shared group is its own (other clients' groups with the same name are
 different volumes). When the gateway stops, it deletes what it created.
 """
@@ -23,6 +25,7 @@ import builtins
 import hashlib
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +33,7 @@ from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.kernelsessionpool import KernelSessionPool
 from mcp_forge.errors import ForgeError, InvalidRequest, InvalidSession, SessionNotFound
 from mcp_forge.image.kernel import VARIANTS, image_ref
 from mcp_forge.runtimes.base import Runtime
@@ -94,6 +98,8 @@ class SessionService:
         self.namespace = namespace  # where this gateway's clients have their sessions
         self.mcp_servers: set[str] = set()  # code mode: the upstream servers configured
         self.pool: str | None = None  # new sessions claim a kernel of this pool if it serves
+        # Without `pool`: where the pools to choose from are found (a cluster's); None: cold.
+        self.find_pools: Callable[[str], Awaitable[builtins.list[KernelSessionPool]]] | None = None
         self.gateway_id = secrets.token_hex(8)
         self._defaults: dict[str, str] = {}  # owner → default session name
         self._create_lock = asyncio.Lock()
@@ -187,6 +193,10 @@ class SessionService:
             raise InvalidSession(f"at most {s.session_cpu_max} CPUs per session", field="cpu")
         if request.shared_group is not None:
             body["spec"]["sharedGroup"] = self._shared_group(client, request.shared_group)
+        if self.pool is None and self.find_pools is not None:
+            chosen = ksp.choose(await self.find_pools(self.namespace), body["spec"])
+            if chosen is not None:  # none: cold, and the result says so
+                body["spec"]["poolRef"] = {"name": chosen.name}
         async with self._create_lock:  # the quota and the name check hold until created
             owned = [s for s in await self.runtime.list(self.namespace) if self.owns(client, s)]
             if len(owned) >= s.sessions_per_client_max:

@@ -116,6 +116,33 @@ class KubernetesRuntime:
                 log.debug("skipping an invalid KernelSession: %s", exc)
         return out
 
+    async def pools(self, namespace: str | None = None) -> builtins.list[ksp.KernelSessionPool]:
+        """The namespace's KernelSessionPools (one list), but those being deleted; none if
+        the gateway may not list them (an install from before it could): cold starts."""
+        ns = namespace or self.namespace
+        try:
+            listed = await asyncio.to_thread(self.kube.list, ksp.KIND, ns)
+        except ApiError as exc:
+            if exc.status not in (403, 404):
+                raise
+            log.warning("cannot list KernelSessionPools in %s (%s): sessions start cold", ns, exc)
+            return []
+        out = []
+        for body in listed.get("items") or []:
+            if body["metadata"].get("deletionTimestamp"):
+                continue
+            body.setdefault("apiVersion", kernelsession.API_VERSION)
+            body.setdefault("kind", ksp.KIND)
+            spec_only = {k: v for k, v in body.items() if k != "status"}
+            try:
+                valid = ksp.validate(spec_only, default_namespace=ns)
+            except InvalidSession as exc:  # the operator says so in its status
+                log.debug("skipping an invalid KernelSessionPool: %s", exc)
+                continue
+            valid["status"] = body.get("status") or {}  # how many are ready
+            out.append(ksp.load(valid))
+        return out
+
     # ---- create / delete -----------------------------------------------------------------
 
     async def create(self, body: dict[str, Any]) -> KernelSession:
