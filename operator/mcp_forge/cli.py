@@ -567,6 +567,41 @@ _METRICS_OPTION = click.option(
     help="Local mode, without --pool: kernels of the default image kept ready for new "
     "sessions, in a pool of the gateway's own (deleted when it stops); 0 for none.",
 )
+@click.option(
+    "--packages-allow",
+    "packages_allow",
+    multiple=True,
+    metavar="NAME",
+    help="install_packages: only these distributions, dependencies included (repeatable; "
+    "default: any not denied). Names are compared PEP 503-normalized.",
+)
+@click.option(
+    "--packages-deny",
+    "packages_deny",
+    multiple=True,
+    metavar="NAME",
+    help="install_packages: never these distributions, asked for or needed (repeatable).",
+)
+@click.option(
+    "--packages-max",
+    type=click.IntRange(1),
+    default=None,
+    metavar="BYTES",
+    help="install_packages: most bytes one install downloads, all files (default 200 MB).",
+)
+@click.option(
+    "--packages-file-max",
+    type=click.IntRange(1),
+    default=None,
+    metavar="BYTES",
+    help="install_packages: most bytes of one downloaded file (default 100 MB).",
+)
+@click.option(
+    "--packages-allow-sdist",
+    is_flag=True,
+    help="install_packages: source distributions too, built into wheels on this host "
+    "(default: wheels only).",
+)
 @_METRICS_OPTION
 def gateway(http: str | None, metrics_at: str | None, **options: Any) -> None:
     """Run the gateway: MCP for agents.

@@ -10,7 +10,11 @@
     ├── ImageError              the kernel image is missing or could not be built
     ├── PodmanError             a podman command failed (carries its stderr)
     ├── ApiError                the Kubernetes API refused a request or was not reached
-    └── UpstreamError           an upstream MCP server was not reached or did not answer
+    ├── UpstreamError           an upstream MCP server was not reached or did not answer
+    └── PackageError            install_packages could not give the kernel a package
+        ├── PackageNotFound     no distribution of it for the kernel's Python (named)
+        ├── PackageDenied       the gateway's package policy refuses it (named)
+        └── PackageTooLarge     over a size limit (the limit and the size)
 
 Code mode's framing raises kernelside.framing.FrameError, a plain ValueError: that module
 runs inside the kernel too, where nothing of ours is installed; bridge.py catches it
@@ -94,3 +98,23 @@ class ApiError(ForgeError):
 
 class UpstreamError(ForgeError):
     """An upstream server could not be reached or did not answer in time."""
+
+
+class PackageError(ForgeError):
+    """A package could not be given to a kernel; the message starts with the kind
+    (PackageNotFound: ...), so a model reading only the text knows it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{type(self).__name__}: {message}")
+
+
+class PackageNotFound(PackageError):
+    """No distribution of a requirement that the kernel's Python can install."""
+
+
+class PackageDenied(PackageError):
+    """The gateway's package policy refuses a distribution (asked for or a dependency)."""
+
+
+class PackageTooLarge(PackageError):
+    """A distribution, or all of them together, is over the policy's size limit."""

@@ -65,6 +65,14 @@ class Settings:
     operator_resync: float = 60.0  # every session is reconciled at least this often
     # Code mode.
     bridge_call_timeout: float = 60.0  # one upstream tool call made by kernel code
+    # install_packages: the gateway's package policy (image/packages.py). Names are
+    # comma-separated, compared PEP 503-normalized, and apply to dependencies too.
+    packages_allow: str = ""  # only these distributions ("" = any not denied)
+    packages_deny: str = ""  # never these
+    packages_max: int = 200_000_000  # bytes of all the files one install downloads
+    packages_file_max: int = 100_000_000  # bytes of one downloaded file
+    packages_allow_sdist: bool = False  # source distributions, built into wheels on the host
+    packages_timeout: float = 300.0  # resolving and downloading; again for the kernel's install
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -77,6 +85,12 @@ class Settings:
                 values[f.name] = Path(raw)
             elif f.type in ("str", str):
                 values[f.name] = raw
+            elif f.type in ("bool", bool):
+                if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                    raise InvalidRequest(
+                        f"MCPFORGE_{f.name.upper()}={raw!r} is not a boolean (true or false)"
+                    )
+                values[f.name] = raw.lower() in ("1", "true", "yes")
             else:
                 kind = float if f.type in ("float", float) else int
                 try:

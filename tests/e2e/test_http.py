@@ -260,18 +260,20 @@ async def test_a_client_neither_sees_nor_uses_another_clients_session(
 
         assert sid not in session_ids(await bob.call_tool("list_sessions", {}))
         missing = "s-000000000000"
-        for tool, args in [
+        calls: list[tuple[str, dict[str, Any]]] = [
             ("execute_code", {"code": "x = 2"}),
             ("read_file", {"path": "secret.txt"}),
             ("write_file", {"path": "secret.txt", "content": "bob's"}),
             ("list_files", {}),
             ("list_variables", {}),
             ("list_kernel_tools", {}),
+            ("install_packages", {"packages": ["tabulate"]}),
             ("inspect_variable", {"name": "x"}),
             ("interrupt_kernel", {}),
             ("restart_kernel", {}),
             ("close_session", {}),
-        ]:
+        ]
+        for tool, args in calls:
             foreign = await bob.call_tool(tool, {**args, "session_id": sid})
             assert foreign.is_error, (tool, text(foreign))
             assert f"no session '{sid}'" in text(foreign), (tool, text(foreign))

@@ -27,7 +27,7 @@ GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
 TOOLS = {
     "create_session", "list_sessions", "close_session", "execute_code", "interrupt_kernel",
     "restart_kernel", "list_variables", "inspect_variable", "read_file", "write_file",
-    "list_files", "list_kernel_tools", "export_notebook",
+    "list_files", "list_kernel_tools", "export_notebook", "install_packages",
 }  # fmt: skip
 
 

@@ -12,9 +12,11 @@ import asyncio
 import base64
 import contextlib
 import logging
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -27,6 +29,7 @@ from mcp_forge.errors import (
     ForgeError,
     InvalidRequest,
     KernelProtocolError,
+    PackageError,
     SessionNotFound,
     SessionNotReady,
 )
@@ -36,6 +39,7 @@ from mcp_forge.gateway.codemode.policy import policies_of
 from mcp_forge.gateway.codemode.upstream import Upstream, UpstreamPool
 from mcp_forge.gateway.notebook import Notebook
 from mcp_forge.gateway.sessions import owner_of
+from mcp_forge.image import packages
 from mcp_forge.jupyter.client import ChannelDropped, KernelConnection, KernelReplaced
 from mcp_forge.jupyter.execution import (
     EVALUE_MAX,
@@ -641,32 +645,46 @@ class Gateway:
             return reply
 
     async def _helper_locked(
-        self, handle: _Handle, session: KernelSession, op: str, **args: Any
+        self,
+        handle: _Handle,
+        session: KernelSession,
+        op: str,
+        *,
+        wait: float | None = None,
+        **args: Any,
     ) -> dict[str, Any]:
-        """The helper's reply; InvalidRequest naming what it refused."""
-        reply = await self._ask_locked(handle, session, op, **args)
+        """The helper's reply; InvalidRequest naming what it refused. `wait`: seconds for
+        its reply (helper_timeout)."""
+        reply = await self._ask_locked(handle, session, op, wait=wait, **args)
         if "error" in reply:
             raise InvalidRequest(f"{reply['error']}: {reply.get('message', '')}")
         return reply
 
     async def _ask_locked(
-        self, handle: _Handle, session: KernelSession, op: str, **args: Any
+        self,
+        handle: _Handle,
+        session: KernelSession,
+        op: str,
+        *,
+        wait: float | None = None,
+        **args: Any,
     ) -> dict[str, Any]:
         """The helper's reply as it is, a refusal ({"error": kind, "message"}) included."""
         s = self.settings
+        wait = s.helper_timeout if wait is None else wait
         conn = await self._connect(handle, session)
         code, marker = introspection.program(op, **args)
         collector = Collector("", budget=s.helper_reply_max, spool_max=0, data_budget=0)
         await conn.before_request()
         collector.msg_id = conn.send_execute(code, silent=True, store_history=False)
         try:
-            done = await conn.pump(collector, s.helper_timeout)
+            done = await conn.pump(collector, wait)
         except asyncio.CancelledError:
             await self._settle_after_cancel(handle, conn, session, collector)
             raise
         if not done:
             await self._settle_after_cancel(handle, conn, session, collector)
-            raise SessionNotReady(f"the kernel did not answer within {s.helper_timeout:.0f}s")
+            raise SessionNotReady(f"the kernel did not answer within {wait:.0f}s")
         result = collector.finish(duration=0)
         if result.truncated:
             raise KernelProtocolError(
@@ -809,6 +827,66 @@ class Gateway:
             raise KernelProtocolError("the kernel's write reply is malformed")
         return size
 
+    # ---- packages --------------------------------------------------------------------------
+
+    async def install_packages(
+        self,
+        name: str,
+        requirements: Any,
+        *,
+        namespace: str = "default",
+        read: KernelSession | None = None,
+    ) -> dict[str, Any]:
+        """Resolve and download `requirements` on the host under the package policy
+        (image/packages.py), send the wheels over the kernel's channels and have it
+        install them offline into its workspace's package directory, which is on its
+        sys.path at once (and in every later kernel of the session: guard_program).
+        What was installed (name, version, size) and the bytes in all."""
+        reqs = packages.parse_requirements(requirements)
+        policy = packages.PackagePolicy.of(self.settings)
+        session = await self._session(name, namespace, read=read)  # refused before fetching
+        with tempfile.TemporaryDirectory(prefix="mcp-forge-packages-") as tmp:
+            wheels = await packages.download(reqs, policy, Path(tmp))
+            session = await self._session(name, namespace)
+            handle = self._handle(session)
+            async with self._turn(handle, session):
+                await self._install_locked(handle, session, wheels, policy.timeout)
+                await self._record_activity(handle, session)
+        return {
+            "installed": [{"name": w.name, "version": w.version, "size": w.size} for w in wheels],
+            "total_bytes": sum(w.size for w in wheels),
+            "path": f"{WORKSPACE}/{packages.PACKAGES_DIR}",
+        }
+
+    async def _install_locked(
+        self,
+        handle: _Handle,
+        session: KernelSession,
+        wheels: list[packages.Wheel],
+        seconds: float,
+    ) -> None:
+        batch = f"{OUTPUT_DIR.rsplit('/', 1)[0]}/wheels"  # emptied by the install, come what may
+        for wheel in wheels:
+            data = await asyncio.to_thread(wheel.path.read_bytes)
+            await self._write_locked(handle, session, f"{batch}/{wheel.path.name}", data)
+        try:
+            await self._helper_locked(
+                handle,
+                session,
+                "install",
+                wait=seconds + self.settings.helper_timeout,
+                wheels=batch,
+                target=packages.PACKAGES_DIR,
+                files=[w.path.name for w in wheels],
+                seconds=seconds,
+            )
+        except InvalidRequest as exc:
+            raise PackageError(f"the kernel could not install them: {exc}") from None
+        conn = await self._connect(handle, session)
+        await self._silently(
+            conn, packages.path_program(), "the kernel could not put its packages on sys.path"
+        )
+
 
 def _decoded(data: Any, limit: int) -> bytes:
     """A file's bytes as the kernel's helper sent them (base64), at most `limit`."""
@@ -825,8 +903,8 @@ def _decoded(data: Any, limit: int) -> bytes:
 
 def guard_program(settings: Settings) -> str:
     """The silent code that installs the kernel-side output guard (kernelside/guard.py)
-    with this gateway's limits; like the helpers, it leaves no name in the user's
-    namespace."""
+    with this gateway's limits, and puts the session's installed packages on sys.path;
+    like the helpers, it leaves no name in the user's namespace."""
     limits = {
         "text": settings.output_budget,
         "data": settings.data_budget,
@@ -838,9 +916,14 @@ def guard_program(settings: Settings) -> str:
         "journal": f"{WORKSPACE}/{NOTEBOOK_JOURNAL}",
         "journal_max": settings.notebook_max,
     }
+    # First, the packages install_packages gave earlier kernels of the session.
     return (
-        f"exec(compile({source('guard')!r}, '<mcp-forge-guard>', 'exec'), "
-        f"{{'__builtins__': __builtins__, 'get_ipython': get_ipython, 'LIMITS': {limits!r}}})"
+        packages.path_program()
+        + "\n"
+        + (
+            f"exec(compile({source('guard')!r}, '<mcp-forge-guard>', 'exec'), "
+            f"{{'__builtins__': __builtins__, 'get_ipython': get_ipython, 'LIMITS': {limits!r}}})"
+        )
     )
 
 

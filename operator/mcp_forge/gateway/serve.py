@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ from mcp_forge.gateway.sessions import NAMESPACE, SessionService
 from mcp_forge.image.kernel import image_ref
 from mcp_forge.runtimes.local.runtime import LocalRuntime
 from mcp_forge.runtimes.local.supervisor import supervise
+from mcp_forge.settings import Settings
 
 if TYPE_CHECKING:
     from mcp_forge.runtimes.base import Runtime
@@ -55,6 +56,28 @@ class GatewayOptions:
     pool: str | None = None  # new sessions claim kernels of this KernelSessionPool
     pool_size: int = 2  # local, without --pool: the size of the gateway's own pool (0: none)
     metrics: tuple[str, int] | None = None  # (host, port) to serve Prometheus metrics on
+    # install_packages' policy; None / empty: the settings' (MCPFORGE_PACKAGES_*)
+    packages_allow: tuple[str, ...] = ()
+    packages_deny: tuple[str, ...] = ()
+    packages_max: int | None = None
+    packages_file_max: int | None = None
+    packages_allow_sdist: bool = False
+
+    def settings(self) -> Settings:
+        """The settings of the environment, with the package policy these options give."""
+        base = Settings.from_env()
+        given: dict[str, object] = {}
+        if self.packages_allow:
+            given["packages_allow"] = ",".join(self.packages_allow)
+        if self.packages_deny:
+            given["packages_deny"] = ",".join(self.packages_deny)
+        if self.packages_max is not None:
+            given["packages_max"] = self.packages_max
+        if self.packages_file_max is not None:
+            given["packages_file_max"] = self.packages_file_max
+        if self.packages_allow_sdist:
+            given["packages_allow_sdist"] = True
+        return replace(base, **given)  # type: ignore[arg-type]
 
 
 async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
@@ -75,13 +98,13 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
     if options.kubernetes:
         from mcp_forge.runtimes.cluster import KubernetesRuntime
 
-        runtime = cluster = KubernetesRuntime()
+        runtime = cluster = KubernetesRuntime(options.settings())
         service = SessionService(runtime, runtime.settings, namespace=cluster.namespace)
         service.pool = options.pool  # the operator says, per session, whether it served it
         if options.pool is None:  # each new session: a pool of the namespace that serves it
             service.find_pools = cluster.pools
     else:
-        runtime = local = LocalRuntime()
+        runtime = local = LocalRuntime(options.settings())
         service = SessionService(runtime, runtime.settings)
         service.pool, own_pool = await _local_pool(local, options, service.gateway_id, say)
     configs = load_config(options.mcp_config) if options.mcp_config is not None else {}

@@ -442,6 +442,45 @@ def inspect(ip: Any, var: str, repr_max: int) -> dict[str, Any]:
     return {"variable": describe(var, ns[var], repr_max, DESCRIBE_SECONDS * 2)}
 
 
+# ---- packages ---------------------------------------------------------------------------
+
+
+def install(root: str, a: dict[str, Any]) -> dict[str, Any]:
+    """Install the wheels the gateway wrote to `a["wheels"]` (beneath the workspace)
+    into `a["target"]`, offline and exactly those (no index, no dependency resolution:
+    the gateway resolved them), by the kernel's own pip in a subprocess, within
+    `a["seconds"]`; the wheels are deleted after, installed or not."""
+    import shutil
+    import subprocess
+
+    src = os.path.join(root, str(a["wheels"]))
+    files = [os.path.join(src, os.path.basename(str(f))) for f in a["files"]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PYTHONNOUSERSITE"] = "1"
+    command = [
+        sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-cache-dir",
+        "--disable-pip-version-check", "--no-input", "--upgrade", "--no-warn-script-location",
+        "--target", os.path.join(root, str(a["target"])), *files,
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=float(a["seconds"]),
+            env=env,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise Refused("Timeout", f"pip install took longer than {a['seconds']}s") from None
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).decode(errors="replace").strip()[-400:]
+        raise Refused("InstallFailed", f"pip install exited {done.returncode}: {tail}")
+    return {"installed": len(files)}
+
+
 # ---- entry point ------------------------------------------------------------------------
 
 
@@ -472,6 +511,8 @@ def run(a: dict[str, Any], get_ipython: Callable[[], Any] | None) -> dict[str, A
             if op == "variables":
                 return variables(get_ipython(), int(a["max"]), int(a["repr_max"]))
             return inspect(get_ipython(), str(a["var"]), int(a["repr_max"]))
+        if op == "install":
+            return install(str(a["root"]), a)
         if op not in ("list", "read", "write", "prune"):
             raise Refused("UnknownOp", str(op)[:100])
         tree = Tree(str(a["root"]))  # the workspace: the gateway names it (sandbox.py)

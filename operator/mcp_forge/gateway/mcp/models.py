@@ -117,3 +117,16 @@ class FileWritten(BaseModel):
     session_id: str
     path: str
     size: int
+
+
+class InstalledPackage(BaseModel):
+    name: str  # PEP 503-normalized
+    version: str
+    size: int  # bytes of its wheel
+
+
+class PackagesInstalled(BaseModel):
+    session_id: str
+    installed: list[InstalledPackage]  # what was asked for and every dependency
+    total_bytes: int
+    path: str  # the directory on the kernel's sys.path they are in

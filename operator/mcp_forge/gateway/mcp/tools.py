@@ -33,9 +33,11 @@ from mcp_forge.gateway.mcp.models import (
     FileList,
     FileRead,
     FileWritten,
+    InstalledPackage,
     Interrupted,
     KernelTools,
     NotebookExported,
+    PackagesInstalled,
     Restarted,
     SessionInfo,
     SessionList,
@@ -513,4 +515,42 @@ class Tools:
             path=listing["path"],
             entries=[FileEntry(**e) for e in listing["entries"]],
             truncated=listing["truncated"],
+        )
+
+    @tool(_hints(read_only=False, destructive=False, idempotent=True))
+    async def install_packages(
+        self,
+        ctx: Context,
+        packages: Annotated[
+            list[str],
+            Field(
+                description=(
+                    'Requirements, e.g. ["tabulate", "msgpack==1.0.8", "rich>=13"]: names with '
+                    "optional extras and version specifiers; no URLs, paths or pip options."
+                )
+            ),
+        ],
+        session_id: Annotated[
+            str | None, Field(description="Session; omit for your default session.")
+        ] = None,
+    ) -> PackagesInstalled:
+        """Install Python packages from the package index into a session, though its
+        kernel has no network: the gateway resolves and downloads wheels (dependencies
+        included), the kernel installs them offline into /workspace/.packages, which is on
+        its sys.path at once and after a restart. Import them in execute_code straight
+        after. Returns each distribution installed (name, version, size) and the total.
+
+        The gateway's policy may refuse a package or a dependency (PackageDenied, named),
+        or one over its size limit (PackageTooLarge); PackageNotFound names a requirement
+        with no wheel for the kernel (CPython 3.11, Linux x86_64). A package the session
+        imported already keeps its loaded version until restart_kernel."""
+        session = await self._session_for(ctx, session_id)
+        done = await self.gateway.install_packages(
+            session.name, packages, namespace=session.namespace, read=session
+        )
+        return PackagesInstalled(
+            session_id=session.name,
+            installed=[InstalledPackage(**p) for p in done["installed"]],
+            total_bytes=done["total_bytes"],
+            path=done["path"],
         )
