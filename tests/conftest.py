@@ -88,6 +88,16 @@ async def make_session(runtime: Any, images: dict[str, str]) -> AsyncIterator[Se
 
 
 @pytest.fixture
+async def names(runtime: Any) -> AsyncIterator[list[str]]:
+    """Names of the sessions a test applies itself, deleted after it."""
+    made: list[str] = []
+    yield made
+    for name in made:
+        with contextlib.suppress(SessionNotFound):
+            await runtime.delete(name)
+
+
+@pytest.fixture
 async def gateway(runtime: Any, settings: Settings) -> AsyncIterator[Any]:
     from mcp_forge.gateway.core import Gateway
 

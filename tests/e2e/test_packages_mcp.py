@@ -23,7 +23,7 @@ pytestmark = pytest.mark.podman
 GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
 # Denied: six (a dependency of python-dateutil 2.9); no file over 1 MB (pygments' wheel is
 # about 1.2 MB; tabulate's 40 KB and msgpack's 400 KB pass).
-POLICY = ("--packages-deny", "Six", "--packages-file-max", "1000000", "--pool-size", "0")
+POLICY = ("--packages-deny", "Six", "--packages-file-max", "1000000")
 NO_ROUTE = (
     "import os, json\n"
     "print(json.dumps({'interfaces': sorted(os.listdir('/sys/class/net')),\n"

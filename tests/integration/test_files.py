@@ -4,17 +4,14 @@ pool); a file the code changed is kept across a restart."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
-from mcp_forge.errors import SessionNotFound
 from mcp_forge.gateway.core import Gateway
 
 pytestmark = pytest.mark.podman
@@ -44,15 +41,6 @@ async def files_in(gw: Gateway, name: str) -> dict[str, str | None]:
     assert r.status == "ok", (r.error, r.stderr)
     found: dict[str, str | None] = json.loads(r.stdout)
     return found
-
-
-@pytest.fixture
-async def names(runtime: Any) -> AsyncIterator[list[str]]:
-    made: list[str] = []
-    yield made
-    for name in made:
-        with contextlib.suppress(SessionNotFound):
-            await runtime.delete(name)
 
 
 async def test_a_cold_session_starts_with_its_files_and_keeps_what_code_changed(

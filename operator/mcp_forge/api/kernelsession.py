@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import jsonschema
 import yaml
+from packaging.requirements import InvalidRequirement, Requirement
 
 from mcp_forge.api.status import Status
 from mcp_forge.errors import InvalidSession
@@ -217,6 +218,7 @@ class SessionSpec:
     update_strategy: str = "OnRestart"
     pool: str | None = None  # spec.poolRef.name: claim a ready kernel of this pool
     files: tuple[tuple[str, str], ...] = ()  # spec.files: (path in the workspace, text)
+    packages: tuple[str, ...] = ()  # spec.packages: requirement strings
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,11 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
     for i, p in enumerate(paths):
         if p in paths[:i]:
             raise InvalidSession(f"duplicate path {p!r}", field=f"spec.files[{i}].path")
+    for i, text in enumerate(spec.get("packages", [])):
+        try:
+            requirement(text)
+        except ValueError as exc:
+            raise InvalidSession(str(exc), field=f"spec.packages[{i}]") from None
     return SessionSpec(
         image=spec["image"],
         memory_bytes=memory_bytes,
@@ -313,7 +320,25 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
         update_strategy=spec["updateStrategy"],
         pool=(spec.get("poolRef") or {}).get("name"),
         files=tuple((f["path"], f["content"]) for f in spec.get("files", [])),
+        packages=tuple(spec.get("packages", [])),
     )
+
+
+def requirement(text: str) -> Requirement:
+    """A package requirement (spec.packages, install_packages): a name with optional
+    extras, version specifiers and a marker; never a URL (`name @ https://...`), a path
+    or a pip option, so nothing but requirements reaches pip's command line. ValueError
+    says what is wrong."""
+    try:
+        req = Requirement(text)
+    except InvalidRequirement as exc:
+        first = str(exc).splitlines()[0]
+        raise ValueError(
+            f"{text!r} is not a requirement such as 'tabulate' or 'msgpack==1.0.8': {first}"
+        ) from None
+    if req.url is not None:
+        raise ValueError(f"{text!r} names a URL; only index packages can be installed")
+    return req
 
 
 def load(body: dict[str, Any]) -> KernelSession:

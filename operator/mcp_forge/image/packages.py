@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from packaging import tags
-from packaging.requirements import InvalidRequirement, Requirement
+from packaging.requirements import Requirement
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
+from mcp_forge.api.kernelsession import requirement
 from mcp_forge.errors import (
     InvalidRequest,
     PackageDenied,
@@ -121,17 +122,9 @@ def parse_requirements(items: Any) -> list[Requirement]:
         if len(text) > REQUIREMENT_CHARS:
             raise InvalidRequest(f"packages[{i}] is over {REQUIREMENT_CHARS} characters")
         try:
-            req = Requirement(text)
-        except InvalidRequirement as exc:
-            first = str(exc).splitlines()[0]
-            raise InvalidRequest(
-                f"packages[{i}] {text!r} is not a requirement such as 'tabulate' or "
-                f"'msgpack==1.0.8': {first}"
-            ) from None
-        if req.url is not None:
-            raise InvalidRequest(
-                f"packages[{i}] {text!r} names a URL; only index packages can be installed"
-            )
+            req = requirement(text)
+        except ValueError as exc:
+            raise InvalidRequest(f"packages[{i}] {exc}") from None
         out.append(req)
     return out
 

@@ -395,6 +395,7 @@ class Pools:
         """The session's environment (its Secrets' values too), set in its claimed kernel."""
         env = ksp.claim_env(session, secret_values=self.runtime.secrets.values(session))
         await self.runtime.give_env(session, env, session.spec.files)
+        await self.runtime.give_packages(session)
 
 
 async def _lock_within(fd: int, patience: float) -> bool:

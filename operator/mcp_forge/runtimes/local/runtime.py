@@ -72,6 +72,7 @@ from mcp_forge.errors import (
     ForgeError,
     ImageError,
     InvalidSession,
+    PackageError,
     PodmanError,
     SecretError,
     SessionNotFound,
@@ -79,7 +80,7 @@ from mcp_forge.errors import (
 )
 from mcp_forge.image.kernel import missing_image_message
 from mcp_forge.jupyter.client import KernelConnection
-from mcp_forge.runtimes.local import userns, volumes
+from mcp_forge.runtimes.local import packages, userns, volumes
 from mcp_forge.runtimes.local.containers import Containers, lifetime
 from mcp_forge.runtimes.local.pools import Pools
 from mcp_forge.runtimes.local.secrets import Secrets
@@ -504,6 +505,8 @@ class LocalRuntime:
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 reason = exc.reason if isinstance(exc, SecretError) else "NotReady"
+                if isinstance(exc, PackageError):
+                    reason = "PackagesNotInstalled"
                 self._fail(session, reason, str(exc))
             raise
 
@@ -528,6 +531,7 @@ class LocalRuntime:
             values = self.secrets.values(session)
             if values or session.spec.files:
                 await self.give_env(session, values, session.spec.files)
+            await self.give_packages(session)
             self.mark_ready(session, "the kernel answered")
             return
         if died.done() and not died.cancelled() and died.exception() is None:
@@ -564,6 +568,19 @@ class LocalRuntime:
             status = reply["content"].get("status")
             if status != "ok":
                 raise SessionNotReady(f"the kernel refused its environment ({str(status)[:40]})")
+        finally:
+            conn.close()
+
+    async def give_packages(self, session: KernelSession) -> None:
+        """Install spec.packages in the session's running kernel, unless its workspace
+        has them (local/packages.py); nothing to do without spec.packages."""
+        if not session.spec.packages:
+            return
+        key = self.store.key(session.namespace, session.name)
+        info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
+        conn = KernelConnection(info, max_frame=100_000, max_message=100_000)
+        try:
+            await packages.give_packages(session, conn, self.settings)
         finally:
             conn.close()
 
