@@ -460,6 +460,7 @@ def install(root: str, a: dict[str, Any]) -> dict[str, Any]:
     command = [
         sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-cache-dir",
         "--disable-pip-version-check", "--no-input", "--upgrade", "--no-warn-script-location",
+        "--no-compile",
         "--target", os.path.join(root, str(a["target"])), *files,
     ]  # fmt: skip
     try:
