@@ -113,6 +113,9 @@ async def test_denied_missing_oversized_and_malformed_packages_get_named_errors(
         assert "PackageDenied: 'six' is refused" in dep, dep
         gone = await refused(["mcp-forge-no-such-package-zz"])
         assert "PackageNotFound: no distribution of 'mcp-forge-no-such-package-zz'" in gone, gone
+        sdist = await refused(["docopt==0.6.2"])  # published as a source distribution only
+        assert "PackageNotFound: no distribution of 'docopt==0.6.2'" in sdist, sdist
+        assert "source distributions are not allowed" in sdist, sdist
         big = await refused(["pygments"])
         assert "PackageTooLarge: pygments-" in big and "limit for one file is 1000000" in big, big
         for bad, says in [

@@ -465,3 +465,41 @@ async def test_a_gateway_without_a_pool_claims_from_one_whose_template_serves_th
             lambda o: counts(o) == (1, 0),
             what="1 claim and no miss counted",
         )
+
+
+def agent_tokens(tmp_path: Path) -> tuple[Path, str]:
+    """A tokens file with one client, `agent`, and its token."""
+    token = secrets.token_urlsafe(24)
+    (tmp_path / "tokens").write_text(f"agent {token}\n")
+    return tmp_path / "tokens", token
+
+
+async def test_install_packages_reaches_a_cluster_kernel_over_its_channels(
+    kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
+) -> None:
+    policy = ("--packages-deny", "six")
+    async with (
+        running_operator(kube),
+        cluster_gateway(kube_api, *agent_tokens(tmp_path), *policy) as gw,
+        connect(gw) as agent,
+    ):
+        sid = (await agent.call_tool("create_session", {"variant": "minimal"})).structured_content[
+            "session_id"
+        ]
+        got = await agent.call_tool(
+            "install_packages", {"session_id": sid, "packages": ["msgpack==1.0.8"]}
+        )
+        assert not got.is_error, text(got)
+        assert [p["name"] for p in got.structured_content["installed"]] == ["msgpack"]
+        ran = await agent.call_tool(
+            "execute_code",
+            {
+                "session_id": sid,
+                "code": "import msgpack; print(msgpack.unpackb(msgpack.packb([7])))",
+            },
+        )
+        assert "[7]" in text(ran), text(ran)
+        denied = await agent.call_tool("install_packages", {"session_id": sid, "packages": ["six"]})
+        assert denied.is_error and "PackageDenied: 'six'" in text(denied), text(denied)
+        closed = await agent.call_tool("close_session", {"session_id": sid})
+        assert not closed.is_error, text(closed)

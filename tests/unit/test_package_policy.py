@@ -89,3 +89,13 @@ def test_the_path_program_puts_packages_after_the_stdlib_and_imports_at_once(
         [sys.executable, "-I", "-c", script], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[1, 1, true, true]", out.stderr
+
+
+def test_the_sdist_switch_reads_true_or_false_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("MCPFORGE_PACKAGES_ALLOW_SDIST", "true")
+    assert Settings.from_env().packages_allow_sdist is True
+    monkeypatch.setenv("MCPFORGE_PACKAGES_ALLOW_SDIST", "0")
+    assert Settings.from_env().packages_allow_sdist is False
+    monkeypatch.setenv("MCPFORGE_PACKAGES_ALLOW_SDIST", "maybe")
+    with pytest.raises(InvalidRequest, match="'maybe' is not a boolean"):
+        Settings.from_env()
