@@ -98,6 +98,19 @@ async def names(runtime: Any) -> AsyncIterator[list[str]]:
 
 
 @pytest.fixture
+async def minimal_pool(runtime: Any, images: dict[str, str]) -> AsyncIterator[str]:
+    """A local KernelSessionPool keeping one minimal kernel (512Mi) ready; its name."""
+    name = f"p{uuid.uuid4().hex[:8]}"
+    template = {"image": images["minimal"], "resources": {"memory": "512Mi"}}
+    pool = {"apiVersion": "mcpforge.dev/v1alpha1", "kind": "KernelSessionPool"}
+    await runtime.pools.apply(
+        {**pool, "metadata": {"name": name}, "spec": {"size": 1, "template": template}}
+    )
+    yield name
+    await runtime.pools.delete(name)
+
+
+@pytest.fixture
 async def gateway(runtime: Any, settings: Settings) -> AsyncIterator[Any]:
     from mcp_forge.gateway.core import Gateway
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.errors import PackageDenied, SessionNotFound
 from mcp_forge.gateway.core import Gateway
@@ -72,3 +73,16 @@ async def test_a_denied_spec_package_fails_the_session_naming_it(
     finally:
         with contextlib.suppress(SessionNotFound):
             await strict.delete(name)
+
+
+async def test_a_kernel_claimed_from_a_pool_gets_the_sessions_packages(
+    gateway: Gateway, images: dict[str, str], names: list[str], runtime: Any, minimal_pool: str
+) -> None:
+    spec = body(images["minimal"], ["tabulate==0.9.0"])
+    spec["spec"]["poolRef"] = {"name": minimal_pool}
+    names.append(spec["metadata"]["name"])
+    session = (await runtime.apply(spec)).session
+    warm = [c for c in session.status["conditions"] if c["type"] == ksp.WARM_START]
+    assert [(c["status"], c["reason"]) for c in warm] == [("True", ksp.CLAIMED)], warm
+    r = await gateway.execute(session.name, "import tabulate; print(tabulate.__version__)")
+    assert r.stdout == "0.9.0\n", (r.error, r.stderr)
