@@ -19,7 +19,7 @@ from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
 from mcp_forge.control.pools import PoolKeeper, Tally
-from mcp_forge.control.render import TEMPLATE_HASH
+from mcp_forge.control.render import LABEL_SESSION, TEMPLATE_HASH
 from mcp_forge.settings import Settings
 
 from .conftest import KubeAPI
@@ -140,6 +140,8 @@ async def test_a_pool_fills_with_kernels_each_with_its_own_key_and_a_claim_moves
     warm = condition(obj, ksp.WARM_START)
     assert (warm["status"], warm["reason"]) == ("True", ksp.CLAIMED), warm
     assert status["connection"]["secretName"] == f"{status['podName']}-conn"
+    own = await asyncio.to_thread(kube.get, "Secret", ns, "ks-alpha-conn")
+    assert own is None, "a claimed kernel's Secret came with it: the session makes none"
     claimed = await asyncio.to_thread(kube.get, "Pod", ns, status["podName"])
     assert claimed is not None
     assert claimed["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
@@ -163,6 +165,10 @@ async def test_a_pool_fills_with_kernels_each_with_its_own_key_and_a_claim_moves
     await eventually(
         kube, "Secret", ns, f"{status['podName']}-conn", lambda s: s is None, what="Secret gone"
     )
+    for kind in ("Service", "NetworkPolicy", "Lease"):
+        await eventually(kube, kind, ns, "ks-alpha", lambda o: o is None, what=f"{kind} gone")
+    left = await asyncio.to_thread(kube.list, "Secret", ns, labels={LABEL_SESSION: "alpha"})
+    assert not left["items"], [s["metadata"]["name"] for s in left["items"]]
 
 
 async def test_two_claims_at_once_never_share_a_kernel(

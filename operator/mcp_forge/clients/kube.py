@@ -39,6 +39,7 @@ PATHS: dict[str, tuple[str, str]] = {
 }
 MERGE = "application/merge-patch+json"
 REQUEST_TIMEOUT = 30.0
+POOL_SIZE = 32  # connections kept open to the API server
 BODY_MAX = 64_000_000  # one list of 200 sessions is ~1 MB; refuse a runaway answer
 
 
@@ -118,7 +119,11 @@ class Event:
 
 class Kube:
     def __init__(self, config: kubernetes.client.Configuration | None = None) -> None:
-        self.client = kubernetes.client.ApiClient(config or load_config())
+        config = config or load_config()
+        # Callers run calls side by side from threads (the operator's reconciles); a
+        # connection beyond the pool's size is closed after one use (a new TLS handshake).
+        config.connection_pool_maxsize = max(config.connection_pool_maxsize or 0, POOL_SIZE)
+        self.client = kubernetes.client.ApiClient(config)
 
     def close(self) -> None:
         self.client.close()  # type: ignore[no-untyped-call]
@@ -209,12 +214,19 @@ class Kube:
         )
         return obj
 
-    def ensure(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """The object of that name, created from `body` if absent; (object, created)."""
+    def ensure(
+        self, body: dict[str, Any], *, likely_new: bool = False
+    ) -> tuple[dict[str, Any], bool]:
+        """The object of that name, created from `body` if absent; (object, created).
+
+        With `likely_new` it is created first and read only if it was there already: one
+        call instead of two for an object just asked for (a new session's children).
+        """
         meta = body["metadata"]
-        existing = self.get(body["kind"], meta["namespace"], meta["name"])
-        if existing is not None:
-            return existing, False
+        if not likely_new:
+            existing = self.get(body["kind"], meta["namespace"], meta["name"])
+            if existing is not None:
+                return existing, False
         try:
             return self.create(body), True
         except ApiError as exc:

@@ -7,6 +7,11 @@ the session and its children afresh, makes them what the spec says (Secret with 
 kept across reconciles, Service, NetworkPolicy, Lease, Pod), and writes status only when
 it changed. Calls for one session are serialized; sessions reconcile in parallel.
 
+A session's first reconcile is the one users wait for: its children are created without
+being read first (read only if there already), independent calls go side by side, and a
+kernel claimed from a pool brings its own Secret (the session makes none). The
+NetworkPolicy exists before a pod is claimed or the session is Ready.
+
 No finalizer: children carry owner references and the API server's garbage collector
 removes them, so deleting a namespace never waits on this operator. No timers or
 daemons either (kopf would add a finalizer for them): deadlines are kept here, in one
@@ -16,10 +21,11 @@ task. Run it with `mcp-forge operator`, or `kopf run -m mcp_forge.control.handle
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +54,7 @@ from mcp_forge.control.lifecycle import (
     stop_of,
 )
 from mcp_forge.control.pods import Observation, observe
-from mcp_forge.control.pools import Claim, PoolKeeper
+from mcp_forge.control.pools import Claim, PoolKeeper, Seen
 from mcp_forge.control.render import (
     LABEL_COMPONENT,
     LABEL_SESSION,
@@ -75,6 +81,7 @@ STARTING_RECHECK = 15.0  # a pod not Ready after this is looked at again, events
 BACKOFF_MAX = 60.0
 LAST_ACTIVITY_STEP = 30.0  # status.lastActivity mirrors the Lease to this resolution
 WORKERS = 16  # reconciles running at once
+CALLS = 16  # API calls of those reconciles made side by side (threads)
 
 KS = kernelsession.KIND
 POOL = ksp.KIND
@@ -87,6 +94,22 @@ class Outcome:
     gone: bool = False  # the session no longer exists (or was just deleted: idle)
     due: float | None = None  # wall-clock time it must be looked at again
     refill: str | None = None  # the pool it claimed a kernel of, to be refilled
+
+
+@dataclass(frozen=True)
+class Children:
+    """What a reconcile found of a session's children (Service and NetworkPolicy made)."""
+
+    want_pod: dict[str, Any]  # its own kernel pod, as the spec says it should be
+    secret: dict[str, Any] | None  # its own connection Secret (not read for a fresh one)
+    lease: dict[str, Any]
+    pod: dict[str, Any] | None  # its kernel pod: its own, or one it claimed
+    pool: Seen | None  # the pool it names, read for its first claim
+
+
+def host_of(session: KernelSession) -> str:
+    """The kernel's address: the session's Service, whichever pod it selects."""
+    return f"{child_name(session)}.{session.namespace}.svc"
 
 
 def _activity(lease: dict[str, Any], created: float, now: float) -> tuple[Activity, str]:
@@ -132,7 +155,12 @@ class Reconciler:
         self._failures: dict[Key, int] = {}
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(WORKERS)
+        self._calls = concurrent.futures.ThreadPoolExecutor(CALLS, "mcp-forge-api")
         self._running: set[asyncio.Task[None]] = set()
+
+    def close(self) -> None:
+        self._calls.shutdown(cancel_futures=True)
+        self.kube.close()
 
     # ---- scheduling ----------------------------------------------------------------------
 
@@ -284,17 +312,28 @@ class Reconciler:
         self.kube.delete(obj["kind"], meta["namespace"], meta["name"], uid=meta.get("uid", ""))
         return None
 
-    def _ensure(self, want: dict[str, Any], session: KernelSession) -> dict[str, Any]:
-        meta = want["metadata"]
-        current = self._owned(self.kube.get(want["kind"], meta["namespace"], meta["name"]), session)
-        if current is not None:
+    def _ensure(
+        self, want: dict[str, Any], session: KernelSession, *, likely_new: bool = False
+    ) -> dict[str, Any]:
+        """The child `want` names, this session's: made if absent; an earlier session's
+        leftover deleted first."""
+        current, made = self.kube.ensure(want, likely_new=likely_new)
+        if made or self._owned(current, session) is not None:
             return current
-        made, _ = self.kube.ensure(want)
-        if self._owned(made, session) is None:  # the old one is still on its way out
+        current, made = self.kube.ensure(want, likely_new=True)  # the leftover is deleted
+        if not made and self._owned(current, session) is None:  # still on its way out
+            meta = want["metadata"]
             raise ApiError(
                 409, "Conflict", f"an earlier {want['kind']} {meta['name']} is being removed"
             )
-        return made
+        return current
+
+    def _at_once(self, *calls: Callable[[], Any]) -> list[Any]:
+        """The results of independent API calls made side by side; when one fails, the
+        others still end before its error is raised (nothing of this reconcile runs on)."""
+        futures = [self._calls.submit(call) for call in calls]
+        concurrent.futures.wait(futures)
+        return [f.result() for f in futures]
 
     def _kernel_pod(self, session: KernelSession, old: dict[str, Any]) -> dict[str, Any] | None:
         """The session's kernel pod: its own (ks-<name>), or the one it claimed from a pool.
@@ -334,51 +373,98 @@ class Reconciler:
                 self.kube.delete("Pod", meta["namespace"], meta["name"], uid=meta["uid"])
         return mine[0]
 
-    def _children(
-        self, session: KernelSession
-    ) -> tuple[dict[str, Any], str, dict[str, Any] | None]:
-        """Make Secret, Service, NetworkPolicy and Lease right; the Pod as it should be, and
-        the Secret's data to write before a new pod is made (None: it is complete).
+    def _children(self, session: KernelSession, old: dict[str, Any], *, fresh: bool) -> Children:
+        """Service, NetworkPolicy and Lease made right, the session's Secret read and its
+        kernel pod found: side by side, as none needs another. A `fresh` session (no status
+        yet) most likely has none of them: they are created first, read only if there.
 
-        A Secret from an older operator has no Curve pair or bridge certificate (or one
-        that is malformed): the kernel running now read it as it is, and the gateway uses
-        what the Secret has, so it is completed only when the next kernel pod is made.
+        The NetworkPolicy is in place when this returns, before any pod is claimed: the
+        claim moves the pod out of its pool's NetworkPolicy into this one.
         """
         ns = session.namespace
-        secret = self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
-        key = key_of(secret) or new_key()
+        # Only the Secret holds keys: these need none (no key made to be thrown away).
+        _, service, policy, want_pod = self._rendered(session, ConnectionInfo("tcp", "", ""))
+
+        def spec_of(child: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+            def made() -> dict[str, Any]:
+                current = self._ensure(child, session, likely_new=fresh)
+                if _differs(current.get("spec") or {}, child["spec"]):
+                    self.kube.patch(
+                        child["kind"], ns, child["metadata"]["name"], {"spec": child["spec"]}
+                    )
+                return current
+
+            return made
+
+        def secret() -> dict[str, Any] | None:
+            if fresh:
+                return None
+            return self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
+
+        # Its first kernel, most likely a claim: the pool is read along with the rest.
+        pool = session.spec.pool if fresh else None
+        got = self._at_once(
+            spec_of(service),
+            spec_of(policy),
+            lambda: self._ensure(render_lease(session), session, likely_new=fresh),
+            secret,
+            lambda: self._kernel_pod(session, old),
+            lambda: self.kube.get(POOL, ns, pool) if pool else None,
+            lambda: self.pools.members(ns, pool) if pool else [],
+        )
+        seen = Seen(got[5], got[6]) if pool else None
+        return Children(want_pod, secret=got[3], lease=got[2], pod=got[4], pool=seen)
+
+    def _render(
+        self, session: KernelSession, secret: dict[str, Any] | None
+    ) -> list[dict[str, Any]]:
+        """Secret, Service, NetworkPolicy and Pod; the Secret's keys kept from `secret`,
+        new where it has none."""
         curve, bridge = usable_keys(connection_file_of(secret) or {})
-        host = f"{child_name(session)}.{ns}.svc"
-        rendered = render_kubernetes(
+        return self._rendered(
             session,
             ConnectionInfo(
                 "tcp",
-                host,
-                key,
+                host_of(session),
+                key_of(secret) or new_key(),
                 curve or new_curve_keys(),
-                bridge or new_bridge_cert(f"{ns}/{session.name}"),
+                bridge or new_bridge_cert(f"{session.namespace}/{session.name}"),
             ),
+        )
+
+    def _rendered(self, session: KernelSession, conn: ConnectionInfo) -> list[dict[str, Any]]:
+        return render_kubernetes(
+            session,
+            conn,
             gateway_namespace=self.settings.gateway_namespace or None,
             runtime_class=self.settings.runtime_class or None,
             seccomp_profile=self.settings.seccomp_profile or None,
         )
-        want_secret, service, policy, pod = rendered
-        complete: dict[str, Any] | None = None
+
+    def _own_secret(
+        self, session: KernelSession, secret: dict[str, Any] | None, *, fresh: bool
+    ) -> dict[str, Any] | None:
+        """Make the Secret of the session's own pod (ks-<name>) right; the data to write
+        before its next pod is made (None: it is complete).
+
+        A Secret from an older operator has no Curve pair or bridge certificate (or one
+        that is malformed): the kernel running now read it as it is, and the gateway uses
+        what the Secret has, so it is completed only when the next kernel pod is made.
+        A session whose kernel was claimed from a pool has no Secret of its own: its
+        pod's Secret came with it.
+        """
+        ns = session.namespace
         if secret is None:
-            self._ensure(want_secret, session)
-        elif key_of(secret) is None:  # unreadable: a kernel cannot start with it
-            self.kube.patch(
-                "Secret", ns, secret_name(session), {"stringData": want_secret["stringData"]}
-            )
-        elif curve is None or bridge is None:
-            complete = {"stringData": want_secret["stringData"]}
-        for child in (service, policy):
-            current = self._ensure(child, session)
-            if _differs(current.get("spec") or {}, child["spec"]):
-                self.kube.patch(
-                    child["kind"], ns, child["metadata"]["name"], {"spec": child["spec"]}
-                )
-        return pod, host, complete
+            self._ensure(self._render(session, None)[0], session, likely_new=fresh)
+            return None
+        want = self._render(session, secret)[0]
+        if key_of(secret) is None:  # unreadable: a kernel cannot start with it
+            self.kube.patch("Secret", ns, secret_name(session), {"stringData": want["stringData"]})
+            return None
+        curve, bridge = usable_keys(connection_file_of(secret) or {})
+        if curve is None or bridge is None:
+            return {"stringData": want["stringData"]}
+        return None
 
     def _realize(
         self,
@@ -389,12 +475,12 @@ class Reconciler:
         now: float,
     ) -> Outcome:
         ns, spec = session.namespace, session.spec
-        want_pod, host, complete_secret = self._children(session)
-        lease = self._ensure(render_lease(session), session)
+        fresh = not old  # its first reconcile, most likely: no child made yet
+        found = self._children(session, old, fresh=fresh)
+        want_pod, pod, host = found.want_pod, found.pod, host_of(session)
         created = parse_time(body["metadata"].get("creationTimestamp")) or now
-        act, restart = _activity(lease, created, now)
+        act, restart = _activity(found.lease, created, now)
         expires = created + spec.max_lifetime if spec.max_lifetime else None
-        pod = self._kernel_pod(session, old)
         starting = pod is not None and old.get("phase") in (None, *st.IN_PROGRESS)
         made = parse_time(pod["metadata"].get("creationTimestamp")) if pod is not None else None
         floor = idle_since(
@@ -423,26 +509,29 @@ class Reconciler:
             if pod is not None and not pod["metadata"].get("deletionTimestamp"):
                 meta = pod["metadata"]
                 self.kube.delete("Pod", ns, meta["name"], uid=meta["uid"])
+            self._own_secret(session, found.secret, fresh=fresh)  # for the next kernel
             seen = stop
             if old.get("phase") != stop.phase:
                 status["suspendedAt"] = stamp(now)
             pod = None
         elif pod is None:
-            if complete_secret is not None:
-                log.info(
-                    "adding the Curve pair and the bridge certificate to the Secret of %s/%s "
-                    "(kept from an older operator, or malformed) before its next kernel pod",
-                    ns,
-                    session.name,
-                )
-                self.kube.patch("Secret", ns, secret_name(session), complete_secret)
             if spec.pool and not old.get("kernelId"):  # the first kernel: a warm start?
                 claim = self.pools.claim(
-                    session, want_pod["metadata"]["annotations"][TEMPLATE_HASH]
+                    session, want_pod["metadata"]["annotations"][TEMPLATE_HASH], found.pool
                 )
                 pod = claim.pod
             if pod is None:
-                pod, _ = self.kube.ensure(want_pod)
+                complete = self._own_secret(session, found.secret, fresh=fresh)
+                if complete is not None:
+                    log.info(
+                        "adding the Curve pair and the bridge certificate to the Secret of "
+                        "%s/%s (kept from an older operator, or malformed) before its next "
+                        "kernel pod",
+                        ns,
+                        session.name,
+                    )
+                    self.kube.patch("Secret", ns, secret_name(session), complete)
+                pod, _ = self.kube.ensure(want_pod, likely_new=fresh)
             if pod["metadata"].get("uid") != old.get("kernelId"):
                 if old.get("kernelId"):
                     status["restarts"] = int(old.get("restarts") or 0) + 1
@@ -455,6 +544,8 @@ class Reconciler:
             seen = observe(session, pod)
             due.append(now + STARTING_RECHECK)
         else:
+            if pod["metadata"]["name"] == child_name(session):  # not a claimed one
+                self._own_secret(session, found.secret, fresh=fresh)
             uid = pod["metadata"].get("uid")
             if uid != old.get("kernelId"):  # made by a reconcile whose status write was lost
                 kernel_gen += 1
@@ -613,7 +704,7 @@ async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     if memo.get("reconciler") is not None:
-        memo.reconciler.kube.close()
+        memo.reconciler.close()
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)

@@ -139,6 +139,14 @@ def plan(members: Sequence[Member], *, size: int, max_starting: int, template: s
 
 
 @dataclass(frozen=True)
+class Seen:
+    """A pool as a claim reads it (two calls a caller may make alongside its own)."""
+
+    body: dict[str, Any] | None  # the KernelSessionPool, if there is one
+    pods: list[dict[str, Any]]  # its kernel pods (label pool=<name>)
+
+
+@dataclass(frozen=True)
 class Claim:
     pod: dict[str, Any] | None  # the claimed pod; None: start cold
     reason: str  # kernelsessionpool's WarmStart reasons
@@ -431,14 +439,24 @@ class PoolKeeper:
 
     # ---- claims --------------------------------------------------------------------------
 
-    def claim(self, session: KernelSession, template_hash: str) -> Claim:
+    def look(self, namespace: str, name: str) -> Seen:
+        """The pool and its kernels, as a claim reads them."""
+        return Seen(self.kube.get(KIND, namespace, name), self.members(namespace, name))
+
+    def members(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        """The pool's kernel pods, claimed or not, ready or not."""
+        return self.kube.list("Pod", namespace, labels={ksp.LABEL_POOL: name}).get("items") or []
+
+    def claim(self, session: KernelSession, template_hash: str, seen: Seen | None = None) -> Claim:
         """Take a ready kernel of the session's pool for it, or say why it starts cold.
 
         `template_hash` is what the session's own pod would be: set on the claimed pod, so
-        that a later change of the spec is seen as one.
+        that a later change of the spec is seen as one. `seen`: the pool as read already
+        (`look`); a pod claimed since is refused by its resourceVersion.
         """
         ns, name = session.namespace, session.spec.pool or ""
-        body = self.kube.get(KIND, ns, name)
+        seen = seen or self.look(ns, name)
+        body = seen.body
         if body is None or body["metadata"].get("deletionTimestamp"):
             why = f"there is no KernelSessionPool {name!r} in {ns}: started cold"
             return Claim(None, ksp.POOL_NOT_FOUND, why)
@@ -457,12 +475,11 @@ class PoolKeeper:
             secret_env(self.kube, session)
         except SecretError as exc:  # no miss: the pool could have served it
             return Claim(None, ksp.CLAIM_FAILED, f"{exc}: started cold")
-        labels = {ksp.LABEL_POOL: pool.name, ksp.LABEL_TEMPLATE: pool.template_hash}
-        pods = self.kube.list("Pod", ns, labels=labels).get("items") or []
         ready = [
             p
-            for p in pods
-            if any(r.get("uid") == pool.uid for r in p["metadata"].get("ownerReferences") or [])
+            for p in seen.pods
+            if (p["metadata"].get("labels") or {}).get(ksp.LABEL_TEMPLATE) == pool.template_hash
+            and any(r.get("uid") == pool.uid for r in p["metadata"].get("ownerReferences") or [])
             and not p["metadata"].get("deletionTimestamp")
             and observe(session, p).ready
         ]
