@@ -825,8 +825,11 @@ def import_images(bins: Path, images: list[str]) -> None:
     """`podman save` each image into the node's containerd (k8s.io namespace)."""
     for image in images:
         archive = ROOT / "image.tar"
-        run("podman", "save", "--format", "docker-archive", "-o", str(archive), image)
+        # podman refuses to save over a file: one left by an `up` that was killed midway
+        # would fail every later one.
+        archive.unlink(missing_ok=True)
         try:
+            run("podman", "save", "--format", "docker-archive", "-o", str(archive), image)
             ctr(bins, "images", "import", "--no-unpack=false", str(archive))
         finally:
             archive.unlink(missing_ok=True)
