@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import shutil
 import subprocess
+import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -23,6 +26,41 @@ os.environ.setdefault("MCPFORGE_POOL_SIZE", "0")
 
 MINIMAL_IMAGE = "localhost/mcp-forge-kernel:0.1.0-minimal"
 DEFAULT_IMAGE = "localhost/mcp-forge-kernel:0.1.0"
+
+
+EXIT_DEADLINE = float(
+    os.environ.get("MCPFORGE_TEST_EXIT_DEADLINE", "120")
+)  # seconds the interpreter may take to exit once pytest is done
+_exit_status = 0
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Exit, with pytest's status, even if a thread a test left behind would hold exit.
+
+    Interpreter exit joins every executor thread; one stuck in a call (an operator thread
+    that did not stop, a socket that never answers) would hold CI until its time limit and
+    lose the results. Past the deadline the stacks of all threads are printed, so the
+    culprit is named, and the process exits with the status pytest reported.
+    """
+
+    def watchdog() -> None:
+        # Never set: a normal exit ends this daemon thread long before the deadline.
+        if not threading.Event().wait(EXIT_DEADLINE):
+            print(
+                f"\nthe interpreter did not exit {EXIT_DEADLINE:.0f}s after the tests: "
+                "every thread's stack follows",
+                file=sys.stderr,
+                flush=True,
+            )
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            os._exit(_exit_status)
+
+    threading.Thread(target=watchdog, name="exit watchdog", daemon=True).start()
 
 
 def _image_exists(ref: str) -> bool:

@@ -12,8 +12,10 @@ import asyncio
 import base64
 import contextlib
 import json
+import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -78,8 +80,17 @@ class OperatorThread:
         self.stop_flag.set()
         await asyncio.to_thread(self._thread.join, timeout)
         if self._thread.is_alive():
-            raise TimeoutError("kopf did not stop")
+            raise TimeoutError(f"kopf did not stop in {timeout:.0f}s; threads:\n{_stacks()}")
         self._check()
+
+
+def _stacks() -> str:
+    """Every thread's stack, to name what an operator that will not stop is waiting on."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(
+        f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 @contextlib.asynccontextmanager
