@@ -35,14 +35,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import hmac
+import itertools
+import json
 import logging
+import os
 import time
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from jupyter_client._version import protocol_version  # what Session puts in headers
 from jupyter_client.session import Session
 from zmq.utils.monitor import parse_monitor_message
 
@@ -57,6 +63,16 @@ Message = dict[str, Any]
 
 DEPTH_MAX = 100  # nesting of lists and mappings in a message's parts (JSON displays)
 IOPUB_FIRST_WAIT = 0.01  # wait_ready: first wait for its status on IOPub (see there)
+
+
+DELIMITER = b"<IDS|MSG>"  # between a message's routing identities and its signature
+
+
+def _pack(value: Any) -> bytes:
+    """A part of a message on the wire, as jupyter-client packs it."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False).encode(
+        "utf8", errors="surrogateescape"
+    )
 
 
 def nested_deeper_than(value: Any, limit: int) -> bool:
@@ -126,6 +142,9 @@ class KernelConnection:
         self.session = Session(
             key=info.key.encode(), signature_scheme="hmac-sha256", username="mcp-forge"
         )
+        self._signer = hmac.new(info.key.encode(), digestmod=hashlib.sha256)
+        self._msg_prefix = f"{self.session.session}_{os.getpid()}_"
+        self._msg_numbers = itertools.count()
         self._ctx = zmq.asyncio.Context.instance()
         self._max_frame = max_frame
         self._queue = queue
@@ -237,7 +256,9 @@ class KernelConnection:
             if channel not in channels:
                 continue
             dropped = False
-            while await mon.poll(0):
+            # EVENTS, not an awaited poll: this runs before every request, and a monitor
+            # socket almost never has anything to read.
+            while int(mon.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 event = parse_monitor_message(await mon.recv_multipart())
                 dropped = dropped or event.get("event") == zmq.EVENT_DISCONNECTED
             if dropped:
@@ -286,9 +307,27 @@ class KernelConnection:
     # ---- messages ----------------------------------------------------------------------
 
     def send(self, sock: zmq.asyncio.Socket, msg_type: str, content: dict[str, Any]) -> str:
-        msg = self.session.msg(msg_type, content)
-        self.session.send(sock, msg)
-        msg_id: str = msg["header"]["msg_id"]
+        """Sign and send a request; its msg_id.
+
+        The wire format of jupyter-client's `Session.send` (header, parent, metadata,
+        content, signed with the session's HMAC), made here: for a request of plain
+        JSON it costs a quarter as much (no traitlets, no serializer fallbacks), and it
+        is made before every execute.
+        """
+        msg_id = f"{self._msg_prefix}{next(self._msg_numbers)}"
+        header = {
+            "msg_id": msg_id,
+            "msg_type": msg_type,
+            "username": "mcp-forge",
+            "session": self.session.session,
+            "date": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+            "version": protocol_version,
+        }
+        parts = [_pack(header), b"{}", b"{}", _pack(content)]
+        signature = self._signer.copy()
+        for part in parts:
+            signature.update(part)
+        sock.send_multipart([DELIMITER, signature.hexdigest().encode(), *parts])
         return msg_id
 
     async def recv(self, sock: zmq.asyncio.Socket, timeout: float) -> Message | None:
