@@ -75,8 +75,12 @@ class OperatorThread:
         if not self._thread.is_alive():
             raise AssertionError("the operator stopped as soon as it started")
 
-    async def stop(self, timeout: float = 30.0) -> None:
-        """Stop it; an operator that crashed meanwhile fails the test here."""
+    async def stop(self, timeout: float = 90.0) -> None:
+        """Stop it; an operator that crashed meanwhile fails the test here.
+
+        Its loop ends once the API calls in flight end, each within the client's 30 s
+        timeout: a loaded API server may take that long, so the bound is a few of them.
+        """
         self.stop_flag.set()
         await asyncio.to_thread(self._thread.join, timeout)
         if self._thread.is_alive():
