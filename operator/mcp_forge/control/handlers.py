@@ -160,6 +160,7 @@ class Reconciler:
 
     def close(self) -> None:
         self._calls.shutdown(cancel_futures=True)
+        self.pools.tally.close()  # pending claim and miss counts written before the client goes
         self.kube.close()
 
     # ---- scheduling ----------------------------------------------------------------------
