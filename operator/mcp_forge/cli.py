@@ -113,7 +113,11 @@ def render(filename: str, target: str) -> None:
     """Print the manifests a KernelSession becomes."""
     from mcp_forge.api.connection import ConnectionInfo, new_key
     from mcp_forge.api.keys import new_bridge_cert, new_curve_keys
-    from mcp_forge.control.render import render_kubernetes, render_podman
+    from mcp_forge.control.render import (
+        render_kubernetes,
+        render_podman,
+        render_workspace_claim,
+    )
 
     try:
         bodies = kernelsession.parse_documents(_read(filename))
@@ -126,6 +130,8 @@ def render(filename: str, target: str) -> None:
         if target == "kubernetes":
             keys = new_curve_keys(), new_bridge_cert(f"{session.namespace}/{session.name}")
             out += render_kubernetes(session, ConnectionInfo("tcp", "", new_key(), *keys))
+            claim = render_workspace_claim(session)
+            out += [claim] if claim is not None else []
         else:
             out += render_podman(session, _host_paths(session))
     click.echo(yaml.safe_dump_all(out, sort_keys=False), nl=False)

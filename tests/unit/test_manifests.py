@@ -394,6 +394,9 @@ OPERATOR_RULES = {
     ("", "secrets"): "get list watch create patch delete",
     ("networking.k8s.io", "networkpolicies"): "get list watch create patch delete",
     ("coordination.k8s.io", "leases"): "get list watch create patch delete",
+    # A persistent workspace's claim: made, its owner set per reclaimPolicy; deleted by the
+    # garbage collector with its session, never by the operator.
+    ("", "persistentvolumeclaims"): "get create patch",
     ("", "events"): "create patch",
 }
 OPERATOR_SCANNING = {

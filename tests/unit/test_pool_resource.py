@@ -93,11 +93,21 @@ def test_a_pool_name_leaves_room_for_its_kernels_names() -> None:
         ({"env": [{"name": "PYTHONPATH", "value": "/w"}]}, "PYTHONPATH"),
         ({"env": [{"name": "LD_PRELOAD", "value": "x.so"}]}, "LD_PRELOAD"),
         ({"operatingMode": "Suspended"}, "Suspended"),
+        ({"workspace": {"persistent": True}}, "spec.workspace is persistent"),
+        ({"workspace": {"storageClassName": "fast"}}, "spec.workspace is persistent"),
     ],
 )
 def test_what_a_pool_cannot_serve_is_named(spec: dict[str, Any], says: str) -> None:
     why = ksp.unservable(ksp.load(ksp.validate(pool())), session_spec(**spec))
     assert says in why
+
+
+def test_a_workspace_said_not_persistent_is_served_and_a_template_cannot_be_persistent() -> None:
+    warm = ksp.load(ksp.validate(pool()))
+    spec = session_spec(workspace={"persistent": False, "reclaimPolicy": "Delete"})
+    assert ksp.unservable(warm, spec) == "", "only the size is the pod's"
+    with pytest.raises(InvalidSession, match=r"spec\.template\.workspace: a pooled kernel"):
+        ksp.validate(pool(template={"workspace": {"persistent": True}}))
 
 
 def test_what_is_given_at_claim_time_is_served() -> None:

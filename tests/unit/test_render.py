@@ -19,6 +19,7 @@ from mcp_forge.control.render import (
     HostPaths,
     render_kubernetes,
     render_podman,
+    render_workspace_claim,
 )
 
 K8S_VERSION = "1.33"
@@ -290,3 +291,30 @@ def test_a_secret_env_var_is_a_secret_key_ref_on_a_cluster_and_absent_from_a_loc
     names = [e["name"] for e in local["env"]]
     assert "PLAIN" in names and "TOKEN" not in names
     assert "valueFrom" not in json.dumps(local)
+
+
+def test_a_persistent_workspace_is_a_claim_of_the_session_s_that_its_pod_mounts() -> None:
+    assert render_workspace_claim(session()) is None, "an emptyDir by default"
+    s = session(workspace={"persistent": True, "size": "2Gi", "storageClassName": "fast"})
+    claim = render_workspace_claim(s)
+    assert claim is not None
+    kubernetes_validate.validate(claim, K8S_VERSION, strict=True)
+    assert claim["metadata"]["name"] == "ks-demo-workspace"
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == "1234-abcd"
+    assert claim["metadata"]["labels"]["mcpforge.dev/session"] == "demo"
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "2Gi"}},
+        "storageClassName": "fast",
+    }
+    pod = by_kind(render_kubernetes(s, CONN))["Pod"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "workspace"]
+    assert volume == {
+        "name": "workspace",
+        "persistentVolumeClaim": {"claimName": "ks-demo-workspace"},
+    }
+    kept = render_workspace_claim(
+        session(workspace={"persistent": True, "reclaimPolicy": "Retain"})
+    )
+    assert kept is not None and "ownerReferences" not in kept["metadata"], "outlives the session"
+    assert "storageClassName" not in kept["spec"], "the cluster's default class"

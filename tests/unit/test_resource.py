@@ -68,6 +68,23 @@ def test_the_input_object_is_not_modified() -> None:
         (with_spec(resources={"pids": 5}), "spec.resources.pids", "minimum"),
         (with_spec(resources={"pids": "many"}), "spec.resources.pids", "integer"),
         (with_spec(idleTimeout="5 minutes"), "spec.idleTimeout", "pattern"),
+        (with_spec(workspace={"persistent": "yes"}), "spec.workspace.persistent", "boolean"),
+        (with_spec(workspace={"reclaimPolicy": "Keep"}), "spec.workspace.reclaimPolicy", "Retain"),
+        (
+            with_spec(workspace={"reclaimPolicy": "Retain"}),
+            "spec.workspace.reclaimPolicy",
+            "set spec.workspace.persistent: true",
+        ),
+        (
+            with_spec(workspace={"persistent": False, "storageClassName": "fast"}),
+            "spec.workspace.persistent",
+            "contradicts spec.workspace.storageClassName",
+        ),
+        (
+            with_spec(workspace={"storageClassName": "Fast!"}),
+            "spec.workspace.storageClassName",
+            "pattern",
+        ),
         (with_spec(env=[{"value": "x"}]), "spec.env[0].name", "required"),
         (with_spec(env=[{"name": "1X"}]), "spec.env[0].name", "pattern"),
         (with_spec(env=[{"name": "A"}, {"name": "A"}]), "spec.env[1].name", "duplicate"),
@@ -249,5 +266,8 @@ def test_the_crd_carries_the_rules_local_mode_checks_in_code() -> None:
         "reserved",
         "value and valueFrom exclude each other",
         "spec.files paths must be unique",
+        "Retain keeps a persistent workspace",
+        "asks for a persistent workspace",
+        "storageClassName cannot be changed",
     ):
         assert words in messages

@@ -219,6 +219,10 @@ class SessionSpec:
     pool: str | None = None  # spec.poolRef.name: claim a ready kernel of this pool
     files: tuple[tuple[str, str], ...] = ()  # spec.files: (path in the workspace, text)
     packages: tuple[str, ...] = ()  # spec.packages: requirement strings
+    # spec.workspace: a claim of its own on a cluster (always a volume of its own locally)
+    persistent: bool = False
+    storage_class: str | None = None
+    retain_workspace: bool = False  # reclaimPolicy Retain: kept after the session
 
 
 @dataclass(frozen=True)
@@ -273,7 +277,9 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
     cpu_milli = parse_cpu_milli(res["cpu"], field="spec.resources.cpu")
     if cpu_milli < CPU_MIN_MILLI:
         raise InvalidSession("must be at least 50m", field="spec.resources.cpu")
-    parse_quantity(spec["workspace"]["size"], field="spec.workspace.size")
+    workspace = spec["workspace"]
+    parse_quantity(workspace["size"], field="spec.workspace.size")
+    persistent = _persistent(workspace)
     names = [e["name"] for e in spec.get("env", [])]
     for i, item in enumerate(spec.get("env", [])):
         if "value" in item and "valueFrom" in item:
@@ -321,7 +327,29 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
         pool=(spec.get("poolRef") or {}).get("name"),
         files=tuple((f["path"], f["content"]) for f in spec.get("files", [])),
         packages=tuple(spec.get("packages", [])),
+        persistent=persistent,
+        storage_class=workspace.get("storageClassName"),
+        retain_workspace=workspace.get("reclaimPolicy") == "Retain",
     )
+
+
+def _persistent(workspace: dict[str, Any]) -> bool:
+    """spec.workspace.persistent, which a storageClassName implies (the CRD's CEL rules)."""
+    asked = workspace.get("persistent")
+    if "storageClassName" in workspace and asked is False:
+        raise InvalidSession(
+            "false contradicts spec.workspace.storageClassName, which asks for a persistent "
+            "workspace: remove persistent: false",
+            field="spec.workspace.persistent",
+        )
+    persistent = bool(asked) or "storageClassName" in workspace
+    if workspace.get("reclaimPolicy") == "Retain" and not persistent:
+        raise InvalidSession(
+            "Retain keeps a persistent workspace after the session: "
+            "set spec.workspace.persistent: true",
+            field="spec.workspace.reclaimPolicy",
+        )
+    return persistent
 
 
 def requirement(text: str) -> Requirement:

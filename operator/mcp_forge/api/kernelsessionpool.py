@@ -84,11 +84,17 @@ def validate(obj: Any, *, default_namespace: str = "default") -> dict[str, Any]:
     body = ks.check_schema(body, CRD_FILE)
     # The template's values must make a valid KernelSession (quantities, minimums).
     try:
-        ks.spec_of(ks.check_schema(_session_draft(body, "x"), "kernelsession.yaml"))
+        spec = ks.spec_of(ks.check_schema(_session_draft(body, "x"), "kernelsession.yaml"))
     except InvalidSession as exc:
         field = exc.field or ""
         text = str(exc).removeprefix(f"{field}: ")
         raise InvalidSession(text, field=field.replace("spec.", "spec.template.", 1)) from None
+    if spec.persistent:
+        raise InvalidSession(
+            "a pooled kernel cannot have a persistent workspace (a claim is a session's own): "
+            "sessions that ask for one start cold",
+            field="spec.template.workspace",
+        )
     return body
 
 
@@ -129,8 +135,17 @@ def unservable(pool: KernelSessionPool, spec: dict[str, Any]) -> str:
 
     Env taken from Secrets is served: whoever gives the claimed kernel its env reads
     them (local mode's claim; on a cluster, the gateway when it connects)."""
+    workspace = spec.get("workspace") or {}
+    if workspace.get("persistent") or workspace.get("storageClassName"):
+        return (
+            "spec.workspace is persistent: a pooled kernel was started without the "
+            "session's own volume, so it starts cold with its claim"
+        )
     for field in TEMPLATE_FIELDS:
         want, have = spec.get(field), pool.template.get(field)
+        if field == "workspace":  # its other fields say how it is kept, not the pod
+            want = {"size": workspace.get("size")}
+            have = {"size": (have or {}).get("size")}
         if want != have:
             return (
                 f"spec.{field} is {_show(want)} but pool {pool.name!r} starts its kernels "

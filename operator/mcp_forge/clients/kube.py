@@ -34,6 +34,7 @@ PATHS: dict[str, tuple[str, str]] = {
     "Service": ("api/v1", "services"),
     "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies"),
     "Lease": ("apis/coordination.k8s.io/v1", "leases"),
+    "PersistentVolumeClaim": ("api/v1", "persistentvolumeclaims"),
     "KernelSession": (f"apis/{API_VERSION}", "kernelsessions"),
     "KernelSessionPool": (f"apis/{API_VERSION}", "kernelsessionpools"),
 }

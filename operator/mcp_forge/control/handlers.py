@@ -64,6 +64,7 @@ from mcp_forge.control.render import (
     connection_secret_of,
     render_kubernetes,
     render_lease,
+    render_workspace_claim,
     secret_name,
 )
 from mcp_forge.errors import ApiError, InvalidSession
@@ -412,9 +413,38 @@ class Reconciler:
             lambda: self._kernel_pod(session, old),
             lambda: self.kube.get(POOL, ns, pool) if pool else None,
             lambda: self.pools.members(ns, pool) if pool else [],
+            lambda: self._workspace(session, fresh=fresh),
         )
         seen = Seen(got[5], got[6]) if pool else None
         return Children(want_pod, secret=got[3], lease=got[2], pod=got[4], pool=seen)
+
+    def _workspace(self, session: KernelSession, *, fresh: bool) -> None:
+        """A persistent workspace's claim: made if absent, owned as its reclaimPolicy says
+        (Delete: by the session, so the garbage collector deletes it with the session).
+
+        A claim left by an earlier session of that name is taken over if it was retained
+        (it has no owner); one the earlier session still owns is being deleted with it:
+        this session's pod waits (the reconcile is retried) rather than mount old files.
+        """
+        want = render_workspace_claim(session)
+        if want is None:
+            return
+        current, made = self.kube.ensure(want, likely_new=fresh)
+        if made:
+            return
+        meta, name = current["metadata"], want["metadata"]["name"]
+        refs = meta.get("ownerReferences") or []
+        if meta.get("deletionTimestamp") or any(r.get("uid") != session.uid for r in refs):
+            raise ApiError(
+                409,
+                "Conflict",
+                f"the workspace claim {name} of an earlier session of that name is being deleted",
+            )
+        owners = want["metadata"].get("ownerReferences") or []
+        if refs != owners:  # reclaimPolicy changed, or a retained claim taken over
+            log.info("workspace claim %s/%s: owners now %s", session.namespace, name, owners)
+            patch = {"metadata": {"ownerReferences": owners or None}}
+            self.kube.patch("PersistentVolumeClaim", session.namespace, name, patch)
 
     def _render(
         self, session: KernelSession, secret: dict[str, Any] | None

@@ -90,6 +90,12 @@ def secret_name(session: KernelSession) -> str:
     return connection_secret_of(child_name(session))
 
 
+def workspace_claim_name(session: KernelSession) -> str:
+    """The PersistentVolumeClaim of a persistent workspace: named after the session (not
+    its uid), so a retained one is found again by the next session of that name."""
+    return f"{child_name(session)}-workspace"
+
+
 def podman_pod_name(namespace: str, name: str) -> str:
     """Podman pods have no namespaces, so the name carries it."""
     return f"mcpforge-{namespace}-{name}"
@@ -324,7 +330,14 @@ def render_kubernetes(
                 "items": [{"key": "connection.json", "path": "connection.json"}],
             },
         },
-        {"name": "workspace", "emptyDir": {"sizeLimit": spec.workspace_size}},
+        (
+            {
+                "name": "workspace",
+                "persistentVolumeClaim": {"claimName": workspace_claim_name(session)},
+            }
+            if spec.persistent
+            else {"name": "workspace", "emptyDir": {"sizeLimit": spec.workspace_size}}
+        ),
         {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}},
     ]
     if spec.shared_group:
@@ -344,6 +357,29 @@ def render_kubernetes(
         pod["spec"]["runtimeClassName"] = runtime_class
     pod["metadata"]["annotations"] = {TEMPLATE_HASH: template_hash(pod)}
     return [secret, service, policy, pod]
+
+
+def render_workspace_claim(session: KernelSession) -> dict[str, Any] | None:
+    """The PersistentVolumeClaim of a persistent workspace (None: the pod's emptyDir).
+
+    Owned by the session, so the garbage collector deletes it with the session; with
+    reclaimPolicy Retain it has no owner and outlives it (its labels name the session).
+    The pod mounts it by name: every kernel pod of the session, the same files.
+    """
+    spec = session.spec
+    if not spec.persistent:
+        return None
+    meta = _metadata(session, workspace_claim_name(session))
+    meta["labels"][LABEL_COMPONENT] = "workspace"
+    if spec.retain_workspace:
+        meta.pop("ownerReferences", None)
+    claim: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": spec.workspace_size}},
+    }
+    if spec.storage_class:
+        claim["storageClassName"] = spec.storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": claim}
 
 
 def template_hash(pod: dict[str, Any]) -> str:
