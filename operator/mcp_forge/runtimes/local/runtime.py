@@ -389,11 +389,20 @@ class LocalRuntime:
         paths = self.host_paths(session)
         size = parse_quantity(session.spec.workspace_size, field="spec.workspace.size")
         workspace = Path(paths.workspace)
-        await volumes.ensure_workspace(
-            workspace.with_name("workspace.img"), workspace, size, uid, gid
-        )
-        # The volume's root (or a plain workspace kept from before) belongs to the kernel.
-        os.chown(workspace, uid, gid)
+        image = workspace.with_name("workspace.img")
+        kept = self._retained(session)
+        if session.spec.persistent and not image.exists() and kept.exists():
+            log.info(
+                "%s/%s mounts the workspace kept (Retain) at %s",
+                session.namespace,
+                session.name,
+                kept,
+            )
+            os.replace(kept, image)
+        await volumes.ensure_workspace(image, workspace, size, uid, gid)
+        # The volume (or a plain workspace kept from before) belongs to the kernel: its
+        # files too, when they were written by another user namespace (a retained one's).
+        await asyncio.to_thread(volumes.give, workspace, uid, gid)
         if paths.tmp:
             await volumes.ensure_tmp(Path(paths.tmp), uid, gid)
 
@@ -650,8 +659,29 @@ class LocalRuntime:
         self._patch(session, phase=st.TERMINATING)
         await self._remove_pod(session)
         await self._unmount(session)
+        if session.spec.retain_workspace:
+            self._retain(session)
         self.store.delete(session.namespace, session.name)
         await asyncio.to_thread(shutil.rmtree, self._dir(session), True)
+
+    def _retained(self, session: KernelSession) -> Path:
+        """Where a workspace kept after its session (reclaimPolicy Retain) waits for the
+        next session of that name: mounted again by it when it is persistent."""
+        return self.settings.state_dir / "retained" / session.namespace / f"{session.name}.img"
+
+    def _retain(self, session: KernelSession) -> None:
+        """Keep the (unmounted) workspace image of a session being deleted."""
+        image = self._dir(session) / "workspace.img"
+        if not image.exists():
+            return
+        kept = self._retained(session)
+        kept.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if kept.exists():  # never over another: that one is kept under its session's uid
+            kept = kept.with_name(f"{session.name}.{session.uid}.img")
+        os.replace(image, kept)
+        log.info(
+            "kept the workspace of %s/%s (Retain) at %s", session.namespace, session.name, kept
+        )
 
     async def _unmount(self, session: KernelSession) -> None:
         """Unmount the session's filesystems (their loop devices go with them)."""

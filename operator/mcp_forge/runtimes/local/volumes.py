@@ -236,6 +236,24 @@ async def ensure_tmp(target: Path, uid: int, gid: int) -> None:
     await _run("mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target))
 
 
+def give(target: Path, uid: int, gid: int) -> None:
+    """Make `target` the kernel's (uid, gid), and what in it its previous owner had (a
+    workspace kept from a session with another user namespace): nothing else changes."""
+    st = os.lstat(target)
+    old = (st.st_uid, st.st_gid)
+    os.chown(target, uid, gid)
+    if old == (uid, gid) or old == (0, 0):
+        return
+    for root, dirs, files in os.walk(target):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            st = os.lstat(path)
+            new_uid = uid if st.st_uid == old[0] else -1
+            new_gid = gid if st.st_gid == old[1] else -1
+            if (new_uid, new_gid) != (-1, -1):
+                os.lchown(path, new_uid, new_gid)
+
+
 async def unmount(target: Path) -> None:
     """Unmount whatever is mounted at `target` (all layers); the loop device goes with it."""
     for _ in range(UNMOUNT_LAYERS):
