@@ -7,7 +7,8 @@
 
 What runs, each a process of its own, started and stopped by PID: etcd, kube-apiserver,
 kube-controller-manager, kube-scheduler (the control plane), containerd with Debian's runc,
-the kubelet, kube-proxy (nftables) and kube-router (NetworkPolicy only). The binaries come from
+the kubelet, kube-proxy (nftables), kube-router (NetworkPolicy only) and local-path-provisioner
+(PersistentVolumes, behind the default StorageClass `standard`). The binaries come from
 tests/kube/node/build (the Go module proxy, pinned, cached). Client certificates and RBAC for
 everyone, the ServiceAccount token signer, PodSecurity admission (on by default: namespaces opt in
 with their labels). The node's address is this machine's own primary address (the API server is
@@ -70,7 +71,11 @@ COMPONENTS = (
     "kubelet",
     "kube-proxy",
     "kube-router",
+    "local-path-provisioner",
 )
+STORAGE_CLASS = "standard"  # the default one: PersistentVolumeClaims that name none get it
+STORAGE_NAMESPACE = "local-path-storage"  # where its helper pods run (make and remove dirs)
+PROVISIONER = "rancher.io/local-path"
 # Kept outside ROOT by their authors; removed by `down`.
 STRAY_DIRS = (
     "/var/lib/kubelet/device-plugins",
@@ -126,53 +131,70 @@ def openssl(*args: str) -> None:
 
 
 def make_pki(pki: Path, ip: str) -> None:
-    """A CA, the API server's and kubelet's serving certificates, one client certificate each."""
+    """A CA, the API server's and kubelet's serving certificates, one client certificate each
+    (a client added since the CA was made gets its certificate now)."""
     if (pki / "ca.crt").exists():
+        clients(pki)
         return
     pki.mkdir(parents=True, exist_ok=True)
     os.chmod(pki, 0o700)
 
-    def key(name: str) -> str:
-        openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", f"{pki}/{name}.key")
-        return f"{pki}/{name}.key"
-
     openssl(
-        "req", "-x509", "-new", "-nodes", "-key", key("ca"), "-days", "3650",
+        "req", "-x509", "-new", "-nodes", "-key", key(pki, "ca"), "-days", "3650",
         "-subj", "/CN=mcp-forge-test-ca", "-out", f"{pki}/ca.crt",
     )  # fmt: skip
-
-    def cert(name: str, subject: str, ext: str) -> None:
-        (pki / f"{name}.ext").write_text(ext)
-        openssl("req", "-new", "-key", key(name), "-subj", subject, "-out", f"{pki}/{name}.csr")
-        openssl(
-            "x509", "-req", "-in", f"{pki}/{name}.csr", "-CA", f"{pki}/ca.crt",
-            "-CAkey", f"{pki}/ca.key", "-CAcreateserial", "-days", "3650",
-            "-extfile", f"{pki}/{name}.ext", "-out", f"{pki}/{name}.crt",
-        )  # fmt: skip
-
-    client = "keyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n"
     server = "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
     names = (
         "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,"
         "DNS:kubernetes.default.svc.cluster.local,DNS:localhost"
     )
-    cert("apiserver", "/CN=kube-apiserver", f"{server}subjectAltName={names},IP:{ip},"
+    cert(pki, "apiserver", "/CN=kube-apiserver", f"{server}subjectAltName={names},IP:{ip},"
          f"IP:{API_SERVICE_IP},IP:127.0.0.1\n")  # fmt: skip
-    cert("kubelet-serving", f"/CN={NODE}", f"{server}subjectAltName=DNS:{NODE},IP:{ip}\n")
-    for name, subject in (
-        ("admin", "/O=system:masters/CN=mcp-forge-test-admin"),
-        ("apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client"),
-        ("controller-manager", "/CN=system:kube-controller-manager"),
-        ("scheduler", "/CN=system:kube-scheduler"),
-        ("kubelet", f"/O=system:nodes/CN=system:node:{NODE}"),
-        ("kube-proxy", "/CN=system:kube-proxy"),
-        ("kube-router", "/CN=kube-router"),  # bound to a ClusterRole by `up`
-    ):
-        cert(name, subject, client)
-    key("sa")
+    cert(pki, "kubelet-serving", f"/CN={NODE}", f"{server}subjectAltName=DNS:{NODE},IP:{ip}\n")
+    key(pki, "sa")
     openssl("ec", "-in", f"{pki}/sa.key", "-pubout", "-out", f"{pki}/sa.pub")
+    clients(pki)
+
+
+CLIENTS = (
+    ("admin", "/O=system:masters/CN=mcp-forge-test-admin"),
+    ("apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client"),
+    ("controller-manager", "/CN=system:kube-controller-manager"),
+    ("scheduler", "/CN=system:kube-scheduler"),
+    ("kubelet", f"/O=system:nodes/CN=system:node:{NODE}"),
+    ("kube-proxy", "/CN=system:kube-proxy"),
+    ("kube-router", "/CN=kube-router"),  # bound to a ClusterRole by `up`
+    ("local-path-provisioner", "/CN=local-path-provisioner"),  # likewise
+)
+
+
+def clients(pki: Path) -> None:
+    """The client certificates not made yet."""
+    for name, subject in CLIENTS:
+        if not (pki / f"{name}.crt").exists():
+            cert(
+                pki,
+                name,
+                subject,
+                "keyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n",
+            )
     for f in pki.iterdir():
         os.chmod(f, 0o600)
+
+
+def key(pki: Path, name: str) -> str:
+    openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", f"{pki}/{name}.key")
+    return f"{pki}/{name}.key"
+
+
+def cert(pki: Path, name: str, subject: str, ext: str) -> None:
+    (pki / f"{name}.ext").write_text(ext)
+    openssl("req", "-new", "-key", key(pki, name), "-subj", subject, "-out", f"{pki}/{name}.csr")
+    openssl(
+        "x509", "-req", "-in", f"{pki}/{name}.csr", "-CA", f"{pki}/ca.crt",
+        "-CAkey", f"{pki}/ca.key", "-CAcreateserial", "-days", "3650",
+        "-extfile", f"{pki}/{name}.ext", "-out", f"{pki}/{name}.crt",
+    )  # fmt: skip
 
 
 def kubeconfig(path: Path, pki: Path, user: str, server: str) -> None:
@@ -223,8 +245,10 @@ def write_configs(ip: str, bins: Path) -> None:
         "kubelet",
         "kube-proxy",
         "kube-router",
+        "local-path-provisioner",
     ):
         kubeconfig(conf / f"{user}.kubeconfig", pki, user, server)
+    write_storage_config(conf, bins)
 
     (conf / "net.d").mkdir(exist_ok=True)
     cni = {
@@ -355,6 +379,39 @@ state = '{ROOT}/containerd/state'
     (conf / "kube-proxy.json").write_text(json.dumps(proxy, indent=1))
 
 
+def volume_helper(bins: Path) -> str:
+    """The image of local-path-provisioner's helper pods: volume-helper alone."""
+    return static_ref("volume-helper", bins / "volume-helper")
+
+
+def write_storage_config(conf: Path, bins: Path) -> None:
+    """local-path-provisioner's configuration: volumes under ROOT/volumes (ROOT is root's,
+    0700: no other user of the machine reaches them), each made and removed by a helper pod
+    running volume-helper (tests/kube/node/local-path-provisioner/cmd/volume-helper)."""
+    config = {
+        "nodePathMap": [
+            {"node": "DEFAULT_PATH_FOR_NON_LISTED_NODES", "paths": [str(ROOT / "volumes")]}
+        ],
+        "setupCommand": "/volume-helper",
+        "teardownCommand": "/volume-helper",
+        "cmdTimeoutSeconds": 60,
+    }
+    (conf / "local-path.json").write_text(json.dumps(config, indent=1))
+    helper = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "helper-pod"},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "containers": [
+                {"name": "helper", "image": volume_helper(bins), "imagePullPolicy": "Never"}
+            ],
+        },
+    }
+    (conf / "local-path-helper-pod.json").write_text(json.dumps(helper, indent=1))
+
+
 def commands(ip: str, bins: Path) -> dict[str, list[str]]:
     pki, conf = ROOT / "pki", ROOT / "conf"
     etcd_url = f"http://127.0.0.1:{ETCD_PORT}"
@@ -447,6 +504,17 @@ def commands(ip: str, bins: Path) -> dict[str, list[str]]:
             "--health-port=0",
             "--metrics-port=0",
             "--v=1",
+        ],
+        "local-path-provisioner": [
+            f"{bins}/local-path-provisioner",
+            "start",
+            f"--kubeconfig={conf}/local-path-provisioner.kubeconfig",
+            f"--config={conf}/local-path.json",
+            f"--helper-pod-file={conf}/local-path-helper-pod.json",
+            f"--helper-image={volume_helper(bins)}",
+            f"--namespace={STORAGE_NAMESPACE}",
+            "--service-account-name=volume-helper",
+            f"--provisioner-name={PROVISIONER}",
         ],
     }
 
@@ -611,6 +679,7 @@ def up() -> Path:
             sock = ROOT / "containerd" / "containerd.sock"
             wait_until("containerd socket", sock.exists)
             ensure_pause_image(bins)
+            static_image(bins, volume_helper(bins), bins / "volume-helper", ["/volume-helper"])
         elif name == "kubelet":  # kube-router needs the Node object to exist
             wait_until("node Ready", node_ready)
     start_dns(bins)
@@ -643,7 +712,96 @@ def bootstrap(bins: Path) -> None:
         ],
     }
     user = {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "kube-router"}
-    apply(bins, [role, binding("mcp-forge-test:kube-router", user)])
+    apply(bins, [role, binding("mcp-forge-test:kube-router", user), *storage()])
+
+
+def storage() -> list[dict[str, Any]]:
+    """The default StorageClass and what local-path-provisioner may do (its upstream RBAC).
+
+    Its PersistentVolumes are `local` volumes (defaultVolumeType), which the kubelet gives
+    each pod's fsGroup as it mounts them, as it does any volume it manages: a kernel
+    running as a non-root uid writes into a volume that volume-helper made root's, 0700.
+    Its helper pods mount the volumes' parent directory and run as root, so their namespace
+    is privileged; nothing else runs there.
+    """
+    read = ["get", "list", "watch"]
+    name = "mcp-forge-test:local-path-provisioner"
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name},
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["nodes", "persistentvolumeclaims", "configmaps", "pods", "pods/log"],
+                "verbs": read,
+            },
+            {
+                "apiGroups": [""],
+                "resources": ["persistentvolumes"],
+                "verbs": [*read, "create", "patch", "update", "delete"],
+            },
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+            {"apiGroups": ["storage.k8s.io"], "resources": ["storageclasses"], "verbs": read},
+        ],
+    }
+    user = {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "User",
+        "name": "local-path-provisioner",
+    }
+    ns = {"namespace": STORAGE_NAMESPACE}
+    helpers = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "local-path-provisioner", **ns},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": [*read, "create", "delete"]}],
+    }
+    helpers_binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "local-path-provisioner", **ns},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": "local-path-provisioner",
+        },
+        "subjects": [user],
+    }
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {
+                "name": STORAGE_NAMESPACE,
+                "labels": {"pod-security.kubernetes.io/enforce": "privileged"},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": "volume-helper", **ns},
+            "automountServiceAccountToken": False,
+        },
+        role,
+        binding(name, user),
+        helpers,
+        helpers_binding,
+        {
+            "apiVersion": "storage.k8s.io/v1",
+            "kind": "StorageClass",
+            "metadata": {
+                "name": STORAGE_CLASS,
+                "annotations": {
+                    "storageclass.kubernetes.io/is-default-class": "true",
+                    "defaultVolumeType": "local",
+                },
+            },
+            "provisioner": PROVISIONER,
+            "volumeBindingMode": "WaitForFirstConsumer",
+            "reclaimPolicy": "Delete",
+        },
+    ]
 
 
 def apply(bins: Path, items: list[dict[str, Any]]) -> None:
@@ -856,7 +1014,7 @@ def status() -> bool:
 def down() -> None:
     """Stop every process and remove every trace; safe to run again, or on nothing."""
     t0 = time.monotonic()
-    for name in ("kube-router", "kube-proxy", "kubelet"):
+    for name in ("local-path-provisioner", "kube-router", "kube-proxy", "kubelet"):
         stop(name)
     kill_pods()
     stop("containerd")
