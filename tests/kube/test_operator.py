@@ -272,6 +272,7 @@ async def test_max_lifetime_expires_the_session(kube: Kube, ns: str, operator: A
         ({"restartPolicy": "Sometimes"}, "spec.restartPolicy"),
         ({"nonsense": 1}, "spec.nonsense"),
         ({"maxLifetime": "1d"}, "spec.maxLifetime"),
+        ({"workspace": {"reclaimPolicy": "Retain"}}, "spec.workspace"),
     ],
 )
 def test_an_invalid_spec_is_refused_at_admission_naming_the_field(
