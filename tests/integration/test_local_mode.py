@@ -326,7 +326,9 @@ async def test_idle_suspend_keeps_the_session_and_a_use_resumes_it(
     runtime, gateway, make_session
 ) -> None:
     name = await make_session(idleTimeout="60s", idleAction="Suspend")
-    await gateway.execute(name, "x = 1")
+    assert (
+        await gateway.execute(name, "x = 1\nopen('kept.txt', 'w').write('kept')")
+    ).status == "ok"
     runtime.store.patch_status("default", name, {"lastActivity": "2000-01-01T00:00:00Z"})
     assert await supervise_once(runtime) == [name]
     session = await runtime.get(name)
@@ -336,8 +338,8 @@ async def test_idle_suspend_keeps_the_session_and_a_use_resumes_it(
     assert not await pod_exists(runtime, name), "housekeeping does not resume it"
     assert (await runtime.get(name)).status["phase"] == "Suspended"
     # Used again: a new kernel (variables gone), the workspace kept.
-    result = await gateway.execute(name, "print('x' in dir())")
-    assert (result.status, result.stdout) == ("ok", "False\n")
+    result = await gateway.execute(name, "print('x' in dir(), open('kept.txt').read())")
+    assert (result.status, result.stdout) == ("ok", "False kept\n")
     assert (await runtime.get(name)).status["phase"] == "Ready"
 
 

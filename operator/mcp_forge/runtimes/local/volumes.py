@@ -244,14 +244,14 @@ def give(target: Path, uid: int, gid: int) -> None:
     os.chown(target, uid, gid)
     if old == (uid, gid) or old == (0, 0):
         return
-    for root, dirs, files in os.walk(target):
+    # By directory descriptors, never following a link: no path is looked up twice.
+    for _root, dirs, files, fd in os.fwalk(target, follow_symlinks=False):
         for name in dirs + files:
-            path = os.path.join(root, name)
-            st = os.lstat(path)
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             new_uid = uid if st.st_uid == old[0] else -1
             new_gid = gid if st.st_gid == old[1] else -1
             if (new_uid, new_gid) != (-1, -1):
-                os.lchown(path, new_uid, new_gid)
+                os.chown(name, new_uid, new_gid, dir_fd=fd, follow_symlinks=False)
 
 
 async def unmount(target: Path) -> None:
