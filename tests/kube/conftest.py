@@ -4,7 +4,7 @@
 
 * by default, the single-node cluster of tests/kube/testcluster.py on this machine (etcd, the
   API server, controller manager, scheduler, containerd, kubelet, kube-proxy, kube-router,
-  CoreDNS; built from the Go module proxy by tests/kube/node/build). If `tests/kube/cluster up`
+  CoreDNS, local-path-provisioner; built from the Go module proxy by tests/kube/node/build). If `tests/kube/cluster up`
   already runs it, it is used and left running; otherwise it is started here and torn down,
   completely, when the session ends. The kernel images are imported into its containerd.
 * with ``MCPFORGE_TEST_KUBECONFIG=/path/to/kubeconfig``, that cluster (kind, k3d, a cloud):
