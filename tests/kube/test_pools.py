@@ -236,6 +236,16 @@ async def test_a_session_the_pool_cannot_serve_starts_cold_and_says_why(
             ksp.POOL_MISMATCH,
             "PYTHONHASHSEED",
         ),
+        "kept": (
+            {
+                "image": images["minimal"],
+                "resources": SMALL,
+                "workspace": {"persistent": True, "size": "16Mi"},
+                "poolRef": {"name": "small"},
+            },
+            ksp.POOL_MISMATCH,
+            "spec.workspace is persistent",
+        ),
     }
     for name, (spec, _, _) in cases.items():
         await asyncio.to_thread(kube.create, session_body(name, ns, **spec))
@@ -245,10 +255,10 @@ async def test_a_session_the_pool_cannot_serve_starts_cold_and_says_why(
         assert (warm["status"], warm["reason"]) == ("False", reason), warm
         assert names in warm["message"] and "started cold" in warm["message"], warm
         assert obj["status"]["podName"] == f"ks-{name}", "its own pod"
-    # None of them touched the pool; the two it could not serve are its misses (the
+    # None of them touched the pool; the three it could not serve are its misses (the
     # session naming a pool that does not exist is nobody's).
     assert len(await members(kube, ns, "small")) == 1
-    await counted(kube, ns, "small", claims=0, misses=2)
+    await counted(kube, ns, "small", claims=0, misses=3)
 
 
 async def test_a_template_change_replaces_unclaimed_kernels_only(
