@@ -4,9 +4,10 @@
 
 * by default, the single-node cluster of tests/kube/testcluster.py on this machine (etcd, the
   API server, controller manager, scheduler, containerd, kubelet, kube-proxy, kube-router,
-  CoreDNS, local-path-provisioner; built from the Go module proxy by tests/kube/node/build). If `tests/kube/cluster up`
-  already runs it, it is used and left running; otherwise it is started here and torn down,
-  completely, when the session ends. The kernel images are imported into its containerd.
+  CoreDNS, local-path-provisioner; built from the Go module proxy by tests/kube/node/build).
+  If `tests/kube/cluster up` already runs it, it is used and left running; otherwise it is
+  started here and torn down, completely, when the session ends. The kernel images are
+  imported into its containerd.
 * with ``MCPFORGE_TEST_KUBECONFIG=/path/to/kubeconfig``, that cluster (kind, k3d, a cloud):
   nothing is started or stopped. Its nodes must have the kernel images
   (``localhost/mcp-forge-kernel:0.1.0`` and ``…-minimal``), the host running the tests must
