@@ -29,6 +29,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_mcp import Direct
+
 STAGES = (
     "client -> line read",
     "line read -> tool start",
@@ -126,16 +129,26 @@ async def drive(runs: int) -> tuple[list[tuple[str, float, float]], str]:
         sid = made.structured_content["session_id"]
         for _ in range(10):
             await client.call_tool("execute_code", {"code": "1+1", "session_id": sid})
-        for _ in range(runs):
-            for tool, args in (
-                ("execute_code", {"code": "1+1", "session_id": sid}),
-                ("list_sessions", {}),
-            ):
-                t0 = time.perf_counter()
-                await client.call_tool(tool, args)
-                calls.append((tool, t0, time.perf_counter()))
+        async with Direct(state, sid, None) as direct:  # type: ignore[arg-type]
+            await trace_calls(client, direct, sid, runs, calls)
         await client.call_tool("close_session", {"session_id": sid})
     return calls, events_file
+
+
+async def trace_calls(
+    client: Any, direct: Any, sid: str, runs: int, calls: list[tuple[str, float, float]]
+) -> None:
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        await direct.gateway_connection()
+        calls.append(("direct", t0, time.perf_counter()))
+        for tool, args in (
+            ("execute_code", {"code": "1+1", "session_id": sid}),
+            ("list_sessions", {}),
+        ):
+            t0 = time.perf_counter()
+            await client.call_tool(tool, args)
+            calls.append((tool, t0, time.perf_counter()))
 
 
 def report(runs: int, calls: list[tuple[str, float, float]], events_file: str) -> None:
@@ -149,6 +162,8 @@ def report(runs: int, calls: list[tuple[str, float, float]], events_file: str) -
         return max(t for w, t in events if w == what and lo < t < hi)
 
     stages: dict[tuple[str, str], list[float]] = {}
+    direct = [t5 - t0 for tool, t0, t5 in calls if tool == "direct"]
+    calls = [c for c in calls if c[0] != "direct"]
     for tool, t0, t5 in calls:
         start, end = first(f"{tool} start", t0, t5), first(f"{tool} end", t0, t5)
         read, written = last("in", t0, start), first("out", end, t5)
@@ -171,6 +186,10 @@ def report(runs: int, calls: list[tuple[str, float, float]], events_file: str) -
     kernel = stages[("execute_code", "  of which the kernel round trip")]
     own = statistics.median(b - k for b, k in zip(body, kernel, strict=True)) * 1000
     print(f"{'execute_code body - kernel round trip':36}{own:>14.3f}")
+    print(
+        f"{'the same kernel, from this process':36}{statistics.median(direct) * 1000:>14.3f}"
+        "  (KernelConnection, as the gateway's; interleaved)"
+    )
 
 
 if __name__ == "__main__":
