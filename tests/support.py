@@ -234,3 +234,27 @@ def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         for family in text_string_to_metric_families(body)
         for sample in family.samples
     }
+
+
+async def cancelled_call(c: Any, sid: str, seconds: int = 120) -> None:
+    """An execute_code call (of an MCP client `c`) cancelled while it runs: the gateway
+    drops its connections to the kernel (and its bridge)."""
+    started = asyncio.Event()
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        started.set()
+
+    call = asyncio.create_task(
+        c.call_tool(
+            "execute_code",
+            {"code": f"import time\ntime.sleep({seconds})", "session_id": sid},
+            progress_callback=on_progress,
+        )
+    )
+    await asyncio.wait_for(started.wait(), 60)
+    call.cancel()
+    try:
+        await call
+    except asyncio.CancelledError:
+        return
+    raise AssertionError("the call was not cancelled")

@@ -27,6 +27,7 @@ import pytest
 from mcp import Client
 
 from mcp_servers.config import upstream_config
+from support import cancelled_call
 
 from .conftest import gateway, run, text
 
@@ -421,26 +422,6 @@ class HostListener:
 
     def close(self) -> None:
         self.sock.close()
-
-
-async def cancelled_call(c: Client, sid: str) -> None:
-    """An execute_code call cancelled while it runs: the gateway drops its connections."""
-    started = asyncio.Event()
-
-    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
-        started.set()
-
-    call = asyncio.create_task(
-        c.call_tool(
-            "execute_code",
-            {"code": "import time\ntime.sleep(120)", "session_id": sid},
-            progress_callback=on_progress,
-        )
-    )
-    await asyncio.wait_for(started.wait(), 60)
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
 
 
 PLANT = (

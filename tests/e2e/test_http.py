@@ -103,16 +103,21 @@ async def stop(gw: HttpGateway) -> int:
 
 @asynccontextmanager
 async def running_gateway(
-    state_dir: Path, tokens_dir: Path, *args: str
+    state_dir: Path,
+    tokens_dir: Path,
+    *args: str,
+    tokens: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[HttpGateway]:
+    """A gateway with a token for each of CLIENTS (these `tokens`: replicas share them)."""
     port = free_port()
-    tokens = {name: secrets.token_urlsafe(24) for name in CLIENTS}
+    tokens = tokens or {name: secrets.token_urlsafe(24) for name in CLIENTS}
     tokens_file = tokens_dir / f"tokens-{port}"
     tokens_file.write_text("".join(f"{name} {token}\n" for name, token in tokens.items()))
     process = await asyncio.create_subprocess_exec(
         *(GATEWAY, "gateway", "--http", f"127.0.0.1:{port}", "--tokens-file", str(tokens_file)),
         *args,
-        env={**os.environ, "MCPFORGE_STATE_DIR": str(state_dir)},
+        env={**os.environ, "MCPFORGE_STATE_DIR": str(state_dir), **(env or {})},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -157,6 +162,13 @@ async def connect(gw: HttpGateway, client: str, **headers: str) -> AsyncIterator
         ) as c,
     ):
         yield c
+
+
+async def delete_session(state_dir: Path, name: str) -> None:
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
+    from mcp_forge.settings import Settings
+
+    await LocalRuntime(Settings(state_dir=state_dir)).delete(name)
 
 
 def text(result: Any) -> str:
@@ -312,9 +324,11 @@ async def test_each_client_gets_its_own_default_session_which_outlives_its_conne
         assert who.structured_content["result"]["data"]["text/plain"] == "'alice'"
 
 
-async def test_sigterm_deletes_the_sessions_it_created_and_exits_0(
+async def test_sigterm_deletes_the_sessions_it_created_but_default_ones_and_exits_0(
     state_dir: Path, tmp_path: Path
 ) -> None:
+    """A client's default session outlives the gateway (the next one, or another replica,
+    gives it back to the client: test_replicas.py); those it created on request go."""
     async with running_gateway(state_dir, tmp_path, "--pool-size", "2") as gw:
         async with connect(gw, "alice") as alice, connect(gw, "bob") as bob:
             made, ran = await asyncio.gather(
@@ -322,12 +336,16 @@ async def test_sigterm_deletes_the_sessions_it_created_and_exits_0(
                 bob.call_tool("execute_code", {"code": "1"}),
             )
             assert not made.is_error and not ran.is_error, (text(made), text(ran))
-        created = [made.structured_content["session_id"], ran.structured_content["session_id"]]
-        made_pods = [pod_of(state_dir, sid) for sid in created]  # one may be a pool's
-        assert set(made_pods) <= await pods()
+        created = made.structured_content["session_id"]
+        default = ran.structured_content["session_id"]
+        made_pod, default_pod = pod_of(state_dir, created), pod_of(state_dir, default)
+        assert {made_pod, default_pod} <= await pods()  # either may be a pool's
         (pool,) = re.findall(r"\(pool (gateway-[0-9a-f]+)\)", "".join(gw.log))
         assert await stop(gw) == 0, "".join(gw.log)
-    assert not set(made_pods) & await pods()
+    left = await pods()
+    assert made_pod not in left
+    assert default_pod in left, "bob's default session was deleted with the gateway"
+    await delete_session(state_dir, default)
     # The gateway's own pool went with it: no kernel of it is left.
     assert not [p for p in await pods() if p.startswith(f"mcpforge-default-{pool}-")]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import logging
 import tempfile
 import time
@@ -256,6 +257,7 @@ class Gateway:
             meter=lease.meter,
             refused=lease.refused,
             on_close=lease.release,
+            rate=functools.partial(self.runtime.count_call, session),  # shared by replicas
         )
         handle.bridge = bridge  # dropped with the handle, which releases the lease
         try:

@@ -25,16 +25,23 @@ import builtins
 import hashlib
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsession, quota
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.kernelsessionpool import KernelSessionPool
-from mcp_forge.errors import ForgeError, InvalidRequest, InvalidSession, SessionNotFound
+from mcp_forge.errors import (
+    ForgeError,
+    InvalidRequest,
+    InvalidSession,
+    SessionNotFound,
+    SessionNotReady,
+)
 from mcp_forge.image.kernel import VARIANTS, image_ref
 from mcp_forge.runtimes.base import Runtime
 from mcp_forge.settings import Settings
@@ -44,6 +51,10 @@ log = logging.getLogger(__name__)
 OWNER = "mcpforge.dev/owner"
 CREATED_BY = "mcpforge.dev/created-by"
 CLIENTS = "mcpforge.dev/clients"
+DEFAULT = "mcpforge.dev/default-session"  # "true" on a client's default session
+DEFAULT_PREFIX = "default-"  # + a hash of the owner: a default session's name
+DEFAULT_TRIES = 3
+PENDING_POLL = 0.01  # first pause while another replica's new session is Pending (doubles)
 NAMESPACE = "default"  # local mode's; a cluster gateway's is settings.session_namespace
 STDIO = "stdio"
 
@@ -101,8 +112,8 @@ class SessionService:
         # Without `pool`: where the pools to choose from are found (a cluster's); None: cold.
         self.find_pools: Callable[[str], Awaitable[builtins.list[KernelSessionPool]]] | None = None
         self.gateway_id = secrets.token_hex(8)
-        self._defaults: dict[str, str] = {}  # owner → default session name
-        self._create_lock = asyncio.Lock()
+        # One create of a default session at a time per client in this process (the
+        # others wait and find it); across replicas the name decides (default_name).
         self._default_locks: dict[str, asyncio.Lock] = {}
 
     def owns(self, client: Client, session: KernelSession) -> bool:
@@ -144,13 +155,22 @@ class SessionService:
         tag = hashlib.sha256(client.owner.encode()).hexdigest()[:8]
         return f"{group[:31]}-{tag}"
 
-    async def create(self, client: Client, request: SessionRequest) -> KernelSession:
+    async def create(
+        self, client: Client, request: SessionRequest, *, default: bool = False
+    ) -> KernelSession:
         s = self.settings
         if request.variant not in VARIANTS:
             raise InvalidRequest(
                 f"variant must be one of {', '.join(VARIANTS)}, got {request.variant!r}"
             )
+        if not default and (request.name or "").startswith(DEFAULT_PREFIX):
+            raise InvalidSession(
+                f"names starting with {DEFAULT_PREFIX!r} are the gateway's", field="name"
+            )
         name = request.name or f"s-{secrets.token_hex(6)}"
+        annotations = {OWNER: client.owner, CREATED_BY: self.gateway_id}
+        if default:
+            annotations[DEFAULT] = "true"
         spec: dict[str, Any] = {"image": image_ref(request.variant), "resources": {}}
         if request.memory is not None:
             spec["resources"]["memory"] = request.memory
@@ -180,7 +200,7 @@ class SessionService:
             "metadata": {
                 "name": name,
                 "namespace": self.namespace,
-                "annotations": {OWNER: client.owner, CREATED_BY: self.gateway_id},
+                "annotations": annotations,
             },
             "spec": spec,
         }
@@ -197,18 +217,33 @@ class SessionService:
             chosen = ksp.choose(await self.find_pools(self.namespace), body["spec"])
             if chosen is not None:  # none: cold, and the result says so
                 body["spec"]["poolRef"] = {"name": chosen.name}
-        async with self._create_lock:  # the quota and the name check hold until created
-            owned = [s for s in await self.runtime.list(self.namespace) if self.owns(client, s)]
-            if len(owned) >= s.sessions_per_client_max:
-                raise InvalidRequest(
-                    f"you have {len(owned)} sessions, the most a client may have; "
-                    "close one (close_session) first"
-                )
-            try:
-                await self.runtime.get(name, self.namespace)
-            except SessionNotFound:
-                return await self.runtime.create(body)
-        raise InvalidSession(f"the name {name!r} is taken; choose another", field="name")
+        # The quota holds across replicas: a reservation, counted with the client's
+        # sessions atomically where every replica writes them (api/quota.py).
+        claim = quota.Claim(
+            self.namespace,
+            client.owner,
+            name,
+            s.sessions_per_client_max,
+            owns=lambda b: (b["metadata"].get("annotations") or {}).get(OWNER) == client.owner,
+        )
+        await self.runtime.reserve(claim)
+        try:
+            return await self.runtime.create(body)
+        except InvalidSession as exc:
+            if exc.field != "metadata.name":
+                raise
+            raise InvalidSession(
+                f"the name {name!r} is taken; choose another", field="name"
+            ) from None
+        finally:
+            # Made, or failed: either way the place is the session's or free again.
+            await asyncio.shield(self._release(claim))
+
+    async def _release(self, claim: quota.Claim) -> None:
+        try:
+            await self.runtime.release(claim)
+        except ForgeError as exc:  # it lapses by itself (quota.RESERVATION_TTL)
+            log.warning("could not release the reservation of %s: %s", claim.name, exc)
 
     async def close(self, client: Client, session_id: str) -> None:
         session = await self.resolve(client, session_id)
@@ -218,36 +253,70 @@ class SessionService:
                 "was declared (kubectl delete ks, or mcp-forge delete)"
             )
         await self.runtime.delete(session.name, session.namespace)
-        self._defaults = {o: n for o, n in self._defaults.items() if n != session.name}
+
+    def default_name(self, client: Client) -> str:
+        """The client's default session's name, the same on every replica and after a
+        restart: derived from the client (its owner annotation), never chosen."""
+        return DEFAULT_PREFIX + hashlib.sha256(client.owner.encode()).hexdigest()[:16]
 
     async def default(self, client: Client) -> KernelSession:
         """This client's default session, created on first use (and again if it went
-        away or failed)."""
+        away or failed). Its name is the client's (`default_name`): replicas racing to
+        create it make one, the others find it."""
         async with self._default_locks.setdefault(client.owner, asyncio.Lock()):
             return await self._default_locked(client)
 
     async def _default_locked(self, client: Client) -> KernelSession:
-        name = self._defaults.get(client.owner)
-        if name is not None:
+        name = self.default_name(client)
+        for _ in range(DEFAULT_TRIES):
             try:
                 session = await self.resolve(client, name)
             except SessionNotFound:
-                pass  # culled or closed: make a new one
-            else:
-                if session.status.get("phase") != st.FAILED:
-                    return session
-                await self._delete_quietly(session)
-        session = await self.create(client, SessionRequest())
-        self._defaults[client.owner] = session.name
+                try:
+                    return await self.create(client, SessionRequest(name=name), default=True)
+                except InvalidSession as exc:
+                    if exc.field != "name":
+                        raise
+                    continue  # another replica made it meanwhile: use that one
+            session = await self._wait_made(session)
+            if session.status.get("phase") != st.FAILED:
+                return session
+            await self._delete_quietly(session)
+        raise SessionNotReady(
+            f"the default session {name!r} came and went {DEFAULT_TRIES} times; try again"
+        )
+
+    async def _wait_made(self, session: KernelSession) -> KernelSession:
+        """The session once its creator (another replica, or a create of this one that
+        lost the race) has started making it: Pending is the state it was stored in,
+        before its kernel was asked for. Refreshing waits while the kernel starts."""
+        deadline = time.monotonic() + self.settings.kernel_ready_timeout
+        pause = PENDING_POLL
+        while session.status.get("phase") == st.PENDING:
+            if time.monotonic() > deadline:
+                raise SessionNotReady(
+                    f"session {session.name!r} stayed Pending for "
+                    f"{self.settings.kernel_ready_timeout:.0f}s: its creator went away?"
+                )
+            session = await self.runtime.refresh(session)
+            if session.status.get("phase") == st.PENDING:  # its creator is between steps
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
         return session
 
     async def cleanup(self) -> int:
         """The gateway stops: delete every session it created for clients, all at once
-        (a stdio client gives its server a few seconds after closing stdin)."""
+        (a stdio client gives its server a few seconds after closing stdin), but HTTP
+        clients' default sessions: another replica, or this gateway restarted, gives
+        them to the same client (they go when idle, like any session)."""
         mine = [
             s
             for s in await self.runtime.list(self.namespace)
             if _annotations(s).get(CREATED_BY) == self.gateway_id
+            and not (
+                _annotations(s).get(DEFAULT) == "true"
+                and not (owner_of(s) or "").startswith(f"{STDIO}:")
+            )
         ]
         return sum(await asyncio.gather(*(self._delete_quietly(s) for s in mine)))
 

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from mcp_forge.api.connection import Address, ConnectionInfo
 from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.quota import Claim
 from mcp_forge.api.status import Termination
 from mcp_forge.settings import Settings
 
@@ -32,6 +33,23 @@ class Runtime(Protocol):
 
     async def delete(self, name: str, namespace: str = "default") -> None:
         """Delete a session and everything it created."""
+        ...
+
+    async def reserve(self, claim: Claim) -> None:
+        """Reserve a place for a session before creating it, atomically across gateway
+        replicas (api/quota.py); InvalidRequest if the owner holds its limit of sessions
+        and reservations already. The creator calls `release` once the session exists
+        or its create failed."""
+        ...
+
+    async def release(self, claim: Claim) -> None:
+        """Drop the reservation (nothing if there is none)."""
+        ...
+
+    async def count_call(self, session: KernelSession, server: str, per_minute: int) -> bool:
+        """Code mode: count a call of the session to `server`, where every replica counts
+        (api/quota.py); False, and not counted, if `per_minute` calls were made in the
+        last minute."""
         ...
 
     async def connection(self, session: KernelSession) -> ConnectionInfo:

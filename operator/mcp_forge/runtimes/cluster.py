@@ -13,6 +13,8 @@ import builtins
 import concurrent.futures
 import contextlib
 import datetime as dt
+import hashlib
+import json
 import logging
 import os
 import re
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsession, quota
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.connection import (
@@ -59,6 +61,12 @@ DEFAULT_NAMESPACE = "mcp-forge-sessions"
 WATCH_CHUNK = 5.0  # a watch thread outlives a cancelled wait by at most this
 WATCHERS = 16  # waits at once
 BUSY_LEASE = 3  # a busy mark lasts this many renew intervals unless renewed
+# Shared by replicas (api/quota.py): a client's reservations, on a Lease of its own
+# (QUOTA_LEASE + a hash of the owner); a session's call rates, on its activity Lease.
+QUOTA_LEASE = "mcpforge-quota-"
+RESERVATIONS = "mcpforge.dev/reservations"
+RATES = "mcpforge.dev/call-rates"
+CAS_TRIES = 20  # writes that lost a race to another writer, then the error is raised
 
 
 def _micro_now() -> str:
@@ -177,6 +185,91 @@ class KubernetesRuntime:
         if not await asyncio.to_thread(self.kube.delete, KIND, namespace, name):
             raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
         self._renewed.pop((namespace, name), None)
+
+    # ---- what replicas share: quota reservations, call rates ------------------------------
+
+    async def reserve(self, claim: quota.Claim) -> None:
+        def change(reservations: dict[str, float]) -> dict[str, float]:
+            listed = self.kube.list(KIND, claim.namespace).get("items") or []
+            owned = {b["metadata"]["name"] for b in listed if claim.owns(b)}
+            return quota.reserve(
+                reservations, owned, claim.name, limit=claim.limit, now=time.time()
+            )
+
+        await asyncio.to_thread(self._swap_reservations, claim, change)
+
+    async def release(self, claim: quota.Claim) -> None:
+        await asyncio.to_thread(
+            self._swap_reservations, claim, lambda r: quota.release(r, claim.name)
+        )
+
+    def _swap_reservations(
+        self, claim: quota.Claim, change: Callable[[dict[str, float]], dict[str, float]]
+    ) -> None:
+        """Compare-and-swap the owner's reservations on its Lease (made if absent): read,
+        `change` (which may raise, and reads whatever else it decides from after this
+        read), write only if the Lease is unchanged since, else again."""
+        namespace = claim.namespace
+        lease = QUOTA_LEASE + hashlib.sha256(claim.owner.encode()).hexdigest()[:16]
+        for _ in range(CAS_TRIES):
+            body, _made = self.kube.ensure(
+                {
+                    "apiVersion": "coordination.k8s.io/v1",
+                    "kind": "Lease",
+                    "metadata": {"name": lease, "namespace": namespace},
+                    "spec": {},
+                }
+            )
+            meta = body["metadata"]
+            before = quota.load_reservations((meta.get("annotations") or {}).get(RESERVATIONS))
+            after = change(before)
+            if after == before:
+                return
+            try:
+                self._write_annotation(namespace, lease, meta, RESERVATIONS, json.dumps(after))
+            except ApiError as exc:
+                if not exc.conflict:
+                    raise
+                continue
+            return
+        raise ApiError(409, "Conflict", f"Lease {lease}: {CAS_TRIES} writes lost to others")
+
+    async def count_call(self, session: KernelSession, server: str, per_minute: int) -> bool:
+        return await asyncio.to_thread(self._count_call, session, server, per_minute)
+
+    def _count_call(self, session: KernelSession, server: str, per_minute: int) -> bool:
+        lease = child_name(session)
+        for _ in range(CAS_TRIES):
+            body = self.kube.get("Lease", session.namespace, lease)
+            if body is None:  # made by the operator with the pod: a session not started
+                log.warning("no Lease %s: the call of %s is not counted", lease, session.name)
+                return True
+            meta = body["metadata"]
+            rates = quota.load_rates((meta.get("annotations") or {}).get(RATES))
+            counted = quota.count_call(rates, server, per_minute, now=time.time())
+            if counted is None:
+                return False
+            try:
+                self._write_annotation(session.namespace, lease, meta, RATES, json.dumps(counted))
+            except ApiError as exc:
+                if not exc.conflict:
+                    raise
+                continue
+            return True
+        raise ApiError(409, "Conflict", f"Lease {lease}: {CAS_TRIES} writes lost to others")
+
+    def _write_annotation(
+        self, namespace: str, lease: str, meta: dict[str, Any], key: str, value: str
+    ) -> None:
+        """Set one annotation of the Lease `meta` was read from, if it is unchanged since
+        (the resourceVersion in a patch is a precondition: 409 Conflict otherwise)."""
+        patch = {
+            "metadata": {
+                "resourceVersion": meta["resourceVersion"],
+                "annotations": {key: value},
+            }
+        }
+        self.kube.patch("Lease", namespace, lease, patch)
 
     # ---- the kernel ----------------------------------------------------------------------
 

@@ -26,12 +26,13 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mcp_forge import metrics, tracing
 from mcp_forge.api.connection import Address
 from mcp_forge.api.keys import BridgeCert, bridge_client_context
+from mcp_forge.api.quota import rate_refusal
 from mcp_forge.errors import KernelProtocolError, UpstreamError
 from mcp_forge.gateway.codemode.policy import Meter, ServerPolicy
 from mcp_forge.gateway.codemode.upstream import Upstream, result_frame
@@ -60,11 +61,14 @@ class Bridge:
         meter: Meter | None = None,
         refused: dict[str, str] | None = None,
         on_close: Callable[[], None] | None = None,
+        rate: Callable[[str, int], Awaitable[bool]] | None = None,
     ) -> None:
         """`meter` counts the session's calls (give the same one to the session's next
         bridge, so a new bridge is no new budget); `refused` names servers the session
         may use but has no upstream for, and why; `on_close` runs once, when the bridge
-        is closed for good."""
+        is closed for good; `rate(server, per_minute)` counts a call against the rate
+        where every gateway replica counts (False: the limit is reached), in place of
+        the meter's own count."""
         self.session = session
         self.upstreams = {n: u for n, u in upstreams.items() if n in policies}
         self.policies = policies
@@ -72,6 +76,7 @@ class Bridge:
         self.meter = meter if meter is not None else Meter()
         self.refused = {n: why for n, why in (refused or {}).items() if n in policies}
         self._on_close = on_close
+        self.rate = rate
         self._address: Address | None = None
         self._closing = False
         self._redials: list[float] = []
@@ -369,7 +374,11 @@ class Bridge:
             return _error("denied", denied)
         if (problem := upstream.argument_problem(known, args)) is not None:
             return _error("invalid", problem)
-        spent = self.meter.take(policy)
+        spent = (
+            self.meter.over_budget(policy)
+            or await self._over_rate(policy)
+            or self.meter.take(policy, rate=self.rate is None)
+        )
         if spent is not None:
             return _error("unavailable", spent)
         async with self._slots:
@@ -378,6 +387,13 @@ class Bridge:
             except UpstreamError as exc:
                 return _error("unavailable", str(exc))
         return result_frame(result)
+
+    async def _over_rate(self, policy: ServerPolicy) -> str | None:
+        """Why the shared rate refuses the call (None: it was counted, or is not shared)."""
+        limit = policy.calls_per_minute
+        if self.rate is None or limit is None or await self.rate(policy.name, limit):
+            return None
+        return rate_refusal(policy.name, limit)
 
 
 async def _open_tls(

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from mcp_forge.api.quota import rate_refusal
 from mcp_forge.errors import InvalidSession
 
 FIELDS = {"name", "allow", "deny", "readOnly", "callsPerExecution", "callsPerMinute"}
@@ -92,7 +93,10 @@ def policies_of(
 
 
 class Meter:
-    """Counts one session's calls per server: a budget per execution, a rate per minute."""
+    """Counts one session's calls per server: a budget per execution, a rate per minute.
+
+    The rate counted here is this process's only; a gateway gives its bridges the
+    runtime's shared count instead (Bridge's `rate`), which every replica sees."""
 
     def __init__(self) -> None:
         self._execution: collections.Counter[str] = collections.Counter()
@@ -101,24 +105,31 @@ class Meter:
     def new_execution(self) -> None:
         self._execution.clear()
 
-    def take(self, policy: ServerPolicy, now: float | None = None) -> str | None:
-        """Count a call; why it may not be made (None: it may)."""
-        t = time.monotonic() if now is None else now
+    def over_budget(self, policy: ServerPolicy) -> str | None:
+        """Why the execution may make no more calls to the server (None: it may)."""
         spent = self._execution[policy.name]
         if policy.calls_per_execution is not None and spent >= policy.calls_per_execution:
             return (
                 f"the budget of {policy.calls_per_execution} calls to {policy.name} "
                 "per execution is spent"
             )
-        if policy.calls_per_minute is not None:
+        return None
+
+    def take(
+        self, policy: ServerPolicy, now: float | None = None, *, rate: bool = True
+    ) -> str | None:
+        """Count a call; why it may not be made (None: it may). Without `rate`, the
+        rate is counted elsewhere (and was)."""
+        t = time.monotonic() if now is None else now
+        why = self.over_budget(policy)
+        if why is not None:
+            return why
+        if rate and policy.calls_per_minute is not None:
             recent = self._recent.setdefault(policy.name, collections.deque())
             while recent and recent[0] <= t - 60.0:
                 recent.popleft()
             if len(recent) >= policy.calls_per_minute:
-                return (
-                    f"the rate limit of {policy.calls_per_minute} calls a minute to "
-                    f"{policy.name} is reached"
-                )
+                return rate_refusal(policy.name, policy.calls_per_minute)
             recent.append(t)
         self._execution[policy.name] += 1
         return None

@@ -31,6 +31,7 @@ import asyncio
 import builtins
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -45,7 +46,7 @@ from typing import Any
 import yaml
 
 from mcp_forge import metrics
-from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsession, quota
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.connection import (
@@ -653,6 +654,40 @@ class LocalRuntime:
             if current["metadata"].get("uid") != session.uid:
                 raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
             await self.delete_locked(session)
+
+    # ---- what gateways share: quota reservations, call rates (api/quota.py) ----------------
+
+    async def reserve(self, claim: quota.Claim) -> None:
+        def change(bodies: builtins.list[dict[str, Any]], held: str) -> str:
+            owned = {b["metadata"]["name"] for b in bodies if claim.owns(b)}
+            reservations = quota.load_reservations(held)
+            return json.dumps(
+                quota.reserve(reservations, owned, claim.name, limit=claim.limit, now=time.time())
+            )
+
+        self.store.swap_reservations(claim.namespace, claim.owner, change)
+
+    async def release(self, claim: quota.Claim) -> None:
+        def change(_: builtins.list[dict[str, Any]], held: str) -> str:
+            return json.dumps(quota.release(quota.load_reservations(held), claim.name))
+
+        self.store.swap_reservations(claim.namespace, claim.owner, change)
+
+    async def count_call(self, session: KernelSession, server: str, per_minute: int) -> bool:
+        allowed = True
+
+        def change(stored: Any) -> Any:
+            nonlocal allowed
+            rates = quota.load_rates(stored)
+            counted = quota.count_call(rates, server, per_minute, now=time.time())
+            allowed = counted is not None
+            return rates if counted is None else counted
+
+        try:
+            self.store.update_private(session.namespace, session.name, "rates", change)
+        except SessionNotFound:
+            return True  # deleted meanwhile: its calls end with it
+        return allowed
 
     async def delete_locked(self, session: KernelSession) -> None:
         """Delete a session whose lock is held: its pod, filesystems, row and directory."""

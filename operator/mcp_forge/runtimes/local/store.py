@@ -54,6 +54,16 @@ CREATE TABLE IF NOT EXISTS secrets (
 )
 """
 
+# What gateways share (api/quota.py): each client's reservations of sessions being made.
+_RESERVATIONS = """
+CREATE TABLE IF NOT EXISTS reservations (
+    namespace TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    names TEXT NOT NULL,
+    PRIMARY KEY (namespace, owner)
+)
+"""
+
 
 class Claimed(NamedTuple):
     """Another stored session, as `Store.claim` shows it to its `choose`."""
@@ -88,6 +98,7 @@ class Store:
             tx.execute(_SCHEMA)
             tx.execute(_POOLS)
             tx.execute(_SECRETS)
+            tx.execute(_RESERVATIONS)
 
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
@@ -201,6 +212,45 @@ class Store:
                 (json.dumps({**mine[0], field: value}), namespace, name),
             )
         return value
+
+    def update_private(
+        self, namespace: str, name: str, field: str, change: Callable[[Any], Any]
+    ) -> Any:
+        """Set the session's private `field` to `change(its value)` in one transaction;
+        return the new value (SessionNotFound if there is no session)."""
+        with self._db() as db:
+            row = db.execute(
+                "SELECT private FROM sessions WHERE namespace=? AND name=?", (namespace, name)
+            ).fetchone()
+            if row is None:
+                raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
+            kept: dict[str, Any] = json.loads(row[0]) if row[0] else {}
+            value = change(kept.get(field))
+            db.execute(
+                "UPDATE sessions SET private=? WHERE namespace=? AND name=?",
+                (json.dumps({**kept, field: value}), namespace, name),
+            )
+        return value
+
+    def swap_reservations(
+        self,
+        namespace: str,
+        owner: str,
+        change: Callable[[builtins.list[dict[str, Any]], str], str],
+    ) -> None:
+        """Set `owner`'s reservations (JSON text) to what `change` makes of the namespace's
+        session bodies and the reservations held, in one transaction (it may raise: then
+        nothing changes)."""
+        with self._db() as db:
+            rows = db.execute("SELECT body FROM sessions WHERE namespace=?", (namespace,))
+            bodies = [json.loads(r[0]) for r in rows.fetchall()]
+            row = db.execute(
+                "SELECT names FROM reservations WHERE namespace=? AND owner=?", (namespace, owner)
+            ).fetchone()
+            db.execute(
+                "INSERT OR REPLACE INTO reservations (namespace, owner, names) VALUES (?, ?, ?)",
+                (namespace, owner, change(bodies, row[0] if row else "{}")),
+            )
 
     def list(self, namespace: str | None = None) -> list[dict[str, Any]]:
         if namespace is None:
