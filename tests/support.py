@@ -258,3 +258,28 @@ async def cancelled_call(c: Any, sid: str, seconds: int = 120) -> None:
     except asyncio.CancelledError:
         return
     raise AssertionError("the call was not cancelled")
+
+
+# Code mode: `n` calls to the edge server's echo (tests/mcp_servers), each result or why
+# it was refused, as the cell's value.
+SPEND_CALLS = (
+    "import mcp_tools\n"
+    "results = []\n"
+    "for i in range({n}):\n"
+    "    try:\n"
+    "        results.append(mcp_tools.edge.echo(text=str(i))['text'])\n"
+    "    except mcp_tools.ToolError as e:\n"
+    "        results.append(str(e))\n"
+    "results"
+)
+
+
+async def value(c: Any, code: str, session_id: str | None = None) -> tuple[str, Any]:
+    """Run `code` with an MCP client `c` (in its default session without `session_id`):
+    (the session that ran it, the text/plain of its value)."""
+    args = {"code": code} if session_id is None else {"code": code, "session_id": session_id}
+    r = await c.call_tool("execute_code", args)
+    said = "\n".join(str(getattr(x, "text", "")) for x in r.content)
+    assert not r.is_error and r.structured_content["status"] == "ok", said
+    data = (r.structured_content.get("result") or {}).get("data") or {}
+    return r.structured_content["session_id"], data.get("text/plain")

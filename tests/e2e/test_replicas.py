@@ -12,14 +12,12 @@ import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
-from mcp import Client
 from test_http import CLIENTS, HttpGateway, connect, running_gateway, text
 
 from mcp_servers.config import upstream_config
-from support import cancelled_call
+from support import SPEND_CALLS, cancelled_call, value
 
 pytestmark = pytest.mark.podman
 
@@ -36,15 +34,6 @@ async def replicas(
         running_gateway(state_dir, tmp_path, *args, tokens=tokens, env=env) as two,
     ):
         yield one, two
-
-
-async def value(c: Client, code: str, session_id: str | None = None) -> tuple[str, Any]:
-    """(the session that ran it, the text/plain of its value)."""
-    args = {"code": code} if session_id is None else {"code": code, "session_id": session_id}
-    r = await c.call_tool("execute_code", args)
-    assert not r.is_error and r.structured_content["status"] == "ok", text(r)
-    data = (r.structured_content.get("result") or {}).get("data") or {}
-    return r.structured_content["session_id"], data.get("text/plain")
 
 
 async def test_two_replicas_and_a_restarted_one_give_a_client_one_default_session(
@@ -74,6 +63,9 @@ async def test_two_replicas_and_a_restarted_one_give_a_client_one_default_sessio
         assert await value(alice, "x + y") == (sid, "42")
         closed = await alice.call_tool("close_session", {"session_id": sid})
         assert not closed.is_error, text(closed)
+        # Closed, it is made again on next use: the same name, a new kernel.
+        assert await value(alice, "'x' in dir()") == (sid, "False")
+        await alice.call_tool("close_session", {"session_id": sid})
 
 
 async def test_concurrent_creates_on_two_replicas_never_exceed_the_quota(
@@ -109,18 +101,6 @@ async def test_concurrent_creates_on_two_replicas_never_exceed_the_quota(
                 await via_one.call_tool("close_session", {"session_id": sid})
 
 
-SPEND = (
-    "import mcp_tools\n"
-    "results = []\n"
-    "for i in range({n}):\n"
-    "    try:\n"
-    "        results.append(mcp_tools.edge.echo(text=str(i))['text'])\n"
-    "    except mcp_tools.ToolError as e:\n"
-    "        results.append(str(e))\n"
-    "results"
-)
-
-
 async def test_a_rate_limit_holds_across_replicas_and_a_cancelled_call(
     state_dir: Path, tmp_path: Path
 ) -> None:
@@ -141,10 +121,10 @@ async def test_a_rate_limit_holds_across_replicas_and_a_cancelled_call(
         assert not made.is_error, text(made)
         sid = made.structured_content["session_id"]
         try:
-            _, spent = await value(via_one, SPEND.format(n=4), sid)
+            _, spent = await value(via_one, SPEND_CALLS.format(n=4), sid)
             assert spent.startswith("['0', '1', '2', ") and "rate limit of 3" in spent, spent
             await cancelled_call(via_one, sid, seconds=60)
-            _, again = await value(via_two, SPEND.format(n=2), sid)
+            _, again = await value(via_two, SPEND_CALLS.format(n=2), sid)
             assert again.count("rate limit of 3") == 2, again
         finally:
             await via_two.call_tool("close_session", {"session_id": sid})

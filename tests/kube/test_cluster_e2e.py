@@ -64,13 +64,14 @@ async def _read(process: asyncio.subprocess.Process, log: list[str], until: str 
 
 @asynccontextmanager
 async def cluster_gateway(
-    kube_api: Any, tokens_file: Path, token: str, *extra: str
+    kube_api: Any, tokens_file: Path, token: str, *extra: str, env: dict[str, str] | None = None
 ) -> AsyncIterator[Gateway]:
     port = free_port()
     env = {
         **kube_api.env(),
         "MCPFORGE_SESSION_NAMESPACE": kube_api.namespace,
         "MCPFORGE_KUBE_CONNECT": "pod-ip",
+        **(env or {}),
     }
     process = await asyncio.create_subprocess_exec(
         *(GATEWAY, "gateway", "--kubernetes", "--http", f"127.0.0.1:{port}"),

@@ -54,7 +54,7 @@ CLIENTS = "mcpforge.dev/clients"
 DEFAULT = "mcpforge.dev/default-session"  # "true" on a client's default session
 DEFAULT_PREFIX = "default-"  # + a hash of the owner: a default session's name
 DEFAULT_TRIES = 3
-PENDING_POLL = 0.01  # first pause while another replica's new session is Pending (doubles)
+SETTLE_POLL = 0.01  # first pause while a default session is new or going (then doubles)
 NAMESPACE = "default"  # local mode's; a cluster gateway's is settings.session_namespace
 STDIO = "stdio"
 
@@ -270,15 +270,14 @@ class SessionService:
         name = self.default_name(client)
         for _ in range(DEFAULT_TRIES):
             try:
-                session = await self.resolve(client, name)
-            except SessionNotFound:
+                session = await self._settled(await self.resolve(client, name))
+            except SessionNotFound:  # none, or it was being deleted and now is
                 try:
                     return await self.create(client, SessionRequest(name=name), default=True)
                 except InvalidSession as exc:
                     if exc.field != "name":
                         raise
                     continue  # another replica made it meanwhile: use that one
-            session = await self._wait_made(session)
             if session.status.get("phase") != st.FAILED:
                 return session
             await self._delete_quietly(session)
@@ -286,23 +285,34 @@ class SessionService:
             f"the default session {name!r} came and went {DEFAULT_TRIES} times; try again"
         )
 
-    async def _wait_made(self, session: KernelSession) -> KernelSession:
-        """The session once its creator (another replica, or a create of this one that
-        lost the race) has started making it: Pending is the state it was stored in,
-        before its kernel was asked for. Refreshing waits while the kernel starts."""
+    async def _settled(self, session: KernelSession) -> KernelSession:
+        """The session once it is neither new nor going: one another replica (or a create
+        of this one that lost the race) just stored is Pending, or has no phase before
+        the operator sees it, until its kernel is asked for (then refreshing waits while
+        it starts); one being deleted (a closed default session on a cluster, whose
+        deletion the operator finishes) is waited out: SessionNotFound once gone."""
         deadline = time.monotonic() + self.settings.kernel_ready_timeout
-        pause = PENDING_POLL
-        while session.status.get("phase") == st.PENDING:
+        pause = SETTLE_POLL
+        while True:
+            phase = session.status.get("phase")
+            going = phase == st.TERMINATING or bool(
+                session.body["metadata"].get("deletionTimestamp")
+            )
+            if not going and phase not in (None, st.PENDING):
+                return session
             if time.monotonic() > deadline:
                 raise SessionNotReady(
-                    f"session {session.name!r} stayed Pending for "
-                    f"{self.settings.kernel_ready_timeout:.0f}s: its creator went away?"
+                    f"session {session.name!r} stayed {phase or 'new'} for "
+                    f"{self.settings.kernel_ready_timeout:.0f}s"
                 )
-            session = await self.runtime.refresh(session)
-            if session.status.get("phase") == st.PENDING:  # its creator is between steps
+            before = (phase, going)
+            if going:
+                session = await self.runtime.get(session.name, session.namespace)
+            else:
+                session = await self.runtime.refresh(session)
+            if (session.status.get("phase"), going) == before:  # its maker is between steps
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 1.0)
-        return session
 
     async def cleanup(self) -> int:
         """The gateway stops: delete every session it created for clients, all at once
