@@ -67,6 +67,7 @@ QUOTA_LEASE = "mcpforge-quota-"
 RESERVATIONS = "mcpforge.dev/reservations"
 RATES = "mcpforge.dev/call-rates"
 CAS_TRIES = 20  # writes that lost a race to another writer, then the error is raised
+RATE_LEASES_MAX = 1024  # sessions' Leases remembered for code mode's rates
 
 
 def _micro_now() -> str:
@@ -90,6 +91,8 @@ class KubernetesRuntime:
         who = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
         self.identity = re.sub(r"[^A-Za-z0-9_.-]", "-", who)[:63].strip("-_.") or "gateway"
         self._renewed: dict[tuple[str, str], tuple[float, bool]] = {}
+        # Code mode's rates: each session's Lease as this gateway last wrote it.
+        self._rate_leases: dict[tuple[str, str], dict[str, Any]] = {}
         # Waits block a thread on a watch: their own threads, so a burst of creates never
         # starves the other API calls (which use the default executor).
         self._watchers = concurrent.futures.ThreadPoolExecutor(WATCHERS, "mcp-forge-watch")
@@ -110,6 +113,7 @@ class KubernetesRuntime:
         body = await asyncio.to_thread(self.kube.get, KIND, namespace, name)
         if body is None:
             self._renewed.pop((namespace, name), None)
+            self._rate_leases.pop((namespace, name), None)
             raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
         return self._load(body, namespace)
 
@@ -185,6 +189,7 @@ class KubernetesRuntime:
         if not await asyncio.to_thread(self.kube.delete, KIND, namespace, name):
             raise SessionNotFound(f"no KernelSession {name!r} in namespace {namespace!r}")
         self._renewed.pop((namespace, name), None)
+        self._rate_leases.pop((namespace, name), None)
 
     # ---- what replicas share: quota reservations, call rates ------------------------------
 
@@ -238,29 +243,40 @@ class KubernetesRuntime:
         return await asyncio.to_thread(self._count_call, session, server, per_minute)
 
     def _count_call(self, session: KernelSession, server: str, per_minute: int) -> bool:
-        lease = child_name(session)
+        # The write is tried on the Lease as this gateway last wrote it (one API call
+        # when no one else wrote since), and on the Lease read afresh after a conflict.
+        ns, lease = session.namespace, child_name(session)
+        body, fresh = self._rate_leases.get((ns, session.name)), False
         for _ in range(CAS_TRIES):
-            body = self.kube.get("Lease", session.namespace, lease)
-            if body is None:  # made by the operator with the pod: a session not started
-                log.warning("no Lease %s: the call of %s is not counted", lease, session.name)
-                return True
+            if body is None:
+                body, fresh = self.kube.get("Lease", ns, lease), True
+                if body is None:  # made by the operator with the pod: not started yet
+                    log.warning("no Lease %s: a call of %s is not counted", lease, session.name)
+                    return True
             meta = body["metadata"]
             rates = quota.load_rates((meta.get("annotations") or {}).get(RATES))
             counted = quota.count_call(rates, server, per_minute, now=time.time())
             if counted is None:
-                return False
+                if fresh:
+                    return False
+                body = None  # refused by what this gateway saw last: read it again
+                continue
             try:
-                self._write_annotation(session.namespace, lease, meta, RATES, json.dumps(counted))
+                body = self._write_annotation(ns, lease, meta, RATES, json.dumps(counted))
             except ApiError as exc:
                 if not exc.conflict:
                     raise
+                body = None
                 continue
+            if len(self._rate_leases) >= RATE_LEASES_MAX:
+                self._rate_leases.pop(next(iter(self._rate_leases)))
+            self._rate_leases[(ns, session.name)] = body
             return True
         raise ApiError(409, "Conflict", f"Lease {lease}: {CAS_TRIES} writes lost to others")
 
     def _write_annotation(
         self, namespace: str, lease: str, meta: dict[str, Any], key: str, value: str
-    ) -> None:
+    ) -> dict[str, Any]:
         """Set one annotation of the Lease `meta` was read from, if it is unchanged since
         (the resourceVersion in a patch is a precondition: 409 Conflict otherwise)."""
         patch = {
@@ -269,7 +285,7 @@ class KubernetesRuntime:
                 "annotations": {key: value},
             }
         }
-        self.kube.patch("Lease", namespace, lease, patch)
+        return self.kube.patch("Lease", namespace, lease, patch)
 
     # ---- the kernel ----------------------------------------------------------------------
 
