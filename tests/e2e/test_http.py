@@ -146,6 +146,19 @@ async def running_gateway(
 async def http_gateway(state_dir: Path, tmp_path_factory) -> AsyncIterator[HttpGateway]:
     async with running_gateway(state_dir, tmp_path_factory.mktemp("http")) as gw:
         yield gw
+    # Its clients' default sessions outlive it (test_sigterm_...): not the next module's.
+    await delete_sessions(state_dir, None)
+
+
+async def delete_sessions(state_dir: Path, names: set[str] | None) -> None:
+    """Delete these sessions (None: every client's default session)."""
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
+    from mcp_forge.settings import Settings
+
+    runtime = LocalRuntime(Settings(state_dir=state_dir))
+    for session in await runtime.list():
+        if session.name in names if names is not None else session.name.startswith("default-"):
+            await runtime.delete(session.name, session.namespace)
 
 
 @asynccontextmanager
@@ -162,13 +175,6 @@ async def connect(gw: HttpGateway, client: str, **headers: str) -> AsyncIterator
         ) as c,
     ):
         yield c
-
-
-async def delete_session(state_dir: Path, name: str) -> None:
-    from mcp_forge.runtimes.local.runtime import LocalRuntime
-    from mcp_forge.settings import Settings
-
-    await LocalRuntime(Settings(state_dir=state_dir)).delete(name)
 
 
 def text(result: Any) -> str:
@@ -345,7 +351,7 @@ async def test_sigterm_deletes_the_sessions_it_created_but_default_ones_and_exit
     left = await pods()
     assert made_pod not in left
     assert default_pod in left, "bob's default session was deleted with the gateway"
-    await delete_session(state_dir, default)
+    await delete_sessions(state_dir, {default})
     # The gateway's own pool went with it: no kernel of it is left.
     assert not [p for p in await pods() if p.startswith(f"mcpforge-default-{pool}-")]
 

@@ -24,27 +24,35 @@ pytestmark = pytest.mark.podman
 QUOTA = 3
 
 
+def new_tokens() -> dict[str, str]:
+    """Clients named afresh, a token each: a client's default session outlives the
+    gateways, and the store is the test run's (test_http.py's alice may have one)."""
+    return {f"{name}-{secrets.token_hex(4)}": secrets.token_urlsafe(24) for name in CLIENTS}
+
+
 @asynccontextmanager
 async def replicas(
     state_dir: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = None
-) -> AsyncIterator[tuple[HttpGateway, HttpGateway]]:
-    tokens = {name: secrets.token_urlsafe(24) for name in CLIENTS}
+) -> AsyncIterator[tuple[HttpGateway, HttpGateway, str]]:
+    """Two gateways on one store, with the same tokens; and the name of a client."""
+    tokens = new_tokens()
     async with (
         running_gateway(state_dir, tmp_path, *args, tokens=tokens, env=env) as one,
         running_gateway(state_dir, tmp_path, *args, tokens=tokens, env=env) as two,
     ):
-        yield one, two
+        yield one, two, next(iter(tokens))
 
 
 async def test_two_replicas_and_a_restarted_one_give_a_client_one_default_session(
     state_dir: Path, tmp_path: Path
 ) -> None:
-    tokens = {name: secrets.token_urlsafe(24) for name in CLIENTS}
+    tokens = new_tokens()
+    client = next(iter(tokens))
     async with running_gateway(state_dir, tmp_path, tokens=tokens) as one:
         async with (
             running_gateway(state_dir, tmp_path, tokens=tokens) as two,
-            connect(one, "alice") as via_one,
-            connect(two, "alice") as via_two,
+            connect(one, client) as via_one,
+            connect(two, client) as via_two,
         ):
             # First use on both replicas at once: they race to create it, one session comes.
             (sid, _), (other, _) = await asyncio.gather(
@@ -53,12 +61,12 @@ async def test_two_replicas_and_a_restarted_one_give_a_client_one_default_sessio
             assert sid == other, "two replicas made two default sessions"
             assert await value(via_two, "x + y") == (sid, "42")
         # Replica two stopped (SIGTERM): the session is there, with its variables.
-        async with connect(one, "alice") as via_one:
+        async with connect(one, client) as via_one:
             assert await value(via_one, "x + y") == (sid, "42")
     # Both stopped; a gateway started again gives alice the same kernel.
     async with (
         running_gateway(state_dir, tmp_path, tokens=tokens) as three,
-        connect(three, "alice") as alice,
+        connect(three, client) as alice,
     ):
         assert await value(alice, "x + y") == (sid, "42")
         closed = await alice.call_tool("close_session", {"session_id": sid})
@@ -73,9 +81,9 @@ async def test_concurrent_creates_on_two_replicas_never_exceed_the_quota(
 ) -> None:
     env = {"MCPFORGE_SESSIONS_PER_CLIENT_MAX": str(QUOTA)}
     async with (
-        replicas(state_dir, tmp_path, env=env) as (one, two),
-        connect(one, "bob") as via_one,
-        connect(two, "bob") as via_two,
+        replicas(state_dir, tmp_path, env=env) as (one, two, client),
+        connect(one, client) as via_one,
+        connect(two, client) as via_two,
     ):
         create = {"variant": "minimal"}
         # All but one place taken, then six creates at once, three on each replica: both
@@ -110,9 +118,9 @@ async def test_a_rate_limit_holds_across_replicas_and_a_cancelled_call(
     config = tmp_path / "mcp.json"
     config.write_text(json.dumps(upstream_config(tmp_path)))
     async with (
-        replicas(state_dir, tmp_path, "--mcp-config", str(config)) as (one, two),
-        connect(one, "alice") as via_one,
-        connect(two, "alice") as via_two,
+        replicas(state_dir, tmp_path, "--mcp-config", str(config)) as (one, two, client),
+        connect(one, client) as via_one,
+        connect(two, client) as via_two,
     ):
         made = await via_one.call_tool(
             "create_session",
