@@ -15,7 +15,13 @@ picks one, and claim a ready kernel of the gateway's pool when it serves their s
 cluster gateway given no pool picks, per session, one of the namespace's pools that
 serves it, the one with most ready kernels first: `kernelsessionpool.choose`); a
 client's shared group is its own (other clients' groups with the same name are
-different volumes). When the gateway stops, it deletes what it created.
+different volumes). When the gateway stops, it deletes what it created but HTTP clients'
+default sessions (`cleanup`).
+
+Nothing here lives only in this process, so gateway replicas (and a restarted gateway)
+agree: a client's default session is found by its name, derived from the client; the
+quota is a reservation the runtime counts with the client's sessions atomically
+(api/quota.py: a Lease per client on a cluster, the store locally).
 """
 
 from __future__ import annotations
