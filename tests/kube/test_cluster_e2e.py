@@ -504,3 +504,50 @@ async def test_install_packages_reaches_a_cluster_kernel_over_its_channels(
         assert denied.is_error and "PackageDenied: 'six'" in text(denied), text(denied)
         closed = await agent.call_tool("close_session", {"session_id": sid})
         assert not closed.is_error, text(closed)
+
+
+async def test_spec_packages_are_installed_by_the_gateway_in_a_cluster_kernel(
+    kube_api: Any, kube: Kube, images: dict[str, str], tmp_path: Path
+) -> None:
+    """The operator never speaks to kernels: the gateway's first connection installs
+    spec.packages (under its policy) before the agent's code runs; a refused one fails
+    that call, naming the package, and the session stays as it was."""
+    ns = kube_api.namespace
+
+    def declared(name: str, packages: list[str]) -> dict[str, Any]:
+        return {
+            "apiVersion": "mcpforge.dev/v1alpha1",
+            "kind": KS,
+            "metadata": {
+                "name": name,
+                "namespace": ns,
+                "annotations": {"mcpforge.dev/clients": "agent"},
+            },
+            "spec": {"image": images["minimal"], "packages": packages},
+        }
+
+    async with (
+        running_operator(kube),
+        cluster_gateway(kube_api, *agent_tokens(tmp_path), "--packages-deny", "six") as gw,
+        connect(gw) as agent,
+    ):
+        for body in (declared("pkgs", ["tabulate==0.9.0"]), declared("denied", ["six"])):
+            await asyncio.to_thread(kube.create, body)
+        for name in ("pkgs", "denied"):
+            await eventually(kube, KS, ns, name, lambda o: phase(o) == "Ready", timeout=60)
+        ran = await agent.call_tool(
+            "execute_code",
+            {"session_id": "pkgs", "code": "import tabulate; print(tabulate.__version__)"},
+        )
+        assert not ran.is_error and "0.9.0" in text(ran), text(ran)
+        restarted = await agent.call_tool("restart_kernel", {"session_id": "pkgs"})
+        assert not restarted.is_error, text(restarted)
+        again = await agent.call_tool(
+            "execute_code",
+            {"session_id": "pkgs", "code": "import tabulate; print(tabulate.__file__)"},
+        )
+        assert not again.is_error and "/workspace/.packages/" in text(again), text(again)
+        refused = await agent.call_tool("execute_code", {"session_id": "denied", "code": "1"})
+        assert refused.is_error and "PackageDenied: 'six'" in text(refused), text(refused)
+        for name in ("pkgs", "denied"):
+            await asyncio.to_thread(kube.delete, KS, ns, name)

@@ -218,6 +218,12 @@ class Gateway:
         except SessionNotReady as exc:
             # Code may have broken what the guard wraps; the gateway's own bounds still hold.
             log.warning("session %s runs without its output guard: %s", session.name, exc)
+        if session.spec.packages:
+            try:
+                await self.runtime.kernel_packages(session, conn)
+            except BaseException:
+                self._drop(handle)  # the next call tries again (a failure is named)
+                raise
         if session.spec.mcp_servers:
             try:
                 await self._attach_bridge(handle, session, conn)

@@ -15,6 +15,7 @@ from mcp_forge.api.connection import Address, ConnectionInfo
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.quota import Claim
 from mcp_forge.api.status import Termination
+from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.settings import Settings
 
 
@@ -84,6 +85,11 @@ class Runtime(Protocol):
         """Silent code the gateway runs in the session's kernel when it connects, before
         any of the agent's (claim_program: the env a kernel claimed from a pool was
         started without, and working files); None: nothing to give."""
+        ...
+
+    async def kernel_packages(self, session: KernelSession, conn: KernelConnection) -> None:
+        """spec.packages in a kernel the gateway has just connected to, unless it has them
+        (runtimes/packages.py): where the runtime does not install them at start."""
         ...
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:

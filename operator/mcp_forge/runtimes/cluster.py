@@ -52,6 +52,8 @@ from mcp_forge.errors import (
     SessionNotFound,
     SessionNotReady,
 )
+from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.runtimes import packages
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -400,6 +402,12 @@ class KubernetesRuntime:
         elif not session.spec.files:
             return None
         return ksp.claim_program(env, session.spec.files)
+
+    async def kernel_packages(self, session: KernelSession, conn: KernelConnection) -> None:
+        """The operator does not speak to kernels: the gateway that first connects to a
+        new one installs spec.packages (one round trip once they are there)."""
+        if session.spec.packages:
+            await packages.give_packages(session, conn, self.settings)
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return {}  # the metrics API is not asked: the gateway may not read pods

@@ -81,7 +81,8 @@ from mcp_forge.errors import (
 )
 from mcp_forge.image.kernel import missing_image_message
 from mcp_forge.jupyter.client import KernelConnection
-from mcp_forge.runtimes.local import packages, userns, volumes
+from mcp_forge.runtimes import packages
+from mcp_forge.runtimes.local import userns, volumes
 from mcp_forge.runtimes.local.containers import Containers, lifetime
 from mcp_forge.runtimes.local.pools import Pools
 from mcp_forge.runtimes.local.secrets import Secrets
@@ -583,7 +584,7 @@ class LocalRuntime:
 
     async def give_packages(self, session: KernelSession) -> None:
         """Install spec.packages in the session's running kernel, unless its workspace
-        has them (local/packages.py); nothing to do without spec.packages."""
+        has them (runtimes/packages.py); nothing to do without spec.packages."""
         if not session.spec.packages:
             return
         key = self.store.key(session.namespace, session.name)
@@ -593,6 +594,9 @@ class LocalRuntime:
             await packages.give_packages(session, conn, self.settings)
         finally:
             conn.close()
+
+    async def kernel_packages(self, session: KernelSession, conn: KernelConnection) -> None:
+        """Nothing: a local kernel has spec.packages before its session is Ready."""
 
     def mark_ready(self, session: KernelSession, message: str) -> None:
         self._patch(session, phase=st.READY, reason=st.KERNEL_READY, message=message)

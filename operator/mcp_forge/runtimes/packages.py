@@ -1,4 +1,8 @@
-"""spec.packages in local mode: every new kernel of a session has them before it is Ready.
+"""spec.packages: every new kernel of a session has them before it runs the agent's code.
+
+Local mode installs them before the session is Ready; on a cluster the gateway does,
+when it connects to a new kernel (the operator does not speak to kernels, and the
+kernel has no network), before the first call goes on.
 
 The host resolves and downloads the wheels under the package policy of its settings
 (image/packages.py: the gateway's --packages-* flags or MCPFORGE_PACKAGES_*), and the
