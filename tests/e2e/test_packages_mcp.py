@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,11 @@ import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp_types import TextContent
+
+from mcp_forge.api.kernelsession import requirement
+from mcp_forge.errors import PackageTooLarge
+from mcp_forge.image import packages
+from mcp_forge.settings import Settings
 
 pytestmark = pytest.mark.podman
 
@@ -129,3 +135,25 @@ async def test_denied_missing_oversized_and_malformed_packages_get_named_errors(
         assert await run(c, sid, "print(kept + 1)") == "42\n"
         listing = await c.call_tool("list_files", {"session_id": sid, "path": ".packages"})
         assert listing.is_error or listing.structured_content["entries"] == [], text(listing)
+
+
+@pytest.mark.parametrize("limit", ["file_max", "total_max"])
+async def test_a_download_past_the_limits_is_stopped_while_it_grows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str
+) -> None:
+    """numpy's wheel is about 16 MB: with a 2 MB limit pip is stopped as the file grows
+    past it (pip's cache is off, so the file does grow), and nothing is left."""
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    base = packages.PackagePolicy.of(Settings(state_dir=tmp_path))
+    policy = (
+        replace(base, file_max=2_000_000)
+        if limit == "file_max"
+        else replace(base, total_max=2_000_000)
+    )
+    dest = tmp_path / "wheels"
+    dest.mkdir()
+    with pytest.raises(PackageTooLarge) as raised:
+        await packages.download([requirement("numpy==2.2.6")], policy, dest)
+    assert "stopped while downloading" in str(raised.value), raised.value
+    assert "2000000" in str(raised.value), raised.value
+    assert list(dest.iterdir()) == []

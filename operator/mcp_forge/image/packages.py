@@ -20,11 +20,13 @@ The kernel then installs the wheels offline, without resolving again (`pip insta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import platform
 import re
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,7 @@ PACKAGES_DIR = ".packages"  # below the workspace: where the kernel installs pac
 REQUIREMENTS_MAX = 50  # requirement strings in one request
 REQUIREMENT_CHARS = 200  # characters of one requirement string
 _PIP_ENV = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+WATCH_INTERVAL = 0.1  # seconds between looks at what pip has written while it runs
 KERNEL_KIND = f"CPython {PYTHON_VERSION}, manylinux x86_64"  # what the wheels must fit
 _NOT_FOUND = re.compile(r"No matching distribution found for (\S+)")
 
@@ -160,33 +163,86 @@ def _pip_args(reqs: Sequence[Requirement], policy: PackagePolicy, dest: Path) ->
     return ["download", *common, "--only-binary=:all:", *target, "--dest", str(dest), "--", *names]
 
 
-async def _pip(args: list[str], timeout: float) -> tuple[int, str]:
-    """Run the host's pip; its exit code and stderr (stdout merged)."""
+async def _pip(args: list[str], policy: PackagePolicy, dest: Path) -> tuple[int, str]:
+    """Run the host's pip, watched (`_watch`); its exit code and stderr (stdout merged).
+
+    pip downloads each file into its temporary directory, then copies it to `dest`:
+    with TMPDIR a directory of ours, both are watched while it runs, so a download past
+    the policy's sizes is stopped as it grows, not found once it is complete."""
     if importlib.util.find_spec("pip") is None:
         raise PackageError(f"pip is not available to the gateway's Python ({sys.executable})")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "pip",
-        *args,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, **_PIP_ENV},
-        start_new_session=True,
-    )
-    try:
-        async with asyncio.timeout(timeout):
-            out, _ = await proc.communicate()
-    except TimeoutError:
-        await _stop(proc)
-        raise PackageError(
-            f"resolving and downloading took longer than {timeout:.0f}s; nothing was installed"
-        ) from None
-    except BaseException:
-        await _stop(proc)
-        raise
+    with tempfile.TemporaryDirectory(prefix="mcp-forge-pip-") as scratch:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "pip",
+            *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, **_PIP_ENV, "TMPDIR": scratch},
+            start_new_session=True,
+        )
+        ran = asyncio.ensure_future(proc.communicate())
+        watchdog = asyncio.ensure_future(_watch((Path(scratch), dest), policy))
+        try:
+            async with asyncio.timeout(policy.timeout):
+                await asyncio.wait((ran, watchdog), return_when=asyncio.FIRST_COMPLETED)
+            if not ran.done():
+                await _stop(proc)
+                raise PackageTooLarge(watchdog.result())
+        except TimeoutError:
+            await _stop(proc)
+            raise PackageError(
+                f"resolving and downloading took longer than {policy.timeout:.0f}s; "
+                "nothing was installed"
+            ) from None
+        except BaseException:
+            await _stop(proc)
+            raise
+        finally:
+            watchdog.cancel()
+            if not ran.done():
+                ran.cancel()
+            await asyncio.gather(ran, watchdog, return_exceptions=True)
+        out, _ = ran.result()
     return proc.returncode or 0, out.decode(errors="replace")
+
+
+async def _watch(dirs: Sequence[Path], policy: PackagePolicy) -> str:
+    """Why pip must stop, once what it has written passes the policy's sizes (a file,
+    or all together); looked at every WATCH_INTERVAL while it runs."""
+    while True:
+        await asyncio.sleep(WATCH_INTERVAL)  # a sample of a growing directory, not a wait
+        sizes = await asyncio.to_thread(_file_sizes, dirs)
+        for name, size in sizes:
+            if size > policy.file_max:
+                return (
+                    f"{name} is over {policy.file_max} bytes (stopped while downloading); "
+                    f"the limit for one file is {policy.file_max}"
+                )
+        total = sum(size for _, size in sizes)
+        if total > policy.total_max:
+            return (
+                f"the packages and their dependencies are over {policy.total_max} bytes "
+                f"together (stopped while downloading); the limit is {policy.total_max}"
+            )
+
+
+def _file_sizes(dirs: Sequence[Path]) -> list[tuple[str, int]]:
+    """Sizes of the files being downloaded: in `dest`, and in pip's download directories
+    in its TMPDIR (pip-unpack-*; not its build directories, where a source tree being
+    built into a wheel may be larger than the download)."""
+    scratch, dest = dirs
+    tops = [dest, *scratch.glob("pip-unpack-*")]
+    out = []
+    for top in tops:
+        for root, _, files in os.walk(top):
+            for name in files:
+                with contextlib.suppress(OSError):  # gone meanwhile: pip moved it
+                    st = os.lstat(os.path.join(root, name))
+                    out.append((name, st.st_size))
+    return out
 
 
 def _failure(output: str, policy: PackagePolicy) -> PackageError:
@@ -240,7 +296,7 @@ async def download(reqs: Sequence[Requirement], policy: PackagePolicy, dest: Pat
     before anything is fetched."""
     for req in reqs:
         policy.check_name(req.name)
-    code, output = await _pip(_pip_args(reqs, policy, dest), policy.timeout)
+    code, output = await _pip(_pip_args(reqs, policy, dest), policy, dest)
     if code != 0:
         raise _failure(output, policy)
     wheels = _wheels(dest, policy)
