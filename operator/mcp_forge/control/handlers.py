@@ -160,7 +160,11 @@ class Reconciler:
         self._running: set[asyncio.Task[None]] = set()
 
     def close(self) -> None:
-        self._calls.shutdown(cancel_futures=True)
+        # Calls already queued still run (each within the API client's timeouts), so a
+        # reconcile waiting on them in _at_once ends, and the loop's executor with it. Not
+        # cancel_futures: a future cancelled in the queue never wakes
+        # concurrent.futures.wait, and the operator hung at its stop.
+        self._calls.shutdown(wait=False)
         self.pools.tally.close()  # pending claim and miss counts written before the client goes
         self.kube.close()
 
