@@ -203,6 +203,79 @@ async def test_a_service_of_our_own_starts_answers_and_stops(tmp_path: Path) -> 
     assert not path.exists()
 
 
+async def test_a_service_of_our_own_lives_through_what_it_says_on_stderr(
+    tmp_path: Path, caplog
+) -> None:
+    """Podman (Go) dies of SIGPIPE if its stderr is a closed pipe when it writes there:
+    at debug level it writes for every request."""
+    binary = podman.podman_binary()
+    assert binary is not None
+    chatty = tmp_path / "podman"
+    chatty.write_text(f'#!/bin/sh\nexec {binary} --log-level=debug "$@"\n')
+    chatty.chmod(0o755)
+    path = Path("/run/mcp-forge") / f"test-{uuid.uuid4().hex[:8]}.sock"
+    caplog.set_level("DEBUG", logger="mcp_forge.clients.podman_api")
+    service = await podman_api.start_service(path, binary=str(chatty), timeout=120)
+    api = PodmanApi(path, timeout=30, owned=service)
+    try:
+        for _ in range(20):
+            assert await api.inspect_container(f"no-such-{uuid.uuid4().hex[:8]}") is None
+        assert service.proc.poll() is None
+        assert any("podman service:" in r.getMessage() for r in caplog.records)
+        assert service.last_lines()
+    finally:
+        api.close()
+
+
+async def test_a_service_of_our_own_that_dies_is_started_again_by_the_next_call() -> None:
+    binary = podman.podman_binary()
+    assert binary is not None
+    path = Path("/run/mcp-forge") / f"test-{uuid.uuid4().hex[:8]}.sock"
+    first = await podman_api.start_service(path, binary=binary, timeout=120)
+    api = PodmanApi(path, timeout=30, owned=first, binary=binary)
+    connects = 0
+    subscribed = asyncio.Event()
+
+    def on_connect() -> None:
+        nonlocal connects
+        connects += 1
+        subscribed.set()
+
+    async def resync() -> Event:
+        async for event in api.events(on_connect=on_connect):
+            if event.resync:
+                return event
+        raise AssertionError("the event stream ended")
+
+    heard = asyncio.ensure_future(resync())
+    try:
+        async with asyncio.timeout(30):
+            await subscribed.wait()
+        first.proc.kill()
+        await asyncio.to_thread(first.proc.wait, 30)
+        assert await api.inspect_container(f"no-such-{uuid.uuid4().hex[:8]}") is None
+        assert api.service is not first and api.service is not None
+        assert api.service.proc.poll() is None
+        async with asyncio.timeout(30):
+            await heard  # the event stream went on, on the new service
+        assert connects == 2
+    finally:
+        heard.cancel()
+        api.close()
+    assert api.service.proc.poll() is not None
+
+
+async def test_a_service_someone_else_runs_is_not_started_again() -> None:
+    path = Path("/run/mcp-forge") / f"test-{uuid.uuid4().hex[:8]}.sock"
+    api = PodmanApi(path, timeout=5, owned=None, binary=podman.podman_binary())
+    try:
+        with pytest.raises(PodmanError, match=str(path)):
+            await api.inspect_container("anything")
+        assert not path.exists()
+    finally:
+        api.close()
+
+
 async def test_a_service_that_cannot_start_says_why(tmp_path: Path) -> None:
     fake = tmp_path / "podman"
     fake.write_text("#!/bin/sh\necho 'no API service here' >&2\nexit 3\n")

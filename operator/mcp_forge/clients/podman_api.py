@@ -6,6 +6,10 @@ this process starts `podman system service --time=0 unix://…/podman-<pid>.sock
 waits for its sd_notify READY (no polling), and stops it when the process exits (atexit,
 and PR_SET_PDEATHSIG if the process dies without running atexit). One service per
 process, so two processes (a gateway and `mcp-forge apply`) never stop each other's.
+Its stderr is read for as long as it runs, each line into our log: Podman is a Go
+program, and Go exits on SIGPIPE when a write to its stderr finds the pipe closed (seen:
+the first warning it logged, a pod it could not remove, killed it). Should it die all the
+same, the next call that cannot reach it starts another on the same socket.
 
 podman-py is synchronous (requests): its calls run in a small thread pool of ours, one
 client per thread, never on the event loop. Its errors become PodmanError here.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -67,6 +72,8 @@ HEADERS_MAX = 100
 PING_TIMEOUT = 2.0  # a systemd socket that does not answer this fast is not used
 RECONNECT_FIRST = 0.1  # event stream: the first reconnect waits this long, doubling up to
 RECONNECT_MAX = 5.0
+SERVICE_LINE_MAX = 8 * 1024  # one line of our service's stderr; a longer one is split
+SERVICE_LINES_KEPT = 20  # its last lines, for the message if it dies or cannot start
 
 T = TypeVar("T")
 
@@ -120,12 +127,22 @@ class PodmanApi:
     Get the process's one instance with `await connect()`.
     """
 
-    def __init__(self, socket_path: Path, *, timeout: float, owned: Service | None) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        *,
+        timeout: float,
+        owned: Service | None,
+        binary: str | None = None,
+    ) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
         self.service = owned
+        self.binary = binary  # to start the owned service again should it die
         self._local = threading.local()
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="podman-api")
+        self._reviving: asyncio.Lock | None = None
+        self._closed = False
 
     # ---- plumbing --------------------------------------------------------------------------
 
@@ -143,14 +160,54 @@ class PodmanApi:
             try:
                 return fn(self._client())
             except podman.errors.APIError as exc:
-                status = exc.response.status_code if exc.response is not None else -1
+                if exc.response is None:  # not an answer: the service could not be reached
+                    cause = exc.__cause__ or exc
+                    raise PodmanError(
+                        ["API", what], -1, f"cannot reach {self.socket_path}: {cause}"
+                    ) from None
+                status = exc.response.status_code
                 raise PodmanError(["API", what], status, str(exc.explanation or exc)) from None
             except requests.RequestException as exc:
                 raise PodmanError(["API", what], -1, f"{self.socket_path}: {exc}") from None
 
-        return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        loop = asyncio.get_running_loop()
+        used = self.service
+        try:
+            return await loop.run_in_executor(self._pool, run)
+        except PodmanError as exc:
+            if exc.returncode != -1 or not await self.revive(used):
+                raise
+        return await loop.run_in_executor(self._pool, run)  # once, on the new service
+
+    async def revive(self, used: Service | None) -> bool:
+        """Start our service again if `used`, the one a call could not reach, has died;
+        True if a call should be tried again (on a new service, or one another caller
+        started meanwhile). Never for a service someone else runs. Runs on the event
+        loop's thread, as the first start did (PR_SET_PDEATHSIG).
+        """
+        if used is None or self.binary is None or self._closed:
+            return False
+        if self._reviving is None:
+            self._reviving = asyncio.Lock()
+        async with self._reviving:
+            if self.service is not used:
+                return True  # revived by another caller meanwhile
+            dead = used
+            if dead.proc.poll() is None:
+                return False  # alive: the call failed for another reason
+            log.warning(
+                "podman API service (pid %d) exited with %s; starting another. Its last lines: %s",
+                dead.proc.pid,
+                dead.proc.returncode,
+                " | ".join(dead.last_lines()) or "(none)",
+            )
+            self.service = await start_service(
+                self.socket_path, binary=self.binary, timeout=self.timeout
+            )
+            return True
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.service is not None:
             self.service.stop()
@@ -201,9 +258,16 @@ class PodmanApi:
             # 409: nothing runs in it any more; it is removed all the same.
             if r.status_code not in (200, 409):
                 r.raise_for_status()
-            r = c.api.delete(f"/pods/{quoted}", params={"force": True})
-            if r.status_code == 404:
-                return False
+            # As the CLI (runtime.py's _remove_pod): the container's /dev/shm may still
+            # be busy while its processes die, and the pod is left half removed; a second
+            # delete finishes it.
+            for attempt in (1, 2, 3):
+                r = c.api.delete(f"/pods/{quoted}", params={"force": True})
+                if r.status_code == 404:
+                    return attempt > 1  # gone by the first delete, half done
+                if r.status_code < 400 or "resource busy" not in r.text or attempt == 3:
+                    break
+                log.warning("podman failed removing pod %s (%s); again", name, r.text[-200:])
             r.raise_for_status()
             return True
 
@@ -276,11 +340,15 @@ class PodmanApi:
         delay = RECONNECT_FIRST
         first = True
         while True:
+            used = self.service
             try:
                 reader, writer = await asyncio.open_unix_connection(
                     str(self.socket_path), limit=EVENT_LINE_MAX
                 )
             except OSError as exc:
+                with contextlib.suppress(PodmanError):
+                    if await self.revive(used):
+                        continue
                 log.warning("podman events: cannot connect (%s); again in %.1fs", exc, delay)
                 await asyncio.sleep(delay)  # a backoff, not a wait for something
                 delay = min(delay * 2, RECONNECT_MAX)
@@ -386,11 +454,46 @@ def _quote(name: str) -> str:
 
 
 class Service:
-    """A `podman system service` this process started and owns."""
+    """A `podman system service` this process started and owns.
+
+    A thread reads its stderr until it exits, each line into our log (Podman's warnings
+    and errors at that level, the rest at debug), and keeps the last few for an error
+    message: an unread pipe would fill and block it, a closed one kill it (SIGPIPE).
+    """
 
     def __init__(self, proc: subprocess.Popen[bytes], socket_path: Path) -> None:
         self.proc = proc
         self.socket_path = socket_path
+        self._last: collections.deque[str] = collections.deque(maxlen=SERVICE_LINES_KEPT)
+        self._reader = threading.Thread(
+            target=self._read_stderr, name=f"podman-service-{proc.pid}", daemon=True
+        )
+        self._reader.start()
+
+    def _read_stderr(self) -> None:
+        stream = self.proc.stderr
+        assert stream is not None
+        with stream:
+            while line := stream.readline(SERVICE_LINE_MAX):
+                text = line.decode(errors="replace").rstrip()
+                if not text:
+                    continue
+                self._last.append(text)
+                level = (
+                    logging.ERROR
+                    if "level=error" in text or "level=fatal" in text
+                    else logging.WARNING
+                    if "level=warn" in text
+                    else logging.DEBUG
+                )
+                log.log(level, "podman service: %s", text)
+
+    def last_lines(self, *, wait: float = 0.0) -> list[str]:
+        """Its last lines on stderr; `wait` for the reader to reach the end first (once
+        the process has exited)."""
+        if wait:
+            self._reader.join(wait)
+        return list(self._last)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -495,16 +598,14 @@ async def start_service(socket_path: Path, *, binary: str, timeout: float) -> Se
         notify.close()
         with contextlib.suppress(FileNotFoundError):
             socket_path.with_suffix(".notify").unlink()
-    assert proc.stderr is not None
     if outcome != "ready":
         service.stop()
-        stderr = proc.stderr.read(4000).decode(errors="replace")
+        said = " | ".join(service.last_lines(wait=5.0))
         raise PodmanError(
             ["system", "service", f"unix://{socket_path}"],
             proc.returncode if proc.returncode is not None else -1,
-            f"the Podman API service did not start ({outcome}): {stderr}",
+            f"the Podman API service did not start ({outcome}): {said}",
         )
-    proc.stderr.close()  # nothing reads it from now on; a full pipe must not block it
     return service
 
 
@@ -550,7 +651,7 @@ async def _connect(settings: Settings | None) -> PodmanApi:
             raise PodmanError(["system", "service"], 127, "podman is not installed")
         path = runtime_dir(settings) / f"podman-{os.getpid()}.sock"
         service = await start_service(path, binary=binary, timeout=settings.podman_timeout)
-        api = PodmanApi(path, timeout=settings.podman_timeout, owned=service)
+        api = PodmanApi(path, timeout=settings.podman_timeout, owned=service, binary=binary)
         atexit.register(api.close)
     _shared = api
     return api
