@@ -65,9 +65,12 @@ async def make_pool(runtime: Any, images: dict[str, str]) -> AsyncIterator[PoolF
     the test made from them afterwards."""
     made: list[str] = []
 
-    async def make(size: int = 2, **template: Any) -> str:
+    async def make(size: int = 2, max_size: int | None = None, **template: Any) -> str:
         name = f"p{uuid.uuid4().hex[:8]}"
-        await runtime.pools.apply(pool_body(name, images["minimal"], size, **template))
+        body = pool_body(name, images["minimal"], size, **template)
+        if max_size is not None:
+            body["spec"]["maxSize"] = max_size
+        await runtime.pools.apply(body)
         made.append(name)
         return name
 
@@ -181,6 +184,42 @@ async def test_concurrent_claims_never_share_a_kernel_and_the_extra_one_starts_c
     assert len({runtime.store.key(s.namespace, s.name) for s in sessions}) == 3
     cold = next(s for s in sessions if warm_start(s)["reason"] == ksp.POOL_EXHAUSTED)
     assert "had no ready kernel" in warm_start(cold)["message"]
+
+
+async def test_a_pool_at_its_maximum_keeps_fewer_ready_and_refills_when_a_claim_goes(
+    runtime: Any, make_pool: PoolFactory, claims: Any
+) -> None:
+    name = await make_pool(size=1, max_size=2)
+
+    def counts() -> tuple[int, int, int, str, str]:
+        pool = runtime.pools.get(name)
+        status = pool.body["status"]
+        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        members = len(runtime.pools.members(pool))
+        return status["ready"], status["claimed"], members, ready["reason"], ready["message"]
+
+    first = await claims(name)
+    await runtime.pools.fill(runtime.pools.get(name))
+    assert counts() == (1, 1, 1, "Filled", "1 of 1 kernels ready")  # 1 claimed + 1 ready
+    second = await claims(name)
+    assert warm_start(second)["reason"] == ksp.CLAIMED
+    await runtime.pools.fill(runtime.pools.get(name))
+    assert counts() == (
+        0,
+        2,
+        0,
+        ksp.AT_MAXIMUM,
+        "0 of 1 kernels ready: at its maximum of 2 (2 claimed)",
+    )
+    third = await claims(name)
+    assert warm_start(third)["reason"] == ksp.POOL_EXHAUSTED
+    assert third.status["phase"] == "Ready"  # cold, and served all the same
+
+    runtime.pools.wanted.clear()
+    await runtime.delete(first.name)
+    assert runtime.pools.wanted.is_set()  # the gateway's keeper refills now, not later
+    await runtime.pools.fill(runtime.pools.get(name))
+    assert counts() == (1, 1, 1, "Filled", "1 of 1 kernels ready")
 
 
 @pytest.mark.parametrize(

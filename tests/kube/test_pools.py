@@ -14,12 +14,14 @@ import threading
 from typing import Any
 
 import kubernetes
+import pytest
 
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
 from mcp_forge.control.pools import PoolKeeper, Tally
 from mcp_forge.control.render import LABEL_SESSION, TEMPLATE_HASH
+from mcp_forge.errors import ApiError
 from mcp_forge.settings import Settings
 
 from .conftest import KubeAPI
@@ -204,6 +206,44 @@ async def test_two_claims_at_once_never_share_a_kernel(
         assert secret is not None, name
         keys.add(key_in(secret))
     assert len(keys) == 3
+
+
+async def test_a_pool_at_its_maximum_keeps_fewer_ready_and_refills_when_a_claim_goes(
+    kube: Kube, ns: str, operator: Any, images: dict[str, str]
+) -> None:
+    bad = pool_body("capped", ns, 2, images["minimal"])
+    bad["spec"]["maxSize"] = 1
+    with pytest.raises(ApiError, match=r"spec\.maxSize must be at least spec\.size"):
+        await asyncio.to_thread(kube.create, bad)  # the API server's own check (CEL)
+    body = pool_body("capped", ns, 1, images["minimal"])
+    body["spec"]["maxSize"] = 2
+    await asyncio.to_thread(kube.create, body)
+    await filled(kube, ns, "capped", 1)
+
+    async def claim(name: str) -> dict[str, Any]:
+        spec = {"image": images["minimal"], "resources": SMALL, "poolRef": {"name": "capped"}}
+        await asyncio.to_thread(kube.create, session_body(name, ns, **spec))
+        return await ready(kube, ns, name)
+
+    assert condition(await claim("first"), ksp.WARM_START)["reason"] == ksp.CLAIMED
+    await filled(kube, ns, "capped", 1, claimed=1)  # 1 claimed + 1 ready: the maximum
+    assert condition(await claim("second"), ksp.WARM_START)["reason"] == ksp.CLAIMED
+    pool = await filled(kube, ns, "capped", 0, claimed=2)
+    at_max = condition(pool, "Ready")
+    assert (at_max["status"], at_max["reason"]) == ("True", ksp.AT_MAXIMUM)
+    assert "at its maximum of 2 (2 claimed)" in at_max["message"]
+    assert await members(kube, ns, "capped") == []
+    assert condition(await claim("third"), ksp.WARM_START)["reason"] == ksp.POOL_EXHAUSTED
+
+    # A claimed kernel going brings the pool back under its maximum: it refills at once
+    # (the pod's deletion is heard), well before its periodic resync (60 s).
+    await asyncio.to_thread(kube.delete, KS, ns, "first")
+
+    def refilled(o: dict[str, Any] | None) -> bool:
+        status = (o or {}).get("status") or {}
+        return (status.get("ready"), status.get("claimed")) == (1, 1)
+
+    await eventually(kube, POOL, ns, "capped", refilled, timeout=45, what="refilled")
 
 
 async def test_a_session_the_pool_cannot_serve_starts_cold_and_says_why(

@@ -61,6 +61,8 @@ def test_defaults_are_applied_and_the_template_defaults_to_a_default_session() -
         ({"template": {"resources": {"memory": "32Mi"}}}, "spec.template.resources.memory", "64"),
         ({"template": {"env": []}}, "spec.template.env", "unknown field"),
         ({"replicas": 2}, "replicas", "unknown field"),
+        ({"maxSize": 1}, "spec.maxSize", "at least spec.size (2), got 1"),
+        ({"maxSize": 0}, "spec.maxSize", "minimum"),
     ],
 )
 def test_a_bad_pool_is_refused_naming_the_field(
@@ -72,6 +74,36 @@ def test_a_bad_pool_is_refused_naming_the_field(
         ksp.validate(body)
     assert caught.value.field is not None and caught.value.field.endswith(field)
     assert says in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("size", "max_size", "claimed", "wanted"),
+    [
+        (3, None, 50, 3),  # no maximum: claims change nothing
+        (3, 10, 0, 3),
+        (3, 10, 7, 3),  # 7 + 3 = 10: still room for all three
+        (3, 10, 8, 2),
+        (3, 10, 10, 0),
+        (3, 10, 12, 0),  # lowered below what is claimed
+    ],
+)
+def test_a_maximum_counts_claimed_kernels_against_the_ready_ones(
+    size: int, max_size: int | None, claimed: int, wanted: int
+) -> None:
+    extra = {"maxSize": max_size} if max_size else {}
+    loaded = ksp.load(ksp.validate(pool(size=size, **extra)))
+    assert loaded.wanted(claimed) == wanted
+    ok, reason, message = loaded.condition(wanted, claimed)  # as many ready as wanted
+    assert ok
+    if wanted < size:
+        assert reason == ksp.AT_MAXIMUM
+        assert (
+            message == f"{wanted} of {size} kernels ready: at its maximum of 10 ({claimed} claimed)"
+        )
+    else:
+        assert (reason, message) == ("Filled", f"{size} of {size} kernels ready")
+    if wanted:
+        assert loaded.condition(wanted - 1, claimed)[:2] == (False, "Filling")
 
 
 def test_a_pool_name_leaves_room_for_its_kernels_names() -> None:

@@ -50,6 +50,8 @@ POOL_NOT_FOUND = "PoolNotFound"
 POOL_MISMATCH = "PoolMismatch"
 POOL_EXHAUSTED = "PoolExhausted"
 CLAIM_FAILED = "ClaimFailed"
+# Condition Ready of a pool holding fewer than `size` ready because of its maxSize.
+AT_MAXIMUM = "AtMaximum"
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,28 @@ class KernelSessionPool:
     uid: str
     size: int
     max_starting: int
+    max_size: int | None  # ready, starting and claimed together; None: no limit
     template: dict[str, Any]  # image, resources, workspace, network, defaults applied
     body: dict[str, Any]
+
+    def wanted(self, claimed: int) -> int:
+        """Kernels to keep ready (or starting) while `claimed` of its kernels are claimed."""
+        if self.max_size is None:
+            return self.size
+        return max(0, min(self.size, self.max_size - claimed))
+
+    def condition(self, ready: int, claimed: int) -> tuple[bool, str, str]:
+        """Its Ready condition (status, reason, message) with `ready` kernels ready and
+        `claimed` claimed; not for a pool whose kernels failed to start."""
+        wanted = self.wanted(claimed)
+        counted = f"{ready} of {self.size} kernels ready"
+        if wanted < self.size and ready >= wanted:
+            return (
+                True,
+                AT_MAXIMUM,
+                f"{counted}: at its maximum of {self.max_size} ({claimed} claimed)",
+            )
+        return ready >= self.size, "Filled" if ready >= self.size else "Filling", counted
 
     @property
     def template_hash(self) -> str:
@@ -89,6 +111,12 @@ def validate(obj: Any, *, default_namespace: str = "default") -> dict[str, Any]:
         field = exc.field or ""
         text = str(exc).removeprefix(f"{field}: ")
         raise InvalidSession(text, field=field.replace("spec.", "spec.template.", 1)) from None
+    pool_spec = body["spec"]
+    if "maxSize" in pool_spec and int(pool_spec["maxSize"]) < int(pool_spec["size"]):
+        raise InvalidSession(
+            f"must be at least spec.size ({pool_spec['size']}), got {pool_spec['maxSize']}",
+            field="spec.maxSize",
+        )
     if spec.persistent:
         raise InvalidSession(
             "a pooled kernel cannot have a persistent workspace (a claim is a session's own): "
@@ -107,6 +135,7 @@ def load(body: dict[str, Any]) -> KernelSessionPool:
         uid=meta.get("uid", ""),
         size=int(spec["size"]),
         max_starting=int(spec.get("maxStarting", 2)),
+        max_size=int(spec["maxSize"]) if spec.get("maxSize") is not None else None,
         template=template,
         body=body,
     )

@@ -54,7 +54,7 @@ from mcp_forge.control.lifecycle import (
     stop_of,
 )
 from mcp_forge.control.pods import Observation, observe
-from mcp_forge.control.pools import Claim, PoolKeeper, Seen
+from mcp_forge.control.pools import LABEL_CLAIMED_FROM, Claim, PoolKeeper, Seen
 from mcp_forge.control.render import (
     LABEL_COMPONENT,
     LABEL_SESSION,
@@ -792,14 +792,15 @@ async def pool_event(*, type: str, name: str, namespace: str | None, memo: Any, 
     "",
     "v1",
     "pods",
-    labels={
-        "app.kubernetes.io/managed-by": MANAGED_BY,
-        LABEL_COMPONENT: "kernel",
-        ksp.LABEL_POOL: kopf.PRESENT,
-    },
+    labels={"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_COMPONENT: "kernel"},
 )
 async def pool_kernel_event(
-    *, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
+    *, type: str, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
 ) -> None:
-    """A pool's kernel changed (started, answered, died, went): look at its pool now."""
-    _reconciler(memo).poke(namespace or "default", labels[ksp.LABEL_POOL], kind=POOL)
+    """A pool's kernel changed (started, answered, died, went): look at its pool now.
+    So too when a kernel claimed from a pool went: a pool at its maximum may start one."""
+    pool = labels.get(ksp.LABEL_POOL)
+    if pool is None and type == "DELETED":
+        pool = labels.get(LABEL_CLAIMED_FROM)
+    if pool is not None:
+        _reconciler(memo).poke(namespace or "default", pool, kind=POOL)

@@ -243,7 +243,7 @@ class PoolKeeper:
             spec_only = {k: v for k, v in body.items() if k != "status"}
             pool = ksp.load(ksp.validate(spec_only, default_namespace=namespace))
         except InvalidSession as exc:
-            self._write_status(body, None, None, error=("InvalidSpec", str(exc)))
+            self._write_status(body, None, None, 0, error=("InvalidSpec", str(exc)))
             return None
         pods = self.kube.list("Pod", namespace, labels={ksp.LABEL_POOL: name}).get("items") or []
         members = []
@@ -254,8 +254,12 @@ class PoolKeeper:
                 continue
             members.append(self._member(pool, pod))
         self._collect_secrets(pool, {p["metadata"]["name"] for p in pods})
+        claimed = self._claimed(pool)
         todo = plan(
-            members, size=pool.size, max_starting=pool.max_starting, template=pool.template_hash
+            members,
+            size=pool.wanted(claimed),
+            max_starting=pool.max_starting,
+            template=pool.template_hash,
         )
         for member in todo.delete:
             self._delete_member(pool, member)
@@ -268,11 +272,16 @@ class PoolKeeper:
                 error = ("KernelStartFailed", str(exc))
                 log.warning("pool %s/%s could not start a kernel: %s", namespace, name, exc)
                 break
-        self._write_status(body, pool, todo, error=error)
+        self._write_status(body, pool, todo, claimed, error=error)
         self.tally.flush(namespace, name)
         if todo.starting or todo.delete or error:
             return STARTING_RECHECK
         return self.settings.operator_resync
+
+    def _claimed(self, pool: KernelSessionPool) -> int:
+        """Its kernels claimed by sessions that still hold them."""
+        pods = self.kube.list("Pod", pool.namespace, labels={LABEL_CLAIMED_FROM: pool.name})
+        return sum(1 for p in pods.get("items") or [] if not p["metadata"].get("deletionTimestamp"))
 
     @staticmethod
     def _member(pool: KernelSessionPool, pod: dict[str, Any]) -> Member:
@@ -394,6 +403,7 @@ class PoolKeeper:
         body: dict[str, Any],
         pool: KernelSessionPool | None,
         todo: Plan | None,
+        claimed: int,
         *,
         error: tuple[str, str] | None,
     ) -> None:
@@ -401,32 +411,22 @@ class PoolKeeper:
         generation = int(meta.get("generation") or 1)
         old = body.get("status") or {}
         status: dict[str, Any] = {"observedGeneration": generation}
-        ready = todo.ready if todo is not None else 0
-        size = pool.size if pool is not None else 0
         if pool is not None and todo is not None:
-            claimed = (
-                self.kube.list(
-                    "Pod", meta["namespace"], labels={LABEL_CLAIMED_FROM: pool.name}
-                ).get("items")
-                or []
-            )
             status.update(
                 templateHash=pool.template_hash,
                 ready=todo.ready,
                 starting=todo.starting,
-                claimed=sum(1 for p in claimed if not p["metadata"].get("deletionTimestamp")),
+                claimed=claimed,
             )
-        if error is not None:
-            reason, message = error
-        elif ready >= size:
-            reason, message = "Filled", f"{ready} of {size} kernels ready"
+        if error is not None or pool is None or todo is None:
+            ok, (reason, message) = False, error or ("InvalidSpec", "")
         else:
-            reason, message = "Filling", f"{ready} of {size} kernels ready"
+            ok, reason, message = pool.condition(todo.ready, claimed)
         status["conditions"] = [
             st.condition(
                 old.get("conditions"),
                 "Ready",
-                error is None and ready >= size,
+                ok,
                 reason,
                 message,
                 generation=generation,

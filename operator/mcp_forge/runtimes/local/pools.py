@@ -176,11 +176,12 @@ class Pools:
                 failed = [m for m in fresh if m.status.get("phase") in st.STUCK]
                 ready = [m for m in fresh if m.status.get("phase") == st.READY]
                 starting = [m for m in fresh if m.status.get("phase") in st.IN_PROGRESS]
+                size = pool.wanted(self._claimed(pool))
                 # Kernels of an older template go as new ones answer; extras (a smaller
-                # size) go too, the newest first.
-                drop = failed + stale[: max(0, len(ready) + len(stale) - pool.size)]
-                drop += list(reversed(ready))[: max(0, len(ready) - pool.size)]
-                missing = pool.size - len(ready) - len(starting)
+                # size, or claims bringing it to its maximum) go too, the newest first.
+                drop = failed + stale[: max(0, len(ready) + len(stale) - size)]
+                drop += list(reversed(ready))[: max(0, len(ready) - size)]
+                missing = size - len(ready) - len(starting)
                 start = max(0, min(missing, pool.max_starting - len(starting)))
                 self._write_status(pool, starting=start)
                 if not drop and not start:
@@ -245,22 +246,34 @@ class Pools:
         finally:
             os.close(fd)
 
+    def _claimed(self, pool: KernelSessionPool, bodies: list[dict[str, Any]] | None = None) -> int:
+        """Sessions that hold a kernel claimed from the pool now (a suspended one's pod is
+        gone: it does not, as on a cluster)."""
+        return sum(
+            1
+            for b in (self.store.list(pool.namespace) if bodies is None else bodies)
+            if (b["metadata"].get("annotations") or {}).get(ksp.ANNOTATION_CLAIMED_FROM)
+            == pool.name
+            and not (b["metadata"].get("labels") or {}).get(ksp.LABEL_POOL)
+            and (b.get("status") or {}).get("phase") != st.SUSPENDED
+        )
+
     def _write_status(
         self, pool: KernelSessionPool, *, starting: int = 0, error: str | None = None
     ) -> None:
         """Count the pool's kernels into its status (`starting`: about to be started)."""
         bodies = self.store.list(pool.namespace)
-        claimed = ready = 0
+        ready = 0
         for b in bodies:
             meta, phase = b["metadata"], (b.get("status") or {}).get("phase")
-            labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
-            if labels.get(ksp.LABEL_POOL) == pool.name:
-                if labels.get(ksp.LABEL_TEMPLATE) != pool.template_hash:
-                    continue
+            labels = meta.get("labels") or {}
+            if (
+                labels.get(ksp.LABEL_POOL) == pool.name
+                and labels.get(ksp.LABEL_TEMPLATE) == pool.template_hash
+            ):
                 ready += phase == st.READY
                 starting += phase in st.IN_PROGRESS
-            elif annotations.get(ksp.ANNOTATION_CLAIMED_FROM) == pool.name:
-                claimed += 1
+        claimed = self._claimed(pool, bodies)
         patch: dict[str, Any] = {
             "observedGeneration": pool.body["metadata"].get("generation", 1),
             "templateHash": pool.template_hash,
@@ -269,13 +282,16 @@ class Pools:
             "starting": starting,
         }
         old = (pool.body.get("status") or {}).get("conditions")
+        ok, reason, message = (
+            (False, "KernelStartFailed", error[:1000]) if error else pool.condition(ready, claimed)
+        )
         patch["conditions"] = [
             st.condition(
                 old,
                 "Ready",
-                error is None and ready >= pool.size,
-                "KernelStartFailed" if error else ("Filled" if ready >= pool.size else "Filling"),
-                error[:1000] if error else f"{ready} of {pool.size} kernels ready",
+                ok,
+                reason,
+                message,
                 generation=int(pool.body["metadata"].get("generation", 1)),
                 now=st.stamp(),
             )

@@ -702,6 +702,8 @@ class LocalRuntime:
             self._retain(session)
         self.store.delete(session.namespace, session.name)
         await asyncio.to_thread(shutil.rmtree, self._dir(session), True)
+        if ksp.ANNOTATION_CLAIMED_FROM in (session.body["metadata"].get("annotations") or {}):
+            self.pools.wanted.set()  # a pool at its maximum may start one again
 
     def _retained(self, session: KernelSession) -> Path:
         """Where a workspace kept after its session (reclaimPolicy Retain) waits for the
