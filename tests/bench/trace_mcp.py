@@ -7,7 +7,8 @@ timestamps taken where the SDK reads a request line, where the tool starts and e
 where the answer line is written, and in the gateway, around the kernel's round trip
 (KernelConnection.pump). The client takes its own before and after the call. All are
 CLOCK_MONOTONIC (time.perf_counter), one clock for both processes. Calls alternate, so
-load falls on both tools alike. Printed: the median of each stage, in ms.
+load falls on both tools alike. Printed: the median of each stage, in ms, then of
+execute_code's parts in the gateway (each the sum of its spans within a call).
 
 A stage both tools have costs both the same: what execute_code costs beyond the kernel
 is its body minus the round trip, against list_sessions' body (which is not empty: it
@@ -40,6 +41,42 @@ STAGES = (
     "tool end -> line written",
     "line written -> client",
     "total",
+)
+
+
+def _tools() -> Any:
+    from mcp_forge.gateway.mcp import tools
+
+    return tools
+
+
+def _tools_class() -> Any:
+    return _tools().Tools
+
+
+def _gateway() -> Any:
+    from mcp_forge.gateway.core import Gateway
+
+    return Gateway
+
+
+def _connection() -> Any:
+    from mcp_forge.jupyter.client import KernelConnection
+
+    return KernelConnection
+
+
+# execute_code's parts, each timed where it runs (the sum of its spans within a call):
+# (what holds it, its name, its label).
+PARTS: tuple[tuple[Callable[[], Any], str, str], ...] = (
+    (_tools_class, "_session_for", "resolving the session"),
+    (_tools, "execution_result", "building the result"),
+    (_gateway, "execute", "Gateway.execute"),
+    (_gateway, "_connect", "  its connection check"),
+    (_gateway, "_record_activity", "  recording activity"),
+    (_connection, "before_request", "  checking the channels"),
+    (_connection, "send_execute", "  signing and sending"),
+    (_connection, "pump", "  the kernel round trip"),
 )
 
 
@@ -103,9 +140,27 @@ def serve(out: str) -> None:
 
         setattr(owner, name, wrapper)
 
+    def timed_sync(owner: Any, name: str, label: str) -> None:
+        fn: Callable[..., Any] = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            events.append((label + " start", time.perf_counter()))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                events.append((label + " end", time.perf_counter()))
+
+        setattr(owner, name, wrapper)
+
     timed(tools.Tools, "execute_code", "execute_code")
     timed(tools.Tools, "list_sessions", "list_sessions")
     timed(client.KernelConnection, "pump", "pump")
+    for owner, name, label in PARTS:
+        if asyncio.iscoroutinefunction(getattr(owner(), name)):
+            timed(owner(), name, label)
+        else:
+            timed_sync(owner(), name, label)
 
     from mcp_forge.cli import main
 
@@ -186,6 +241,18 @@ def report(runs: int, calls: list[tuple[str, float, float]], events_file: str) -
     kernel = stages[("execute_code", "  of which the kernel round trip")]
     own = statistics.median(b - k for b, k in zip(body, kernel, strict=True)) * 1000
     print(f"{'execute_code body - kernel round trip':36}{own:>14.3f}")
+    print("execute_code's parts:")
+    executes = [(t0, t5) for tool, t0, t5 in calls if tool == "execute_code"]
+    for _, _, label in PARTS:
+        spans = [
+            sum(
+                first(label + " end", s, t5) - s
+                for w, s in events
+                if w == label + " start" and t0 < s < t5
+            )
+            for t0, t5 in executes
+        ]
+        print(f"  {label:34}{statistics.median(spans) * 1000:>14.3f}")
     print(
         f"{'the same kernel, from this process':36}{statistics.median(direct) * 1000:>14.3f}"
         "  (KernelConnection, as the gateway's; interleaved)"
