@@ -227,42 +227,50 @@ async def test_a_service_of_our_own_lives_through_what_it_says_on_stderr(
         api.close()
 
 
-async def test_a_service_of_our_own_that_dies_is_started_again_by_the_next_call() -> None:
+async def test_a_service_of_our_own_that_dies_is_started_again_by_a_call_then_by_events() -> None:
     binary = podman.podman_binary()
     assert binary is not None
     path = Path("/run/mcp-forge") / f"test-{uuid.uuid4().hex[:8]}.sock"
     first = await podman_api.start_service(path, binary=binary, timeout=120)
     api = PodmanApi(path, timeout=30, owned=first, binary=binary)
-    connects = 0
-    subscribed = asyncio.Event()
-
-    def on_connect() -> None:
-        nonlocal connects
-        connects += 1
-        subscribed.set()
-
-    async def resync() -> Event:
-        async for event in api.events(on_connect=on_connect):
-            if event.resync:
-                return event
-        raise AssertionError("the event stream ended")
-
-    heard = asyncio.ensure_future(resync())
+    heard: asyncio.Future[Event] | None = None
     try:
-        async with asyncio.timeout(30):
-            await subscribed.wait()
+        # A call, with nothing else running: it finds the service dead and starts another.
         first.proc.kill()
         await asyncio.to_thread(first.proc.wait, 30)
         assert await api.inspect_container(f"no-such-{uuid.uuid4().hex[:8]}") is None
-        assert api.service is not first and api.service is not None
-        assert api.service.proc.poll() is None
+        second = api.service
+        assert second is not None and second is not first and second.proc.poll() is None
+
+        # The event stream, alone: it reconnects to a service it starts, and says resync.
+        connects = 0
+        subscribed = asyncio.Event()
+
+        def on_connect() -> None:
+            nonlocal connects
+            connects += 1
+            subscribed.set()
+
+        async def resync() -> Event:
+            async for event in api.events(on_connect=on_connect):
+                if event.resync:
+                    return event
+            raise AssertionError("the event stream ended")
+
+        heard = asyncio.ensure_future(resync())
         async with asyncio.timeout(30):
-            await heard  # the event stream went on, on the new service
+            await subscribed.wait()
+        second.proc.kill()
+        async with asyncio.timeout(30):
+            await heard
         assert connects == 2
+        third = api.service
+        assert third is not None and third is not second and third.proc.poll() is None
     finally:
-        heard.cancel()
+        if heard is not None:
+            heard.cancel()
         api.close()
-    assert api.service.proc.poll() is not None
+    assert api.service is not None and api.service.proc.poll() is not None
 
 
 async def test_a_service_someone_else_runs_is_not_started_again() -> None:

@@ -72,6 +72,7 @@ HEADERS_MAX = 100
 PING_TIMEOUT = 2.0  # a systemd socket that does not answer this fast is not used
 RECONNECT_FIRST = 0.1  # event stream: the first reconnect waits this long, doubling up to
 RECONNECT_MAX = 5.0
+DEATH_GRACE = 0.5  # seconds a service whose socket refused us has to be seen exited
 SERVICE_LINE_MAX = 8 * 1024  # one line of our service's stderr; a longer one is split
 SERVICE_LINES_KEPT = 20  # its last lines, for the message if it dies or cannot start
 
@@ -168,6 +169,9 @@ class PodmanApi:
                 status = exc.response.status_code
                 raise PodmanError(["API", what], status, str(exc.explanation or exc)) from None
             except requests.RequestException as exc:
+                if exc.response is not None:  # an answer (raise_for_status): its status
+                    status = exc.response.status_code
+                    raise PodmanError(["API", what], status, str(exc)) from None
                 raise PodmanError(["API", what], -1, f"{self.socket_path}: {exc}") from None
 
         loop = asyncio.get_running_loop()
@@ -193,7 +197,10 @@ class PodmanApi:
             if self.service is not used:
                 return True  # revived by another caller meanwhile
             dead = used
-            if dead.proc.poll() is None:
+            # Its socket closes a moment before the process is gone: give it that moment.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(dead.proc.wait, DEATH_GRACE)
+            if dead.proc.poll() is None or self._closed:
                 return False  # alive: the call failed for another reason
             log.warning(
                 "podman API service (pid %d) exited with %s; starting another. Its last lines: %s",
@@ -201,10 +208,20 @@ class PodmanApi:
                 dead.proc.returncode,
                 " | ".join(dead.last_lines()) or "(none)",
             )
-            self.service = await start_service(
-                self.socket_path, binary=self.binary, timeout=self.timeout
-            )
+            try:
+                revived = await start_service(
+                    self.socket_path, binary=self.binary, timeout=self.timeout
+                )
+            except OSError as exc:
+                raise PodmanError(["system", "service"], -1, f"cannot start: {exc}") from None
+            if self.closed():  # closed while it started: nobody else would stop it
+                revived.stop()
+                return False
+            self.service = revived
             return True
+
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         self._closed = True
@@ -600,7 +617,7 @@ async def start_service(socket_path: Path, *, binary: str, timeout: float) -> Se
             socket_path.with_suffix(".notify").unlink()
     if outcome != "ready":
         service.stop()
-        said = " | ".join(service.last_lines(wait=5.0))
+        said = " | ".join(await asyncio.to_thread(service.last_lines, wait=5.0))
         raise PodmanError(
             ["system", "service", f"unix://{socket_path}"],
             proc.returncode if proc.returncode is not None else -1,

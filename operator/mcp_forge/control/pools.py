@@ -79,6 +79,10 @@ def pool_labels(pool: KernelSessionPool) -> dict[str, str]:
     }
 
 
+def _label(obj: dict[str, Any], key: str) -> str | None:
+    return (obj["metadata"].get("labels") or {}).get(key)
+
+
 def _owner(kind: str, name: str, uid: str, api_version: str = API_VERSION) -> dict[str, Any]:
     return {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "controller": True}
 
@@ -245,7 +249,18 @@ class PoolKeeper:
         except InvalidSession as exc:
             self._write_status(body, None, None, 0, error=("InvalidSpec", str(exc)))
             return None
-        pods = self.kube.list("Pod", namespace, labels={ksp.LABEL_POOL: name}).get("items") or []
+        # One list of the namespace's kernels, the pool's and those claimed from it: a
+        # claim between two lists would count its kernel twice (and, near maxSize, have
+        # the plan delete a ready one) or not at all.
+        kernels = self.kube.list("Pod", namespace, labels=KERNEL_LABELS).get("items") or []
+        pods = [p for p in kernels if _label(p, ksp.LABEL_POOL) == name]
+        claimed = sum(
+            1
+            for p in kernels
+            if _label(p, LABEL_CLAIMED_FROM) == name
+            and not _label(p, ksp.LABEL_POOL)
+            and not p["metadata"].get("deletionTimestamp")
+        )
         members = []
         for pod in pods:
             refs = pod["metadata"].get("ownerReferences") or []
@@ -254,7 +269,6 @@ class PoolKeeper:
                 continue
             members.append(self._member(pool, pod))
         self._collect_secrets(pool, {p["metadata"]["name"] for p in pods})
-        claimed = self._claimed(pool)
         todo = plan(
             members,
             size=pool.wanted(claimed),
@@ -277,11 +291,6 @@ class PoolKeeper:
         if todo.starting or todo.delete or error:
             return STARTING_RECHECK
         return self.settings.operator_resync
-
-    def _claimed(self, pool: KernelSessionPool) -> int:
-        """Its kernels claimed by sessions that still hold them."""
-        pods = self.kube.list("Pod", pool.namespace, labels={LABEL_CLAIMED_FROM: pool.name})
-        return sum(1 for p in pods.get("items") or [] if not p["metadata"].get("deletionTimestamp"))
 
     @staticmethod
     def _member(pool: KernelSessionPool, pod: dict[str, Any]) -> Member:
