@@ -980,8 +980,21 @@ def binding(role: str, subject: dict[str, str]) -> dict[str, Any]:
 
 
 def import_images(bins: Path, images: list[str]) -> None:
-    """`podman save` each image into the node's containerd (k8s.io namespace)."""
+    """`podman save` each image into the node's containerd (k8s.io namespace).
+
+    An image the node already has, imported from the same Podman image ID, is not saved
+    and imported again (tens of seconds each for the control plane's). The IDs imported
+    are kept under ROOT, which `down` removes with the node's containerd.
+    """
+    done = ROOT / "imported"
+    done.mkdir(parents=True, exist_ok=True)
+    listed = ctr(bins, "images", "ls", "-q").stdout.split()
     for image in images:
+        image_id = run("podman", "image", "inspect", "--format", "{{.Id}}", image).stdout.strip()
+        marker = done / hashlib.sha256(image.encode()).hexdigest()
+        if image in listed and marker.is_file() and marker.read_text() == image_id:
+            continue
+        marker.unlink(missing_ok=True)
         archive = ROOT / "image.tar"
         # podman refuses to save over a file: one left by an `up` that was killed midway
         # would fail every later one.
@@ -993,6 +1006,7 @@ def import_images(bins: Path, images: list[str]) -> None:
             archive.unlink(missing_ok=True)
         if image not in ctr(bins, "images", "ls", "-q").stdout.split():
             raise ClusterError(f"{image} is not in the node's containerd after import")
+        marker.write_text(image_id)
 
 
 def status() -> bool:
