@@ -235,6 +235,29 @@ async def test_a_pool_at_its_maximum_keeps_fewer_ready_and_refills_when_a_claim_
     assert await members(kube, ns, "capped") == []
     assert condition(await claim("third"), ksp.WARM_START)["reason"] == ksp.POOL_EXHAUSTED
 
+    # A claimed session still counts while its kernel pod is replaced (deleted here, as a
+    # restart or an update deletes it): a reconcile of the pool at once, before the
+    # session has its next pod, starts nothing.
+    listed = await asyncio.to_thread(kube.list, "Pod", ns, labels={LABEL_SESSION: "second"})
+    (pod,) = listed["items"]
+    await asyncio.to_thread(kube.delete, "Pod", ns, pod["metadata"]["name"])
+    keeper = PoolKeeper(kube, Settings.from_env())
+    await asyncio.to_thread(keeper.reconcile, ns, "capped")
+    assert await members(kube, ns, "capped") == []
+    back = await eventually(
+        kube,
+        KS,
+        ns,
+        "second",
+        lambda o: phase(o) == "Ready" and (o or {})["status"].get("restarts") == 1,
+        timeout=FILL,
+        what="second Ready on its next pod",
+    )
+    assert back is not None
+    await asyncio.to_thread(keeper.reconcile, ns, "capped")
+    assert await members(kube, ns, "capped") == []
+    await filled(kube, ns, "capped", 0, claimed=2)
+
     # A claimed kernel going brings the pool back under its maximum: it refills at once
     # (the pod's deletion is heard), well before its periodic resync (60 s).
     await asyncio.to_thread(kube.delete, KS, ns, "first")
@@ -244,6 +267,15 @@ async def test_a_pool_at_its_maximum_keeps_fewer_ready_and_refills_when_a_claim_
         return (status.get("ready"), status.get("claimed")) == (1, 1)
 
     await eventually(kube, POOL, ns, "capped", refilled, timeout=45, what="refilled")
+    # A suspended session stops counting too (its workspace is kept, its kernel is not).
+    suspend = {"spec": {"operatingMode": "Suspended"}}
+    await asyncio.to_thread(kube.patch, KS, ns, "second", suspend)
+
+    def let_go(o: dict[str, Any] | None) -> bool:
+        status = (o or {}).get("status") or {}
+        return (status.get("ready"), status.get("claimed")) == (1, 0)
+
+    await eventually(kube, POOL, ns, "capped", let_go, timeout=45, what="second not counted")
 
 
 async def test_a_session_the_pool_cannot_serve_starts_cold_and_says_why(

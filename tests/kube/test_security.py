@@ -4,7 +4,8 @@
   operator renders is admitted there, and a pod that breaks the profile is refused.
 * kube-router enforces NetworkPolicies: a pod that is not a gateway cannot reach a kernel's
   ports, a gateway pod can; a kernel reaches nothing (not even a listener this test runs in
-  a pod next to it) unless its session says `network.egress: All`.
+  a pod next to it) unless its session says `network.egress: All`; a kernel pod that no
+  session's or pool's policy selects (as one is while a claim moves it) admits nobody.
 
 Connections go only to pods of the test's own namespace.
 """
@@ -21,6 +22,7 @@ import kubernetes
 import pytest
 
 from mcp_forge.clients.kube import Kube
+from mcp_forge.control.render import BASELINE_POLICY, KERNEL_LABELS
 
 from .conftest import KubeAPI
 from .harness import (
@@ -79,10 +81,10 @@ async def probe(kube: Kube, kube_api: KubeAPI, labels: dict[str, str], code: str
     return await asyncio.to_thread(kube_api.kubectl, "logs", name)
 
 
-async def listener(kube: Kube, kube_api: KubeAPI) -> str:
+async def listener(kube: Kube, kube_api: KubeAPI, labels: dict[str, str] | None = None) -> str:
     """A pod of this test listening on 8080 (Python's http.server); its IP once it serves."""
     name = f"listener-{secrets.token_hex(3)}"
-    body = probe_pod(name, kube_api.namespace, {"role": "listener"}, "")
+    body = probe_pod(name, kube_api.namespace, labels or {"role": "listener"}, "")
     container = body["spec"]["containers"][0]
     container["command"] = ["python3", "-m", "http.server", "8080", "--directory", "/"]
     container["readinessProbe"] = {"tcpSocket": {"port": 8080}, "periodSeconds": 1}
@@ -137,6 +139,44 @@ async def test_only_gateway_pods_reach_a_kernels_ports(
     # kube-router admits a new pod's address a moment after the pod appears: keep trying.
     out = await probe(kube, kube_api, GATEWAY, connect_code(ip, 5555, until_open=30))
     assert out.strip() == "open", f"a gateway pod could not reach the kernel: {out}"
+
+
+async def test_a_kernel_pod_that_no_session_or_pool_policy_selects_is_closed(
+    kube_api: KubeAPI, kube: Kube, operator: Any
+) -> None:
+    """What a kernel pod is while a claim moves it from its pool's policy to its session's
+    (or after its own policy is deleted): selected only by the namespace's baseline."""
+    ns = kube_api.namespace
+    await ready_session(kube, ns, "first")  # the operator closes the namespace first
+    baseline = await asyncio.to_thread(kube.get, "NetworkPolicy", ns, BASELINE_POLICY)
+    assert baseline is not None
+    assert baseline["spec"]["podSelector"]["matchLabels"].items() <= KERNEL_LABELS.items()
+    assert not baseline["spec"].get("ingress") and not baseline["spec"].get("egress")
+    # A kernel pod with neither a session's nor a pool's label, serving on 8080.
+    ip = await listener(kube, kube_api, dict(KERNEL_LABELS))
+    # Even a gateway, which a session's kernel admits, is refused. The network plugin
+    # programs a new pod a moment after it starts: try until refused, 30 s at most (with
+    # no policy selecting the pod, it stays open and this fails).
+    until_closed = (
+        "import socket, time\n"
+        "deadline = time.monotonic() + 30\n"
+        "while True:\n"
+        "    s = socket.socket()\n"
+        "    s.settimeout(3)\n"
+        "    try:\n"
+        f"        s.connect(({ip!r}, 8080))\n"
+        "        state = 'open'\n"
+        "    except OSError as e:\n"
+        "        state = 'closed ' + type(e).__name__\n"
+        "    finally:\n"
+        "        s.close()\n"
+        "    if state != 'open' or time.monotonic() > deadline:\n"
+        "        print(state)\n"
+        "        break\n"
+        "    time.sleep(0.5)  # a policy being applied elsewhere: nothing to wait on\n"
+    )
+    out = await probe(kube, kube_api, GATEWAY, until_closed)
+    assert out.startswith("closed"), f"a kernel pod no session selects was reachable: {out}"
 
 
 @pytest.mark.parametrize(("egress", "expected"), [("None", "closed"), ("All", "open")])

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from mcp_forge.api import kernelsessionpool as ksp
-from mcp_forge.control.pools import Member, plan
+from mcp_forge.control.pools import LABEL_CLAIMED_FROM, Member, claimed_from, plan
+from mcp_forge.control.render import LABEL_SESSION
 
 NEW, OLD = "new", "old"
 
@@ -114,3 +116,40 @@ def test_the_claim_program_writes_missing_files_only_and_leaves_no_name(tmp_path
     (tmp_path / "notes.md").write_text("changed")
     exec(ksp.claim_program({}, files, root=str(tmp_path)))
     assert (tmp_path / "notes.md").read_text() == "changed", "a changed file is kept"
+
+
+def ks(name: str, pool: str = "warm", *, warm: bool = True, **status: Any) -> dict[str, Any]:
+    conditions = [{"type": ksp.WARM_START, "status": "True" if warm else "False"}]
+    return {
+        "metadata": {"name": name},
+        "spec": {"poolRef": {"name": pool}},
+        "status": {"phase": "Ready", "conditions": conditions, **status},
+    }
+
+
+def claimed_pod(session: str, pool: str = "warm", **meta: Any) -> dict[str, Any]:
+    labels = {LABEL_SESSION: session, LABEL_CLAIMED_FROM: pool}
+    return {"metadata": {"name": f"ksp-{pool}-{session}", "labels": labels, **meta}}
+
+
+def test_a_session_counts_against_its_pool_whichever_pod_runs_its_kernel() -> None:
+    # "a": claimed, its pod being replaced (none now); "b": claimed, its pod running;
+    # "c": claimed, its status not written yet; "d": started cold; "e": suspended;
+    # "f": another pool's; "g": going.
+    sessions = [
+        ks("a"),
+        ks("b"),
+        ks("d", warm=False),
+        ks("e", phase="Suspended"),
+        ks("f", "other"),
+        {**ks("g"), "metadata": {"name": "g", "deletionTimestamp": "2026-12-02T00:00:00Z"}},
+    ]
+    kernels = [
+        claimed_pod("b"),
+        claimed_pod("c"),
+        claimed_pod("f", "other"),
+        claimed_pod("h", deletionTimestamp="2026-12-02T00:00:00Z"),  # its session gone
+    ]
+    assert claimed_from("warm", sessions, kernels) == 3  # a, b (once), c
+    assert claimed_from("other", sessions, kernels) == 1
+    assert claimed_from("warm", [], []) == 0

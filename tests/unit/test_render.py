@@ -10,13 +10,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsession, kernelsessionpool
 from mcp_forge.api.connection import PORTS, ConnectionInfo
+from mcp_forge.control.pools import pool_labels
 from mcp_forge.control.render import (
     SECCOMP_ANNOTATION,
     SECCOMP_PROFILE,
     SECCOMP_PROFILE_ROOT,
     HostPaths,
+    render_baseline_policy,
     render_kubernetes,
     render_podman,
     render_workspace_claim,
@@ -318,3 +320,28 @@ def test_a_persistent_workspace_is_a_claim_of_the_session_s_that_its_pod_mounts(
     )
     assert kept is not None and "ownerReferences" not in kept["metadata"], "outlives the session"
     assert "storageClassName" not in kept["spec"], "the cluster's default class"
+
+
+def test_the_baseline_policy_selects_every_kernel_pod_and_admits_nothing() -> None:
+    """Policies add up: this one only makes sure a kernel pod is always selected by one."""
+    policy = render_baseline_policy("team")
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    spec = policy["spec"]
+    assert sorted(spec["policyTypes"]) == ["Egress", "Ingress"]
+    assert "ingress" not in spec and "egress" not in spec
+    selector = spec["podSelector"]["matchLabels"].items()
+    session_pod = by_kind(render_kubernetes(session(), CONN))["Pod"]
+    pool = kernelsessionpool.load(
+        kernelsessionpool.validate(
+            {
+                "apiVersion": "mcpforge.dev/v1alpha1",
+                "kind": "KernelSessionPool",
+                "metadata": {"name": "warm", "namespace": "team", "uid": "5678"},
+                "spec": {"size": 1},
+            }
+        )
+    )
+    assert selector <= session_pod["metadata"]["labels"].items()
+    assert selector <= pool_labels(pool).items()  # and so a pod mid-claim, with either set
+    # Not other projects' kernels (Enterprise Gateway labels its pods component=kernel too).
+    assert selector > {("app.kubernetes.io/component", "kernel")}

@@ -282,3 +282,11 @@ def parse_resources(text: str) -> list[dict[str, Any]]:
         return validate(doc) if kind == KIND else ks.validate(doc)
 
     return ks.parse_stream(text, check, "KernelSession, KernelSessionPool or Secret")
+
+
+def claimed_a_kernel(status: dict[str, Any]) -> bool:
+    """A session's status says its first kernel was claimed from a pool (WarmStart True)."""
+    return any(
+        c.get("type") == WARM_START and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )

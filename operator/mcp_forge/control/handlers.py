@@ -46,6 +46,7 @@ from mcp_forge.clients.kube import (
     connection_file_of,
     key_of,
 )
+from mcp_forge.control.baseline import Baseline
 from mcp_forge.control.lifecycle import (
     QUICK_DEATH,
     Activity,
@@ -150,7 +151,8 @@ class Reconciler:
     def __init__(self, kube: Kube, settings: Settings) -> None:
         self.kube = kube
         self.settings = settings
-        self.pools = PoolKeeper(kube, settings)
+        self.baseline = Baseline(kube)
+        self.pools = PoolKeeper(kube, settings, self.baseline)
         self._locks: dict[Key, asyncio.Lock] = {}
         self._due: dict[Key, float] = {}
         self._failures: dict[Key, int] = {}
@@ -385,7 +387,8 @@ class Reconciler:
         yet) most likely has none of them: they are created first, read only if there.
 
         The NetworkPolicy is in place when this returns, before any pod is claimed: the
-        claim moves the pod out of its pool's NetworkPolicy into this one.
+        claim moves the pod out of its pool's NetworkPolicy into this one. So is the
+        namespace's baseline policy, which keeps the pod closed while it moves.
         """
         ns = session.namespace
         # Only the Secret holds keys: these need none (no key made to be thrown away).
@@ -418,6 +421,7 @@ class Reconciler:
             lambda: self.kube.get(POOL, ns, pool) if pool else None,
             lambda: self.pools.members(ns, pool) if pool else [],
             lambda: self._workspace(session, fresh=fresh),
+            lambda: self.baseline.ensure(ns),
         )
         seen = Seen(got[5], got[6]) if pool else None
         return Children(want_pod, secret=got[3], lease=got[2], pod=got[4], pool=seen)
@@ -690,7 +694,12 @@ class Reconciler:
                 warm,
             ]
         self._write(body, status)
-        refill = spec.pool if claim is not None and claim.pod is not None else None
+        claimed_now = claim is not None and claim.pod is not None
+        # A session that claimed a kernel stops counting against its pool's maxSize when
+        # it stops on purpose: the pool may start one (after this status write, which the
+        # pool's count reads).
+        let_go = stop is not None and old.get("phase") != stop.phase and ksp.claimed_a_kernel(old)
+        refill = spec.pool if claimed_now or let_go else None
         return Outcome(due=min(due) if due else None, refill=refill)
 
     def _write(self, body: dict[str, Any], status: dict[str, Any]) -> None:

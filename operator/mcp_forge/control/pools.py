@@ -3,7 +3,9 @@
 A pool's kernel is a Pod and its Secret (a key of its own: never one shared by two pods),
 named ``ksp-<pool>-<8 hex digits>``, labelled with the pool and its template's hash and
 owned by the pool. The Secret is owned by its Pod, so it goes wherever the Pod goes. A
-NetworkPolicy per pool admits the gateways to its kernels, as a session's does.
+NetworkPolicy per pool admits the gateways to its kernels, as a session's does; the
+namespace's baseline policy (baseline.py) keeps them closed to all else, also while a
+claim moves one from the pool's policy to its session's.
 
 A claim is one write: a JSON merge patch of the Pod, guarded by the resourceVersion read,
 that moves its owner reference from the pool to the session and its labels from the
@@ -45,6 +47,7 @@ from mcp_forge.api.kernelsessionpool import KernelSessionPool
 from mcp_forge.api.keys import new_bridge_cert, new_curve_keys
 from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import Kube, secret_env
+from mcp_forge.control.baseline import Baseline
 from mcp_forge.control.pods import observe
 from mcp_forge.control.render import (
     KERNEL_LABELS,
@@ -88,6 +91,39 @@ def _owner(kind: str, name: str, uid: str, api_version: str = API_VERSION) -> di
 
 
 # ---- the plan (pure) ---------------------------------------------------------------------
+
+
+def claimed_from(
+    pool: str, sessions: Sequence[dict[str, Any]], kernels: Sequence[dict[str, Any]]
+) -> int:
+    """How many sessions hold a kernel claimed from `pool`, counted against its maxSize.
+
+    A session counts from its claim until it is deleted or has no kernel on purpose
+    (Suspended, Expired), whichever pod runs its kernel: its status says it claimed one
+    (WarmStart True) while a restart or an update replaces its pod. A claimed pod counts
+    its session too, by its labels, while the session's status does not say so yet (its
+    write is still to come, or was lost). `sessions` must be listed before `kernels`: a
+    claim between the two lists is then seen in the pods alone, and a session seen in
+    both is counted once. (Counted from one of them only, a claim between two lists
+    would count twice and, near maxSize, have the plan delete a ready kernel.)
+    """
+    holders: set[str] = set()
+    for body in sessions:
+        meta, status = body["metadata"], body.get("status") or {}
+        if ((body.get("spec") or {}).get("poolRef") or {}).get("name") != pool:
+            continue
+        if meta.get("deletionTimestamp") or status.get("phase") in st.NO_KERNEL:
+            continue
+        if ksp.claimed_a_kernel(status):
+            holders.add(meta["name"])
+    for pod in kernels:
+        if (
+            _label(pod, LABEL_CLAIMED_FROM) == pool
+            and not _label(pod, ksp.LABEL_POOL)
+            and not pod["metadata"].get("deletionTimestamp")
+        ):
+            holders.add(_label(pod, LABEL_SESSION) or pod["metadata"]["name"])
+    return len(holders)
 
 
 @dataclass(frozen=True)
@@ -231,9 +267,10 @@ class Tally:
 class PoolKeeper:
     """Keeps KernelSessionPools full and serves claims; blocking calls, run in a thread."""
 
-    def __init__(self, kube: Kube, settings: Settings) -> None:
+    def __init__(self, kube: Kube, settings: Settings, baseline: Baseline | None = None) -> None:
         self.kube = kube
         self.settings = settings
+        self.baseline = baseline or Baseline(kube)
         self.tally = Tally(kube)
 
     # ---- filling -------------------------------------------------------------------------
@@ -249,18 +286,12 @@ class PoolKeeper:
         except InvalidSession as exc:
             self._write_status(body, None, None, 0, error=("InvalidSpec", str(exc)))
             return None
-        # One list of the namespace's kernels, the pool's and those claimed from it: a
-        # claim between two lists would count its kernel twice (and, near maxSize, have
-        # the plan delete a ready one) or not at all.
+        # The sessions, then one list of the namespace's kernels, the pool's and those
+        # claimed from it (see claimed_from).
+        sessions = self.kube.list(kernelsession.KIND, namespace).get("items") or []
         kernels = self.kube.list("Pod", namespace, labels=KERNEL_LABELS).get("items") or []
         pods = [p for p in kernels if _label(p, ksp.LABEL_POOL) == name]
-        claimed = sum(
-            1
-            for p in kernels
-            if _label(p, LABEL_CLAIMED_FROM) == name
-            and not _label(p, ksp.LABEL_POOL)
-            and not p["metadata"].get("deletionTimestamp")
-        )
+        claimed = claimed_from(name, sessions, kernels)
         members = []
         for pod in pods:
             refs = pod["metadata"].get("ownerReferences") or []
@@ -277,6 +308,7 @@ class PoolKeeper:
         )
         for member in todo.delete:
             self._delete_member(pool, member)
+        self.baseline.ensure(namespace)
         self._ensure_policy(pool)
         error = None
         for _ in range(todo.start):

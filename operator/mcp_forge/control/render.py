@@ -256,6 +256,39 @@ def _pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
+BASELINE_POLICY = "mcpforge-kernels-closed"
+
+
+def render_baseline_policy(namespace: str) -> dict[str, Any]:
+    """A NetworkPolicy selecting every kernel pod of `namespace` that admits nothing.
+
+    Policies add up: a pod selected by several is allowed what any of them allows. A
+    session's policy (or its pool's) allows what its kernel may do; this one only makes
+    sure that a kernel pod is always selected by some policy. Without it a pod that no
+    policy selects is open both ways, as one is for a moment while a claim moves it from
+    its pool's policy to its session's (one label write, which the network plugin
+    programs when it gets to it), or when its own policy is deleted.
+    """
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": BASELINE_POLICY,
+            "namespace": namespace,
+            "labels": {
+                "app.kubernetes.io/name": "mcp-forge",
+                "app.kubernetes.io/managed-by": MANAGED_BY,
+            },
+        },
+        "spec": {
+            "podSelector": {
+                "matchLabels": {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "kernel"}
+            },
+            "policyTypes": ["Ingress", "Egress"],
+        },
+    }
+
+
 def render_kubernetes(
     session: KernelSession,
     connection: ConnectionInfo,
