@@ -281,6 +281,39 @@ async def test_a_template_change_replaces_unclaimed_kernels_only(
     assert warm_start(cold)["reason"] == ksp.POOL_MISMATCH
 
 
+async def test_a_template_change_at_its_maximum_never_holds_more_than_it(
+    runtime: Any, make_pool: PoolFactory, claims: Any, images: dict[str, str]
+) -> None:
+    name = await make_pool(size=2, max_size=2)
+    await claims(name)  # one claimed: room for one unclaimed kernel (no keeper refills)
+    assert len(runtime.pools.members(runtime.pools.get(name))) == 1
+    seen: list[int] = []  # the pool's unclaimed kernels, sampled while the change rolls
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        while not done.is_set():
+            seen.append(len(runtime.pools.members(runtime.pools.get(name))))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.02):
+                    await done.wait()
+
+    sampler = asyncio.create_task(sample())
+    changed = pool_body(name, images["minimal"], 2, workspace={"size": "256Mi"})
+    changed["spec"]["maxSize"] = 2
+    try:
+        applied = await runtime.pools.apply(changed)
+    finally:
+        done.set()
+        await sampler
+    members = runtime.pools.members(applied.pool)
+    assert [m.body["metadata"]["labels"][ksp.LABEL_TEMPLATE] for m in members] == [
+        applied.pool.template_hash
+    ]
+    assert members[0].status["phase"] == "Ready"
+    # The old kernel made way for the new one: never two unclaimed beside the claimed one.
+    assert len(seen) > 1 and max(seen) == 1, seen
+
+
 async def test_deleting_a_pool_deletes_its_kernels_and_leaves_claimed_sessions_alone(
     runtime: Any, make_pool: PoolFactory, claims: Any, gateway: Gateway
 ) -> None:

@@ -376,6 +376,49 @@ async def test_a_template_change_replaces_unclaimed_kernels_only(
     assert await restarts(kube, ns, held["podName"]) == 0
     assert phase(await asyncio.to_thread(kube.get, KS, ns, "keep")) == "Ready"
 
+    # At its maximum (2: one claimed, room for one more), the next change has the old
+    # kernel make way for the new one: never two unclaimed kernels alive at once.
+    listed = await asyncio.to_thread(kube.list, "Pod", ns)
+    rv = str(listed["metadata"]["resourceVersion"])
+    alive: set[str] = set()
+    most: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal rv
+        while not stop.is_set():
+            for event in kube.watch("Pod", ns, resource_version=rv, timeout=5):
+                meta = event.object["metadata"]
+                rv = str(meta["resourceVersion"])
+                if (meta.get("labels") or {}).get(ksp.LABEL_POOL) != "roll":
+                    alive.discard(meta["name"])  # claimed, or not the pool's
+                elif event.type == "DELETED" or meta.get("deletionTimestamp"):
+                    alive.discard(meta["name"])
+                else:
+                    alive.add(meta["name"])
+                most.append(len(alive))
+
+    alive.update(p["metadata"]["name"] for p in await members(kube, ns, "roll"))
+    watcher = asyncio.create_task(asyncio.to_thread(watch))
+    try:
+        patch = {"spec": {"maxSize": 2, "template": {"resources": {"memory": "300Mi"}}}}
+        second = await asyncio.to_thread(kube.patch, POOL, ns, "roll", patch)
+        hash_ = changed["status"]["templateHash"]
+        newer = await eventually(
+            kube,
+            POOL,
+            ns,
+            "roll",
+            lambda o: (o or {}).get("status", {}).get("templateHash") not in (None, hash_),
+            what="a newer template hash",
+        )
+        assert newer is not None and second is not None
+        await filled(kube, ns, "roll", 1, claimed=1, hash_=newer["status"]["templateHash"])
+    finally:
+        stop.set()
+        await watcher
+    assert most and max(most) == 1, most
+
 
 async def test_deleting_a_pool_leaves_claimed_sessions_alone(
     kube: Kube, ns: str, operator: Any, images: dict[str, str]

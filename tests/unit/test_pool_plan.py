@@ -74,6 +74,29 @@ def test_a_template_change_replaces_old_kernels_only_as_new_ones_are_ready() -> 
     assert (names(p), p.start, p.ready) == (["m2"], 0, 2)
 
 
+def test_at_its_maximum_a_template_change_makes_way_for_new_kernels_within_room() -> None:
+    old = [member(1, template=OLD), member(2, template=OLD, ready=False), member(3, template=OLD)]
+    # Room for 3 (maxSize 4, one claimed), size 3: no place beside the old ones. Old
+    # kernels go to make one, the one not ready first, then the oldest; never over room.
+    p = plan(old, size=3, max_starting=1, template=NEW, room=3)
+    assert (names(p), p.start) == (["m2"], 1)
+    p = plan(old, size=3, max_starting=2, template=NEW, room=3)
+    assert (names(p), p.start) == (["m1", "m2"], 2)
+    # With room to spare the old ones stay while new ones start, as without a maximum.
+    p = plan(old, size=3, max_starting=2, template=NEW, room=5)
+    assert (names(p), p.start) == ([], 2)
+    assert plan(old, size=3, max_starting=2, template=NEW) == p
+    # Room for fewer than are current (claims came): no start, old ones all go.
+    p = plan([member(4), member(5), *old], size=2, max_starting=2, template=NEW, room=2)
+    assert (names(p), p.start) == (["m1", "m2", "m3"], 0)
+    # Every plan keeps the pool within room, whatever it holds.
+    for members in ([], old, [member(4), *old], [member(4, ready=False), member(5), *old]):
+        for room in range(5):
+            p = plan(members, size=min(2, room), max_starting=2, template=NEW, room=room)
+            kept = [m for m in members if m not in p.delete]
+            assert len(kept) + p.start <= room, (members, room, p)
+
+
 def test_an_old_kernel_not_ready_goes_before_a_ready_one() -> None:
     old = [member(1, template=OLD), member(2, template=OLD, ready=False)]
     p = plan([*old, member(3)], size=2, max_starting=1, template=NEW)

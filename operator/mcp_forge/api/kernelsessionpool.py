@@ -71,6 +71,10 @@ class KernelSessionPool:
             return self.size
         return max(0, min(self.size, self.max_size - claimed))
 
+    def room(self, claimed: int) -> int | None:
+        """How many unclaimed kernels it may hold at once, of any template (None: any)."""
+        return None if self.max_size is None else max(0, self.max_size - claimed)
+
     def condition(self, ready: int, claimed: int) -> tuple[bool, str, str]:
         """Its Ready condition (status, reason, message) with `ready` kernels ready and
         `claimed` claimed; not for a pool whose kernels failed to start."""

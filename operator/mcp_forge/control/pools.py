@@ -148,13 +148,23 @@ class Plan:
     starting: int
 
 
-def plan(members: Sequence[Member], *, size: int, max_starting: int, template: str) -> Plan:
+def plan(
+    members: Sequence[Member],
+    *,
+    size: int,
+    max_starting: int,
+    template: str,
+    room: int | None = None,
+) -> Plan:
     """What makes the pool `size` ready kernels of `template`, rolling.
 
     Failed kernels go. Kernels of an older template go only as ready ones of the current
     template take their place, so a template change never leaves the pool emptier than it
-    was. Beyond `size`, starting kernels go before ready ones, the newest first. At most
-    `max_starting` kernels start at once.
+    was, unless `room` (the pool's maxSize less its claimed kernels) leaves no place for a
+    new kernel beside them: then older kernels make way, those not ready and the oldest
+    first, and the pool holds at most `room` kernels throughout. Beyond `size`, starting
+    kernels go before ready ones, the newest first. At most `max_starting` kernels start
+    at once.
     """
     live = [m for m in members if not m.deleting]
     delete = [m for m in live if m.failed]
@@ -170,8 +180,14 @@ def plan(members: Sequence[Member], *, size: int, max_starting: int, template: s
     starting = len(current) - len(ready)
     # Each ready kernel of the current template retires one of an older one.
     retire = max(0, len(older) + len(ready) - size)
-    delete += sorted(older, key=lambda m: (m.ready, m.created))[:retire]
+    by_age = sorted(older, key=lambda m: (m.ready, m.created))
+    delete += by_age[:retire]
+    older = by_age[retire:]
     start = max(0, min(size - len(current), max_starting - starting))
+    over = 0 if room is None else len(current) + len(older) + start - room
+    if over > 0:
+        delete += older[:over]
+        start = max(0, start - max(0, over - len(older)))
     return Plan(tuple(delete), start, len(ready), starting + start)
 
 
@@ -305,6 +321,7 @@ class PoolKeeper:
             size=pool.wanted(claimed),
             max_starting=pool.max_starting,
             template=pool.template_hash,
+            room=pool.room(claimed),
         )
         for member in todo.delete:
             self._delete_member(pool, member)

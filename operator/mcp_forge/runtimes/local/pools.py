@@ -13,7 +13,9 @@ A claim that no pool can serve (no such pool, another image or other resources, 
 variable read only at interpreter start, no ready kernel) starts cold, and the
 session's condition WarmStart says why. Whoever keeps the pools (`fill`: the gateway in
 the background, `mcp-forge apply` of a pool once) starts new kernels up to `size`,
-`maxStarting` at a time, and replaces those of an older template once new ones answer;
+`maxStarting` at a time, and replaces those of an older template once new ones answer
+(or first, where the pool's maxSize leaves no room beside them: the plan is a cluster
+pool's, control/pools.plan);
 a claimed kernel is a session like any other and is never touched. A file lock per
 pool keeps two processes from filling one pool at once.
 """
@@ -38,6 +40,7 @@ from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.kernelsessionpool import KernelSessionPool
+from mcp_forge.control.pools import Member, plan
 from mcp_forge.errors import ForgeError, SecretError, SessionNotFound
 
 if TYPE_CHECKING:
@@ -140,6 +143,20 @@ class Pools:
         labels = member.body["metadata"].get("labels") or {}
         return labels.get(ksp.LABEL_TEMPLATE) == pool.template_hash
 
+    def _member(self, pool: KernelSessionPool, member: KernelSession, age: int) -> Member:
+        """A kernel as the plan sees it; `age`: its place, oldest first."""
+        phase = member.status.get("phase")
+        return Member(
+            name=member.name,
+            uid=member.uid,
+            resource_version="",
+            template=pool.template_hash if self._fresh(pool, member) else "",
+            created=float(age),
+            ready=phase == st.READY,
+            failed=phase in st.STUCK,
+            deleting=False,
+        )
+
     async def _delete_member(self, pool: KernelSessionPool, member: KernelSession) -> int:
         """Delete a kernel of the pool unless it was claimed meanwhile."""
         try:
@@ -171,18 +188,20 @@ class Pools:
                 except SessionNotFound:
                     return  # deleted meanwhile
                 members = self.members(pool)
-                fresh = [m for m in members if self._fresh(pool, m)]
-                stale = [m for m in members if not self._fresh(pool, m)]
-                failed = [m for m in fresh if m.status.get("phase") in st.STUCK]
-                ready = [m for m in fresh if m.status.get("phase") == st.READY]
-                starting = [m for m in fresh if m.status.get("phase") in st.IN_PROGRESS]
-                size = pool.wanted(self._claimed(pool))
-                # Kernels of an older template go as new ones answer; extras (a smaller
-                # size, or claims bringing it to its maximum) go too, the newest first.
-                drop = failed + stale[: max(0, len(ready) + len(stale) - size)]
-                drop += list(reversed(ready))[: max(0, len(ready) - size)]
-                missing = size - len(ready) - len(starting)
-                start = max(0, min(missing, pool.max_starting - len(starting)))
+                failed = [m for m in members if m.status.get("phase") in st.STUCK]
+                claimed = self._claimed(pool)
+                # The plan a cluster's pool follows: kernels of an older template go as new
+                # ones answer (or sooner, to stay within maxSize), extras go, the newest first.
+                todo = plan(
+                    [self._member(pool, m, i) for i, m in enumerate(members)],
+                    size=pool.wanted(claimed),
+                    max_starting=pool.max_starting,
+                    template=pool.template_hash,
+                    room=pool.room(claimed),
+                )
+                gone = {m.name for m in todo.delete}
+                drop = [m for m in members if m.name in gone]
+                start = todo.start
                 self._write_status(pool, starting=start)
                 if not drop and not start:
                     return
