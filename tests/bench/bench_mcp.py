@@ -188,16 +188,20 @@ async def main(runs: int, creates: int) -> None:
     # (bare) beyond what any tool call costs (list_sessions), in ms.
     # And what it adds beyond the gateway's own connection to the same kernel, measured
     # alongside: the MCP layer alone.
+    # Each is given twice: the difference of the rows' medians, and the median of the
+    # differences within each round (paired: the calls of one round are a few ms apart, so
+    # a change in the machine's load between rounds cancels out).
+    print(f"{'':56}{'medians':>8}{'paired':>8}")
     for name, d in (("stdio", stdio), ("HTTP", over_http)):
         em, nm, gm = stats(d["execute"])[0], stats(d["noop"])[0], stats(d["conn"])[0]
-        print(
-            f"{'MCP ' + name + ': execute_code - bare - list_sessions':56}"
-            f"{(em - bm - nm) * 1000:>8.2f}"
-        )
-        print(
-            f"{'MCP ' + name + ': execute_code - connection - list_sessions':56}"
-            f"{(em - gm - nm) * 1000:>8.2f}"
-        )
+        for base, bxs, bmed in (("bare", d["bare"], bm), ("connection", d["conn"], gm)):
+            paired = statistics.median(
+                e - n - b for e, n, b in zip(d["execute"], d["noop"], bxs, strict=True)
+            )
+            print(
+                f"{'MCP ' + name + ': execute_code - ' + base + ' - list_sessions':56}"
+                f"{(em - bmed - nm) * 1000:>8.2f}{paired * 1000:>8.2f}"
+            )
     (cm, c90), (sm, s90) = stats(stdio["create"]), stats(bare_starts)
     print(
         f"\n{'start to ready, s (n=' + str(creates) + ')':56}{'median':>8}{'p90':>8}{'vs bare':>9}"

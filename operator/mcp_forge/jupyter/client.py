@@ -122,6 +122,32 @@ RELAY_SLACK = 1 << 20
 HEARTBEAT_BOUND = 64 << 10
 
 
+def _read_now(sock: zmq.asyncio.Socket) -> list[zmq.Frame]:
+    """The message waiting on `sock`, read without blocking; zmq.Again if none is.
+
+    The plain socket's recv, frame by frame (its recv_multipart would call the asyncio
+    socket's recv): libzmq has every frame of a message once the first is readable."""
+    parts = [zmq.Socket.recv(sock, zmq.NOBLOCK, copy=False)]
+    while parts[-1].more:
+        parts.append(zmq.Socket.recv(sock, zmq.NOBLOCK, copy=False))
+    return parts
+
+
+def _may_answer(parts: list[zmq.Frame], wanted: list[bytes]) -> bool:
+    """Whether a message's parent header holds one of the `wanted` msg_ids' text: False
+    only for a message in reply to none of them (an exact check follows its parsing).
+    A message whose frames are not where the wire protocol puts them is let through, to
+    be refused by the parser and logged."""
+    frames = [part.buffer for part in parts]
+    try:
+        at = next(i for i, f in enumerate(frames) if f == DELIMITER)
+        parent = frames[at + 3]
+    except (StopIteration, IndexError):
+        return True
+    raw = bytes(parent)
+    return any(w in raw for w in wanted)
+
+
 class KernelConnection:
     """Sockets to one kernel. Requests on shell are not concurrent: callers serialize.
 
@@ -330,11 +356,19 @@ class KernelConnection:
         sock.send_multipart([DELIMITER, signature.hexdigest().encode(), *parts])
         return msg_id
 
-    async def recv(self, sock: zmq.asyncio.Socket, timeout: float) -> Message | None:
+    async def recv(
+        self, sock: zmq.asyncio.Socket, timeout: float, *, parents: tuple[str, ...] = ()
+    ) -> Message | None:
         """The next well-formed message within `timeout`; None on timeout.
 
-        Oversized and malformed messages are read to their end and dropped.
+        Oversized and malformed messages are read to their end and dropped. With
+        `parents`, so is a message that is surely not in reply to one of those requests
+        (its parent header does not hold the msg_id's text): neither verified nor parsed,
+        as the IOPub messages of other clients' requests, or late ones of earlier
+        requests, would cost a tenth of a millisecond each. A message that holds it is
+        verified and parsed; the caller still compares the parsed msg_id.
         """
+        wanted = [p.encode() for p in parents]
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -347,13 +381,20 @@ class KernelConnection:
             # libzmq has the whole message before its first frame is readable (the relay
             # bounds how much that is): one read takes every frame, without copying
             # them, and only a message within max_message is copied out to be parsed.
-            parts = await sock.recv_multipart(copy=False)
+            # It is read at once, without the asyncio socket's future (most of the cost
+            # of a small message's read), unless it is not there after all.
+            try:
+                parts = _read_now(sock)
+            except zmq.Again:
+                parts = await sock.recv_multipart(copy=False)
             total = sum(len(part) for part in parts)
             self._relay_of(sock).consumed(total + len(parts) * FRAME_OVERHEAD)
             if total > self.max_message:
                 log.warning(
                     "dropped a %d-byte message from the kernel (limit %d)", total, self.max_message
                 )
+                continue
+            if wanted and not _may_answer(parts, wanted):
                 continue
             msg = self._parse([part.bytes for part in parts])
             if msg is not None:
@@ -407,7 +448,7 @@ class KernelConnection:
         """The reply to `msg_id` on `sock` within `timeout`; other replies are dropped."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            msg = await self.recv(sock, left)
+            msg = await self.recv(sock, left, parents=(msg_id,))
             if msg is None:
                 return None
             if msg["parent_header"].get("msg_id") == msg_id:
@@ -456,7 +497,7 @@ class KernelConnection:
     async def _iopub_has(self, msg_id: str, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            msg = await self.recv(self.iopub, left)
+            msg = await self.recv(self.iopub, left, parents=(msg_id,))
             if msg is None:
                 return False
             if msg["parent_header"].get("msg_id") == msg_id:
@@ -493,7 +534,7 @@ class KernelConnection:
         replied = False
         while not replied and (left := deadline - time.monotonic()) > 0:
             try:
-                msg = await self.recv(self.shell, left)
+                msg = await self.recv(self.shell, left, parents=(collector.msg_id, probe))
             except ChannelDropped:
                 continue
             if msg is None:
@@ -506,7 +547,7 @@ class KernelConnection:
             replied = parent == probe
         while replied and (left := deadline - time.monotonic()) > 0:
             try:
-                msg = await self.recv(self.iopub, min(left, 1.0))
+                msg = await self.recv(self.iopub, min(left, 1.0), parents=(collector.msg_id, probe))
             except ChannelDropped:
                 continue
             if msg is None:
@@ -541,7 +582,8 @@ class KernelConnection:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            msg = await self.recv(self.shell if collector.idle else self.iopub, left)
+            sock = self.shell if collector.idle else self.iopub
+            msg = await self.recv(sock, left, parents=(collector.msg_id,))
             if msg is None:
                 return False
             if msg["parent_header"].get("msg_id") == collector.msg_id:

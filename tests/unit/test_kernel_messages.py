@@ -1,0 +1,37 @@
+"""What the gateway reads of a kernel's message before it verifies and parses it."""
+
+from __future__ import annotations
+
+import json
+
+import zmq
+
+from mcp_forge.jupyter.client import DELIMITER, _may_answer
+
+MINE = "0b6b7c0e-3f1a-4e39-9b43-2f0d7c1a5e11_4242_7"
+
+
+def message(parent: dict[str, object], *, identities: int = 1) -> list[zmq.Frame]:
+    frames = [b"kernel.1234.status"] * identities + [DELIMITER, b"signature"]
+    frames += [b'{"msg_type": "status"}', json.dumps(parent).encode(), b"{}", b"{}"]
+    return [zmq.Frame(f) for f in frames]
+
+
+def test_a_message_in_reply_to_another_request_is_passed_over_unread() -> None:
+    assert _may_answer(message({"msg_id": MINE}), [MINE.encode()])
+    assert _may_answer(message({"msg_id": MINE}, identities=0), [MINE.encode()])
+    assert _may_answer(message({"msg_id": MINE}), [b"other", MINE.encode()])
+    assert not _may_answer(message({"msg_id": "someone-else_1_7"}), [MINE.encode()])
+    assert not _may_answer(message({}), [MINE.encode()])  # no parent: a kernel's own
+    # Its id in the header or content, not the parent, does not make it ours.
+    frames = message({"msg_id": "x"})
+    frames[3] = zmq.Frame(json.dumps({"msg_id": MINE}).encode())
+    assert not _may_answer(frames, [MINE.encode()])
+
+
+def test_a_message_not_framed_as_the_protocol_says_is_left_to_the_parser() -> None:
+    # The parser refuses it and logs why: passing it over would hide a broken kernel.
+    no_delimiter = [zmq.Frame(f) for f in (b"a", b"b", b"c")]
+    assert _may_answer(no_delimiter, [MINE.encode()])
+    short = [zmq.Frame(f) for f in (DELIMITER, b"signature", b"{}")]
+    assert _may_answer(short, [MINE.encode()])
