@@ -1,12 +1,17 @@
-"""What the gateway reads of a kernel's message before it verifies and parses it."""
+"""What the gateway reads of a kernel's message: before it verifies and parses it, and the
+limits it parses it within."""
 
 from __future__ import annotations
 
 import json
+import secrets
+from pathlib import Path
 
 import zmq
+from jupyter_client.session import Session
 
-from mcp_forge.jupyter.client import DELIMITER, _may_answer
+from mcp_forge.api.connection import ConnectionInfo
+from mcp_forge.jupyter.client import DELIMITER, DEPTH_MAX, KernelConnection, _may_answer
 
 MINE = "0b6b7c0e-3f1a-4e39-9b43-2f0d7c1a5e11_4242_7"
 
@@ -35,3 +40,35 @@ def test_a_message_not_framed_as_the_protocol_says_is_left_to_the_parser() -> No
     assert _may_answer(no_delimiter, [MINE.encode()])
     short = [zmq.Frame(f) for f in (DELIMITER, b"signature", b"{}")]
     assert _may_answer(short, [MINE.encode()])
+
+
+def nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+async def test_a_message_nested_past_the_limit_is_dropped_and_brackets_in_text_are_not(
+    tmp_path: Path,
+) -> None:
+    key = secrets.token_hex(32)
+    conn = KernelConnection(
+        ConnectionInfo("ipc", str(tmp_path / "kernel"), key), max_frame=1 << 20, max_message=1 << 20
+    )
+    kernel = Session(key=key.encode(), signature_scheme="hmac-sha256")
+
+    def signed(content: dict[str, object]) -> list[bytes]:
+        msg = kernel.msg("display_data", content, parent={"msg_id": MINE})
+        return [DELIMITER, *kernel.serialize(msg)[1:]]
+
+    try:
+        deep = conn._parse(signed({"data": {"application/json": nested(DEPTH_MAX + 5)}}))
+        assert deep is None
+        near = conn._parse(signed({"data": {"application/json": nested(DEPTH_MAX - 5)}}))
+        assert near is not None
+        text = "[" * 5000 + "{" * 5000  # many brackets, no nesting: parsed as it is
+        kept = conn._parse(signed({"data": {"text/plain": text}}))
+        assert kept is not None and kept["content"]["data"]["text/plain"] == text
+    finally:
+        conn.close()

@@ -44,7 +44,7 @@ import os
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -434,11 +434,15 @@ class KernelConnection:
             # kernel's problem, never ours.
             log.warning("dropped a malformed message from the kernel: %.200s", exc)
             return None
+        names = ("header", "parent_header", "metadata", "content")
+        raw = dict(zip(names, cast(list[bytes], parts[1:5]), strict=True))
         for part in ("header", "parent_header", "content", "metadata"):
             if not isinstance(msg.get(part), dict):
                 log.warning("dropped a message whose %s is not a mapping", part)
                 return None
-            if nested_deeper_than(msg[part], DEPTH_MAX):
+            # JSON nests no deeper than it has brackets: most parts are not walked.
+            brackets = raw[part].count(b"{") + raw[part].count(b"[")
+            if brackets > DEPTH_MAX and nested_deeper_than(msg[part], DEPTH_MAX):
                 log.warning("dropped a message whose %s nests over %d levels", part, DEPTH_MAX)
                 return None
         msg["msg_type"] = msg["header"].get("msg_type")
