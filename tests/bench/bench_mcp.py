@@ -7,12 +7,14 @@ In one run, medians (and p90) of:
     `mcp-forge gateway` (kernel in a Podman pod), next to jupyter-client straight to a
     bare local ipykernel, and next to a direct MCP call of a tool that does nothing
     (list_sessions), which is the MCP transport's own cost; the two calls alternate, so a
-    change in the machine's load falls on both. The same pod kernel is also reached
-    without MCP, interleaved with those calls: by jupyter-client, and by the gateway's own
-    connection (KernelConnection: its relays, its checks). The last rows are what
-    execute_code costs beyond the kernel's round trip and a tool call (issue 12 asks for
-    < 0.5 ms): against the bare kernel, and against the gateway's connection to the same
-    pod kernel (the MCP layer alone);
+    change in the machine's load falls on both. A pod kernel of the same image (a second
+    session's: a kernel's other clients would cost the gateway their IOPub messages) is
+    also reached without MCP, interleaved with those calls: by jupyter-client, and by the
+    gateway's own connection (KernelConnection: its relays, its checks). The last rows
+    are what execute_code costs beyond the kernel's round trip and a tool call (issue 12
+    asks for < 0.5 ms): against the bare kernel, and against the gateway's connection to
+    a pod kernel (the MCP layer alone), each as a difference of medians and as the median
+    of the differences within a round (paired);
   * create_session to Ready, next to a bare local ipykernel's start.
 The machines are shared and noisy: compare ratios, not absolute numbers.
 """
@@ -39,6 +41,7 @@ from mcp.client.streamable_http import streamable_http_client
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_local import bare_start, read_until_idle
 
+from mcp_forge.image.kernel import image_ref
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.jupyter.execution import Collector
 from mcp_forge.runtimes.local.runtime import LocalRuntime
@@ -61,13 +64,55 @@ async def timed(fn: Callable[[], Awaitable[object]], runs: int) -> list[float]:
     return out
 
 
-class Direct:
-    """The session's own pod kernel, reached without MCP: by jupyter-client and by the
-    gateway's KernelConnection (made here, in this process, as the gateway makes it)."""
+class Twin:
+    """A session like the one the gateway runs code in (same image and resources), made
+    by this process in a store of its own, whose pod kernel the baselines reach.
 
-    def __init__(self, state: str, name: str, bare: AsyncKernelClient) -> None:
-        self.runtime = LocalRuntime(Settings(state_dir=Path(state)))
-        self.name = name
+    Not the gateway's own kernel: every client of a kernel gets all its IOPub messages,
+    so the gateway would also read (and pass over) those of the baselines' requests, a
+    cost a lone client never pays. Not a session of the gateway's store either: its
+    list_sessions (the do-nothing tool) would have one more to list.
+    """
+
+    def __init__(self) -> None:
+        self.runtime = LocalRuntime(
+            Settings(state_dir=Path(tempfile.mkdtemp(prefix="mf-bench-twin-", dir="/tmp")))
+        )
+        self.name = f"twin-{os.getpid()}"
+
+    async def __aenter__(self) -> Twin:
+        body = {
+            "apiVersion": "mcpforge.dev/v1alpha1",
+            "kind": "KernelSession",
+            "metadata": {"name": self.name},
+            "spec": {"image": image_ref("minimal")},
+        }
+        await self.runtime.apply(body)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.runtime.delete(self.name)
+
+
+class Direct:
+    """A pod kernel reached without MCP: by jupyter-client and by the gateway's
+    KernelConnection (made here, in this process, as the gateway makes it). `twin`'s,
+    or (trace_mcp.py) a gateway session's in the store at `state`."""
+
+    def __init__(
+        self,
+        twin: Twin | None,
+        bare: AsyncKernelClient,
+        *,
+        state: str | None = None,
+        name: str | None = None,
+    ) -> None:
+        if twin is not None:
+            self.runtime, self.name = twin.runtime, twin.name
+        else:
+            assert state is not None and name is not None
+            self.runtime = LocalRuntime(Settings(state_dir=Path(state)))
+            self.name = name
         self.bare = bare
 
     async def __aenter__(self) -> Direct:
@@ -98,7 +143,7 @@ class Direct:
 
 
 async def measure(
-    client: Client, state: str, bare: AsyncKernelClient, runs: int, creates: int
+    client: Client, twin: Twin, bare: AsyncKernelClient, runs: int, creates: int
 ) -> dict[str, list[float]]:
     async def execute() -> None:
         r = await client.call_tool("execute_code", {"code": "1+1", "session_id": sid})
@@ -111,7 +156,7 @@ async def measure(
     sid = made.structured_content["session_id"]
     await execute()
     result: dict[str, list[float]] = {"execute": [], "noop": [], "bare": [], "jc": [], "conn": []}
-    async with Direct(state, sid, bare) as direct:
+    async with Direct(twin, bare) as direct:
         for _ in range(runs):  # interleaved, so that the machine's load drifts on all alike
             result["bare"] += await timed(direct.bare_kernel, 1)
             result["execute"] += await timed(execute, 1)
@@ -136,8 +181,8 @@ async def main(runs: int, creates: int) -> None:
     await bare_kc.wait_for_ready(timeout=60)
     env = {**os.environ, "MCPFORGE_STATE_DIR": state}
     params = StdioServerParameters(command=GATEWAY, args=["gateway"], env=env)
-    async with Client(params) as client:
-        stdio = await measure(client, state, bare_kc, runs, creates)
+    async with Twin() as twin, Client(params) as client:
+        stdio = await measure(client, twin, bare_kc, runs, creates)
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,10 +198,11 @@ async def main(runs: int, creates: int) -> None:
             pass
     headers = {"Authorization": f"Bearer {token}"}
     async with (
+        Twin() as twin,
         httpx2.AsyncClient(headers=headers, timeout=60) as http,
         Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http)) as client,
     ):
-        over_http = await measure(client, state, bare_kc, runs, 0)
+        over_http = await measure(client, twin, bare_kc, runs, 0)
     proc.terminate()
     await proc.wait()
 

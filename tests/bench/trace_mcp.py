@@ -184,7 +184,7 @@ async def drive(runs: int) -> tuple[list[tuple[str, float, float]], str]:
         sid = made.structured_content["session_id"]
         for _ in range(10):
             await client.call_tool("execute_code", {"code": "1+1", "session_id": sid})
-        async with Direct(state, sid, None) as direct:  # type: ignore[arg-type]
+        async with Direct(None, None, state=state, name=sid) as direct:  # type: ignore[arg-type]
             await trace_calls(client, direct, sid, runs, calls)
         await client.call_tool("close_session", {"session_id": sid})
     return calls, events_file
