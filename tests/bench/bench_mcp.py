@@ -239,8 +239,11 @@ async def main(runs: int, creates: int) -> None:
     # a change in the machine's load between rounds cancels out).
     print(f"{'':56}{'medians':>8}{'paired':>8}")
     for name, d in (("stdio", stdio), ("HTTP", over_http)):
-        em, nm, gm = stats(d["execute"])[0], stats(d["noop"])[0], stats(d["conn"])[0]
-        for base, bxs, bmed in (("bare", d["bare"], bm), ("connection", d["conn"], gm)):
+        # Each transport against the baselines measured in its own rounds (the rows
+        # above pool both transports' rounds).
+        em, nm = stats(d["execute"])[0], stats(d["noop"])[0]
+        for base, bxs in (("bare", d["bare"]), ("connection", d["conn"])):
+            bmed = stats(bxs)[0]
             paired = statistics.median(
                 e - n - b for e, n, b in zip(d["execute"], d["noop"], bxs, strict=True)
             )

@@ -267,9 +267,9 @@ async def test_a_pool_at_its_maximum_keeps_fewer_ready_and_refills_when_a_claim_
         return (status.get("ready"), status.get("claimed")) == (1, 1)
 
     await eventually(kube, POOL, ns, "capped", refilled, timeout=45, what="refilled")
-    # A suspended session stops counting too (its workspace is kept, its kernel is not).
-    suspend = {"spec": {"operatingMode": "Suspended"}}
-    await asyncio.to_thread(kube.patch, KS, ns, "second", suspend)
+    # So does deleting "second", whose kernel now runs in a pod of its own (ks-second, no
+    # claimed-from label to be heard going): the session's deletion is heard instead.
+    await asyncio.to_thread(kube.delete, KS, ns, "second")
 
     def let_go(o: dict[str, Any] | None) -> bool:
         status = (o or {}).get("status") or {}

@@ -22,7 +22,8 @@ import kubernetes
 import pytest
 
 from mcp_forge.clients.kube import Kube
-from mcp_forge.control.render import BASELINE_POLICY, KERNEL_LABELS
+from mcp_forge.control.baseline import Baseline
+from mcp_forge.control.render import BASELINE_POLICY, KERNEL_LABELS, render_baseline_policy
 
 from .conftest import KubeAPI
 from .harness import (
@@ -177,6 +178,23 @@ async def test_a_kernel_pod_that_no_session_or_pool_policy_selects_is_closed(
     )
     out = await probe(kube, kube_api, GATEWAY, until_closed)
     assert out.startswith("closed"), f"a kernel pod no session selects was reachable: {out}"
+    # Narrowed by hand (a label more to match, an expression, a rule): restored whole.
+    narrowed = {
+        "spec": {
+            "podSelector": {
+                "matchLabels": {"extra": "label"},
+                "matchExpressions": [{"key": "x", "operator": "Exists"}],
+            },
+            "ingress": [{}],
+        }
+    }
+    await asyncio.to_thread(kube.patch, "NetworkPolicy", ns, BASELINE_POLICY, narrowed)
+    await asyncio.to_thread(Baseline(kube).ensure, ns, look=True)
+    restored = await asyncio.to_thread(kube.get, "NetworkPolicy", ns, BASELINE_POLICY)
+    assert restored is not None
+    want = render_baseline_policy(ns)["spec"]
+    assert restored["spec"]["podSelector"] == want["podSelector"], restored["spec"]
+    assert not restored["spec"].get("ingress") and not restored["spec"].get("egress")
 
 
 @pytest.mark.parametrize(("egress", "expected"), [("None", "closed"), ("All", "open")])

@@ -89,12 +89,24 @@ def test_at_its_maximum_a_template_change_makes_way_for_new_kernels_within_room(
     # Room for fewer than are current (claims came): no start, old ones all go.
     p = plan([member(4), member(5), *old], size=2, max_starting=2, template=NEW, room=2)
     assert (names(p), p.start) == (["m1", "m2", "m3"], 0)
+    # An old kernel being deleted is still alive: the new one starts once it is gone.
+    p = plan([member(1, template=OLD, deleting=True)], size=1, max_starting=1, template=NEW, room=1)
+    assert (names(p), p.start) == ([], 0)
+    assert plan([], size=1, max_starting=1, template=NEW, room=1).start == 1
     # Every plan keeps the pool within room, whatever it holds.
-    for members in ([], old, [member(4), *old], [member(4, ready=False), member(5), *old]):
+    going = member(6, template=OLD, deleting=True)
+    for members in (
+        [],
+        old,
+        [member(4), *old],
+        [member(4, ready=False), member(5), *old],
+        [going, member(4), *old],
+    ):
         for room in range(5):
             p = plan(members, size=min(2, room), max_starting=2, template=NEW, room=room)
-            kept = [m for m in members if m not in p.delete]
-            assert len(kept) + p.start <= room, (members, room, p)
+            kept = [m for m in members if m not in p.delete]  # with those being deleted
+            assert len([m for m in kept if not m.deleting]) <= room, (room, p)
+            assert not p.start or len(kept) + p.start <= room, (room, p)  # never starts over
 
 
 def test_an_old_kernel_not_ready_goes_before_a_ready_one() -> None:

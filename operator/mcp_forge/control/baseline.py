@@ -1,8 +1,9 @@
 """Each namespace with kernels gets a NetworkPolicy that keeps every kernel pod closed.
 
 The operator makes it (render.render_baseline_policy) before a namespace's first session
-or pool kernel needs it, and looks again now and then: someone may delete it. A look is
-one read; a write happens only when it is missing or was changed.
+or pool kernel needs it, looks again before each pool kernel is started or claimed (a
+read, side by side with the claim's other reads) and otherwise once per RECHECK: someone
+may delete or change it. A write happens only when it is missing or was changed.
 """
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ class Baseline:
         self._seen: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def ensure(self, namespace: str) -> None:
+    def ensure(self, namespace: str, *, look: bool = False) -> None:
+        """The namespace's baseline policy, made or restored if need be. Looked at only
+        once per RECHECK unless `look`: before a kernel of a pool is started or claimed,
+        when it must be there now (it may have been deleted, or the namespace made anew,
+        since the last look)."""
         with self._lock:
-            if time.monotonic() - self._seen.get(namespace, -self.recheck) < self.recheck:
+            recent = time.monotonic() - self._seen.get(namespace, -self.recheck) < self.recheck
+            if recent and not look:
                 return
         want = render_baseline_policy(namespace)
         current, made = self.kube.ensure(want)
@@ -43,8 +49,19 @@ class Baseline:
             )
         elif _changed(current.get("spec") or {}, want["spec"]):
             log.warning("namespace %s: NetworkPolicy %s was changed; restoring it", namespace, name)
-            # A merge patch: null removes any rule someone added.
-            patch = {"spec": {**want["spec"], "ingress": None, "egress": None}}
+            # A merge patch: null removes what someone added (rules, labels or expressions
+            # that would narrow the selector), and the rest is set as it should be.
+            spec, selector = current.get("spec") or {}, want["spec"]["podSelector"]
+            added = (spec.get("podSelector") or {}).get("matchLabels") or {}
+            labels = {**dict.fromkeys(added), **selector["matchLabels"]}
+            patch = {
+                "spec": {
+                    "podSelector": {"matchLabels": labels, "matchExpressions": None},
+                    "policyTypes": want["spec"]["policyTypes"],
+                    "ingress": None,
+                    "egress": None,
+                }
+            }
             self.kube.patch("NetworkPolicy", namespace, name, patch)
         with self._lock:
             self._seen[namespace] = time.monotonic()
@@ -52,7 +69,7 @@ class Baseline:
 
 def _changed(current: dict[str, Any], want: dict[str, Any]) -> bool:
     return (
-        current.get("podSelector") != want["podSelector"]
+        (current.get("podSelector") or {}) != want["podSelector"]
         or sorted(current.get("policyTypes") or []) != sorted(want["policyTypes"])
         or bool(current.get("ingress") or current.get("egress"))
     )

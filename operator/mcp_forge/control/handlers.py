@@ -421,7 +421,8 @@ class Reconciler:
             lambda: self.kube.get(POOL, ns, pool) if pool else None,
             lambda: self.pools.members(ns, pool) if pool else [],
             lambda: self._workspace(session, fresh=fresh),
-            lambda: self.baseline.ensure(ns),
+            # Looked at afresh before a claim: it is what keeps the claimed pod closed.
+            lambda: self.baseline.ensure(ns, look=pool is not None),
         )
         seen = Seen(got[5], got[6]) if pool else None
         return Children(want_pod, secret=got[3], lease=got[2], pod=got[4], pool=seen)
@@ -768,10 +769,17 @@ async def reconcile_session(
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def session_event(
-    *, type: str, name: str, namespace: str | None, memo: Any, **_: Any
+    *, type: str, name: str, namespace: str | None, body: Any, memo: Any, **_: Any
 ) -> None:
-    if type == "DELETED":
-        _reconciler(memo).forget(namespace or "default", name)
+    if type != "DELETED":
+        return
+    reconciler, ns = _reconciler(memo), namespace or "default"
+    reconciler.forget(ns, name)
+    # A session that claimed a kernel counted against its pool's maxSize until now,
+    # whichever pod ran it (a replaced one carries no claimed-from label to be heard).
+    pool = ((body.get("spec") or {}).get("poolRef") or {}).get("name")
+    if pool and ksp.claimed_a_kernel(body.get("status") or {}):
+        reconciler.poke(ns, pool, kind=POOL)
 
 
 @kopf.on.event("", "v1", "pods", labels={**CHILD_LABELS, LABEL_COMPONENT: "kernel"})

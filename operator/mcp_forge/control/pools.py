@@ -162,10 +162,12 @@ def plan(
     template take their place, so a template change never leaves the pool emptier than it
     was, unless `room` (the pool's maxSize less its claimed kernels) leaves no place for a
     new kernel beside them: then older kernels make way, those not ready and the oldest
-    first, and the pool holds at most `room` kernels throughout. Beyond `size`, starting
+    first, and a new one starts once they are gone (a kernel being deleted counts until
+    then): the pool holds at most `room` kernels throughout. Beyond `size`, starting
     kernels go before ready ones, the newest first. At most `max_starting` kernels start
     at once.
     """
+    going = sum(1 for m in members if m.deleting)  # still alive until they are gone
     live = [m for m in members if not m.deleting]
     delete = [m for m in live if m.failed]
     live = [m for m in live if not m.failed]
@@ -184,7 +186,7 @@ def plan(
     delete += by_age[:retire]
     older = by_age[retire:]
     start = max(0, min(size - len(current), max_starting - starting))
-    over = 0 if room is None else len(current) + len(older) + start - room
+    over = 0 if room is None else going + len(current) + len(older) + start - room
     if over > 0:
         delete += older[:over]
         start = max(0, start - max(0, over - len(older)))
@@ -325,7 +327,7 @@ class PoolKeeper:
         )
         for member in todo.delete:
             self._delete_member(pool, member)
-        self.baseline.ensure(namespace)
+        self.baseline.ensure(namespace, look=True)  # its kernels are claimed: see there
         self._ensure_policy(pool)
         error = None
         for _ in range(todo.start):

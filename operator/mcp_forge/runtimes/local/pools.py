@@ -266,15 +266,15 @@ class Pools:
             os.close(fd)
 
     def _claimed(self, pool: KernelSessionPool, bodies: list[dict[str, Any]] | None = None) -> int:
-        """Sessions that hold a kernel claimed from the pool now (a suspended one's pod is
-        gone: it does not, as on a cluster)."""
+        """Sessions that hold a kernel claimed from the pool now (a suspended or expired
+        one's pod is gone: it does not, as on a cluster)."""
         return sum(
             1
             for b in (self.store.list(pool.namespace) if bodies is None else bodies)
             if (b["metadata"].get("annotations") or {}).get(ksp.ANNOTATION_CLAIMED_FROM)
             == pool.name
             and not (b["metadata"].get("labels") or {}).get(ksp.LABEL_POOL)
-            and (b.get("status") or {}).get("phase") != st.SUSPENDED
+            and (b.get("status") or {}).get("phase") not in st.NO_KERNEL
         )
 
     def _write_status(
