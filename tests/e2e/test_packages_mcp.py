@@ -157,3 +157,20 @@ async def test_a_download_past_the_limits_is_stopped_while_it_grows(
     assert "stopped while downloading" in str(raised.value), raised.value
     assert "2000000" in str(raised.value), raised.value
     assert list(dest.iterdir()) == []
+
+
+async def test_a_download_found_too_large_once_complete_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog never looks (its interval is an hour), so pip finishes and leaves
+    pygments' wheel (about 1.2 MB) in the directory; the check after finds it over the
+    limit, and the directory is emptied: a caller's directory never keeps a refused file."""
+    monkeypatch.setattr(packages, "WATCH_INTERVAL", 3600.0)
+    policy = replace(packages.PackagePolicy.of(Settings(state_dir=tmp_path)), file_max=1_000_000)
+    dest = tmp_path / "wheels"
+    dest.mkdir()
+    with pytest.raises(PackageTooLarge) as raised:
+        await packages.download([requirement("pygments==2.19.2")], policy, dest)
+    assert "the limit for one file is 1000000" in str(raised.value), raised.value
+    assert "stopped while downloading" not in str(raised.value), raised.value
+    assert list(dest.iterdir()) == []

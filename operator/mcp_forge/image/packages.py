@@ -25,6 +25,7 @@ import importlib.util
 import os
 import platform
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -296,13 +297,26 @@ async def download(reqs: Sequence[Requirement], policy: PackagePolicy, dest: Pat
     before anything is fetched."""
     for req in reqs:
         policy.check_name(req.name)
-    code, output = await _pip(_pip_args(reqs, policy, dest), policy, dest)
-    if code != 0:
-        raise _failure(output, policy)
-    wheels = _wheels(dest, policy)
+    try:
+        code, output = await _pip(_pip_args(reqs, policy, dest), policy, dest)
+        if code != 0:
+            raise _failure(output, policy)
+        wheels = _wheels(dest, policy)
+    except BaseException:
+        # pip may be stopped while it copies a file into `dest`: nothing of it stays.
+        await asyncio.to_thread(_empty, dest)
+        raise
     if not wheels:
         raise PackageNotFound("pip resolved nothing to install")
     return wheels
+
+
+def _empty(dest: Path) -> None:
+    for path in dest.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def path_program(root: str = WORKSPACE) -> str:
