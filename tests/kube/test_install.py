@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +28,14 @@ import yaml
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import TextContent
+from prometheus_client.parser import text_string_to_metric_families
 
+from mcp_forge.clients.kube import Kube
 from mcp_forge.image.control_plane import TARGETS, build_control_plane, image_ref
+from mcp_forge.runtimes.cluster import QUOTA_LEASE
 
-from .conftest import ClusterUnderTest, install_crds
+from .conftest import ClusterUnderTest, KubeAPI, install_crds
+from .test_security import probe
 
 pytestmark = pytest.mark.podman
 
@@ -114,17 +120,26 @@ async def gateway_url(test_cluster: ClusterUnderTest, installed: str) -> AsyncIt
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", PORT)) == 0:
             pytest.fail(f"port {PORT} is taken on this host: the documented port-forward needs it")
+    async with forwarded(test_cluster, "svc/mcp-forge-gateway", str(PORT)):
+        yield f"http://localhost:{PORT}/mcp"
+
+
+@asynccontextmanager
+async def forwarded(cluster: ClusterUnderTest, target: str, ports: str) -> AsyncIterator[int]:
+    """`kubectl port-forward TARGET PORTS` in mcp-forge-system while in the block; the
+    local port it forwards from."""
     proc = await asyncio.create_subprocess_exec(
-        test_cluster.bin("kubectl"), f"--kubeconfig={test_cluster.kubeconfig}", "-n", SYSTEM,
-        "port-forward", "svc/mcp-forge-gateway", str(PORT),
+        cluster.bin("kubectl"), f"--kubeconfig={cluster.kubeconfig}", "-n", SYSTEM,
+        "port-forward", target, ports,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     try:
         async with asyncio.timeout(60):
             line = (await proc.stdout.readline()).decode()
-        assert "Forwarding from" in line, line
-        yield f"http://localhost:{PORT}/mcp"
+        found = re.search(r"Forwarding from 127\.0\.0\.1:(\d+)", line)
+        assert found, line
+        yield int(found.group(1))
     finally:
         proc.terminate()
         await proc.wait()
@@ -135,7 +150,7 @@ def text(result: Any) -> str:
 
 
 async def test_kubectl_apply_k_serves_agents_through_the_gateway_service(
-    test_cluster: ClusterUnderTest, installed: str, gateway_url: str
+    test_cluster: ClusterUnderTest, installed: str, gateway_url: str, kube: Kube, kube_api: KubeAPI
 ) -> None:
     # A session a user declares with kubectl, for this client.
     example = yaml.safe_load((ROOT / "manifests" / "examples" / "minimal.yaml").read_text())
@@ -176,11 +191,80 @@ async def test_kubectl_apply_k_serves_agents_through_the_gateway_service(
     assert conditions["Ready"]["status"] == "True"
     assert conditions["Ready"]["observedGeneration"] == obj["metadata"]["generation"]
     assert status["lastActivity"], "the gateway reported activity on the Lease"
+    # Its create done, the client's quota Lease is deleted (the Role allows it).
+    leases = json.loads(kubectl(test_cluster, "-n", SESSIONS, "get", "leases", "-o", "json"))
+    names = [x["metadata"]["name"] for x in leases["items"]]
+    assert not [n for n in names if n.startswith(QUOTA_LEASE)], names
+    # Prometheus finds both by their pods' annotations; the numbers moved.
+    gateway_metrics = await scrape(test_cluster, "gateway")
+    ok = ("mcpforge_tool_calls_total", (("outcome", "ok"), ("tool", "execute_code")))
+    assert gateway_metrics.get(ok, 0) >= 2, gateway_metrics
+    operator_metrics = await scrape(test_cluster, "operator")
+    reconciles = ("mcpforge_reconcile_seconds_count", (("kind", "KernelSession"),))
+    assert operator_metrics.get(reconciles, 0) >= 1, operator_metrics
+    # Through the pod network, as Prometheus in another namespace would: the NetworkPolicy
+    # "metrics" admits 9090 and nothing else (the operator's liveness port stays closed).
+    ips = {c: pod_of(test_cluster, c)["status"]["podIP"] for c in ("gateway", "operator")}
+    seen = json.loads(await probe(kube, kube_api, {"role": "prometheus"}, SCRAPE.format(**ips)))
+    assert seen == {"gateway": True, "operator": True, "healthz": seen["healthz"]}, seen
+    assert seen["healthz"] != "open", seen
     # The gateway pod has the rights of its ServiceAccount and no more: no pods.
     gateway = f"system:serviceaccount:{SYSTEM}:mcp-forge-gateway"
     assert can_i(test_cluster, gateway, "list", "pods") == "no"
     assert can_i(test_cluster, gateway, "create", "kernelsessions") == "yes"
     assert can_i(test_cluster, gateway, "list", "kernelsessionpools") == "yes", "to pick one"
+
+
+SCRAPE = """
+import json, socket, urllib.request
+seen = {{}}
+for name, ip in (("gateway", "{gateway}"), ("operator", "{operator}")):
+    try:
+        with urllib.request.urlopen(f"http://{{ip}}:9090/metrics", timeout=10) as r:
+            seen[name] = b"mcpforge_" in r.read()
+    except OSError as e:
+        seen[name] = type(e).__name__
+s = socket.socket()
+s.settimeout(3)
+try:
+    s.connect(("{operator}", 8080))
+    seen["healthz"] = "open"
+except OSError as e:
+    seen["healthz"] = type(e).__name__
+print(json.dumps(seen))
+"""
+
+
+def pod_of(cluster: ClusterUnderTest, component: str) -> dict[str, Any]:
+    pods = json.loads(
+        kubectl(cluster, "-n", SYSTEM, "get", "pods", "-o", "json", "-l",
+                f"app.kubernetes.io/name=mcp-forge,app.kubernetes.io/component={component}")
+    )["items"]  # fmt: skip
+    running = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    assert len(running) == 1, [p["metadata"]["name"] for p in pods]
+    found: dict[str, Any] = running[0]
+    return found
+
+
+async def scrape(
+    cluster: ClusterUnderTest, component: str
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples at the port and path the component's pod annotations name, reached by
+    `kubectl port-forward` to that pod: (name, sorted labels) -> value."""
+    pod = pod_of(cluster, component)
+    notes = pod["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true", (component, notes)
+    target, port = f"pod/{pod['metadata']['name']}", notes["prometheus.io/port"]
+    async with forwarded(cluster, target, f":{port}") as local:
+        url = f"http://127.0.0.1:{local}{notes['prometheus.io/path']}"
+        async with httpx2.AsyncClient(timeout=30) as http:
+            got = await http.get(url)
+        assert got.status_code == 200, (url, got.status_code)
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(got.text)
+        for sample in family.samples
+    }
 
 
 def can_i(cluster: ClusterUnderTest, user: str, verb: str, resource: str) -> str:

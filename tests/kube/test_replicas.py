@@ -7,6 +7,7 @@ replica did the other sees (tests/e2e/test_replicas.py has the same locally)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import secrets
 from pathlib import Path
@@ -14,8 +15,11 @@ from typing import Any
 
 import pytest
 
+from mcp_forge.api import quota
 from mcp_forge.clients.kube import Kube
-from mcp_forge.runtimes.cluster import QUOTA_LEASE, RATES
+from mcp_forge.errors import InvalidRequest
+from mcp_forge.runtimes.cluster import QUOTA_LEASE, RATES, RESERVATIONS, KubernetesRuntime
+from mcp_forge.settings import Settings
 from support import SPEND_CALLS, cancelled_call, value
 
 from .harness import SMALL, running_operator
@@ -89,8 +93,10 @@ async def test_two_cluster_replicas_and_a_restarted_one_share_a_clients_state(
             listed = await via_one.call_tool("list_sessions", {})
             held = {s["session_id"] for s in listed.structured_content["sessions"]}
             assert held == {sid, coded, *new}
+            # Every create done, its reservation released: the client's quota Lease is gone.
             leases = await asyncio.to_thread(kube.list, "Lease", ns)
-            assert [x for x in leases["items"] if x["metadata"]["name"].startswith(QUOTA_LEASE)]
+            left = [x["metadata"] for x in leases["items"]]
+            assert not [m for m in left if m["name"].startswith(QUOTA_LEASE)], left
             for name in (coded, *new):
                 closed = await via_two.call_tool("close_session", {"session_id": name})
                 assert not closed.is_error, text(closed)
@@ -105,3 +111,62 @@ async def test_two_cluster_replicas_and_a_restarted_one_share_a_clients_state(
             # Closed, it is made again on next use: the same name, a new kernel.
             assert await value(agent, "'x' in dir()") == (sid, "False")
             await agent.call_tool("close_session", {"session_id": sid})
+
+
+async def test_quota_reservations_race_their_leases_deletion_and_lose_nothing(
+    kube_api: Any, kube: Kube
+) -> None:
+    """Two replicas' runtimes reserve and release one client's places at once, on the real
+    API server: a Lease deleted once empty (resourceVersion precondition) never takes a
+    live reservation with it, and no more than the limit are ever held."""
+    ns = kube_api.namespace
+    one, two = (
+        KubernetesRuntime(Settings(session_namespace=ns), Kube(kube.client.configuration))
+        for _ in range(2)
+    )
+    lease = QUOTA_LEASE + hashlib.sha256(b"racer").hexdigest()[:16]
+
+    def claim(name: str) -> quota.Claim:
+        return quota.Claim(ns, "racer", name, QUOTA, owns=lambda b: False)
+
+    async def reserve(runtime: KubernetesRuntime, name: str) -> str | None:
+        try:
+            await runtime.reserve(claim(name))
+        except InvalidRequest:
+            return None
+        return name
+
+    async def reserved() -> set[str]:
+        body = await asyncio.to_thread(kube.get, "Lease", ns, lease)
+        if body is None:
+            return set()
+        raw = (body["metadata"].get("annotations") or {}).get(RESERVATIONS)
+        return set(quota.load_reservations(raw))
+
+    try:
+        held: set[str] = set()
+        for round_ in range(6):
+            # Releases of every place held, and twice as many reserves, all at once.
+            # (With none held, exactly the limit's worth of them get a place.)
+            asked = [f"r{round_}-{i}" for i in range(2 * QUOTA)]
+            free = not held
+            got = await asyncio.gather(
+                *((one, two)[i % 2].release(claim(n)) for i, n in enumerate(sorted(held))),
+                *(reserve((one, two)[i % 2], n) for i, n in enumerate(asked)),
+            )
+            held = {n for n in got if n}
+            assert len(held) == QUOTA if free else len(held) <= QUOTA, got
+            assert await reserved() == held
+        await asyncio.gather(*(one.release(claim(n)) for n in held))
+        assert await asyncio.to_thread(kube.get, "Lease", ns, lease) is None
+        # The last place released on one replica (its Lease then deleted) while the other
+        # reserves: the new reservation is never deleted with the Lease.
+        for i in range(8):
+            await one.reserve(claim(f"a{i}"))
+            await asyncio.gather(one.release(claim(f"a{i}")), two.reserve(claim(f"b{i}")))
+            assert await reserved() == {f"b{i}"}, i
+            await two.release(claim(f"b{i}"))
+            assert await asyncio.to_thread(kube.get, "Lease", ns, lease) is None, i
+    finally:
+        one.close()
+        two.close()

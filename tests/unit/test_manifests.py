@@ -409,7 +409,8 @@ GATEWAY_RULES = {
     # Without --pool it picks, per new session, a pool that serves it.
     ("mcpforge.dev", "kernelsessionpools"): "list",
     ("", "secrets"): "get",
-    ("coordination.k8s.io", "leases"): "get create patch update",
+    # delete: a client's quota Lease once it holds no reservation.
+    ("coordination.k8s.io", "leases"): "get create patch update delete",
 }
 
 
@@ -491,7 +492,7 @@ def test_the_gateway_service_and_probes_point_at_the_port_it_listens_on() -> Non
     objs = build("base")
     c = container(objs, "mcp-forge-gateway")
     port = _http_port(c["args"])
-    (named,) = c["ports"]
+    named = next(p for p in c["ports"] if p["name"] == "http")
     assert named["containerPort"] == port
     (svc_port,) = find(objs, "Service", "mcp-forge-gateway", SYSTEM)["spec"]["ports"]
     assert svc_port["port"] == port and svc_port["targetPort"] == named["name"]
@@ -514,6 +515,41 @@ def test_the_operator_is_one_replica_probed_where_kopf_listens(name: str) -> Non
     probe = c["livenessProbe"]["httpGet"]
     port = next(p for p in c["ports"] if p["name"] == probe["port"])
     assert (probe["path"], port["containerPort"]) == ("/healthz", 8080)
+
+
+def _selects(selector: dict[str, Any], pod_labels: dict[str, str]) -> bool:
+    """A label selector as the API server reads it (In and NotIn are all manifests/ use)."""
+    for k, v in selector.get("matchLabels", {}).items():
+        if pod_labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions", []):
+        assert e["operator"] in ("In", "NotIn"), e
+        if (pod_labels.get(e["key"]) in e["values"]) != (e["operator"] == "In"):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("name", INSTALLS)
+def test_prometheus_finds_both_by_their_annotations_and_may_reach_them(name: str) -> None:
+    objs = build(name)
+    policy = find(objs, "NetworkPolicy", "metrics", SYSTEM)["spec"]
+    (rule,) = policy["ingress"]
+    assert "from" not in rule, "wherever Prometheus runs"
+    for component in ("operator", "gateway"):
+        template = find(objs, "Deployment", f"mcp-forge-{component}", SYSTEM)["spec"]["template"]
+        c = container(objs, f"mcp-forge-{component}")
+        host, _, port = c["args"][c["args"].index("--metrics") + 1].rpartition(":")
+        assert host == "0.0.0.0", "served on the pod's address, not loopback"
+        assert template["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": port,
+            "prometheus.io/path": "/metrics",
+        }
+        named = next(p for p in c["ports"] if p["name"] == "metrics")
+        assert named["containerPort"] == int(port)
+        assert _selects(policy["podSelector"], template["metadata"]["labels"]), component
+        assert [(p["port"], p["protocol"]) for p in rule["ports"]] == [(int(port), "TCP")]
+    assert not _selects(policy["podSelector"], labels(_session())), "no kernel is scraped"
 
 
 def _policies(objs: list[dict[str, Any]], namespace: str) -> list[dict[str, Any]]:

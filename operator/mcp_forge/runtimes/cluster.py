@@ -95,6 +95,7 @@ class KubernetesRuntime:
         self._renewed: dict[tuple[str, str], tuple[float, bool]] = {}
         # Code mode's rates: each session's Lease as this gateway last wrote it.
         self._rate_leases: dict[tuple[str, str], dict[str, Any]] = {}
+        self._lease_delete_refused = False  # then kept, and not asked again
         # Waits block a thread on a watch: their own threads, so a burst of creates never
         # starves the other API calls (which use the default executor).
         self._watchers = concurrent.futures.ThreadPoolExecutor(WATCHERS, "mcp-forge-watch")
@@ -207,39 +208,82 @@ class KubernetesRuntime:
 
     async def release(self, claim: quota.Claim) -> None:
         await asyncio.to_thread(
-            self._swap_reservations, claim, lambda r: quota.release(r, claim.name)
+            self._swap_reservations, claim, lambda r: quota.release(r, claim.name), make=False
         )
 
     def _swap_reservations(
-        self, claim: quota.Claim, change: Callable[[dict[str, float]], dict[str, float]]
+        self,
+        claim: quota.Claim,
+        change: Callable[[dict[str, float]], dict[str, float]],
+        *,
+        make: bool = True,
     ) -> None:
-        """Compare-and-swap the owner's reservations on its Lease (made if absent): read,
-        `change` (which may raise, and reads whatever else it decides from after this
-        read), write only if the Lease is unchanged since, else again."""
+        """Compare-and-swap the owner's reservations on its Lease: read (made if absent,
+        with `make`), `change` (which may raise, and reads whatever else it decides from
+        after this read), write only if the Lease is unchanged since, else again. A Lease
+        left with no reservation is deleted, on the same condition: a client leaves no
+        object behind once its creates are done."""
         namespace = claim.namespace
         lease = QUOTA_LEASE + hashlib.sha256(claim.owner.encode()).hexdigest()[:16]
         for _ in range(CAS_TRIES):
-            body, _made = self.kube.ensure(
-                {
-                    "apiVersion": "coordination.k8s.io/v1",
-                    "kind": "Lease",
-                    "metadata": {"name": lease, "namespace": namespace},
-                    "spec": {},
-                }
-            )
+            if make:
+                try:
+                    body, _made = self.kube.ensure(
+                        {
+                            "apiVersion": "coordination.k8s.io/v1",
+                            "kind": "Lease",
+                            "metadata": {"name": lease, "namespace": namespace},
+                            "spec": {},
+                        }
+                    )
+                except ApiError as exc:
+                    if not exc.conflict:
+                        raise
+                    continue  # made and deleted by others meanwhile: again
+            else:
+                found = self.kube.get("Lease", namespace, lease)
+                if found is None:
+                    return
+                body = found
             meta = body["metadata"]
             before = quota.load_reservations((meta.get("annotations") or {}).get(RESERVATIONS))
             after = change(before)
             if after == before:
                 return
+            if not after:
+                gone = self._delete_lease(namespace, lease, meta)
+                if gone:
+                    return
+                if gone is not None:
+                    continue  # changed since read: again
             try:
                 self._write_annotation(namespace, lease, meta, RESERVATIONS, json.dumps(after))
             except ApiError as exc:
-                if not exc.conflict:
+                if not (exc.conflict or exc.not_found):  # changed, or deleted, since read
                     raise
                 continue
             return
         raise ApiError(409, "Conflict", f"Lease {lease}: {CAS_TRIES} writes lost to others")
+
+    def _delete_lease(self, namespace: str, lease: str, meta: dict[str, Any]) -> bool | None:
+        """Delete the Lease `meta` was read from if it is unchanged since: True if it is
+        gone, False if it changed, None if this gateway may not delete Leases (a Role from
+        before it did: the Lease is then kept, and written as any other)."""
+        if self._lease_delete_refused:
+            return None
+        try:
+            if self.kube.delete(
+                "Lease", namespace, lease, resource_version=meta["resourceVersion"]
+            ):
+                return True
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            log.warning("may not delete Lease %s (RBAC: leases delete): quota Leases kept", lease)
+            self._lease_delete_refused = True
+            return None
+        # Not deleted: gone already (another replica), or written since it was read.
+        return self.kube.get("Lease", namespace, lease) is None
 
     async def count_call(self, session: KernelSession, server: str, per_minute: int) -> bool:
         return await asyncio.to_thread(self._count_call, session, server, per_minute)
