@@ -7,11 +7,18 @@ reclaimPolicy Retain the volume outlives the session too, for the next one of th
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import subprocess
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from mcp_forge.errors import InvalidSession
+from mcp_forge.runtimes.local import volumes
 
 pytestmark = pytest.mark.podman
 
@@ -117,3 +124,78 @@ async def test_retain_keeps_the_workspace_for_the_next_session_of_that_name(
     assert not kept.exists()
     await runtime.apply(body())
     assert await _look(gateway, name) == [False, []]
+
+
+MI = 2**20
+SIZE = "import os\ns = os.statvfs('/workspace')\nprint(s.f_blocks * s.f_frsize)"
+
+
+async def test_a_workspace_grows_keeping_its_files_and_never_shrinks(
+    runtime: Any, gateway: Any, make_session: Any
+) -> None:
+    """A larger spec.workspace.size, applied: the next kernel has the room, the files are
+    there. A smaller one is refused, naming the field, and nothing stored changes."""
+    # (Grown offline between the two kernels: an online resize needs CAP_SYS_RESOURCE.)
+    name = await make_session(workspace={"persistent": True, "size": "64Mi"})
+    stored = runtime.store.get("default", name)
+    body = {k: stored[k] for k in ("apiVersion", "kind", "metadata", "spec")}
+    await _write(gateway, name, "kept")
+    before = int((await gateway.execute(name, SIZE)).stdout)
+    assert 40 * 2**20 < before <= 64 * 2**20, before
+
+    grown = {**body, "spec": {**body["spec"], "workspace": {"persistent": True, "size": "256Mi"}}}
+    await runtime.apply(grown)
+    after = int((await gateway.execute(name, SIZE)).stdout)
+    assert 200 * 2**20 < after <= 256 * 2**20, after
+    assert await _look(gateway, name) == [False, ["kept"]]
+
+    small = {**body, "spec": {**body["spec"], "workspace": {"persistent": True, "size": "128Mi"}}}
+    with pytest.raises(InvalidSession) as refused:
+        await runtime.apply(small)
+    assert refused.value.field == "spec.workspace.size", refused.value
+    assert "256Mi" in str(refused.value) and "128Mi" in str(refused.value), refused.value
+    assert runtime.store.get("default", name)["spec"]["workspace"]["size"] == "256Mi"
+    assert int((await gateway.execute(name, SIZE)).stdout) == after
+
+
+def _room(path: Path) -> int:
+    s = os.statvfs(path)
+    return s.f_blocks * s.f_frsize
+
+
+async def test_a_grow_cut_short_is_finished_and_one_in_use_waits(tmp_path: Path) -> None:
+    """The volume code itself, on real loop devices: a grow interrupted after the image
+    grew (its marker left) is finished at the next mount; an image still mounted elsewhere
+    (a process that outlived its pod) is mounted from that same device, not resized."""
+    image, target, other = tmp_path / "workspace.img", tmp_path / "ws", tmp_path / "elsewhere"
+    marker = image.with_name("workspace.img.growing")
+    other.mkdir()
+    await volumes.ensure_workspace(image, target, 64 * MI, 1000, 1000)
+    try:
+        (target / "kept.txt").write_text("kept")
+        small = _room(target)
+        # Cut short: the image made larger and marked, its filesystem not grown yet.
+        await volumes.unmount(target)
+        os.truncate(image, 128 * MI)
+        marker.touch()
+        await volumes.ensure_workspace(image, target, 128 * MI, 1000, 1000)
+        assert _room(target) > small + 48 * MI and not marker.exists()
+        assert (target / "kept.txt").read_text() == "kept"
+
+        # In use elsewhere: the same filesystem mounted here again, left as it is, marked.
+        grown = _room(target)
+        await volumes.unmount(target)
+        mount = ["mount", "-o", "loop", str(image), str(other)]
+        await asyncio.to_thread(subprocess.run, mount, check=True)
+        await volumes.ensure_workspace(image, target, 256 * MI, 1000, 1000)
+        assert _room(target) == grown and marker.exists()
+        (target / "seen.txt").write_text("one filesystem")
+        assert (other / "seen.txt").read_text() == "one filesystem"
+        await volumes.unmount(other)
+        await volumes.unmount(target)
+        await volumes.ensure_workspace(image, target, 256 * MI, 1000, 1000)
+        assert _room(target) > grown + 96 * MI and not marker.exists()
+        assert sorted(p.name for p in target.iterdir()) == ["kept.txt", "seen.txt"]
+    finally:
+        await volumes.unmount(other)
+        await volumes.unmount(target)

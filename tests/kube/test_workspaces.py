@@ -10,11 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
-from mcp_forge.clients.kube import Kube
+import pytest
 
-from .harness import KS, eventually, kernel, kernel_dies, ready, run_in_kernel, session_body
+from mcp_forge.clients.kube import Kube
+from mcp_forge.control.workspace import WORKSPACE_SIZED as SIZED
+from mcp_forge.errors import ApiError
+
+from .harness import (
+    KS,
+    condition,
+    eventually,
+    kernel,
+    kernel_dies,
+    ready,
+    run_in_kernel,
+    session_body,
+)
+from .testcluster import PROVISIONER
 
 CLAIM = "PersistentVolumeClaim"
 LOOK = (
@@ -22,6 +37,16 @@ LOOK = (
     "print(json.dumps(['x' in dir(), sorted(f[:-4] for f in os.listdir() if f.endswith('.txt'))]))"
 )
 GONE = 90.0  # the garbage collector, then the claim's protection until its pod is gone
+CLASS = "mcpforge-test-expandable"
+EXPANDABLE = {  # the default class, but that claims of it may grow
+    "apiVersion": "storage.k8s.io/v1",
+    "kind": "StorageClass",
+    "metadata": {"name": CLASS},
+    "provisioner": PROVISIONER,
+    "volumeBindingMode": "WaitForFirstConsumer",
+    "reclaimPolicy": "Delete",
+    "allowVolumeExpansion": True,
+}
 
 
 class Workspace:
@@ -138,3 +163,63 @@ async def test_retain_keeps_the_claim_for_the_next_session_of_that_name(
     await eventually(
         kube, CLAIM, ns, "ks-keep-workspace", lambda c: c is None, timeout=GONE, what="deleted"
     )
+
+
+async def test_a_workspace_grows_where_its_storage_class_allows_and_says_why_it_cannot(
+    kube: Kube, kube_api: Any, ns: str, operator: Any
+) -> None:
+    """spec.workspace.size grown: the claim is asked to grow where its StorageClass allows
+    expansion (this cluster has no resizer, so it stays Resizing), refused by the API server
+    where it does not (the default class here), and never shrunk; the kernel runs on."""
+    kube_api.kubectl("apply", "-f", "-", input=json.dumps(EXPANDABLE))
+    await asyncio.gather(
+        _create(kube, ns, "fixed"), _create(kube, ns, "grows", storageClassName=CLASS)
+    )
+    fixed, grows = await asyncio.gather(ready(kube, ns, "fixed"), ready(kube, ns, "grows"))
+    for obj in (fixed, grows):
+        assert not condition(obj, SIZED), "no size asked for but the first: no condition"
+
+    def sized(reason: str) -> Callable[[dict[str, Any] | None], bool]:
+        return lambda o: condition(o, SIZED).get("reason") == reason
+
+    await asyncio.gather(
+        _patch(kube, ns, "fixed", {"workspace": {"persistent": True, "size": "128Mi"}}),
+        _patch(kube, ns, "grows", {"workspace": {"persistent": True, "size": "128Mi",
+                                                 "storageClassName": CLASS}}),
+    )  # fmt: skip
+    refused = await eventually(kube, KS, ns, "fixed", sized("ResizeRefused"), what="refused")
+    said = condition(refused, SIZED)
+    assert said["status"] == "False" and "ks-fixed-workspace" in said["message"], said
+    assert "resize" in said["message"], "the API server's reason, as it gave it"
+    claim = await asyncio.to_thread(kube.get, CLAIM, ns, "ks-fixed-workspace")
+    assert claim is not None and claim["spec"]["resources"]["requests"]["storage"] == "64Mi"
+
+    await eventually(kube, KS, ns, "grows", sized("Resizing"), what="resizing")
+    claim = await asyncio.to_thread(kube.get, CLAIM, ns, "ks-grows-workspace")
+    assert claim is not None and claim["spec"]["resources"]["requests"]["storage"] == "128Mi"
+
+    # Smaller: the API server refuses it (the CRD's rule), and nothing changes.
+    with pytest.raises(ApiError) as shrink:
+        await _patch(kube, ns, "grows", {"workspace": {"persistent": True, "size": "64Mi",
+                                                       "storageClassName": CLASS}})  # fmt: skip
+    assert shrink.value.status == 422 and "cannot shrink" in str(shrink.value), shrink.value
+    after = await asyncio.to_thread(kube.get, KS, ns, "grows")
+    assert after is not None and after["spec"]["workspace"]["size"] == "128Mi"
+    # An emptyDir workspace may shrink: the rule is for claims only.
+    await _patch(kube, ns, "fixed", {"workspace": {"persistent": False, "size": "32Mi"}})
+
+    # The kernels run on, replaced for their new size (Recreate: it bounds files too).
+    def settled(o: dict[str, Any] | None) -> bool:
+        ready = condition(o, "Ready")
+        return (
+            ready.get("status") == "True"
+            and ready.get("observedGeneration") == (o or {})["metadata"]["generation"]
+            and condition(o, "UpdatePending").get("status") == "False"
+        )
+
+    for name in ("fixed", "grows"):
+        await eventually(kube, KS, ns, name, settled, timeout=120, what="Ready, up to date")
+        async with kernel(kube, ns, name) as conn:
+            assert await run_in_kernel(conn, "print(6 * 7)") == "42\n"
+    gone = await asyncio.to_thread(kube.get, KS, ns, "fixed")
+    assert not condition(gone, SIZED), "no claim in use: no condition"

@@ -15,9 +15,11 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import kubernetes
+import kubernetes.utils
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
@@ -110,6 +112,18 @@ def load_config() -> kubernetes.client.Configuration:
                 0, "NoConfig", f"no in-cluster config and no kubeconfig: {exc}"
             ) from None
     return config
+
+
+def quantity(text: Any) -> Decimal | None:
+    """A quantity as the API writes it ("1Gi", "500M", "1073741824"); None if it is not
+    one (a missing field, or garbage)."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        value: Decimal = kubernetes.utils.parse_quantity(text)  # type: ignore[no-untyped-call]
+    except (ValueError, ArithmeticError):
+        return None
+    return value
 
 
 @dataclass(frozen=True)

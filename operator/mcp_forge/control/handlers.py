@@ -46,6 +46,7 @@ from mcp_forge.clients.kube import (
     connection_file_of,
     key_of,
 )
+from mcp_forge.control import workspace as ws
 from mcp_forge.control.baseline import Baseline
 from mcp_forge.control.lifecycle import (
     QUICK_DEATH,
@@ -80,6 +81,8 @@ CHILD_LABELS: dict[str, Any] = {
     LABEL_SESSION: kopf.PRESENT,
 }
 STARTING_RECHECK = 15.0  # a pod not Ready after this is looked at again, events or not
+RESIZE_RECHECK = 30.0  # a workspace claim smaller than asked is looked at again after this
+RESIZE_RETRY = 300.0  # a claim the API server refused to grow is asked again after this
 BACKOFF_MAX = 60.0
 LAST_ACTIVITY_STEP = 30.0  # status.lastActivity mirrors the Lease to this resolution
 WORKERS = 16  # reconciles running at once
@@ -107,6 +110,7 @@ class Children:
     lease: dict[str, Any]
     pod: dict[str, Any] | None  # its kernel pod: its own, or one it claimed
     pool: Seen | None  # the pool it names, read for its first claim
+    workspace: tuple[bool, str, str] | None  # its claim's WorkspaceSized condition, if shown
 
 
 def host_of(session: KernelSession) -> str:
@@ -160,6 +164,9 @@ class Reconciler:
         self._slots = asyncio.Semaphore(WORKERS)
         self._calls = concurrent.futures.ThreadPoolExecutor(CALLS, "mcp-forge-api")
         self._running: set[asyncio.Task[None]] = set()
+        # Workspace claims the API server refused to grow: (namespace, name) -> (size
+        # asked, when, the condition said), so a refusal is asked again only now and then.
+        self._refused: dict[tuple[str, str], tuple[str, float, tuple[bool, str, str]]] = {}
 
     def close(self) -> None:
         # Calls already queued still run (each within the API client's timeouts), so a
@@ -185,6 +192,8 @@ class Reconciler:
         self._due.pop(key, None)
         self._failures.pop(key, None)
         self._locks.pop(key, None)
+        if kind == KS:
+            self._refused.pop((namespace, name), None)
 
     async def run(self) -> None:
         """Reconcile sessions as they fall due; every session at least every resync."""
@@ -420,16 +429,22 @@ class Reconciler:
             lambda: self._kernel_pod(session, old),
             lambda: self.kube.get(POOL, ns, pool) if pool else None,
             lambda: self.pools.members(ns, pool) if pool else [],
-            lambda: self._workspace(session, fresh=fresh),
+            lambda: self._workspace(session, old, fresh=fresh),
             # Looked at afresh before a claim: it is what keeps the claimed pod closed.
             lambda: self.baseline.ensure(ns, look=pool is not None),
         )
         seen = Seen(got[5], got[6]) if pool else None
-        return Children(want_pod, secret=got[3], lease=got[2], pod=got[4], pool=seen)
+        return Children(
+            want_pod, secret=got[3], lease=got[2], pod=got[4], pool=seen, workspace=got[7]
+        )
 
-    def _workspace(self, session: KernelSession, *, fresh: bool) -> None:
+    def _workspace(
+        self, session: KernelSession, old: dict[str, Any], *, fresh: bool
+    ) -> tuple[bool, str, str] | None:
         """A persistent workspace's claim: made if absent, owned as its reclaimPolicy says
-        (Delete: by the session, so the garbage collector deletes it with the session).
+        (Delete: by the session, so the garbage collector deletes it with the session),
+        grown when spec.workspace.size asks for more (control/workspace.py); the
+        WorkspaceSized condition to show, if any.
 
         A claim left by an earlier session of that name is taken over if it was retained
         (it has no owner); one the earlier session still owns is being deleted with it:
@@ -437,23 +452,44 @@ class Reconciler:
         """
         want = render_workspace_claim(session)
         if want is None:
-            return
+            return None
+        ns, name = session.namespace, want["metadata"]["name"]
         current, made = self.kube.ensure(want, likely_new=fresh)
-        if made:
-            return
-        meta, name = current["metadata"], want["metadata"]["name"]
-        refs = meta.get("ownerReferences") or []
-        if meta.get("deletionTimestamp") or any(r.get("uid") != session.uid for r in refs):
-            raise ApiError(
-                409,
-                "Conflict",
-                f"the workspace claim {name} of an earlier session of that name is being deleted",
-            )
-        owners = want["metadata"].get("ownerReferences") or []
-        if refs != owners:  # reclaimPolicy changed, or a retained claim taken over
-            log.info("workspace claim %s/%s: owners now %s", session.namespace, name, owners)
-            patch = {"metadata": {"ownerReferences": owners or None}}
-            self.kube.patch("PersistentVolumeClaim", session.namespace, name, patch)
+        if not made:
+            meta = current["metadata"]
+            refs = meta.get("ownerReferences") or []
+            if meta.get("deletionTimestamp") or any(r.get("uid") != session.uid for r in refs):
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f"the workspace claim {name} of an earlier session of that name is being "
+                    "deleted",
+                )
+            owners = want["metadata"].get("ownerReferences") or []
+            if refs != owners:  # reclaimPolicy changed, or a retained claim taken over
+                log.info("workspace claim %s/%s: owners now %s", ns, name, owners)
+                patch = {"metadata": {"ownerReferences": owners or None}}
+                self.kube.patch("PersistentVolumeClaim", ns, name, patch)
+        shown = any(c.get("type") == ws.WORKSPACE_SIZED for c in old.get("conditions") or [])
+        size = ws.sizing(current, session.spec.workspace_size, shown=shown)
+        if size.grow_to is None:
+            self._refused.pop((ns, session.name), None)
+            return size.condition
+        asked, at, said = self._refused.get((ns, session.name), ("", 0.0, size.condition))
+        if asked == size.grow_to and time.monotonic() - at < RESIZE_RETRY:
+            return said  # refused lately: not asked again on every event
+        log.info("workspace claim %s/%s: growing to %s", ns, name, size.grow_to)
+        grow = {"spec": {"resources": {"requests": {"storage": size.grow_to}}}}
+        try:
+            self.kube.patch("PersistentVolumeClaim", ns, name, grow)
+        except ApiError as exc:
+            if exc.status not in (403, 422):  # refused, not failed: said in the status
+                raise
+            said = ws.refused(name, size.grow_to, str(exc))
+            self._refused[(ns, session.name)] = (size.grow_to, time.monotonic(), said)
+            return said
+        self._refused.pop((ns, session.name), None)
+        return size.condition
 
     def _render(
         self, session: KernelSession, secret: dict[str, Any] | None
@@ -680,6 +716,27 @@ class Reconciler:
             generation=generation,
             now=stamp_now,
         )
+        if not spec.persistent:  # no claim (any more): nothing to say of one
+            status["conditions"] = [
+                c for c in status["conditions"] if c["type"] != ws.WORKSPACE_SIZED
+            ]
+        elif found.workspace is not None:
+            value, why, text = found.workspace
+            sized = st.condition(
+                old.get("conditions"),
+                ws.WORKSPACE_SIZED,
+                value,
+                why,
+                text,
+                generation=generation,
+                now=stamp_now,
+            )
+            status["conditions"] = [
+                *(c for c in status["conditions"] if c["type"] != ws.WORKSPACE_SIZED),
+                sized,
+            ]
+            if why == ws.RESIZING:  # claims are not watched: looked at again
+                due.append(now + RESIZE_RECHECK)
         if claim is not None:  # WarmStart: kept from then on, as the first kernel's story
             warm = st.condition(
                 old.get("conditions"),

@@ -314,6 +314,7 @@ class LocalRuntime:
                     )
                 return Applied(session, "unchanged", time.monotonic() - started)
             await self.check_image(body["spec"]["image"])
+            self._check_workspace_size(session, current["spec"], body["spec"])
             needs_pod = _pod_spec(current["spec"]) != _pod_spec(body["spec"])
             current["spec"] = body["spec"]
             current["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
@@ -338,6 +339,23 @@ class LocalRuntime:
             "configured",
             time.monotonic() - started,
         )
+
+    def _check_workspace_size(
+        self, session: KernelSession, current: dict[str, Any], new: dict[str, Any]
+    ) -> None:
+        """A workspace grows (volumes.py, when the next kernel mounts it) but never shrinks:
+        a smaller size is refused before anything is stored."""
+        want, was = new["workspace"]["size"], current["workspace"]["size"]
+        if want == was:
+            return
+        image = Path(self.host_paths(session).workspace).with_name("workspace.img")
+        held = max(volumes.workspace_size(image) or 0, parse_quantity(was, field="spec"))
+        if parse_quantity(want, field="spec.workspace.size") < held:
+            raise InvalidSession(
+                f"the workspace holds {current['workspace']['size']} ({held} bytes) and "
+                f"cannot be made smaller; ask for that or more, not {want}",
+                field="spec.workspace.size",
+            )
 
     async def create(self, body: dict[str, Any]) -> KernelSession:
         """Create a new session (never updates one) and wait until it is Ready."""

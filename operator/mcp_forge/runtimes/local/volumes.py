@@ -35,7 +35,7 @@ MIN_INODES = 1024
 MOUNT_TIMEOUT = 60.0
 MOUNT_OPTIONS = "nosuid,nodev"
 UNMOUNT_LAYERS = 8  # mounts stacked on one mount point that unmount() takes off
-TOOLS = ("mkfs.ext4", "mount", "umount", "losetup")
+TOOLS = ("mkfs.ext4", "mount", "umount", "losetup", "e2fsck", "resize2fs")
 
 
 class VolumeError(ForgeError):
@@ -76,7 +76,7 @@ def _unescape(field: str) -> str:
     )
 
 
-async def _run(*args: str) -> None:
+async def _run(*args: str, ok: tuple[int, ...] = (0,)) -> str:
     try:
         proc = await asyncio.create_subprocess_exec(
             *args,
@@ -94,21 +94,26 @@ async def _run(*args: str) -> None:
             proc.kill()
             await asyncio.shield(proc.wait())
         raise
-    if proc.returncode != 0:
+    if proc.returncode not in ok:
         said = (err or out).decode(errors="replace").strip()[-500:]
         raise VolumeError(f"{' '.join(args[:2])} failed ({proc.returncode}): {said}")
+    return out.decode(errors="replace")
 
 
 async def ensure_workspace(image: Path, target: Path, size: int, uid: int, gid: int) -> None:
     """Make `target` the mount point of the session's workspace filesystem.
 
-    Idempotent: a mounted workspace is left as it is; an image that exists (the host
-    rebooted, the gateway restarted) is mounted again; otherwise a new one is made, and a
-    plain workspace directory from before is moved into it.
+    Idempotent: a mounted workspace is left as it is, unless `size` grew (it is then
+    unmounted, grown and mounted again, between two kernels); an image that exists (the
+    host rebooted, the gateway restarted) is mounted again; otherwise a new one is made,
+    and a plain workspace directory from before is moved into it.
     """
     plan = _workspace_plan(image, target)
     if plan == "mounted":
-        return
+        if not _to_grow(image, size):
+            return
+        await unmount(target)  # grown offline: no kernel runs now (its pod is not made yet)
+        plan = "mount"
     if plan in ("new", "migrate"):
         await asyncio.to_thread(_sparse_file, image.with_name(image.name + ".new"), size)
         await _make_image(image, size, uid, gid)
@@ -120,8 +125,56 @@ async def ensure_workspace(image: Path, target: Path, size: int, uid: int, gid: 
         # happen through a pod: one only starts once the volume is mounted). Keep them.
         log.warning("%s has files but its volume is not mounted: leaving it as it is", target)
         return
+    if plan == "mount" and _to_grow(image, size):
+        held = (await _run("losetup", "-j", str(image))).partition(":")[0].strip()
+        if held:
+            # Still mounted in another mount namespace (a process that outlived its pod):
+            # never checked or resized in use, and mounted from the same device (one
+            # filesystem, not a second copy of it); grown at a later start.
+            log.warning("the workspace %s is still in use: it grows at its next start", image)
+            _growing(image).touch()
+            await _run("mount", "-o", MOUNT_OPTIONS, held, str(target))
+            return
+        await _grow(image, size)
     await _run("mount", "-o", f"loop,{MOUNT_OPTIONS}", str(image), str(target))
     _drop_lost_found(target)
+
+
+def workspace_size(image: Path) -> int | None:
+    """The size of the workspace's filesystem image (None: there is none)."""
+    try:
+        return image.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _growing(image: Path) -> Path:
+    return image.with_name(image.name + ".growing")
+
+
+def _to_grow(image: Path, size: int) -> bool:
+    """Whether the workspace's filesystem must grow to `size` (or finish growing)."""
+    current = workspace_size(image)
+    return current is not None and (size > current or _growing(image).exists())
+
+
+async def _grow(image: Path, size: int) -> None:
+    """Grow the (unmounted) workspace image and its filesystem to `size`; a smaller
+    `size` changes nothing (the gateway refuses it before it gets here).
+
+    Offline, as an online resize needs CAP_SYS_RESOURCE, which not every host's root has.
+    A marker beside the image says a grow is under way until it is done, so one cut short
+    (a crash, a failed resize2fs) is finished at the next mount."""
+    growing = _growing(image)
+    current = workspace_size(image) or 0
+    growing.touch()
+    if size > current:
+        log.info("growing the workspace %s from %d to %d bytes", image, current, size)
+        await asyncio.to_thread(os.truncate, image, size)  # sparse: costs nothing until written
+    # resize2fs wants a checked filesystem; e2fsck's 1 is "errors corrected".
+    await _run("e2fsck", "-f", "-p", str(image), ok=(0, 1))
+    await _run("resize2fs", str(image))
+    growing.unlink()
 
 
 def _workspace_plan(image: Path, target: Path) -> str:
