@@ -236,6 +236,42 @@ def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     }
 
 
+HALF_SENT = b"GET /metrics HTTP/1.1\r\nHost: metrics\r\n"  # no blank line: never ends
+
+
+def half_sent(port: int, n: int) -> list[Any]:
+    """`n` connections to a loopback HTTP port, each with a request that never ends."""
+    import socket
+
+    opened = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(HALF_SENT)
+        opened.append(s)
+    return opened
+
+
+def wait_closed(sockets: list[Any], seconds: float) -> list[Any]:
+    """The sockets their server closed (EOF or reset) within `seconds`, waited on
+    together (sync; call in a thread)."""
+    import select
+    import time
+
+    left, done = list(sockets), []
+    deadline = time.monotonic() + seconds
+    while left and (wait := deadline - time.monotonic()) > 0:
+        readable, _, _ = select.select(left, [], [], wait)
+        for s in readable:
+            left.remove(s)
+            try:
+                gone = s.recv(1) == b""
+            except ConnectionError:
+                gone = True
+            if gone:
+                done.append(s)
+    return done
+
+
 async def cancelled_call(c: Any, sid: str, seconds: int = 120) -> None:
     """An execute_code call (of an MCP client `c`) cancelled while it runs: the gateway
     drops its connections to the kernel (and its bridge)."""

@@ -43,6 +43,7 @@ ROOT = Path(__file__).parents[2]
 SYSTEM, SESSIONS = "mcp-forge-system", "mcp-forge-sessions"
 PORT = 8765  # the documented `kubectl port-forward svc/mcp-forge-gateway 8765`
 DEADLINE = "180s"
+MONITORING = "mcpforge.dev/monitoring"  # the namespace label the NetworkPolicy "metrics" admits
 
 
 def kubectl(cluster: ClusterUnderTest, *args: str, input: str | None = None) -> str:
@@ -203,9 +204,17 @@ async def test_kubectl_apply_k_serves_agents_through_the_gateway_service(
     reconciles = ("mcpforge_reconcile_seconds_count", (("kind", "KernelSession"),))
     assert operator_metrics.get(reconciles, 0) >= 1, operator_metrics
     # Through the pod network, as Prometheus in another namespace would: the NetworkPolicy
-    # "metrics" admits 9090 and nothing else (the operator's liveness port stays closed).
+    # "metrics" admits 9090 from a namespace labelled for monitoring, and nothing else (the
+    # operator's liveness port stays closed). Unlabelled, the namespace reaches neither.
     ips = {c: pod_of(test_cluster, c)["status"]["podIP"] for c in ("gateway", "operator")}
-    seen = json.loads(await probe(kube, kube_api, {"role": "prometheus"}, SCRAPE.format(**ips)))
+    barred = json.loads(await probe(kube, kube_api, {"role": "prometheus"}, SCRAPE.format(**ips)))
+    assert barred["gateway"] is not True and barred["operator"] is not True, barred
+    label = ("label", "namespace", kube_api.namespace)
+    kubectl(test_cluster, *label, f"{MONITORING}=true", "--overwrite")
+    try:
+        seen = json.loads(await probe(kube, kube_api, {"role": "prometheus"}, SCRAPE.format(**ips)))
+    finally:
+        kubectl(test_cluster, *label, f"{MONITORING}-")
     assert seen == {"gateway": True, "operator": True, "healthz": seen["healthz"]}, seen
     assert seen["healthz"] != "open", seen
     # The gateway pod has the rights of its ServiceAccount and no more: no pods.

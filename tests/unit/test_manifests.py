@@ -534,7 +534,10 @@ def test_prometheus_finds_both_by_their_annotations_and_may_reach_them(name: str
     objs = build(name)
     policy = find(objs, "NetworkPolicy", "metrics", SYSTEM)["spec"]
     (rule,) = policy["ingress"]
-    assert "from" not in rule, "wherever Prometheus runs"
+    # Only from namespaces labelled for monitoring: not kernels allowed egress, not anyone.
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"mcpforge.dev/monitoring": "true"}}}
+    ], rule
     for component in ("operator", "gateway"):
         template = find(objs, "Deployment", f"mcp-forge-{component}", SYSTEM)["spec"]["template"]
         c = container(objs, f"mcp-forge-{component}")

@@ -86,9 +86,9 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
     traces = tracing.Tracing()  # when the OTEL_* variables ask for them
     if traces.enabled:
         say("traces: OpenTelemetry, exported by OTLP (the OTEL_* variables)")
-    exporter: metrics.MetricsServer | None = None  # first: a port in use changes nothing
+    exporter: metrics.MetricsEndpoint | None = None  # first: a port in use changes nothing
     if options.metrics is not None:
-        exporter = metrics.MetricsServer(*options.metrics)
+        exporter = await metrics.MetricsEndpoint.start(*options.metrics)  # on this loop
         say(f"Prometheus metrics at http://{options.metrics[0]}:{exporter.port}/metrics")
     # Typed as the protocol the gateway sees, so mypy checks each runtime against it.
     runtime: Runtime
@@ -163,7 +163,7 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         upstart.cancel()
         gauges.cancel()
         if exporter is not None:
-            exporter.close()
+            await exporter.close()
         stop.set()
         housekeeping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
