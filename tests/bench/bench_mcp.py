@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx2
-from jupyter_client.asynchronous import AsyncKernelClient
+from jupyter_client import AsyncKernelClient
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
