@@ -35,6 +35,7 @@ class Settings:
     activity_interval: float = 1.0  # lastActivity is written at most this often per session
     kernel_info_retry: float = 2.0  # re-ask kernel_info this often while waiting
     backoff_wait: float = 30.0  # a call waits out a crash-loop backoff this short
+    notebook_timeout: float = 60.0  # the worker process that builds an exported notebook
     # Sizes, in bytes.
     code_max: int = 1_000_000
     output_budget: int = 100_000  # text returned per call; the rest goes to a file
@@ -45,12 +46,15 @@ class Settings:
     helper_reply_max: int = 16_000_000  # a file of file_max, base64-encoded, fits
     file_max: int = 10_000_000  # read_file / write_file
     notebook_max: int = 50_000_000  # a session's notebook journal; past it, no outputs
+    notebook_memory_max: int = 1_000_000_000  # address space of the notebook's worker
     repr_max: int = 2_000  # variable repr, when inspected
     repr_list_max: int = 200  # variable repr, in a namespace listing
     variables_max: int = 500  # entries in a namespace listing
     list_files_max: int = 1_000
     # What one MCP client may ask for.
     sessions_per_client_max: int = 10
+    notebook_exports_max: int = 4  # notebook exports running at once, in one gateway
+    notebook_exports_per_client_max: int = 2
     session_memory_max: str = "16Gi"
     session_cpu_max: str = "4"
     # Kubernetes (the operator, and the gateway with --kubernetes).

@@ -34,11 +34,12 @@ from mcp_forge.errors import (
     SessionNotFound,
     SessionNotReady,
 )
-from mcp_forge.gateway import introspection, notebook
+from mcp_forge.gateway import introspection
 from mcp_forge.gateway.codemode.bridge import Bridge
 from mcp_forge.gateway.codemode.policy import policies_of
 from mcp_forge.gateway.codemode.upstream import Upstream, UpstreamPool
 from mcp_forge.gateway.notebook import Notebook
+from mcp_forge.gateway.notebook_worker import ExportSlots, WorkerLimits, build_in_worker
 from mcp_forge.gateway.sessions import owner_of
 from mcp_forge.image import packages
 from mcp_forge.jupyter.client import ChannelDropped, KernelConnection, KernelReplaced
@@ -111,6 +112,10 @@ class Gateway:
         self._handles: dict[tuple[str, str, str], _Handle] = {}
         self._guard_code = guard_program(self.settings)
         self._preparing: set[asyncio.Task[None]] = set()
+        self._exports = ExportSlots(
+            total=self.settings.notebook_exports_max,
+            per_client=self.settings.notebook_exports_per_client_max,
+        )
 
     def _handle(self, session: KernelSession) -> _Handle:
         key = (session.namespace, session.name, session.uid)
@@ -755,7 +760,9 @@ class Gateway:
         self, name: str, *, namespace: str = "default", save_to: str | None = None
     ) -> Notebook:
         """The session's notebook: every cell run in it, as its journal has them; also
-        written to `save_to` in its workspace if given (replacing a file there)."""
+        written to `save_to` in its workspace if given (replacing a file there). It is
+        built in a worker process (the journal is the kernel's), at most file_max long;
+        each client runs a bounded number of exports at once."""
         rel = None
         if save_to is not None:
             rel = introspection.workspace_path(save_to)
@@ -763,41 +770,44 @@ class Gateway:
                 raise InvalidRequest("path names the workspace itself, not a file")
         session = await self._session(name, namespace)
         handle = self._handle(session)
-        async with self._turn(handle, session):  # no cell is half-written meanwhile
-            nb = notebook.build(await self._journal_locked(handle, session), session=name)
-            if rel is not None:
-                await self._write_locked(handle, session, rel, nb.text.encode())
-            await self._record_activity(handle, session)
+        s = self.settings
+        limits = WorkerLimits(
+            size=s.file_max, seconds=s.notebook_timeout, memory=s.notebook_memory_max
+        )
+        with self._exports.hold(owner_of(session) or ""):
+            async with self._turn(handle, session):  # no cell is half-written meanwhile
+                journal = self._journal_locked(handle, session)
+                nb = await build_in_worker(journal, session=name, limits=limits)
+                if rel is not None:
+                    await self._write_locked(handle, session, rel, nb.text.encode())
+                await self._record_activity(handle, session)
         return nb
 
-    async def _journal_locked(self, handle: _Handle, session: KernelSession) -> bytes:
-        """The session's notebook journal, read in windows of file_max."""
-        journal = bytearray()
+    async def _journal_locked(
+        self, handle: _Handle, session: KernelSession
+    ) -> AsyncIterator[bytes]:
+        """The session's notebook journal, read in windows of file_max, as they come."""
+        read = 0
         window = self.settings.file_max
         most = self.settings.notebook_max + self.settings.data_budget  # its last record
-        while len(journal) <= most:
+        while True:
             reply = await self._ask_locked(
-                handle,
-                session,
-                "read",
-                path=NOTEBOOK_JOURNAL,
-                max=window,
-                offset=len(journal),
+                handle, session, "read", path=NOTEBOOK_JOURNAL, max=window, offset=read
             )
-            if reply.get("error") == "FileNotFound" and not journal:
-                break  # no cell has run yet
+            if reply.get("error") == "FileNotFound" and not read:
+                return  # no cell has run yet
             if "error" in reply:
                 raise InvalidRequest(f"{reply['error']}: {reply.get('message', '')}")
             part = _decoded(reply.get("base64"), window)
-            journal += part
+            read += len(part)
+            if read > most:
+                raise InvalidRequest(
+                    f"the notebook journal of {session.name!r} is over {most} bytes: "
+                    f"read it with read_file ({NOTEBOOK_JOURNAL}) in parts"
+                )
+            yield part
             if len(part) < window:
-                break
-        if len(journal) > most:
-            raise InvalidRequest(
-                f"the notebook journal of {session.name!r} is over {most} bytes: "
-                f"read it with read_file ({NOTEBOOK_JOURNAL}) in parts"
-            )
-        return bytes(journal)
+                return
 
     async def write_file(
         self, name: str, path: str, data: bytes, *, namespace: str = "default"
@@ -923,6 +933,7 @@ def guard_program(settings: Settings) -> str:
         "report_key": GUARD_KEY,
         "journal": f"{WORKSPACE}/{NOTEBOOK_JOURNAL}",
         "journal_max": settings.notebook_max,
+        "journal_record_max": settings.file_max,  # a larger cell fits no notebook
     }
     # First, the packages install_packages gave earlier kernels of the session.
     return (

@@ -21,7 +21,9 @@ And it keeps the session's notebook: each user cell, once replied to, is one JSO
 appended to the journal (`JOURNAL`, in the workspace, so it outlives the gateway and the
 kernel): its source, execution count, outputs as sent (so as bounded), start and end
 times, status, and the kernel process it ran in. The gateway builds the .ipynb from it
-(gateway/notebook.py). Past `journal_max` bytes, cells are recorded without outputs.
+(gateway/notebook.py). The journal stays within `journal_max` bytes as it is written: a
+cell whose record would pass it, or is over `journal_record_max` bytes on its own, is
+recorded without its outputs (and says why); once not even that fits, cells go unrecorded.
 
 The gateway does not trust any of this: code may remove the guard, and the gateway
 bounds what it receives on its own. The guard is for honest code to finish fast.
@@ -62,6 +64,7 @@ class Limits:
         self.report_key = str(raw.get("report_key", "mcp-forge"))
         self.journal = str(raw.get("journal", "/workspace/.mcp-forge/notebook.jsonl"))
         self.journal_max = int(raw.get("journal_max", 100_000_000))  # bytes
+        self.journal_record_max = int(raw.get("journal_record_max", 10_000_000))  # one line
 
 
 class Cell:
@@ -273,10 +276,18 @@ class Guard:
         except OSError:
             return  # no workspace to write to: the cell goes unrecorded, the code runs on
         try:
-            if os.fstat(fd).st_size >= self.limits.journal_max:
-                entry["outputs"], entry["omitted"] = [], "the journal is full"
-            line = json.dumps(entry, default=str) + "\n"
-            os.write(fd, line.encode("utf-8", "replace"))
+            room = self.limits.journal_max - os.fstat(fd).st_size
+            line = _line(entry)
+            if len(line) > min(room, self.limits.journal_record_max):
+                entry["outputs"] = []
+                entry["omitted"] = (
+                    "the journal is full"
+                    if len(line) > room
+                    else "the cell's outputs are over the notebook's size limit"
+                )
+                line = _line(entry)
+            if len(line) <= room:
+                os.write(fd, line)
         except (OSError, ValueError, TypeError, RecursionError):
             pass
         finally:
@@ -293,6 +304,10 @@ class Guard:
                     cell.file.flush()
             cell.head = []
             return cell.report(self.limits)
+
+
+def _line(entry: dict[str, Any]) -> bytes:
+    return (json.dumps(entry, default=str) + "\n").encode("utf-8", "replace")
 
 
 def _size(value: Any) -> int:

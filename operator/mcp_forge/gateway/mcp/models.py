@@ -111,6 +111,7 @@ class NotebookExported(BaseModel):
     cells: int  # code cells
     size: int  # bytes of the .ipynb
     skipped: int  # journal records left out as malformed
+    outputs_omitted: int = 0  # cells kept without their outputs: the file limit was reached
 
 
 class FileWritten(BaseModel):

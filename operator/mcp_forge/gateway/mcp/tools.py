@@ -480,7 +480,10 @@ class Tools:
         order; a kernel restart is marked where variables were lost. It is written to
         `path` in /workspace (replacing a file there) for a person to open in JupyterLab;
         read_file returns it. Cells are recorded as they run, so they outlive a gateway
-        restart; outputs are as execute_code returned them (bounded)."""
+        restart; outputs are as execute_code returned them (bounded). The notebook is at
+        most 10 MB (the file limit): past it, cells are kept without their outputs
+        (outputs_omitted counts them), and if the code of the cells alone is over it, the
+        export is refused. A client runs at most 2 exports at once; more is an error."""
         session = await self._session_for(ctx, session_id)
         nb = await self.gateway.export_notebook(
             session.name, namespace=session.namespace, save_to=path
@@ -491,6 +494,7 @@ class Tools:
             cells=nb.cells,
             size=len(nb.text.encode()),
             skipped=nb.skipped,
+            outputs_omitted=nb.omitted,
         )
 
     @tool(READ_ONLY)
