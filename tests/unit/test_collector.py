@@ -124,6 +124,18 @@ def test_a_helper_reply_is_parsed_as_json_after_its_marker_only() -> None:
         introspection.parse_reply(marker + "{}" + " " * 2000, marker, limit=1000)
 
 
+def test_a_large_helper_reply_of_many_small_values_is_refused_before_parsing() -> None:
+    _, marker = introspection.program("read", path="f", max=1)
+    big = 16_000_000
+    flood = marker + '{"base64": [' + "{}," * 5_000_000 + "{}]}"
+    with pytest.raises(KernelProtocolError, match="values"):
+        introspection.parse_reply(flood, marker, limit=big)
+    file = marker + '{"base64": "' + "QUJD" * 3_000_000 + '"}'  # 12 MB: one string
+    assert len(introspection.parse_reply(file, marker, limit=big)["base64"]) == 12_000_000
+    listing = marker + '{"entries": [' + ",".join(['{"name": "a"}'] * 100_000) + "]}"
+    assert len(introspection.parse_reply(listing, marker, limit=big)["entries"]) == 100_000
+
+
 def test_non_text_data_over_the_data_budget_is_replaced_by_a_note() -> None:
     c = Collector("m1", budget=1000, spool_max=1000, data_budget=100)
     run(

@@ -55,6 +55,18 @@ def _helpers_source() -> tuple[str, str]:
     return text, "_mcp_forge_helpers_" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# A reply's bytes bound its parse only so far: 16 MB of `[{},{},...]` is 5 million
+# objects, 0.5-1.7 s on the gateway's loop and 420 MB. Large replies are files (one
+# base64 string) or tool stubs (text): past SMALL_REPLY, one with more separators and
+# brackets (outside strings or in them: counted, not parsed) than these is refused.
+SMALL_REPLY = 2_000_000
+LARGE_REPLY_VALUES = 100_000
+
+
+def _structure(line: str) -> int:
+    return line.count(",") + line.count("[") + line.count("{")
+
+
 def parse_reply(stdout: str, marker: str, *, limit: int) -> dict[str, Any]:
     """The JSON object after `marker` in the helper's stdout; refuse anything else."""
     if len(stdout) > limit:
@@ -65,6 +77,10 @@ def parse_reply(stdout: str, marker: str, *, limit: int) -> dict[str, Any]:
     if at < 0:
         raise KernelProtocolError("the kernel did not answer the request (no reply line)")
     line = stdout[at + len(marker) :].split("\n", 1)[0]
+    if len(line) > SMALL_REPLY and _structure(line) > LARGE_REPLY_VALUES:
+        raise KernelProtocolError(
+            f"the kernel's reply is {len(line)} bytes of over {LARGE_REPLY_VALUES} values"
+        )
     try:
         value = json.loads(line)
     except json.JSONDecodeError as exc:
