@@ -4,6 +4,7 @@ real MCP client, scraped over loopback; the numbers move with the calls."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 from test_stdio import gateway, text
 
-from support import scrape
+from mcp_forge import metrics
+from support import half_sent, scrape, wait_closed
 
 pytestmark = pytest.mark.podman
 
@@ -20,6 +22,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
 
 
 def labels(**kv: str) -> frozenset[tuple[str, str]]:
@@ -81,3 +87,46 @@ async def test_a_metrics_port_in_use_is_a_clear_error(state_dir: Path) -> None:
         _, err = await asyncio.wait_for(proc.communicate(b""), 60)
     assert proc.returncode != 0
     assert f"{port}" in err.decode() and "in use" in err.decode(), err.decode()
+
+
+async def test_300_half_sent_scrapes_hold_no_gateway_thread_and_a_scrape_still_answers(
+    state_dir: Path,
+) -> None:
+    """Issue 23: the endpoint kept a thread per connection (300 half-sent requests, 300
+    threads). It is served on the gateway's loop: its threads do not grow, connections
+    past the cap are closed at once, the rest when the request deadline passes, and a
+    real scrape is answered meanwhile."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(__import__("sys").executable).parent / "mcp-forge"),
+        "gateway", "--metrics", str(port), "--pool-size", "0",
+        stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**__import__("os").environ, "MCPFORGE_STATE_DIR": str(state_dir)},
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stderr is not None
+    try:
+        async with asyncio.timeout(60):
+            while b"Prometheus metrics at" not in await proc.stderr.readline():
+                pass
+        await asyncio.to_thread(scrape, f"http://127.0.0.1:{port}/metrics")
+        threads = threads_of(proc.pid)  # and a few more as the gateway starts its work
+        sockets = await asyncio.to_thread(half_sent, port, 300)
+        try:
+            samples = await asyncio.to_thread(scrape, f"http://127.0.0.1:{port}/metrics")
+            assert (
+                "mcpforge_tool_calls_total",
+                labels(tool="execute_code", outcome="ok"),
+            ) in samples
+            assert threads_of(proc.pid) <= threads + 16, "a thread per connection"
+            early = await asyncio.to_thread(wait_closed, sockets, 1.0)
+            assert len(early) >= 300 - metrics.CONNECTIONS_MAX, len(early)
+            held = [s for s in sockets if s not in early]
+            late = await asyncio.to_thread(wait_closed, held, metrics.HEADER_DEADLINE + 3)
+            assert len(late) == len(held), "a half-sent request outlived its deadline"
+        finally:
+            for s in sockets:
+                s.close()
+    finally:
+        proc.stdin.close()
+        async with asyncio.timeout(60):
+            await proc.wait()
