@@ -18,6 +18,7 @@ import yaml
 from mcp_forge import __version__
 from mcp_forge.api import kernelsession
 from mcp_forge.errors import ForgeError
+from mcp_forge.logsafe import guard_handlers
 
 if TYPE_CHECKING:
     from mcp_forge.gateway.core import Gateway
@@ -77,6 +78,7 @@ def main(log_level: str) -> None:
         level=log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    guard_handlers()  # every line one line, bounded (logsafe.py)
 
 
 def _host_paths(session: kernelsession.KernelSession) -> Any:
@@ -669,6 +671,7 @@ def operator(
         raise click.UsageError("--all-namespaces and --namespace exclude each other")
 
     kopf.configure(verbose=verbose)
+    guard_handlers()  # kopf's handler too
     exporter = None
     if metrics_at is not None:
         from mcp_forge.metrics import MetricsServer

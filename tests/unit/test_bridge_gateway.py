@@ -159,7 +159,7 @@ async def test_an_interrupt_cancels_the_call_in_flight(
         interrupted = await asyncio.to_thread(kernel.reply)
         assert interrupted["type"] == "KeyboardInterrupt", interrupted
         assert await run(kernel, "result = mcp_tools.edge.echo(text='next')") == {"text": "next"}
-        lines = [r.getMessage() for r in caplog.records if "tool=slow" in r.getMessage()]
+        lines = [r.getMessage() for r in caplog.records if "call=edge.slow" in r.getMessage()]
         assert lines and "status=cancelled" in lines[0], lines
     finally:
         await bridge.close()
@@ -177,8 +177,8 @@ async def test_every_call_is_logged_and_denials_name_the_rule(
         logged = [
             r.getMessage() for r in caplog.records if r.getMessage().startswith("bridge call")
         ]
-        assert any("tool=add status=denied" in m for m in logged), logged
-        assert any("tool=echo status=ok" in m and "session=s1" in m for m in logged), logged
+        assert any("status=denied" in m and "call=edge.add" in m for m in logged), logged
+        assert any("session=s1 status=ok" in m and "call=edge.echo" in m for m in logged), logged
     finally:
         await bridge.close()
 

@@ -54,6 +54,7 @@ from mcp_forge.jupyter.execution import (
     Status,
 )
 from mcp_forge.kernelside import source
+from mcp_forge.logsafe import shown
 from mcp_forge.runtimes.base import Runtime
 from mcp_forge.sandbox import WORKSPACE
 from mcp_forge.settings import Settings
@@ -154,7 +155,9 @@ class Gateway:
             async with handle.lock:
                 await self._connect(handle, session)
         except (ForgeError, OSError, TimeoutError) as exc:  # the first call says it again
-            log.info("could not connect to new session %s ahead of use: %s", session.name, exc)
+            # Its text may be the kernel's (an exception of code it ran): debug only.
+            log.info("could not connect to new session %s ahead of use", session.name)
+            log.debug("session %s: %s", session.name, shown(exc, 500))
 
     async def _session(
         self, name: str, namespace: str, *, read: KernelSession | None = None
@@ -222,7 +225,9 @@ class Gateway:
             await self._silently(conn, self._guard_code, "the kernel's output guard failed")
         except SessionNotReady as exc:
             # Code may have broken what the guard wraps; the gateway's own bounds still hold.
-            log.warning("session %s runs without its output guard: %s", session.name, exc)
+            # Why is the kernel's exception, its words: at debug only.
+            log.warning("session %s runs without its output guard", session.name)
+            log.debug("session %s: %s", session.name, shown(exc, 500))
         if session.spec.packages:
             try:
                 await self.runtime.kernel_packages(session, conn)
@@ -599,7 +604,8 @@ class Gateway:
                 handle, session, "prune", path=OUTPUT_DIR, keep=OUTPUT_FILES_KEPT
             )
         except ForgeError as exc:  # the result stands even if the copy cannot be saved
-            log.warning("could not save the full output of %s: %s", session.name, exc)
+            log.warning("could not save the full output of %s", session.name)
+            log.debug("session %s: %s", session.name, shown(exc, 500))  # the kernel's words
             return result
         return collector.finish(
             result.status,

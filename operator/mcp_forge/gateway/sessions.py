@@ -49,6 +49,7 @@ from mcp_forge.errors import (
     SessionNotReady,
 )
 from mcp_forge.image.kernel import VARIANTS, image_ref
+from mcp_forge.logsafe import quoted
 from mcp_forge.runtimes.base import Runtime
 from mcp_forge.settings import Settings
 
@@ -146,7 +147,7 @@ class SessionService:
         except SessionNotFound:
             session = None
         if session is None or not self.may_use(client, session):
-            raise SessionNotFound(f"no session {session_id!r} (list_sessions shows yours)")
+            raise SessionNotFound(f"no session {quoted(session_id)} (list_sessions shows yours)")
         return session
 
     async def list(self, client: Client) -> builtins.list[KernelSession]:

@@ -56,6 +56,7 @@ from mcp_forge.api.connection import PORTS, ConnectionInfo, check_key
 from mcp_forge.errors import KernelProtocolError, SessionNotReady
 from mcp_forge.jupyter.execution import Collector
 from mcp_forge.jupyter.relay import FRAME_OVERHEAD, Relay
+from mcp_forge.logsafe import shown
 
 log = logging.getLogger(__name__)
 
@@ -432,7 +433,7 @@ class KernelConnection:
         except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
             # Bad signature, replay, not JSON, nested past the recursion limit: the
             # kernel's problem, never ours.
-            log.warning("dropped a malformed message from the kernel: %.200s", exc)
+            log.warning("dropped a malformed message from the kernel: %s", shown(exc, 200))
             return None
         names = ("header", "parent_header", "metadata", "content")
         raw = dict(zip(names, cast(list[bytes], parts[1:5]), strict=True))

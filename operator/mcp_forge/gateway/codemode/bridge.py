@@ -37,6 +37,7 @@ from mcp_forge.errors import KernelProtocolError, UpstreamError
 from mcp_forge.gateway.codemode.policy import Meter, ServerPolicy
 from mcp_forge.gateway.codemode.upstream import Upstream, result_frame
 from mcp_forge.kernelside.framing import KERNEL_FRAME_MAX, FrameError, FrameReader, encode
+from mcp_forge.logsafe import quoted, shown
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ FRAME_DEADLINE = 10.0  # a frame's bytes, once it started, must all arrive withi
 REDIALS_PER_MINUTE = 10
 WRITE_BUFFER_MAX = 4 << 20  # answers the kernel does not read: past this, close
 ID_MAX = 2**53  # call ids are JSON-safe integers
+NAME_SHOWN = 100  # characters of a server or tool name the kernel sent, in logs and spans
 
 
 class Bridge:
@@ -276,7 +278,7 @@ class Bridge:
                     started = time.monotonic()
         except (FrameError, KernelProtocolError, ConnectionError) as exc:
             # A broken, slow or huge frame (FrameError: framing refused it).
-            log.warning("bridge of %s closed: %s", self.session, exc)
+            log.warning("bridge of %s closed: %s", self.session, shown(exc, 300))
         finally:
             for task in list(self._calls.values()):
                 task.cancel()
@@ -323,7 +325,8 @@ class Bridge:
         server, tool, args = frame.get("server"), frame.get("tool"), frame.get("arguments", {})
         size_in = len(json.dumps(args, separators=(",", ":"))) if isinstance(args, dict) else 0
         status, size_out = "error", 0
-        named = f"{str(server)[:100]}.{str(tool)[:100]}"  # the kernel's words: bounded
+        # The kernel's words: escaped and bounded wherever they are shown.
+        named = f"{shown(server, NAME_SHOWN)}.{shown(tool, NAME_SHOWN)}"
         try:
             with tracing.span(f"bridge {named}", session=self.session, parent=self.trace):
                 answer = await self._answer(server, tool, args)
@@ -346,15 +349,15 @@ class Bridge:
         finally:
             known = server if isinstance(server, str) and server in self.policies else "unknown"
             metrics.BRIDGE_CALLS.labels(server=known, status=status).inc()
+            # What the kernel chose comes last: nothing it writes can stand for our fields.
             log.info(
-                "bridge call session=%s server=%s tool=%s status=%s ms=%.0f in=%d out=%d",
+                "bridge call session=%s status=%s ms=%.0f in=%d out=%d call=%s",
                 self.session,
-                server,
-                tool,
                 status,
                 (time.monotonic() - started) * 1000,
                 size_in,
                 size_out,
+                named,
             )
 
     async def _answer(self, server: Any, tool: Any, args: Any) -> dict[str, Any]:
@@ -365,10 +368,10 @@ class Bridge:
             return _error("unavailable", self.refused[server])
         upstream = self.upstreams.get(server)
         if policy is None or upstream is None:
-            return _error("denied", f"this session may not use the MCP server {server!r}")
+            return _error("denied", f"this session may not use the MCP server {quoted(server)}")
         known = next((t for t in upstream.tools if t.get("name") == tool), None)
         if known is None:
-            return _error("invalid", f"{server} has no tool {tool!r}")
+            return _error("invalid", f"{server} has no tool {quoted(tool)}")
         denied = policy.refusal(known)
         if denied is not None:
             return _error("denied", denied)
