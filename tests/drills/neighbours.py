@@ -1,0 +1,661 @@
+"""Noisy-neighbour drill: one gateway, noisy clients at once, and a quiet client's latency.
+
+    sudo .venv/bin/python tests/drills/neighbours.py [--clients 10] [--seconds 30]
+
+One real gateway over streamable HTTP (a subprocess, one bearer token per client, its
+own pool off, code mode with the edge server of tests/mcp_servers, installs from a
+package index of the drill's own on loopback) on a fresh state directory. Each noisy
+client has a session of its own (minimal, 512Mi, a quarter of a core: kernels cannot
+take the gateway's cores) and loops, until the time is up, over its kind of noise,
+assigned round-robin:
+
+* flood: execute_code printing ~20 MB, then a few hundred displays;
+* export: a cell of ~0.4 MB of output (the journal grows by that much), then
+  export_notebook;
+* install: install_packages of a small wheel, a version after another;
+* codemode: kernel code calling the edge server's echo through `mcp_tools`.
+
+The noisy clients run in a child process (this file with --noise), so the quiet
+client's figures are the gateway's, not this process's event loop's. Errors of the
+noise calls (PackageBusy, quota refusals) are counted, not fatal.
+
+The quiet client measures `list_sessions` and `execute_code "1+1"`: `--samples` of
+each while nothing else runs, then as many (at least) under noise. It passes if, for
+both calls, p99 under noise is within `--threshold-ms` of p99 idle.
+
+Afterwards every session is closed and the gateway stopped, and nothing may be left:
+no pod of the state directory's store, no process the gateway started (pip, podman,
+upstream servers) nor any naming the state directory, no new /tmp/mcp-forge-* entry,
+the state directory's packages/ scratch empty, and no file in it beyond the store's
+(see `leftover_state`). Each leftover is named.
+
+Prints one line per outcome, exits 1 if one failed. The adversarial suite runs a short
+form (tests/adversarial/test_drills.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import TextContent
+
+# Run as a script, this file has tests/drills on sys.path, not tests/ (pytest puts it there).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from adversarial.package_index import PackageIndex
+from mcp_forge.runtimes.local.orphans import STORE_LABEL, store_tag
+from mcp_servers.config import EDGE_SERVER, PYTHON, ROOT
+from mcp_servers.edge_server import SECRET_ENV
+from support import release_state_dir
+
+GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
+KINDS = ("flood", "export", "install", "codemode")
+QUIET = "quiet"
+START_DEADLINE = 60.0  # the gateway says it listens
+CALL_DEADLINE = 180.0  # one MCP request under noise, a kernel start included
+STOP_DEADLINE = 60.0  # SIGTERM until exit; the noise child's last calls and closes
+NOISE_READY_DEADLINE = 240.0  # every noisy session created and prepared
+SAMPLE_INTERVAL = 0.02  # between two samples of the quiet client
+PACKAGE = "drill-neighbour-tab"  # the wheel installs fetch, from the drill's index
+VERSIONS = ("1.0.0", "1.0.1", "1.0.2")
+
+FLOOD = (
+    "import sys\n"
+    "from IPython.display import display, HTML\n"
+    "line = 'x' * 999 + '\\n'\n"
+    "for _ in range(20_000):\n"
+    "    sys.stdout.write(line)\n"
+    "for i in range(300):\n"
+    "    display(HTML(f'<b>{i}</b>' + 'y' * 1000))\n"
+)
+EXPORT_CELL = (
+    "from IPython.display import display\n"
+    "print('z' * 99_000)\n"
+    "display({'text/plain': 'w' * 300_000}, raw=True)\n"
+)
+EXPORT_CELLS_FIRST = 6  # cells run before the noise starts: the journal is a few MB
+CODEMODE = (
+    "import mcp_tools\n"
+    "got = [mcp_tools.edge.echo(text=str(i))['text'] for i in range(20)]\n"
+    "len(got)"
+)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Latency samples (seconds) of one call, idle and under noise."""
+
+    call: str
+    idle: list[float]
+    noisy: list[float]
+
+    def p99(self, samples: list[float]) -> float:
+        ordered = sorted(samples)
+        return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+    @property
+    def difference_ms(self) -> float:
+        return (self.p99(self.noisy) - self.p99(self.idle)) * 1000
+
+    def line(self) -> str:
+        def ms(x: float) -> str:
+            return f"{x * 1000:.1f}"
+
+        return (
+            f"{self.call}: idle median {ms(statistics.median(self.idle))} ms, "
+            f"p99 {ms(self.p99(self.idle))} ms (n={len(self.idle)}); under noise median "
+            f"{ms(statistics.median(self.noisy))} ms, p99 {ms(self.p99(self.noisy))} ms "
+            f"(n={len(self.noisy)}); p99 difference {self.difference_ms:+.1f} ms"
+        )
+
+
+@dataclass
+class Outcome:
+    drill: str
+    ok: bool
+    detail: str
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'} {self.drill}: {self.detail}"
+
+
+# ---- the gateway and its clients ---------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class HttpGateway:
+    process: asyncio.subprocess.Process
+    url: str
+    tokens: dict[str, str]
+    log: list[str]
+
+
+async def read_stderr(
+    process: asyncio.subprocess.Process, log: list[str], until: str | None = None
+) -> bool:
+    """Collect its stderr into `log` until a line contains `until` (True) or it ends."""
+    assert process.stderr is not None
+    while line := (await process.stderr.readline()).decode(errors="replace"):
+        log.append(line)
+        if until is not None and until in line:
+            return True
+    return False
+
+
+@asynccontextmanager
+async def running_gateway(
+    state_dir: Path, work: Path, clients: list[str], index_url: str
+) -> AsyncIterator[HttpGateway]:
+    """The gateway on `state_dir`, a token per client; stopped (SIGTERM) on exit."""
+    port = free_port()
+    tokens = {name: secrets.token_urlsafe(24) for name in clients}
+    tokens_file = work / "tokens"
+    tokens_file.write_text("".join(f"{n} {t}\n" for n, t in tokens.items()))
+    config = work / "mcp.json"
+    edge = {
+        "command": str(PYTHON),
+        "args": [str(EDGE_SERVER)],
+        "env": {SECRET_ENV: secrets.token_urlsafe(16)},
+        "cwd": str(ROOT),
+    }
+    config.write_text(json.dumps({"mcpServers": {"edge": edge}}))
+    env = {
+        **os.environ,
+        "MCPFORGE_STATE_DIR": str(state_dir),
+        "MCPFORGE_POOL_SIZE": "0",
+        "MCPFORGE_PACKAGES_INDEX_URL": index_url,
+        # Every noisy client's install may be in flight at once: the noise is the point.
+        "MCPFORGE_PACKAGES_INSTALLS_MAX": str(max(4, len(clients))),
+    }
+    process = await asyncio.create_subprocess_exec(
+        *(GATEWAY, "gateway", "--http", f"127.0.0.1:{port}", "--tokens-file", str(tokens_file)),
+        *("--mcp-config", str(config)),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    gw = HttpGateway(process, f"http://127.0.0.1:{port}/mcp", tokens, [])
+    try:
+        async with asyncio.timeout(START_DEADLINE):
+            if not await read_stderr(process, gw.log, until="MCP over HTTP at"):
+                raise RuntimeError(f"the gateway exited ({await process.wait()}):\n{gw.log}")
+        drain = asyncio.create_task(read_stderr(process, gw.log))  # a full pipe blocks it
+        try:
+            yield gw
+        finally:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(STOP_DEADLINE):
+                await process.wait()
+                await drain
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+@asynccontextmanager
+async def connect(url: str, token: str) -> AsyncIterator[Client]:
+    """The official SDK client over streamable HTTP, with this bearer token."""
+    http = httpx2.AsyncClient(
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=httpx2.Timeout(30.0, read=CALL_DEADLINE),
+    )
+    async with (
+        http,
+        Client(
+            streamable_http_client(url, http_client=http), read_timeout_seconds=CALL_DEADLINE
+        ) as c,
+    ):
+        yield c
+
+
+def text(result: Any) -> str:
+    return "\n".join(c.text for c in result.content if isinstance(c, TextContent))
+
+
+async def create_session(c: Client, **extra: Any) -> str:
+    made = await c.call_tool("create_session", {"variant": "minimal", "memory": "512Mi", **extra})
+    if made.is_error:
+        raise RuntimeError(f"create_session: {text(made)}")
+    return str(made.structured_content["session_id"])
+
+
+# ---- the noise (in a child process: `--noise`, its orders on stdin) ----------------------
+
+
+class Noise:
+    """One noisy client: its session, its kind, what its calls came to."""
+
+    def __init__(self, c: Client, kind: str, cpu: str) -> None:
+        self.c, self.kind, self.cpu = c, kind, cpu
+        self.sid = ""
+        self.calls = 0
+        self.errors: dict[str, int] = {}
+        self.round = 0
+
+    async def prepare(self) -> None:
+        extra: dict[str, Any] = {"cpu": self.cpu}
+        if self.kind == "codemode":
+            extra["mcp_servers"] = ["edge"]
+        self.sid = await create_session(self.c, **extra)
+        if self.kind == "export":
+            for _ in range(EXPORT_CELLS_FIRST):
+                await self.call("execute_code", {"code": EXPORT_CELL})
+
+    async def call(self, tool: str, args: dict[str, Any]) -> None:
+        self.calls += 1
+        try:
+            r = await self.c.call_tool(tool, {"session_id": self.sid, **args})
+        except Exception as exc:  # counted: the noise is not what is measured
+            self.count(type(exc).__name__)
+            return
+        if r.is_error:
+            self.count(text(r).split(":", 1)[0][:60] or "error")
+        elif tool == "execute_code" and r.structured_content.get("status") != "ok":
+            self.count(f"execute_code {r.structured_content.get('status')}")
+
+    def count(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+    async def once(self) -> None:
+        self.round += 1
+        if self.kind == "flood":
+            await self.call("execute_code", {"code": FLOOD})
+        elif self.kind == "export":
+            await self.call("execute_code", {"code": EXPORT_CELL})
+            await self.call("export_notebook", {"path": "drill.ipynb"})
+        elif self.kind == "install":
+            version = VERSIONS[self.round % len(VERSIONS)]
+            await self.call("install_packages", {"packages": [f"{PACKAGE}=={version}"]})
+        else:
+            await self.call("execute_code", {"code": CODEMODE})
+
+    async def loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.once()
+
+    async def close(self) -> None:
+        if self.sid:
+            await self.c.call_tool("close_session", {"session_id": self.sid})
+
+
+async def noise_main() -> int:
+    """The child: its orders are one JSON line on stdin (url, tokens, cpu); it says
+    "ready" once every session is prepared, starts at "go", stops at "stop" (or when
+    stdin closes), closes its sessions and prints its counts as one JSON line."""
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    orders = json.loads(await reader.readline())
+    names = sorted(orders["tokens"])
+    stop = asyncio.Event()
+    async with contextlib.AsyncExitStack() as stack:
+        noises = []
+        for i, name in enumerate(names):
+            c = await stack.enter_async_context(connect(orders["url"], orders["tokens"][name]))
+            noises.append(Noise(c, KINDS[i % len(KINDS)], orders["cpu"]))
+        try:
+            await asyncio.gather(*(n.prepare() for n in noises))
+            print("ready", flush=True)
+            if (await reader.readline()).strip() == b"go":
+                async with asyncio.TaskGroup() as tg:
+                    for n in noises:
+                        tg.create_task(n.loop(stop))
+                    await reader.readline()  # "stop", or EOF
+                    stop.set()
+        finally:
+            closed = await asyncio.gather(*(n.close() for n in noises), return_exceptions=True)
+        counts = {
+            "calls": {k: sum(n.calls for n in noises if n.kind == k) for k in KINDS},
+            "errors": {k: _merge([n.errors for n in noises if n.kind == k]) for k in KINDS},
+            "close_failures": [repr(x) for x in closed if isinstance(x, BaseException)],
+        }
+        print(json.dumps(counts), flush=True)
+    return 0
+
+
+def _merge(dicts: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+@asynccontextmanager
+async def noise_child(
+    url: str, tokens: dict[str, str], cpu: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, list[str]]]:
+    """The noise child, its sessions prepared; its stdout lines are collected on exit."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        "--noise",
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=None,  # its tracebacks, if any, go where ours go
+        limit=2**20,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    said: list[str] = []
+    try:
+        process.stdin.write(json.dumps({"url": url, "tokens": tokens, "cpu": cpu}).encode())
+        process.stdin.write(b"\n")
+        await process.stdin.drain()
+        async with asyncio.timeout(NOISE_READY_DEADLINE):
+            line = (await process.stdout.readline()).decode().strip()
+        if line != "ready":
+            raise RuntimeError(f"the noise child did not get ready (said {line!r})")
+        yield process, said
+    finally:
+        if process.stdin and not process.stdin.is_closing():
+            process.stdin.close()
+        try:
+            async with asyncio.timeout(STOP_DEADLINE + CALL_DEADLINE):
+                out, _ = await process.communicate()
+                said.extend(out.decode().splitlines())
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+# ---- measuring ---------------------------------------------------------------------------
+
+
+async def timed(call: Callable[[], Awaitable[Any]]) -> float:
+    started = time.perf_counter()
+    result = await call()
+    seconds = time.perf_counter() - started
+    if getattr(result, "is_error", False):
+        raise RuntimeError(f"the quiet client's call failed: {text(result)}")
+    return seconds
+
+
+async def sample(c: Client, sid: str, n: int, until: float = 0.0) -> tuple[list[float], ...]:
+    """`n` samples of each call (more, until the monotonic time `until`), alternating."""
+    listing: list[float] = []
+    one_plus_one: list[float] = []
+    while len(listing) < n or time.monotonic() < until:
+        listing.append(await timed(lambda: c.call_tool("list_sessions", {})))
+        one_plus_one.append(
+            await timed(lambda: c.call_tool("execute_code", {"session_id": sid, "code": "1+1"}))
+        )
+        await asyncio.sleep(SAMPLE_INTERVAL)  # a sample interval, not an event
+    return listing, one_plus_one
+
+
+# ---- what is left on the host -------------------------------------------------------------
+
+
+def gateway_family(root: int) -> dict[int, tuple[int, str]]:
+    """`root`'s descendants now: pid → (start time, command line)."""
+    children: dict[int, list[int]] = {}
+    info: dict[int, tuple[int, str]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        pid = int(proc.name)
+        children.setdefault(int(stat[1]), []).append(pid)
+        info[pid] = (int(stat[19]), cmd.strip())
+    found: dict[int, tuple[int, str]] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if pid in info:
+            found[pid] = info[pid]
+            todo.extend(children.get(pid, []))
+    return found
+
+
+async def watch_family(root: int, seen: dict[int, tuple[int, str]], stop: asyncio.Event) -> None:
+    """Record every process the gateway starts while it runs (pip, podman, upstreams)."""
+    while not stop.is_set():
+        seen.update(await asyncio.to_thread(gateway_family, root))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.25)  # a sample interval, not an event
+
+
+def still_running(seen: dict[int, tuple[int, str]]) -> list[str]:
+    """Those of `seen` still alive (same pid, same start time)."""
+    left = []
+    for pid, (started, cmd) in seen.items():
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[19]) == started:
+                left.append(f"pid {pid}: {cmd[:160]}")
+    return left
+
+
+def naming(paths: list[Path]) -> list[str]:
+    """Processes whose command line, working directory or environment names one of `paths`."""
+    needles = [str(p).encode() for p in paths]
+    left = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+            cwd = os.readlink(proc / "cwd").encode()
+            env = (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if any(n in cmd or cwd.startswith(n) or n in env for n in needles):
+            shown = cmd.replace(b"\0", b" ").decode(errors="replace")[:160]
+            left.append(f"pid {proc.name}: {shown}")
+    return left
+
+
+async def store_pods(state_dir: Path) -> list[str]:
+    done = await asyncio.to_thread(
+        subprocess.run,
+        ["podman", "pod", "ps", "--filter", f"label={STORE_LABEL}={store_tag(state_dir)}",
+         "--format", "{{.Name}}"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        return [f"podman pod ps failed: {done.stderr.strip()}"]
+    return sorted(done.stdout.split())
+
+
+def tmp_entries() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("mcp-forge-*")}
+
+
+# What a state directory holds once its gateway stopped cleanly with no session left:
+# the store (SQLite, its journal files while open), pip's cache, the empty package scratch,
+# and empty directories the runtime keeps. Anything else is a leftover.
+STATE_FILES = ("store.db", "store.db-wal", "store.db-shm")
+STATE_TREES = ("cache/pip",)  # contents not asserted: pip's cache, bounded by packages_cache_max
+
+
+def leftover_state(state_dir: Path) -> list[str]:
+    """Files and directories of `state_dir` beyond those of a clean stop (see above),
+    lock files named as such."""
+    left = []
+    for path in sorted(state_dir.rglob("*")):
+        rel = path.relative_to(state_dir).as_posix()
+        if rel in STATE_FILES or any(
+            rel == t or rel.startswith(t + "/") or t.startswith(rel + "/") for t in STATE_TREES
+        ):
+            continue
+        if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            continue  # an empty directory (sessions/, packages/, pools/): nothing held
+        if path.is_dir():
+            continue  # its contents are listed one by one
+        kind = "lock file" if "lock" in path.name else "file"
+        left.append(f"{kind} {rel} ({path.lstat().st_size} bytes)")
+    return left
+
+
+def host_leftovers(
+    state_dir: Path, work: Path, seen: dict[int, tuple[int, str]], tmp_before: set[str]
+) -> tuple[dict[str, list[str]], list[str]]:
+    """What the run left, by kind (besides pods), and the state directory's listing."""
+    left = {
+        "processes": sorted(set(still_running(seen)) | set(naming([state_dir, work]))),
+        "tmp": sorted(tmp_entries() - tmp_before),
+        "packages_scratch": sorted(
+            p.relative_to(state_dir).as_posix() for p in (state_dir / "packages").rglob("*")
+        ),
+        "state_files": leftover_state(state_dir),
+    }
+    listing = sorted(p.relative_to(state_dir).as_posix() for p in state_dir.rglob("*"))
+    return left, listing
+
+
+# ---- the drill ---------------------------------------------------------------------------
+
+
+async def drill(
+    clients: int = 10,
+    seconds: float = 30.0,
+    samples: int = 200,
+    threshold_ms: float = 50.0,
+    cpu: str = "0.25",
+) -> list[Outcome]:
+    """Run the drill; one Outcome per criterion: latency (both calls), noise, leftovers."""
+    state_dir = Path(tempfile.mkdtemp(prefix="mfn-", dir="/tmp"))  # short: kernel sockets
+    os.chmod(state_dir, 0o700)
+    work = Path(tempfile.mkdtemp(prefix="mfn-work-", dir="/tmp"))
+    tmp_before = tmp_entries()
+    noisy = [f"noisy{i:02d}" for i in range(clients)]
+    index = PackageIndex(work / "index")
+    for version in VERSIONS:
+        index.add_wheel(PACKAGE, version, f"VERSION = {version!r}\n")
+    outcomes: list[Outcome] = []
+    seen: dict[int, tuple[int, str]] = {}
+    counts: dict[str, Any] = {}
+    try:
+        with index.serving():
+            async with running_gateway(state_dir, work, [*noisy, QUIET], index.url) as gw:
+                stop_watch = asyncio.Event()
+                watcher = asyncio.create_task(watch_family(gw.process.pid, seen, stop_watch))
+                try:
+                    async with connect(gw.url, gw.tokens[QUIET]) as quiet:
+                        sid = await create_session(quiet, cpu="1")
+                        await sample(quiet, sid, 5)  # warm: connections, first imports
+                        noise_tokens = {n: gw.tokens[n] for n in noisy}
+                        async with noise_child(gw.url, noise_tokens, cpu) as (child, said):
+                            idle = await sample(quiet, sid, samples)
+                            assert child.stdin is not None
+                            child.stdin.write(b"go\n")
+                            await child.stdin.drain()
+                            under = await sample(quiet, sid, samples, time.monotonic() + seconds)
+                            child.stdin.write(b"stop\n")
+                            await child.stdin.drain()
+                        await quiet.call_tool("close_session", {"session_id": sid})
+                    with contextlib.suppress(ValueError, IndexError):
+                        counts = json.loads(said[-1])
+                finally:
+                    stop_watch.set()
+                    await watcher
+    finally:
+        pods = await store_pods(state_dir)
+        left, state_listing = await asyncio.to_thread(
+            host_leftovers, state_dir, work, seen, tmp_before
+        )
+        if pods:  # the drill's own mess is not left for the next run
+            await asyncio.to_thread(release_state_dir, state_dir)
+        shutil.rmtree(state_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+    for call, before, after in (("list_sessions", idle[0], under[0]),
+                                ("execute_code 1+1", idle[1], under[1])):  # fmt: skip
+        f = Figures(call, before, after)
+        ok = f.difference_ms <= threshold_ms
+        outcomes.append(
+            Outcome(
+                f"latency {call}",
+                ok,
+                f.line() + f" (threshold {threshold_ms:.0f} ms)",
+                {
+                    "idle_median_ms": statistics.median(before) * 1000,
+                    "idle_p99_ms": f.p99(before) * 1000,
+                    "noisy_median_ms": statistics.median(after) * 1000,
+                    "noisy_p99_ms": f.p99(after) * 1000,
+                    "difference_ms": f.difference_ms,
+                },
+            )
+        )
+    calls = counts.get("calls", {})
+    errors = counts.get("errors", {})
+    noise_ok = bool(calls) and all(calls.get(k, 0) > 0 for k in KINDS[: min(clients, 4)])
+    outcomes.append(
+        Outcome(
+            "noise",
+            noise_ok and not counts.get("close_failures"),
+            f"{clients} clients, {seconds:.0f}s; calls {calls}; errors (counted) {errors}; "
+            f"close failures {counts.get('close_failures', '?')}",
+            counts,
+        )
+    )
+    left = {"pods": pods, **left}
+    outcomes.append(
+        Outcome(
+            "leftovers",
+            not any(left.values()),
+            "; ".join(f"{k}: {v or 'none'}" for k, v in left.items()),
+            {**left, "state_listing": state_listing},
+        )
+    )
+    return outcomes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--clients", type=int, default=10, help="noisy clients (default 10)")
+    parser.add_argument("--seconds", type=float, default=30.0, help="of noise (default 30)")
+    parser.add_argument("--samples", type=int, default=200, help="of each call, idle and noisy")
+    parser.add_argument("--threshold-ms", type=float, default=50.0, help="p99 noisy - idle")
+    parser.add_argument("--cpu", default="0.25", help="CPU limit of each noisy session")
+    parser.add_argument("--noise", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.noise:
+        return asyncio.run(noise_main())
+    outcomes = asyncio.run(
+        drill(args.clients, args.seconds, args.samples, args.threshold_ms, args.cpu)
+    )
+    for outcome in outcomes:
+        print(outcome.line(), flush=True)
+    return 0 if all(o.ok for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
