@@ -26,6 +26,8 @@ result (status "error", "timeout", "died", ...).
 
 from __future__ import annotations
 
+import re
+
 
 class ForgeError(Exception):
     """Base of every MCP-Forge error."""
@@ -70,13 +72,29 @@ class ImageError(ForgeError):
 
 
 class PodmanError(ForgeError):
-    """A podman command failed."""
+    """A podman command failed.
+
+    str() reaches clients: it names the command by its first words and says why, with
+    host paths left out (`redact`). `detail`, the whole command line and stderr, is for
+    the gateway's log only.
+    """
 
     def __init__(self, args: list[str], returncode: int, stderr: str) -> None:
-        cmd = " ".join(args)
-        super().__init__(f"podman {cmd!s} failed ({returncode}): {stderr.strip()[-2000:]}")
+        verb = " ".join(a for a in args[:2] if not a.startswith("-"))
+        said = redact(stderr.strip())[-500:]
+        super().__init__(f"podman {redact(verb)} failed ({returncode}): {said}")
+        self.detail = f"podman {' '.join(args)} failed ({returncode}): {stderr.strip()[-2000:]}"
         self.returncode = returncode
         self.stderr = stderr
+
+
+_HOST_PATH = re.compile(r"(?<![\w.~-])/[^\s'\"(),;:]+")
+
+
+def redact(text: str) -> str:
+    """`text` with every absolute path in it replaced by <path>: a client is told what
+    went wrong, never where on the host."""
+    return _HOST_PATH.sub("<path>", text)
 
 
 class ApiError(ForgeError):

@@ -68,6 +68,7 @@ def _schema(file: str = "kernelsession.yaml") -> dict[str, Any]:
 def check_schema(body: dict[str, Any], file: str) -> dict[str, Any]:
     """Apply the CRD's structural defaults to `body` and validate it as the API server
     would (unknown fields rejected); InvalidSession names the first offending field."""
+    check_no_nul(body)
     schema = _schema(file)
     body = _apply_defaults(body, schema)
     validator = jsonschema.Draft7Validator(schema)
@@ -76,6 +77,26 @@ def check_schema(body: dict[str, Any], file: str) -> dict[str, Any]:
         field, message = _describe(errors[0])
         raise InvalidSession(message, field=field)
     return body
+
+
+def check_no_nul(value: Any, field: str = "") -> None:
+    """Refuse a NUL byte in any string of `value`, keys included, naming the field.
+
+    No name, label, variable, path or text given to Podman or the kernel can hold one:
+    it would fail there, after a pooled kernel was claimed, not here before anything is
+    stored.
+    """
+    if isinstance(value, str):
+        if "\0" in value:
+            raise InvalidSession("a NUL byte is never valid here", field=field or "(root)")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{field}.{key}" if field else str(key)
+            check_no_nul(key, inner)
+            check_no_nul(item, inner)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_no_nul(item, f"{field}[{i}]")
 
 
 def check_name(meta: dict[str, Any], *, max_len: int, default_namespace: str) -> None:

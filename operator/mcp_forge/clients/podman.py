@@ -35,12 +35,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
 from typing import Any
 
 from mcp_forge.errors import PodmanError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,9 @@ async def run(
     assert proc.returncode is not None
     done = Completed(proc.returncode, out, err.decode(errors="replace"))
     if check and done.returncode != 0:
-        raise PodmanError(list(args), done.returncode, done.stderr)
+        error = PodmanError(list(args), done.returncode, done.stderr)
+        log.warning("%s", error.detail)  # the client is told less (errors.PodmanError)
+        raise error
     return done
 
 

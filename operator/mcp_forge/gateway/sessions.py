@@ -242,9 +242,28 @@ class SessionService:
             raise InvalidSession(
                 f"the name {name!r} is taken; choose another", field="name"
             ) from None
+        except ForgeError:
+            # Never given to the client: a session that failed to start holds no place
+            # of its quota, nor a pod.
+            await asyncio.shield(self._drop_failed(client, name))
+            raise
         finally:
             # Made, or failed: either way the place is the session's or free again.
             await asyncio.shield(self._release(claim))
+
+    async def _drop_failed(self, client: Client, name: str) -> None:
+        """Delete the session `name` this gateway just failed to create for `client`."""
+        try:
+            session = await self.runtime.get(name, self.namespace)
+        except ForgeError:
+            return
+        annotations = session.body["metadata"].get("annotations") or {}
+        if (
+            annotations.get(CREATED_BY) == self.gateway_id
+            and annotations.get(OWNER) == client.owner
+            and session.status.get("phase") == st.FAILED
+        ):
+            await self._delete_quietly(session)
 
     async def _release(self, claim: quota.Claim) -> None:
         try:

@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mcp_forge.api import kernelsession
@@ -41,7 +42,7 @@ from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.kernelsessionpool import KernelSessionPool
 from mcp_forge.control.pools import Member, plan
-from mcp_forge.errors import ForgeError, SecretError, SessionNotFound
+from mcp_forge.errors import ForgeError, SecretError, SessionNotFound, SessionNotReady
 
 if TYPE_CHECKING:
     from mcp_forge.runtimes.local.runtime import LocalRuntime
@@ -126,7 +127,27 @@ class Pools:
         self.store.delete_pool(namespace, name)  # first: no keeper refills it meanwhile
         members = self.members(pool)
         done = await asyncio.gather(*(self._delete_member(pool, m) for m in members))
+        self._remove_lock(pool)
         return sum(done)
+
+    def _lock_path(self, pool: KernelSessionPool) -> Path:
+        return self.runtime.settings.state_dir / "pools" / f"{pool.namespace}.{pool.name}.lock"
+
+    def _remove_lock(self, pool: KernelSessionPool) -> None:
+        """Remove a deleted pool's fill lock, unless a fill holds it (it sees the pool
+        gone and ends; the lock goes with the next delete or keeper pass)."""
+        path = self._lock_path(pool)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path.unlink(missing_ok=True)
+        except BlockingIOError:
+            return
+        finally:
+            os.close(fd)
 
     # ---- its kernels --------------------------------------------------------------------
 
@@ -252,9 +273,9 @@ class Pools:
     @contextlib.asynccontextmanager
     async def _filling(self, pool: KernelSessionPool) -> AsyncIterator[bool]:
         """The pool's fill lock, if free (a file lock: other processes fill too)."""
-        path = self.runtime.settings.state_dir / "pools"
-        path.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(path / f"{pool.namespace}.{pool.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        path = self._lock_path(pool)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -262,6 +283,8 @@ class Pools:
                 yield False
                 return
             yield True
+            if self.store.get_pool(pool.namespace, pool.name) is None:
+                path.unlink(missing_ok=True)  # deleted meanwhile: its lock goes with it
         finally:
             os.close(fd)
 
@@ -342,7 +365,14 @@ class Pools:
         ready = [m for m in members if self._fresh(pool, m) and m.status.get("phase") == st.READY]
         tried: list[str] = []
         for member in ready + ready:  # a second round waits for a lock held meanwhile
-            session = await self._take(pool, member, body, wait=member.name in tried)
+            try:
+                session = await self._take(pool, member, body, wait=member.name in tried)
+            except ForgeError:
+                # The kernel taken is gone (_take): the counts say so, the keeper refills.
+                self.store.patch_pool_status(namespace, name, {}, add={"misses": 1})
+                self._write_status(pool)
+                self.wanted.set()
+                raise
             tried.append(member.name)
             if session is not None:
                 self.store.patch_pool_status(namespace, name, {}, add={"claims": 1})
@@ -404,10 +434,26 @@ class Pools:
             if taken is None:
                 return None
             session = kernelsession.load(taken)
-            await self.finish(session)
+            try:
+                await self.finish(session)
+            except (ForgeError, OSError, TimeoutError) as exc:
+                await asyncio.shield(self._discard(session))
+                raise SessionNotReady(
+                    f"the kernel claimed from pool {pool.name!r} could not be made session "
+                    f"{session.name!r} and was removed: {exc}"
+                ) from exc
             return session
         finally:
             os.close(fd)
+
+    async def _discard(self, session: KernelSession) -> None:
+        """Delete a claimed kernel that neither took its environment nor started cold
+        (its lock held): no row, pod or directory of it is left, and no client's quota
+        counts it."""
+        try:
+            await self.runtime.delete_locked(session)
+        except (ForgeError, OSError) as exc:
+            log.warning("could not remove the failed claim %s: %s", session.name, exc)
 
     async def finish(self, session: KernelSession) -> None:
         """Give a claimed kernel its environment, then mark the session Ready; if it will

@@ -43,8 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mcp_forge import metrics
 from mcp_forge.api import kernelsession, quota
 from mcp_forge.api import kernelsessionpool as ksp
@@ -67,7 +65,6 @@ from mcp_forge.control.render import (
     SECCOMP_PROFILE_ROOT,
     HostPaths,
     podman_pod_name,
-    render_podman,
 )
 from mcp_forge.errors import (
     ForgeError,
@@ -82,7 +79,7 @@ from mcp_forge.errors import (
 from mcp_forge.image.kernel import missing_image_message
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.runtimes import packages
-from mcp_forge.runtimes.local import userns, volumes
+from mcp_forge.runtimes.local import orphans, userns, volumes
 from mcp_forge.runtimes.local.containers import Containers, lifetime
 from mcp_forge.runtimes.local.pools import Pools
 from mcp_forge.runtimes.local.secrets import Secrets
@@ -459,7 +456,7 @@ class LocalRuntime:
         info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
         idmap = self.idmap(session) or self._claim_idmap(session)
         paths = self._prepare_dirs(session, info)
-        manifest = yaml.safe_dump_all(render_podman(session, paths), sort_keys=False)
+        manifest = orphans.manifest(session, paths, orphans.store_tag(self.settings.state_dir))
         (self._dir(session) / "pod.yaml").write_text(manifest)
         # A restart keeps the death's reason and message until the new kernel is ready.
         cleared = {"reason": None, "message": None} if phase == st.STARTING else {}

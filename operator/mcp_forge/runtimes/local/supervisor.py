@@ -17,6 +17,7 @@ from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.clients.podman_api import Event
 from mcp_forge.control.render import LABEL_NAMESPACE, LABEL_SESSION
 from mcp_forge.errors import ForgeError, SessionNotFound
+from mcp_forge.runtimes.local.orphans import remove_orphans
 from mcp_forge.runtimes.local.runtime import LocalRuntime
 
 log = logging.getLogger(__name__)
@@ -29,9 +30,11 @@ Refreshed = Callable[[KernelSession], None]
 async def supervise_once(runtime: LocalRuntime) -> list[str]:
     """One pass: refresh every session that needs it, then cull the idle ones.
 
-    Returns the names culled. An error about one session is logged and the pass goes on.
+    Pods no session owns are removed (orphans.py). Returns the names culled. An error
+    about one session is logged and the pass goes on.
     """
     await refresh_stale(runtime)
+    await remove_orphans(runtime)
     return await runtime.cull_idle()
 
 

@@ -24,7 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
-from mcp_forge.errors import ForgeError
+from mcp_forge.errors import ForgeError, redact
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,12 @@ TOOLS = ("mkfs.ext4", "mount", "umount", "losetup", "e2fsck", "resize2fs")
 
 
 class VolumeError(ForgeError):
-    """A session's filesystem could not be made, mounted or removed."""
+    """A session's filesystem could not be made, mounted or removed. str() reaches
+    clients, without host paths; the whole message goes to the log."""
+
+    def __init__(self, message: str) -> None:
+        log.warning("%s", message[:2000])
+        super().__init__(redact(message))
 
 
 def workspace_inodes(size: int) -> int:
