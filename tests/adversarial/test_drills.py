@@ -1,5 +1,6 @@
 """The fault drills (tests/drills/faults.py) in their short form: three gateway SIGKILLs,
-then the kernel's container, the pod's infra container and conmon killed mid-call."""
+then the kernel's container, the pod's infra container and conmon killed mid-call. And
+the noisy-neighbour drill (tests/drills/neighbours.py): one noisy client of each kind."""
 
 from __future__ import annotations
 

@@ -25,9 +25,11 @@ both calls, p99 under noise is within `--threshold-ms` of p99 idle.
 
 Afterwards every session is closed and the gateway stopped, and nothing may be left:
 no pod of the state directory's store, no process the gateway started (pip, podman,
-upstream servers) nor any naming the state directory, no new /tmp/mcp-forge-* entry,
-the state directory's packages/ scratch empty, and no file in it beyond the store's
-(see `leftover_state`). Each leftover is named.
+upstream servers) nor any naming the state directory, nothing in the gateway's TMPDIR
+(a directory of the drill's, where its mcp-forge-* scratch goes: others' tests share
+the host's /tmp, so new /tmp/mcp-forge-* entries are reported, not held against it), the
+state directory's packages/ scratch empty, and no file in it beyond the store's (see
+`leftover_state`). Each leftover is named.
 
 Prints one line per outcome, exits 1 if one failed. The adversarial suite runs a short
 form (tests/adversarial/test_drills.py).
@@ -180,6 +182,8 @@ async def running_gateway(
     tokens_file = work / "tokens"
     tokens_file.write_text("".join(f"{n} {t}\n" for n, t in tokens.items()))
     config = work / "mcp.json"
+    tmp = work / "tmp"
+    tmp.mkdir(mode=0o700)
     edge = {
         "command": str(PYTHON),
         "args": [str(EDGE_SERVER)],
@@ -191,6 +195,8 @@ async def running_gateway(
         **os.environ,
         "MCPFORGE_STATE_DIR": str(state_dir),
         "MCPFORGE_POOL_SIZE": "0",
+        # A /tmp of its own: what it leaves there is its own, though others share the host.
+        "TMPDIR": str(tmp),
         "MCPFORGE_PACKAGES_INDEX_URL": index_url,
         # Every noisy client's install may be in flight at once: the noise is the point.
         "MCPFORGE_PACKAGES_INSTALLS_MAX": str(max(4, len(clients))),
@@ -310,7 +316,7 @@ class Noise:
 
 
 async def noise_main() -> int:
-    """The child: its orders are one JSON line on stdin (url, tokens, cpu); it says
+    """The child: its orders are one JSON line on stdin (url, tokens, cpu, kinds); it says
     "ready" once every session is prepared, starts at "go", stops at "stop" (or when
     stdin closes), closes its sessions and prints its counts as one JSON line."""
     reader = asyncio.StreamReader()
@@ -323,7 +329,8 @@ async def noise_main() -> int:
         noises = []
         for i, name in enumerate(names):
             c = await stack.enter_async_context(connect(orders["url"], orders["tokens"][name]))
-            noises.append(Noise(c, KINDS[i % len(KINDS)], orders["cpu"]))
+            kinds = orders["kinds"]
+            noises.append(Noise(c, kinds[i % len(kinds)], orders["cpu"]))
         try:
             await asyncio.gather(*(n.prepare() for n in noises))
             print("ready", flush=True)
@@ -354,7 +361,7 @@ def _merge(dicts: list[dict[str, int]]) -> dict[str, int]:
 
 @asynccontextmanager
 async def noise_child(
-    url: str, tokens: dict[str, str], cpu: str
+    url: str, tokens: dict[str, str], cpu: str, kinds: tuple[str, ...]
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, list[str]]]:
     """The noise child, its sessions prepared; its stdout lines are collected on exit."""
     process = await asyncio.create_subprocess_exec(
@@ -369,7 +376,9 @@ async def noise_child(
     assert process.stdin is not None and process.stdout is not None
     said: list[str] = []
     try:
-        process.stdin.write(json.dumps({"url": url, "tokens": tokens, "cpu": cpu}).encode())
+        process.stdin.write(
+            json.dumps({"url": url, "tokens": tokens, "cpu": cpu, "kinds": kinds}).encode()
+        )
         process.stdin.write(b"\n")
         await process.stdin.drain()
         async with asyncio.timeout(NOISE_READY_DEADLINE):
@@ -412,6 +421,30 @@ async def sample(c: Client, sid: str, n: int, until: float = 0.0) -> tuple[list[
         )
         await asyncio.sleep(SAMPLE_INTERVAL)  # a sample interval, not an event
     return listing, one_plus_one
+
+
+@dataclass(frozen=True)
+class Load:
+    """CPU used between two readings: the gateway's (its own process), the host's."""
+
+    gateway_ticks: int
+    host_busy: int
+    host_total: int
+    at: float
+
+    @classmethod
+    def now(cls, pid: int) -> Load:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = cpu[3] + cpu[4]  # idle, iowait
+        return cls(int(stat[11]) + int(stat[12]), sum(cpu) - idle, sum(cpu), time.monotonic())
+
+    def since(self, before: Load) -> str:
+        hz = os.sysconf("SC_CLK_TCK")
+        seconds = self.at - before.at
+        gateway = (self.gateway_ticks - before.gateway_ticks) / hz / seconds
+        host = (self.host_busy - before.host_busy) / max(1, self.host_total - before.host_total)
+        return f"gateway {gateway:.0%} of a core, host {host:.0%} busy of {os.cpu_count()} cores"
 
 
 # ---- what is left on the host -------------------------------------------------------------
@@ -492,31 +525,32 @@ async def store_pods(state_dir: Path) -> list[str]:
     return sorted(done.stdout.split())
 
 
-def tmp_entries() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("mcp-forge-*")}
+def tmp_entries(directory: Path) -> set[str]:
+    return {p.name for p in directory.glob("mcp-forge-*")}
 
 
-# What a state directory holds once its gateway stopped cleanly with no session left:
-# the store (SQLite, its journal files while open), pip's cache, the empty package scratch,
-# and empty directories the runtime keeps. Anything else is a leftover.
-STATE_FILES = ("store.db", "store.db-wal", "store.db-shm")
-STATE_TREES = ("cache/pip",)  # contents not asserted: pip's cache, bounded by packages_cache_max
+# What a state directory holds once its gateway stopped cleanly with no session left: the
+# store, and the directories of kernels (k/) and of package installs' scratch (packages/),
+# empty. pip's cache (cache/) may hold what installs downloaded: it is bounded
+# (packages_cache_max) and kept on purpose. Anything else is a leftover, named.
+STATE_FILES = ("store.db",)
+STATE_EMPTY_DIRS = ("k", "packages")
+STATE_KEPT_TREES = ("cache",)
 
 
 def leftover_state(state_dir: Path) -> list[str]:
-    """Files and directories of `state_dir` beyond those of a clean stop (see above),
-    lock files named as such."""
+    """Entries of `state_dir` beyond those of a clean stop (see above), lock files named
+    as such."""
     left = []
     for path in sorted(state_dir.rglob("*")):
         rel = path.relative_to(state_dir).as_posix()
-        if rel in STATE_FILES or any(
-            rel == t or rel.startswith(t + "/") or t.startswith(rel + "/") for t in STATE_TREES
-        ):
+        top = rel.split("/", 1)[0]
+        if rel in STATE_FILES or rel in STATE_EMPTY_DIRS or top in STATE_KEPT_TREES:
             continue
-        if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
-            continue  # an empty directory (sessions/, packages/, pools/): nothing held
-        if path.is_dir():
-            continue  # its contents are listed one by one
+        if path.is_dir() and not path.is_symlink():
+            if not any(path.iterdir()):
+                left.append(f"directory {rel}/ (empty)")
+            continue  # a directory's files are named one by one
         kind = "lock file" if "lock" in path.name else "file"
         left.append(f"{kind} {rel} ({path.lstat().st_size} bytes)")
     return left
@@ -524,18 +558,23 @@ def leftover_state(state_dir: Path) -> list[str]:
 
 def host_leftovers(
     state_dir: Path, work: Path, seen: dict[int, tuple[int, str]], tmp_before: set[str]
-) -> tuple[dict[str, list[str]], list[str]]:
-    """What the run left, by kind (besides pods), and the state directory's listing."""
+) -> tuple[dict[str, list[str]], list[str], list[str]]:
+    """What the run left, by kind (besides pods); the state directory's listing; the
+    /tmp/mcp-forge-* entries that appeared on the host meanwhile."""
     left = {
         "processes": sorted(set(still_running(seen)) | set(naming([state_dir, work]))),
-        "tmp": sorted(tmp_entries() - tmp_before),
+        # The gateway's TMPDIR (see running_gateway): everything in it is its leftover.
+        "tmp": sorted(p.name for p in (work / "tmp").iterdir()),
         "packages_scratch": sorted(
             p.relative_to(state_dir).as_posix() for p in (state_dir / "packages").rglob("*")
         ),
         "state_files": leftover_state(state_dir),
     }
     listing = sorted(p.relative_to(state_dir).as_posix() for p in state_dir.rglob("*"))
-    return left, listing
+    # Host-wide: other users of the host (tests running at once) make these too, so they
+    # are reported, not held against the gateway.
+    listing_tmp = sorted(tmp_entries(Path("/tmp")) - tmp_before)
+    return left, listing, listing_tmp
 
 
 # ---- the drill ---------------------------------------------------------------------------
@@ -547,12 +586,13 @@ async def drill(
     samples: int = 200,
     threshold_ms: float = 50.0,
     cpu: str = "0.25",
+    kinds: tuple[str, ...] = KINDS,
 ) -> list[Outcome]:
     """Run the drill; one Outcome per criterion: latency (both calls), noise, leftovers."""
     state_dir = Path(tempfile.mkdtemp(prefix="mfn-", dir="/tmp"))  # short: kernel sockets
     os.chmod(state_dir, 0o700)
     work = Path(tempfile.mkdtemp(prefix="mfn-work-", dir="/tmp"))
-    tmp_before = tmp_entries()
+    tmp_before = tmp_entries(Path("/tmp"))
     noisy = [f"noisy{i:02d}" for i in range(clients)]
     index = PackageIndex(work / "index")
     for version in VERSIONS:
@@ -560,6 +600,7 @@ async def drill(
     outcomes: list[Outcome] = []
     seen: dict[int, tuple[int, str]] = {}
     counts: dict[str, Any] = {}
+    loads: dict[str, str] = {}
     try:
         with index.serving():
             async with running_gateway(state_dir, work, [*noisy, QUIET], index.url) as gw:
@@ -570,12 +611,16 @@ async def drill(
                         sid = await create_session(quiet, cpu="1")
                         await sample(quiet, sid, 5)  # warm: connections, first imports
                         noise_tokens = {n: gw.tokens[n] for n in noisy}
-                        async with noise_child(gw.url, noise_tokens, cpu) as (child, said):
+                        async with noise_child(gw.url, noise_tokens, cpu, kinds) as (child, said):
+                            load = Load.now(gw.process.pid)
                             idle = await sample(quiet, sid, samples)
+                            loads["idle"] = Load.now(gw.process.pid).since(load)
                             assert child.stdin is not None
                             child.stdin.write(b"go\n")
                             await child.stdin.drain()
+                            load = Load.now(gw.process.pid)
                             under = await sample(quiet, sid, samples, time.monotonic() + seconds)
+                            loads["noisy"] = Load.now(gw.process.pid).since(load)
                             child.stdin.write(b"stop\n")
                             await child.stdin.drain()
                         await quiet.call_tool("close_session", {"session_id": sid})
@@ -586,7 +631,7 @@ async def drill(
                     await watcher
     finally:
         pods = await store_pods(state_dir)
-        left, state_listing = await asyncio.to_thread(
+        left, state_listing, host_tmp = await asyncio.to_thread(
             host_leftovers, state_dir, work, seen, tmp_before
         )
         if pods:  # the drill's own mess is not left for the next run
@@ -614,14 +659,15 @@ async def drill(
         )
     calls = counts.get("calls", {})
     errors = counts.get("errors", {})
-    noise_ok = bool(calls) and all(calls.get(k, 0) > 0 for k in KINDS[: min(clients, 4)])
+    noise_ok = bool(calls) and all(calls.get(k, 0) > 0 for k in kinds[:clients])
     outcomes.append(
         Outcome(
             "noise",
             noise_ok and not counts.get("close_failures"),
             f"{clients} clients, {seconds:.0f}s; calls {calls}; errors (counted) {errors}; "
-            f"close failures {counts.get('close_failures', '?')}",
-            counts,
+            f"close failures {counts.get('close_failures', '?')}; "
+            f"while idle: {loads.get('idle')}; under noise: {loads.get('noisy')}",
+            {**counts, "load": loads},
         )
     )
     left = {"pods": pods, **left}
@@ -629,8 +675,9 @@ async def drill(
         Outcome(
             "leftovers",
             not any(left.values()),
-            "; ".join(f"{k}: {v or 'none'}" for k, v in left.items()),
-            {**left, "state_listing": state_listing},
+            "; ".join(f"{k}: {v or 'none'}" for k, v in left.items())
+            + f" (host /tmp/mcp-forge-* new meanwhile, others' too: {host_tmp or 'none'})",
+            {**left, "state_listing": state_listing, "host_tmp": host_tmp},
         )
     )
     return outcomes
@@ -645,12 +692,22 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=200, help="of each call, idle and noisy")
     parser.add_argument("--threshold-ms", type=float, default=50.0, help="p99 noisy - idle")
     parser.add_argument("--cpu", default="0.25", help="CPU limit of each noisy session")
+    parser.add_argument(
+        "--kind", action="append", choices=KINDS, help="only this noise (repeatable; default all)"
+    )
     parser.add_argument("--noise", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.noise:
         return asyncio.run(noise_main())
     outcomes = asyncio.run(
-        drill(args.clients, args.seconds, args.samples, args.threshold_ms, args.cpu)
+        drill(
+            args.clients,
+            args.seconds,
+            args.samples,
+            args.threshold_ms,
+            args.cpu,
+            tuple(args.kind or KINDS),
+        )
     )
     for outcome in outcomes:
         print(outcome.line(), flush=True)
