@@ -607,8 +607,15 @@ _METRICS_OPTION = click.option(
 @click.option(
     "--packages-allow-sdist",
     is_flag=True,
-    help="install_packages: source distributions too, built into wheels on this host "
-    "(default: wheels only).",
+    help="install_packages: source distributions too, each built into a wheel in a "
+    "sandbox container with no network (default: wheels only).",
+)
+@click.option(
+    "--packages-index-url",
+    "packages_index_url",
+    metavar="URL",
+    help="install_packages: the only package index used (default https://pypi.org/simple; "
+    "the host's pip configuration is never read).",
 )
 @_METRICS_OPTION
 def gateway(http: str | None, metrics_at: str | None, **options: Any) -> None:

@@ -14,7 +14,8 @@
     └── PackageError            install_packages could not give the kernel a package
         ├── PackageNotFound     no distribution of it for the kernel's Python (named)
         ├── PackageDenied       the gateway's package policy refuses it (named)
-        └── PackageTooLarge     over a size limit (the limit and the size)
+        ├── PackageTooLarge     over a size limit (the limit and the size)
+        └── PackageBusy         too many installs in flight, the client's or the gateway's
 
 Code mode's framing raises kernelside.framing.FrameError, a plain ValueError: that module
 runs inside the kernel too, where nothing of ours is installed; bridge.py catches it
@@ -136,3 +137,7 @@ class PackageDenied(PackageError):
 
 class PackageTooLarge(PackageError):
     """A distribution, or all of them together, is over the policy's size limit."""
+
+
+class PackageBusy(PackageError):
+    """Too many installs in flight: the client's own, or all of the gateway's."""

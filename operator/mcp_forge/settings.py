@@ -29,6 +29,7 @@ class Settings:
     heartbeat_interval: float = 1.0  # liveness check while waiting on a busy kernel
     heartbeat_timeout: float = 1.5
     helper_timeout: float = 30.0  # namespace listing, variable inspection, file operations
+    busy_probe: float = 3.0  # on connecting: a kernel that leaves kernel_info unanswered is busy
     podman_timeout: float = 120.0
     lock_wait: float = 10.0  # a helper or restart waits this long for a running call
     shutdown_grace: float = 5.0  # HTTP requests in flight get this long at shutdown
@@ -53,6 +54,7 @@ class Settings:
     list_files_max: int = 1_000
     # What one MCP client may ask for.
     sessions_per_client_max: int = 10
+    mcp_processes_per_client_max: int = 8  # code mode: isolated upstream processes
     notebook_exports_max: int = 4  # notebook exports running at once, in one gateway
     notebook_exports_per_client_max: int = 2
     session_memory_max: str = "16Gi"
@@ -75,8 +77,12 @@ class Settings:
     packages_deny: str = ""  # never these
     packages_max: int = 200_000_000  # bytes of all the files one install downloads
     packages_file_max: int = 100_000_000  # bytes of one downloaded file
-    packages_allow_sdist: bool = False  # source distributions, built into wheels on the host
+    packages_allow_sdist: bool = False  # source distributions, built in a sandbox container
     packages_timeout: float = 300.0  # resolving and downloading; again for the kernel's install
+    packages_index_url: str = "https://pypi.org/simple"  # the only index installs use
+    packages_cache_max: int = 1_000_000_000  # bytes of pip's cache kept after an install
+    packages_installs_max: int = 4  # installs in flight in one gateway
+    packages_client_installs_max: int = 2  # installs in flight for one client
 
     @classmethod
     def from_env(cls) -> Settings:

@@ -21,7 +21,7 @@ from mcp_types import TextContent
 
 from mcp_forge.api.kernelsession import requirement
 from mcp_forge.errors import PackageTooLarge
-from mcp_forge.image import packages
+from mcp_forge.image import packages, pip
 from mcp_forge.settings import Settings
 
 pytestmark = pytest.mark.podman
@@ -139,11 +139,11 @@ async def test_denied_missing_oversized_and_malformed_packages_get_named_errors(
 
 @pytest.mark.parametrize("limit", ["file_max", "total_max"])
 async def test_a_download_past_the_limits_is_stopped_while_it_grows(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str
+    tmp_path: Path, limit: str
 ) -> None:
     """numpy's wheel is about 16 MB: with a 2 MB limit pip is stopped as the file grows
-    past it (pip's cache is off, so the file does grow), and nothing is left."""
-    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    past it (pip's cache is the gateway's own, empty in a new state directory, so the
+    file does grow), and nothing is left."""
     base = packages.PackagePolicy.of(Settings(state_dir=tmp_path))
     policy = (
         replace(base, file_max=2_000_000)
@@ -165,7 +165,7 @@ async def test_a_download_found_too_large_once_complete_leaves_nothing(
     """The watchdog never looks (its interval is an hour), so pip finishes and leaves
     pygments' wheel (about 1.2 MB) in the directory; the check after finds it over the
     limit, and the directory is emptied: a caller's directory never keeps a refused file."""
-    monkeypatch.setattr(packages, "WATCH_INTERVAL", 3600.0)
+    monkeypatch.setattr(pip, "WATCH_INTERVAL", 3600.0)
     policy = replace(packages.PackagePolicy.of(Settings(state_dir=tmp_path)), file_max=1_000_000)
     dest = tmp_path / "wheels"
     dest.mkdir()
@@ -174,3 +174,22 @@ async def test_a_download_found_too_large_once_complete_leaves_nothing(
     assert "the limit for one file is 1000000" in str(raised.value), raised.value
     assert "stopped while downloading" not in str(raised.value), raised.value
     assert list(dest.iterdir()) == []
+
+
+async def test_pips_cache_is_pruned_to_its_bound_after_an_install(tmp_path: Path) -> None:
+    """pip's cache is below the gateway's state directory (this host's proxy sends wheels
+    without cache headers, so pip keeps none of them: the cache is filled here by hand,
+    oldest first); an install leaves it within its bound, the newest files kept."""
+    cache = tmp_path / "cache" / "pip" / "http-v2"
+    cache.mkdir(parents=True)
+    for i in range(4):
+        (cache / f"{i}").write_bytes(b"x" * 1000)
+        os.utime(cache / f"{i}", (1000 + i, 1000 + i))
+    policy = replace(packages.PackagePolicy.of(Settings(state_dir=tmp_path)), cache_max=2500)
+    dest = tmp_path / "wheels"
+    dest.mkdir()
+    wheels = await packages.download([requirement("tabulate==0.9.0")], policy, dest)
+    assert [w.name for w in wheels] == ["tabulate"]
+    kept = sorted(f.name for f in (tmp_path / "cache" / "pip").rglob("*") if f.is_file())
+    assert kept[-2:] == ["2", "3"] and "0" not in kept and "1" not in kept, kept
+    assert list((tmp_path / "packages").iterdir()) == []

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from packaging.utils import parse_wheel_filename
 
-from mcp_forge.errors import InvalidRequest, PackageDenied
-from mcp_forge.image import packages
+from mcp_forge.errors import InvalidRequest, PackageBusy, PackageDenied, PackageNotFound
+from mcp_forge.image import index, packages, pip
 from mcp_forge.settings import Settings
 
 
@@ -28,6 +28,13 @@ from mcp_forge.settings import Settings
         (["x @ file:///tmp/x.whl"], "packages[0] 'x @ file:///tmp/x.whl' names a URL"),
         (["ok", 3], "packages[1] must be a requirement string, got 3"),
         (["a" * 300], "packages[0] is over 200 characters"),
+        (["x.tar.gz"], "packages[0] 'x.tar.gz' looks like a file name"),
+        (["x-1.0-py3-none-any.whl"], "packages[0] 'x-1.0-py3-none-any.whl' looks like a file"),
+        (["X.ZIP"], "packages[0] 'X.ZIP' looks like a file name"),
+        (["x.tgz>=1"], "packages[0] 'x.tgz>=1' looks like a file name"),
+        (["evil.egg"], "looks like a file name"),
+        (["x\n--find-links=/tmp"], "is not a requirement"),
+        (["x --no-deps"], "is not a requirement"),
     ],
 )
 def test_a_bad_requirement_is_refused_by_its_index_before_pip_runs(items, says) -> None:
@@ -99,3 +106,116 @@ def test_the_sdist_switch_reads_true_or_false_from_the_environment(monkeypatch) 
     monkeypatch.setenv("MCPFORGE_PACKAGES_ALLOW_SDIST", "maybe")
     with pytest.raises(InvalidRequest, match="'maybe' is not a boolean"):
         Settings.from_env()
+
+
+def test_pips_environment_holds_none_of_the_hosts_pip_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {
+        "PIP_FIND_LINKS": "/opt/wheels", "PIP_INDEX_URL": "http://x", "PIP_CONFIG_FILE": "/x",
+        "PYTHONPATH": "/x", "HTTPS_PROXY": "http://proxy:3128", "SSL_CERT_FILE": "/ca.pem",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    env = pip.environment(tmp_path / "h", tmp_path / "t", tmp_path / "c")
+    assert env["PIP_CONFIG_FILE"] == "/dev/null"
+    assert env["PIP_CACHE_DIR"] == str(tmp_path / "c") and env["HOME"] == str(tmp_path / "h")
+    assert "PIP_FIND_LINKS" not in env and "PIP_INDEX_URL" not in env and "PYTHONPATH" not in env
+    assert env["HTTPS_PROXY"] == "http://proxy:3128" and env["SSL_CERT_FILE"] == "/ca.pem"
+
+
+def test_pip_is_asked_for_wheels_from_the_configured_index_only(tmp_path: Path) -> None:
+    policy = packages.PackagePolicy.of(
+        replace(Settings(state_dir=tmp_path), packages_index_url="https://idx.example/simple")
+    )
+    reqs = packages.parse_requirements(["tabulate"])
+    args = packages._pip_args(reqs, policy, tmp_path)
+    # Not --isolated: it would skip PIP_CONFIG_FILE=/dev/null (and PIP_CACHE_DIR) and
+    # still read the global and site pip.conf; the environment is ours instead.
+    assert args[0] == "download" and "--isolated" not in args
+    assert "--only-binary=:all:" in args
+    assert args[args.index("--index-url") + 1] == "https://idx.example/simple"
+    assert args[-2:] == ["--", "tabulate"]
+    assert "--find-links" not in args
+    built = packages._pip_args(reqs, policy, tmp_path, tmp_path / "built")
+    assert built[built.index("--find-links") + 1] == str(tmp_path / "built")
+    assert "--only-binary=:all:" in built
+
+
+def test_an_index_url_that_is_not_http_is_refused(tmp_path: Path) -> None:
+    for url in ("file:///srv/wheels", "/srv/wheels", "https://"):
+        with pytest.raises(InvalidRequest, match="is not an http"):
+            packages.PackagePolicy.of(replace(Settings(), packages_index_url=url))
+
+
+def test_installs_past_a_clients_or_the_gateways_bound_are_refused(tmp_path: Path) -> None:
+    policy = replace(
+        packages.PackagePolicy.of(Settings(state_dir=tmp_path)),
+        installs_max=3,
+        client_installs_max=2,
+    )
+    slots = packages.Installs()
+    with slots.slot(policy, "a"), slots.slot(policy, "a"):
+        with (
+            pytest.raises(PackageBusy, match="you have 2 installs running"),
+            slots.slot(policy, "a"),
+        ):
+            pass
+        with (
+            slots.slot(policy, "b"),
+            pytest.raises(PackageBusy, match="the gateway is running 3 installs"),
+            slots.slot(policy, None),
+        ):
+            pass
+    assert slots.running == 0 and not slots.by_client
+
+
+def test_the_cache_is_pruned_oldest_first_to_its_bound(tmp_path: Path) -> None:
+    import os
+
+    for i in range(5):
+        f = tmp_path / "http" / f"{i}.bin"
+        f.parent.mkdir(exist_ok=True)
+        f.write_bytes(b"x" * 1000)
+        os.utime(f, (1000 + i, 1000 + i))
+    assert pip.prune_cache(tmp_path, 2500) == 2000
+    assert sorted(p.name for p in (tmp_path / "http").iterdir()) == ["3.bin", "4.bin"]
+
+
+def _entry(filename: str, **kw: object) -> dict[str, object]:
+    return {"filename": filename, "url": f"/f/{filename}", "hashes": {"sha256": "a" * 64}, **kw}
+
+
+def test_the_newest_allowed_sdist_is_chosen_from_the_index() -> None:
+    files = [
+        _entry("pkg-1.0.tar.gz"),
+        _entry("pkg-2.0.tar.gz"),
+        _entry("pkg-3.0.tar.gz", yanked=True),
+        _entry("pkg-2.5.tar.gz", **{"requires-python": ">=3.12"}),
+        _entry("pkg-2.1.tar.gz", hashes={}),
+        _entry("pkg-2.2-py3-none-any.whl"),
+        _entry("other-9.0.tar.gz"),
+    ]
+    req = packages.parse_requirements(["pkg"])[0]
+    assert index.choose(req, files).filename == "pkg-2.0.tar.gz"
+    old = packages.parse_requirements(["pkg<2"])[0]
+    assert index.choose(old, files).filename == "pkg-1.0.tar.gz"
+    with pytest.raises(PackageNotFound, match="no wheel and no source distribution"):
+        index.choose(packages.parse_requirements(["pkg>5"])[0], files)
+
+
+def test_an_html_index_page_is_read_with_hashes_and_yanked_marks() -> None:
+    page = (
+        '<a href="../../f/pkg-1.0.tar.gz#sha256=' + "b" * 64 + '" data-requires-python="&gt;=3.8">'
+        'pkg-1.0.tar.gz</a><a href="pkg-2.0.tar.gz#sha256=' + "c" * 64 + '" data-yanked="">x</a>'
+    )
+    files = index._html_files(page)
+    assert files[0]["filename"] == "pkg-1.0.tar.gz" and files[0]["requires-python"] == ">=3.8"
+    assert files[0]["hashes"] == {"sha256": "b" * 64} and not files[0]["yanked"]
+    assert files[1]["yanked"]
+
+
+def test_pips_no_wheel_message_names_the_requirement_to_build() -> None:
+    out = "ERROR: No matching distribution found for forgetest-built==1.0\n"
+    missing = packages._missing(out)
+    assert missing is not None and str(missing) == "forgetest-built==1.0"
+    assert packages._missing("ERROR: No matching distribution found for x.tar.gz") is None

@@ -373,6 +373,13 @@ def _persistent(workspace: dict[str, Any]) -> bool:
     return persistent
 
 
+# pip's archive extensions (pip._internal.utils.filetypes), and a wheel's.
+ARCHIVE_SUFFIXES = (
+    ".whl", ".zip", ".tar", ".tgz", ".tar.gz", ".tbz", ".tar.bz2", ".txz", ".tar.xz",
+    ".tlz", ".tar.lz", ".tar.lzma", ".egg",
+)  # fmt: skip
+
+
 def requirement(text: str) -> Requirement:
     """A package requirement (spec.packages, install_packages): a name with optional
     extras, version specifiers and a marker; never a URL (`name @ https://...`), a path
@@ -387,6 +394,12 @@ def requirement(text: str) -> Requirement:
         ) from None
     if req.url is not None:
         raise ValueError(f"{text!r} names a URL; only index packages can be installed")
+    if req.name.lower().endswith(ARCHIVE_SUFFIXES):
+        # pip takes such a name for a file in its working directory, if one is there.
+        raise ValueError(
+            f"{text!r} looks like a file name; only packages on the index can be installed, "
+            "by name (without .whl, .zip, .tar.gz, ...)"
+        )
     return req
 
 

@@ -34,7 +34,7 @@ from mcp_forge.errors import (
     SessionNotFound,
     SessionNotReady,
 )
-from mcp_forge.gateway import introspection
+from mcp_forge.gateway import busy, introspection
 from mcp_forge.gateway.codemode.bridge import Bridge
 from mcp_forge.gateway.codemode.policy import policies_of
 from mcp_forge.gateway.codemode.upstream import Upstream, UpstreamPool
@@ -133,6 +133,13 @@ class Gateway:
                 self._drop(handle)
                 del self._handles[key]
 
+    def ended(self, namespace: str, name: str) -> None:
+        """The session is gone (closed, deleted): drop what this gateway held for any
+        incarnation of it, and free its isolated upstreams now (not after their linger)."""
+        for key in [k for k in self._handles if k[:2] == (namespace, name)]:
+            self._drop(self._handles.pop(key))
+            self.upstreams.end("/".join(key))
+
     async def close(self) -> None:
         for task in self._preparing:
             task.cancel()
@@ -169,7 +176,7 @@ class Gateway:
             try:
                 session = await self.runtime.get(name, namespace)
             except SessionNotFound:
-                self._forget(namespace, name)  # deleted elsewhere: close what we held
+                self.ended(namespace, name)  # deleted elsewhere: close what we held
                 raise
         self._forget(namespace, name, keep=session.uid)
         phase = session.status.get("phase")
@@ -212,6 +219,11 @@ class Gateway:
             conn.close()
             raise
         handle.conn, handle.kernel = conn, _kernel_of(session)
+        try:  # still running a call of a gateway gone since: say so now, not at a timeout
+            await busy.check_idle(conn, session, self.settings.busy_probe)
+        except BaseException:
+            self._drop(handle)
+            raise
         setup = await self.runtime.kernel_setup(session)
         if setup:
             try:
@@ -860,17 +872,19 @@ class Gateway:
         *,
         namespace: str = "default",
         read: KernelSession | None = None,
+        client: str | None = None,
     ) -> dict[str, Any]:
         """Resolve and download `requirements` on the host under the package policy
         (image/packages.py), send the wheels over the kernel's channels and have it
         install them offline into its workspace's package directory, which is on its
         sys.path at once (and in every later kernel of the session: guard_program).
+        `client` (who asks) is held to its share of installs in flight.
         What was installed (name, version, size) and the bytes in all."""
         reqs = packages.parse_requirements(requirements)
         policy = packages.PackagePolicy.of(self.settings)
         session = await self._session(name, namespace, read=read)  # refused before fetching
         with tempfile.TemporaryDirectory(prefix="mcp-forge-packages-") as tmp:
-            wheels = await packages.download(reqs, policy, Path(tmp))
+            wheels = await packages.download(reqs, policy, Path(tmp), client=client)
             session = await self._session(name, namespace)
             handle = self._handle(session)
             async with self._turn(handle, session):

@@ -62,6 +62,7 @@ class GatewayOptions:
     packages_max: int | None = None
     packages_file_max: int | None = None
     packages_allow_sdist: bool = False
+    packages_index_url: str | None = None
 
     def settings(self) -> Settings:
         """The settings of the environment, with the package policy these options give."""
@@ -77,6 +78,8 @@ class GatewayOptions:
             given["packages_file_max"] = self.packages_file_max
         if self.packages_allow_sdist:
             given["packages_allow_sdist"] = True
+        if self.packages_index_url:
+            given["packages_index_url"] = self.packages_index_url
         return replace(base, **given)  # type: ignore[arg-type]
 
 
@@ -108,7 +111,7 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         service = SessionService(runtime, runtime.settings)
         service.pool, own_pool = await _local_pool(local, options, service.gateway_id, say)
     configs = load_config(options.mcp_config) if options.mcp_config is not None else {}
-    upstreams = UpstreamPool(configs)
+    upstreams = UpstreamPool(configs, per_client_max=runtime.settings.mcp_processes_per_client_max)
     if options.mcp_processes_max is not None:
         upstreams.processes_max = options.mcp_processes_max
     service.mcp_servers = set(configs)

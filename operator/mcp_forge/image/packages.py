@@ -1,16 +1,20 @@
 """Packages for a kernel that has no network: resolved and downloaded on the host.
 
-The host's pip (the gateway's Python) resolves the requirements and downloads wheels
-for the kernel's interpreter, not its own: CPython 3.11 on manylinux x86_64, as the
-kernel image is (image/kernel.py), with `--only-binary=:all:` so nothing is built. With
-source distributions allowed, `pip wheel` builds them into wheels on the host, and each
-wheel's tags are checked against the kernel's. Everything happens in a directory of the
-caller's, in a subprocess with a deadline, off the event loop.
+The host's pip, isolated from the host's own configuration (image/pip.py), resolves the
+requirements and downloads wheels for the kernel's interpreter, not its own: CPython
+3.11 on manylinux x86_64, as the kernel image is (image/kernel.py), with
+`--only-binary=:all:`, from the index the gateway was configured with. Nothing a client
+names runs on the host: a requirement is a name with extras, specifiers and a marker,
+never a URL, a path, an archive's file name or an option. With source distributions
+allowed, a requirement that has no wheel is fetched from the index as an sdist without
+pip (image/index.py) and built in a sandbox container (image/sdist.py), its build
+requirements checked against the policy and given to it as wheels; pip then resolves
+again, the wheel it built among its sources.
 
-The policy applies to every distribution resolved (dependencies too), by PEP 503 name:
-allowed names (none listed: any), denied names, a size limit per file and for all of
-them. Requirement strings are checked before pip sees them: a name and specifiers,
-extras and markers, never a URL, a path or an option.
+The policy applies to every distribution resolved (dependencies and build requirements
+too), by PEP 503 name: allowed names (none listed: any), denied names, a size limit per
+file and for all of them. Installs in flight are bounded per gateway and per client
+(`Installs`), and pip's cache is the gateway's own, pruned to a size after each.
 
 The kernel then installs the wheels offline, without resolving again (`pip install
 --no-index --no-deps --target`), into PACKAGES_DIR on its workspace, which
@@ -21,14 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
-import os
-import platform
 import re
 import shutil
-import sys
-import tempfile
-from collections.abc import Sequence
+import urllib.parse
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,37 +41,51 @@ from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel
 from mcp_forge.api.kernelsession import requirement
 from mcp_forge.errors import (
     InvalidRequest,
+    PackageBusy,
     PackageDenied,
     PackageError,
     PackageNotFound,
     PackageTooLarge,
 )
-from mcp_forge.image.kernel import PYTHON_VERSION, WHEEL_PLATFORMS, _stop
+from mcp_forge.image import index, pip, sdist
+from mcp_forge.image.kernel import PYTHON_VERSION, WHEEL_PLATFORMS
 from mcp_forge.sandbox import WORKSPACE
 from mcp_forge.settings import Settings
 
 PACKAGES_DIR = ".packages"  # below the workspace: where the kernel installs packages
 REQUIREMENTS_MAX = 50  # requirement strings in one request
 REQUIREMENT_CHARS = 200  # characters of one requirement string
-_PIP_ENV = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
-WATCH_INTERVAL = 0.1  # seconds between looks at what pip has written while it runs
+BUILDS_MAX = 8  # source distributions built for one install
 KERNEL_KIND = f"CPython {PYTHON_VERSION}, manylinux x86_64"  # what the wheels must fit
+BUILT_PLATFORM = "linux_x86_64"  # the tag of a wheel built in the kernel's image
 _NOT_FOUND = re.compile(r"No matching distribution found for (\S+)")
 
 
 @dataclass(frozen=True)
 class PackagePolicy:
-    """What install_packages may fetch, from the gateway's settings."""
+    """What install_packages may fetch, from where, from the gateway's settings."""
 
     allow: frozenset[str]  # normalized names; empty: any not denied
     deny: frozenset[str]
     total_max: int  # bytes of all files of one install
     file_max: int  # bytes of one file
-    allow_sdist: bool
-    timeout: float  # seconds for pip on the host
+    allow_sdist: bool  # built in a sandbox container (image/sdist.py)
+    timeout: float  # seconds for pip on the host, and for one build
+    index_url: str  # the only index pip and the sdist fetcher use
+    work_dir: Path  # where each install's scratch directory is made
+    cache_dir: Path  # pip's cache: the gateway's own, not the host user's
+    cache_max: int  # bytes the cache keeps after an install
+    installs_max: int  # installs in flight in this process
+    client_installs_max: int  # installs in flight for one client
 
     @classmethod
     def of(cls, settings: Settings) -> PackagePolicy:
+        url = urllib.parse.urlsplit(settings.packages_index_url)
+        if url.scheme not in ("https", "http") or not url.netloc:
+            raise InvalidRequest(
+                f"the package index {settings.packages_index_url!r} is not an http(s) URL "
+                "(MCPFORGE_PACKAGES_INDEX_URL, --packages-index-url)"
+            )
         return cls(
             allow=_names(settings.packages_allow),
             deny=_names(settings.packages_deny),
@@ -78,7 +93,17 @@ class PackagePolicy:
             file_max=settings.packages_file_max,
             allow_sdist=settings.packages_allow_sdist,
             timeout=settings.packages_timeout,
+            index_url=settings.packages_index_url,
+            work_dir=settings.state_dir / "packages",
+            cache_dir=settings.state_dir / "cache" / "pip",
+            cache_max=settings.packages_cache_max,
+            installs_max=settings.packages_installs_max,
+            client_installs_max=settings.packages_client_installs_max,
         )
+
+    @property
+    def limits(self) -> pip.Limits:
+        return pip.Limits(self.file_max, self.total_max, self.timeout)
 
     def check_name(self, name: str, *, asked: str | None = None) -> None:
         """PackageDenied unless the policy lets the distribution `name` in; `asked` is
@@ -133,117 +158,84 @@ def parse_requirements(items: Any) -> list[Requirement]:
     return out
 
 
-def kernel_tags() -> frozenset[tags.Tag]:
-    """The wheel tags the kernel's Python accepts (CPython 3.11, manylinux x86_64)."""
+class Installs:
+    """Installs in flight in this process, in all and per client: past either bound a
+    new one is refused at once (PackageBusy), so no client holds pip processes, downloads
+    and scratch space beyond its share, and the gateway's stay bounded."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.by_client: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def slot(self, policy: PackagePolicy, client: str | None) -> Iterator[None]:
+        if self.running >= policy.installs_max:
+            raise PackageBusy(
+                f"the gateway is running {self.running} installs, its limit; "
+                "try again when one has finished"
+            )
+        if client is not None and self.by_client[client] >= policy.client_installs_max:
+            raise PackageBusy(
+                f"you have {self.by_client[client]} installs running, the limit for one "
+                "client; wait for one to finish"
+            )
+        self.running += 1
+        if client is not None:
+            self.by_client[client] += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            if client is not None:
+                self.by_client[client] -= 1
+                if not self.by_client[client]:
+                    del self.by_client[client]
+
+
+INSTALLS = Installs()  # this process's
+
+
+def kernel_tags(*, built: bool = False) -> frozenset[tags.Tag]:
+    """The wheel tags the kernel's Python accepts (CPython 3.11, manylinux x86_64; also
+    plain linux_x86_64, the tag of a wheel built in its image, when `built`)."""
     version = tuple(int(p) for p in PYTHON_VERSION.split("."))
     abi = "cp" + PYTHON_VERSION.replace(".", "")
+    platforms = [*WHEEL_PLATFORMS, *([BUILT_PLATFORM] if built else [])]
     return frozenset(
         [
-            *tags.cpython_tags(version, [abi], WHEEL_PLATFORMS),
-            *tags.compatible_tags(version, abi, WHEEL_PLATFORMS),
+            *tags.cpython_tags(version, [abi], platforms),
+            *tags.compatible_tags(version, abi, platforms),
         ]
     )
 
 
-def _pip_args(reqs: Sequence[Requirement], policy: PackagePolicy, dest: Path) -> list[str]:
-    common = ["--no-input", "--disable-pip-version-check", "--progress-bar", "off"]
-    names = [str(r) for r in reqs]
-    if policy.allow_sdist:
-        # Built on the host, with its own interpreter: it must be the kernel's kind.
-        here = f"{sys.implementation.name} {sys.version_info[0]}.{sys.version_info[1]}"
-        if here != f"cpython {PYTHON_VERSION}" or platform.machine() != "x86_64":
-            raise PackageError(
-                f"source distributions can only be built by a CPython {PYTHON_VERSION} "
-                f"x86_64 gateway; this one is {here} on {platform.machine()}"
-            )
-        return ["wheel", *common, "--prefer-binary", "--wheel-dir", str(dest), "--", *names]
+def _pip_args(
+    reqs: Sequence[Requirement], policy: PackagePolicy, dest: Path, built: Path | None = None
+) -> list[str]:
+    """`pip download` of wheels only, for the kernel's Python, from the policy's index
+    (and the wheels built for this install, `built`)."""
     abi = "cp" + PYTHON_VERSION.replace(".", "")
-    target = ["--python-version", PYTHON_VERSION, "--implementation", "cp", "--abi", abi]
+    args = [
+        "download", "--no-input", "--disable-pip-version-check",
+        "--progress-bar", "off", "--only-binary=:all:", "--index-url", policy.index_url,
+        "--python-version", PYTHON_VERSION, "--implementation", "cp", "--abi", abi,
+    ]  # fmt: skip
     for name in WHEEL_PLATFORMS:
-        target += ["--platform", name]
-    return ["download", *common, "--only-binary=:all:", *target, "--dest", str(dest), "--", *names]
+        args += ["--platform", name]
+    if built is not None:
+        args += ["--platform", BUILT_PLATFORM, "--find-links", str(built)]
+    return [*args, "--dest", str(dest), "--", *(str(r) for r in reqs)]
 
 
-async def _pip(args: list[str], policy: PackagePolicy, dest: Path) -> tuple[int, str]:
-    """Run the host's pip, watched (`_watch`); its exit code and stderr (stdout merged).
-
-    pip downloads each file into its temporary directory, then copies it to `dest`:
-    with TMPDIR a directory of ours, both are watched while it runs, so a download past
-    the policy's sizes is stopped as it grows, not found once it is complete."""
-    if importlib.util.find_spec("pip") is None:
-        raise PackageError(f"pip is not available to the gateway's Python ({sys.executable})")
-    with tempfile.TemporaryDirectory(prefix="mcp-forge-pip-") as scratch:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "pip",
-            *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, **_PIP_ENV, "TMPDIR": scratch},
-            start_new_session=True,
-        )
-        ran = asyncio.ensure_future(proc.communicate())
-        watchdog = asyncio.ensure_future(_watch((Path(scratch), dest), policy))
-        try:
-            async with asyncio.timeout(policy.timeout):
-                await asyncio.wait((ran, watchdog), return_when=asyncio.FIRST_COMPLETED)
-            if not ran.done():
-                await _stop(proc)
-                raise PackageTooLarge(watchdog.result())
-        except TimeoutError:
-            await _stop(proc)
-            raise PackageError(
-                f"resolving and downloading took longer than {policy.timeout:.0f}s; "
-                "nothing was installed"
-            ) from None
-        except BaseException:
-            await _stop(proc)
-            raise
-        finally:
-            watchdog.cancel()
-            if not ran.done():
-                ran.cancel()
-            await asyncio.gather(ran, watchdog, return_exceptions=True)
-        out, _ = ran.result()
-    return proc.returncode or 0, out.decode(errors="replace")
-
-
-async def _watch(dirs: Sequence[Path], policy: PackagePolicy) -> str:
-    """Why pip must stop, once what it has written passes the policy's sizes (a file,
-    or all together); looked at every WATCH_INTERVAL while it runs."""
-    while True:
-        await asyncio.sleep(WATCH_INTERVAL)  # a sample of a growing directory, not a wait
-        sizes = await asyncio.to_thread(_file_sizes, dirs)
-        for name, size in sizes:
-            if size > policy.file_max:
-                return (
-                    f"{name} is over {policy.file_max} bytes (stopped while downloading); "
-                    f"the limit for one file is {policy.file_max}"
-                )
-        total = sum(size for _, size in sizes)
-        if total > policy.total_max:
-            return (
-                f"the packages and their dependencies are over {policy.total_max} bytes "
-                f"together (stopped while downloading); the limit is {policy.total_max}"
-            )
-
-
-def _file_sizes(dirs: Sequence[Path]) -> list[tuple[str, int]]:
-    """Sizes of the files being downloaded: in `dest`, and in pip's download directories
-    in its TMPDIR (pip-unpack-*; not its build directories, where a source tree being
-    built into a wheel may be larger than the download)."""
-    scratch, dest = dirs
-    tops = [dest, *scratch.glob("pip-unpack-*")]
-    out = []
-    for top in tops:
-        for root, _, files in os.walk(top):
-            for name in files:
-                with contextlib.suppress(OSError):  # gone meanwhile: pip moved it
-                    st = os.lstat(os.path.join(root, name))
-                    out.append((name, st.st_size))
-    return out
+def _missing(output: str) -> Requirement | None:
+    """The requirement pip found no wheel for, if that is why it failed."""
+    found = _NOT_FOUND.search(output)
+    if not found:
+        return None
+    try:
+        return requirement(found.group(1))
+    except ValueError:
+        return None
 
 
 def _failure(output: str, policy: PackagePolicy) -> PackageError:
@@ -262,9 +254,9 @@ def _failure(output: str, policy: PackagePolicy) -> PackageError:
     return PackageError("pip could not resolve the packages: " + " | ".join(errors)[-1500:])
 
 
-def _wheels(dest: Path, policy: PackagePolicy) -> list[Wheel]:
+def _wheels(dest: Path, policy: PackagePolicy, *, asked: str | None = None) -> list[Wheel]:
     """The files pip left in `dest`, checked against the policy and the kernel's tags."""
-    accepted = kernel_tags()
+    accepted = kernel_tags(built=policy.allow_sdist)
     out = []
     for path in sorted(dest.iterdir()):
         try:
@@ -273,7 +265,7 @@ def _wheels(dest: Path, policy: PackagePolicy) -> list[Wheel]:
             raise PackageDenied(
                 f"{path.name!r} is not a wheel; source distributions are not installed"
             ) from None
-        policy.check_name(name)
+        policy.check_name(name, asked=asked)
         if not wheel_tags & accepted:
             raise PackageNotFound(f"{path.name!r} does not fit the kernel ({KERNEL_KIND})")
         size = path.stat().st_size
@@ -291,24 +283,106 @@ def _wheels(dest: Path, policy: PackagePolicy) -> list[Wheel]:
     return out
 
 
-async def download(reqs: Sequence[Requirement], policy: PackagePolicy, dest: Path) -> list[Wheel]:
+async def download(
+    reqs: Sequence[Requirement], policy: PackagePolicy, dest: Path, *, client: str | None = None
+) -> list[Wheel]:
     """Resolve `reqs` and download their wheels (dependencies included) into `dest`, an
     empty directory; each is checked against the policy. Names asked for are checked
-    before anything is fetched."""
+    before anything is fetched. `client` (who asked; None for the gateway's own installs,
+    spec.packages) is held to its share of installs in flight."""
     for req in reqs:
         policy.check_name(req.name)
-    try:
-        code, output = await _pip(_pip_args(reqs, policy, dest), policy, dest)
-        if code != 0:
-            raise _failure(output, policy)
-        wheels = _wheels(dest, policy)
-    except BaseException:
-        # pip may be stopped while it copies a file into `dest`: nothing of it stays.
-        await asyncio.to_thread(_empty, dest)
-        raise
+    with INSTALLS.slot(policy, client):
+        try:
+            async with pip.workdir(policy.work_dir) as work:
+                await _resolve(reqs, policy, dest, work)
+            wheels = _wheels(dest, policy)
+        except BaseException:
+            # pip may be stopped while it copies a file into `dest`: nothing of it stays.
+            await asyncio.to_thread(_empty, dest)
+            raise
+        finally:
+            await asyncio.to_thread(pip.prune_cache, policy.cache_dir, policy.cache_max)
     if not wheels:
         raise PackageNotFound("pip resolved nothing to install")
     return wheels
+
+
+async def _resolve(
+    reqs: Sequence[Requirement], policy: PackagePolicy, dest: Path, work: Path
+) -> None:
+    """pip download into `dest`; with sdists allowed, each requirement pip finds no wheel
+    for is built in the sandbox (`_build`) and pip asked again, at most BUILDS_MAX times."""
+    built_dir = work / "built"
+    built: set[str] = set()
+    while True:
+        args = _pip_args(reqs, policy, dest, built_dir if built else None)
+        try:
+            await pip.run(args, work, policy.cache_dir, policy.limits, dest)
+            return
+        except pip.Failed as failed:
+            missing = _missing(failed.output) if policy.allow_sdist else None
+            if missing is None or canonicalize_name(missing.name) in built:
+                raise _failure(failed.output, policy) from None
+            if len(built) >= BUILDS_MAX:
+                raise PackageError(
+                    f"{missing} would be the {BUILDS_MAX + 1}th source distribution built for "
+                    f"this install; the limit is {BUILDS_MAX}"
+                ) from None
+        await asyncio.to_thread(_empty, dest)
+        built_dir.mkdir(exist_ok=True)
+        await _build(missing, policy, work, built_dir, len(built))
+        built.add(canonicalize_name(missing.name))
+
+
+async def _build(req: Requirement, policy: PackagePolicy, work: Path, out: Path, n: int) -> None:
+    """Build `req`'s sdist into a wheel in `out`, in the sandbox (image/sdist.py): the
+    sdist fetched from the index, its build requirements checked against the policy and
+    given to the sandbox as wheels, the wheel checked when it comes back."""
+    policy.check_name(req.name)
+    found = await index.find(req, policy.index_url)
+    inputs = work / f"build-{n}"
+    deps = inputs / "deps"
+    deps.mkdir(mode=0o755, parents=True)
+    inputs.chmod(0o755)  # read by the sandbox's unprivileged user
+    path = await index.fetch(found, inputs, policy.file_max)
+    path.chmod(0o644)
+    building = f"{found.name} {found.version} (to build it)"
+    wanted = []
+    for text in await sdist.build_requires(inputs, found.filename, policy.timeout):
+        try:
+            wanted.append(requirement(text))
+        except ValueError as exc:
+            raise PackageDenied(f"a build requirement of {found.filename!r}: {exc}") from None
+    for dep in wanted:
+        policy.check_name(dep.name, asked=building)
+    if wanted:
+        args = _pip_args(wanted, policy, deps, out)
+        try:
+            await pip.run(args, work, policy.cache_dir, policy.limits, deps)
+        except pip.Failed as failed:
+            raise _failure(failed.output, policy) from None
+        for wheel in _wheels(deps, policy, asked=building):
+            wheel.path.chmod(0o644)
+    made = await sdist.build_wheel(inputs, found.filename, policy.timeout, policy.file_max)
+    _check_built(made.filename, found, policy)
+    await asyncio.to_thread((out / made.filename).write_bytes, made.data)
+
+
+def _check_built(filename: str, found: index.Sdist, policy: PackagePolicy) -> None:
+    try:
+        name, version, _, wheel_tags = parse_wheel_filename(filename)
+    except InvalidWheelFilename:
+        raise PackageError(
+            f"the build of {found.filename!r} made {filename!r}, not a wheel"
+        ) from None
+    if name != found.name or version != found.version:
+        raise PackageDenied(
+            f"the build of {found.filename!r} made {filename!r}, another distribution"
+        )
+    policy.check_name(name)
+    if not wheel_tags & kernel_tags(built=True):
+        raise PackageNotFound(f"{filename!r}, built from source, does not fit the kernel")
 
 
 def _empty(dest: Path) -> None:

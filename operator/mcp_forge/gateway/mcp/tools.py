@@ -299,7 +299,8 @@ class Tools:
         """Delete a session you created: its kernel, variables and /workspace files are gone.
 
         Sessions declared outside the gateway cannot be closed from here."""
-        await self.service.close(self._client_of(ctx), session_id)
+        closed = await self.service.close(self._client_of(ctx), session_id)
+        self.gateway.ended(closed.namespace, closed.name)  # its upstream processes go now
         return Closed(session_id=session_id, closed=True)
 
     @tool(_hints(read_only=False, destructive=False, idempotent=False))
@@ -546,11 +547,17 @@ class Tools:
 
         The gateway's policy may refuse a package or a dependency (PackageDenied, named),
         or one over its size limit (PackageTooLarge); PackageNotFound names a requirement
-        with no wheel for the kernel (CPython 3.11, Linux x86_64). A package the session
-        imported already keeps its loaded version until restart_kernel."""
+        with no wheel for the kernel (CPython 3.11, Linux x86_64); PackageBusy says you (or
+        the gateway) have as many installs running as allowed: wait for one to finish. A
+        package the session imported already keeps its loaded version until
+        restart_kernel."""
         session = await self._session_for(ctx, session_id)
         done = await self.gateway.install_packages(
-            session.name, packages, namespace=session.namespace, read=session
+            session.name,
+            packages,
+            namespace=session.namespace,
+            read=session,
+            client=self._client_of(ctx).owner,
         )
         return PackagesInstalled(
             session_id=session.name,
