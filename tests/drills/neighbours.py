@@ -425,11 +425,13 @@ async def sample(c: Client, sid: str, n: int, until: float = 0.0) -> tuple[list[
 
 @dataclass(frozen=True)
 class Load:
-    """CPU used between two readings: the gateway's (its own process), the host's."""
+    """CPU used between two readings: the gateway's (its own process), the host's, and
+    the host's CPU pressure (the share of time some runnable task waited for a core)."""
 
     gateway_ticks: int
     host_busy: int
     host_total: int
+    waited_us: int
     at: float
 
     @classmethod
@@ -437,14 +439,24 @@ class Load:
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         idle = cpu[3] + cpu[4]  # idle, iowait
-        return cls(int(stat[11]) + int(stat[12]), sum(cpu) - idle, sum(cpu), time.monotonic())
+        waited = 0
+        with contextlib.suppress(OSError, ValueError):  # a kernel without PSI: 0
+            some = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+            waited = int(some.rsplit("total=", 1)[1])
+        return cls(
+            int(stat[11]) + int(stat[12]), sum(cpu) - idle, sum(cpu), waited, time.monotonic()
+        )
 
     def since(self, before: Load) -> str:
         hz = os.sysconf("SC_CLK_TCK")
         seconds = self.at - before.at
         gateway = (self.gateway_ticks - before.gateway_ticks) / hz / seconds
         host = (self.host_busy - before.host_busy) / max(1, self.host_total - before.host_total)
-        return f"gateway {gateway:.0%} of a core, host {host:.0%} busy of {os.cpu_count()} cores"
+        waited = (self.waited_us - before.waited_us) / 1e6 / seconds
+        return (
+            f"gateway {gateway:.0%} of a core, host {host:.0%} busy of {os.cpu_count()} cores, "
+            f"tasks waiting for a core {waited:.0%} of the time"
+        )
 
 
 # ---- what is left on the host -------------------------------------------------------------
