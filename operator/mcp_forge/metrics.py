@@ -107,14 +107,9 @@ class MetricsEndpoint:
     is closed at once). Every answer closes its connection (HTTP/1.0)."""
 
     def __init__(
-        self,
-        server: asyncio.Server,
-        registry: CollectorRegistry,
-        header_deadline: float,
-        connections_max: int,
+        self, registry: CollectorRegistry, header_deadline: float, connections_max: int
     ) -> None:
         """Use `start`."""
-        self._server = server
         self._registry = registry
         self._header_deadline = header_deadline
         self._connections_max = connections_max
@@ -123,7 +118,8 @@ class MetricsEndpoint:
         # the cap is reached, so that a scraper's request is answered while a client
         # that holds connections half-sent loses them.
         self._waiting: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
-        self.port: int = server.sockets[0].getsockname()[1]
+        self._server: asyncio.Server | None = None
+        self.port = 0
 
     @classmethod
     async def start(
@@ -137,22 +133,21 @@ class MetricsEndpoint:
     ) -> MetricsEndpoint:
         """Listen at host:port (port 0: any free one, then `port`); InvalidRequest if it
         cannot (a port in use)."""
-        holder: list[MetricsEndpoint] = []
-
-        async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await holder[0]._connection(reader, writer)
-
+        endpoint = cls(registry, header_deadline, connections_max)
         try:
-            server = await asyncio.start_server(connected, host, port, limit=REQUEST_MAX)
+            server = await asyncio.start_server(endpoint._connection, host, port, limit=REQUEST_MAX)
         except OSError as exc:
             raise InvalidRequest(
                 f"cannot serve metrics at {host}:{port}: {exc.strerror or exc}"
             ) from exc
-        holder.append(cls(server, registry, header_deadline, connections_max))
-        return holder[0]
+        endpoint._server = server
+        endpoint.port = server.sockets[0].getsockname()[1]
+        return endpoint
 
     async def close(self) -> None:
         """Stop listening and drop the connections still open."""
+        if self._server is None:
+            return
         self._server.close()
         for task in list(self._open):
             task.cancel()
