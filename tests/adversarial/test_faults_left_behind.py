@@ -9,9 +9,11 @@ module's through the real LocalRuntime (a gateway's), or through the real gatewa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -21,7 +23,8 @@ import pytest
 
 from mcp_forge.api import kernelsession
 from mcp_forge.clients import podman
-from mcp_forge.errors import ForgeError, SessionNotFound
+from mcp_forge.errors import ForgeError, SessionNotFound, SessionNotReady
+from mcp_forge.gateway.core import Gateway
 from mcp_forge.runtimes.local.orphans import STORE_LABEL, store_tag
 from mcp_forge.runtimes.local.runtime import LocalRuntime
 from mcp_forge.runtimes.local.supervisor import supervise_once
@@ -207,3 +210,48 @@ async def test_a_nul_byte_sent_to_the_gateway_is_refused_and_takes_no_quota(
         r = await call(c, "list_sessions", {})
         names = json.dumps(r.structured_content) if r.structured_content else text(r)
         assert "after-nul" in names
+
+
+async def test_a_kernel_busy_with_a_gone_gateways_call_says_so_on_connecting(
+    runtime: LocalRuntime,
+) -> None:
+    body = session_body("none")
+    del body["spec"]["poolRef"]
+    name = body["metadata"]["name"]
+    await runtime.apply(body)
+    settings = Settings(state_dir=runtime.settings.state_dir)
+    first, second = Gateway(runtime, settings), Gateway(runtime, settings)
+    started = asyncio.Event()
+    # The first gateway's call runs on; that gateway is as good as gone (never asked again).
+    running = asyncio.ensure_future(
+        first.execute(
+            name,
+            "import time; print('started', flush=True); time.sleep(60)",
+            timeout=90,
+            on_stream=lambda _, __: started.set(),
+        )
+    )
+    try:
+        async with asyncio.timeout(30):
+            await started.wait()
+        begun = time.monotonic()
+        with pytest.raises(SessionNotReady) as busy:
+            async with asyncio.timeout(15):
+                await second.execute(name, "print(1)")
+        message = str(busy.value)
+        assert time.monotonic() - begun < 10, message
+        assert "busy with an earlier call" in message and "running for" in message, message
+        assert "interrupt_kernel" in message and f"mcp-forge interrupt {name}" in message
+        assert await second.interrupt(name)  # the way out it names works
+        async with asyncio.timeout(30):
+            assert (await running).status in ("error", "interrupted")
+        async with asyncio.timeout(30):
+            result = await second.execute(name, "print(1)")
+        assert result.status == "ok" and result.stdout.strip() == "1", result
+    finally:
+        running.cancel()
+        with contextlib.suppress(BaseException):
+            await running
+        await first.close()
+        await second.close()
+        await runtime.delete(name)

@@ -113,6 +113,38 @@ async def test_isolated_upstreams_are_bounded_and_the_limit_says_so(
     assert still == {"text": "again"}
 
 
+TRY_MINE = (
+    "try:\n"
+    "    _out = ['called', mcp_tools.mine.pid()['pid']]\n"
+    "except AttributeError as e:\n"
+    "    _out = ['refused', str(e)]"
+)
+
+
+async def test_one_client_holds_few_isolated_upstreams_and_a_closed_session_frees_its_own(
+    state_dir: Path, tmp_path: Path
+) -> None:
+    """Attack: one client opens sessions to make the gateway start an upstream process
+    for each, locking other clients out of the server. With a bound of 2 per client
+    (the gateway's own stays 32) the client's second session gets no `mine` (its first
+    holds `mine` and the client's `theirs`), and the error names the per-client limit;
+    once the first session is closed, its process is gone at once (not a minute
+    later): the client's next session gets one."""
+    args = ("--mcp-config", str(config_file(tmp_path)))
+    env = {"MCPFORGE_MCP_PROCESSES_PER_CLIENT_MAX": "2"}
+    async with gateway(state_dir, args=args, env=env) as c:
+        a = await session(c)
+        first = await out(c, a, TRY_MINE)
+        b = await session(c)
+        second = await out(c, b, TRY_MINE)
+        closed = await c.call_tool("close_session", {"session_id": a})
+        assert not closed.is_error, text(closed)
+        again = await out(c, await session(c), TRY_MINE)
+    assert first[0] == "called", first
+    assert second[0] == "refused" and "limit per client" in second[1], second
+    assert again[0] == "called" and again[1] != first[1], again
+
+
 async def test_a_session_cannot_reach_a_server_it_did_not_name(
     state_dir: Path, tmp_path: Path
 ) -> None:

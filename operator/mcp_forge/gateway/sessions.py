@@ -271,7 +271,8 @@ class SessionService:
         except ForgeError as exc:  # it lapses by itself (quota.RESERVATION_TTL)
             log.warning("could not release the reservation of %s: %s", claim.name, exc)
 
-    async def close(self, client: Client, session_id: str) -> None:
+    async def close(self, client: Client, session_id: str) -> KernelSession:
+        """Delete a session the client created; returns it as it was."""
         session = await self.resolve(client, session_id)
         if not self.owns(client, session):
             raise InvalidRequest(
@@ -279,6 +280,7 @@ class SessionService:
                 "was declared (kubectl delete ks, or mcp-forge delete)"
             )
         await self.runtime.delete(session.name, session.namespace)
+        return session
 
     def default_name(self, client: Client) -> str:
         """The client's default session's name, the same on every replica and after a

@@ -53,6 +53,8 @@ CONFIG_MAX = 1_000_000
 STRING_MAX = 32_768
 ISOLATIONS = ("shared", "client", "session")
 PROCESSES_MAX = 32  # isolated upstream connections (stdio: processes) per gateway
+# ... and per client: one client's sessions cannot take every one of the gateway's.
+PROCESSES_PER_CLIENT_MAX = 8
 LINGER = 60.0  # an isolated upstream outlives its last session by this (a kernel restart)
 SCHEMA_MAX = 256 << 10  # a tool's input schema, as JSON: beyond it calls are refused
 
@@ -397,11 +399,12 @@ class UpstreamPool:
     Upstream per client (a session's owner; a session without one, declared rather than
     created by a client, counts as a client of its own) or per session, made when a
     session's bridge first leases it and connected when the bridge first needs it. At
-    most `processes_max` isolated ones live at once: past that a session gets none of
-    that server, and its calls say why. When the last lease of a client or session is
-    released, its upstreams (and the session's call meter) are closed `linger` seconds
-    later unless leased again meanwhile: a kernel restart keeps them, and a rate limit
-    (counted over a minute) outlives a new bridge.
+    most `processes_max` isolated ones live at once, and at most `per_client_max` of
+    one client's: past either a session gets none of that server, and its calls say
+    why. When the last lease of a client or session is released, its upstreams (and
+    the session's call meter) are closed `linger` seconds later unless leased again
+    meanwhile: a kernel restart keeps them, and a rate limit (counted over a minute)
+    outlives a new bridge. A session closed or deleted (`end`) frees its own at once.
     """
 
     def __init__(
@@ -409,13 +412,16 @@ class UpstreamPool:
         configs: dict[str, ServerConfig],
         *,
         processes_max: int = PROCESSES_MAX,
+        per_client_max: int = PROCESSES_PER_CLIENT_MAX,
         linger: float = LINGER,
     ) -> None:
         self.configs = dict(configs)
         self.processes_max = processes_max
+        self.per_client_max = per_client_max
         self.linger = linger
         self.shared = {n: Upstream(c) for n, c in configs.items() if c.isolation == "shared"}
         self._scoped: dict[tuple[str, str], Upstream] = {}  # (server, scope) -> upstream
+        self._clients: dict[str, str] = {}  # scope -> the client whose upstreams it holds
         self._meters: dict[str, Meter] = {}  # session key -> its meter
         self._users: Counter[str] = Counter()  # scope -> leases holding it
         self._expiry: dict[str, asyncio.TimerHandle] = {}
@@ -457,15 +463,12 @@ class UpstreamPool:
             scope = f"client:{client}" if isolation == "client" and client else f"session:{session}"
             upstream = self._scoped.get((name, scope))
             if upstream is None:
-                if len(self._scoped) >= self.processes_max:
-                    refused[name] = (
-                        f"MCP server {name!r} runs one process per {isolation}, and this "
-                        f"gateway already runs {len(self._scoped)} such processes, its limit "
-                        "(mcp-forge gateway --mcp-processes-max): close other sessions, or "
-                        "configure the server with isolation shared"
-                    )
+                why = self._refusal(name, isolation, client or f"session:{session}")
+                if why is not None:
+                    refused[name] = why
                     continue
                 upstream = self._scoped[(name, scope)] = Upstream(self.configs[name])
+                self._clients[scope] = client or f"session:{session}"
             upstreams[name] = upstream
             scopes.add(scope)
         for scope in scopes:
@@ -477,11 +480,41 @@ class UpstreamPool:
 
         def release() -> None:
             for scope in scopes:
+                if self._users[scope] <= 0:
+                    continue  # ended (`end`) meanwhile
                 self._users[scope] -= 1
                 if self._users[scope] <= 0:
                     self._schedule_expiry(scope)
 
         return Lease(upstreams, refused, meter, release)
+
+    def _refusal(self, name: str, isolation: str, client: str) -> str | None:
+        """Why no new isolated upstream of server `name` is made for `client`, if not."""
+        if len(self._scoped) >= self.processes_max:
+            return (
+                f"MCP server {name!r} runs one process per {isolation}, and this "
+                f"gateway already runs {len(self._scoped)} such processes, its limit "
+                "(mcp-forge gateway --mcp-processes-max): close other sessions, or "
+                "configure the server with isolation shared"
+            )
+        held = sum(1 for _, scope in self._scoped if self._clients.get(scope) == client)
+        if held >= self.per_client_max:
+            return (
+                f"MCP server {name!r} runs one process per {isolation}, and your sessions "
+                f"already hold {held} such processes, the limit per client "
+                "(MCPFORGE_MCP_PROCESSES_PER_CLIENT_MAX): close one of your sessions first"
+            )
+        return None
+
+    def end(self, session: str) -> None:
+        """The session of key `session` is gone (closed, deleted): its own upstreams and
+        meter go now, not `linger` seconds after its last lease."""
+        scope = f"session:{session}"
+        timer = self._expiry.pop(scope, None)
+        if timer is not None:
+            timer.cancel()
+        self._users[scope] = 0
+        self._expire(scope)
 
     def _schedule_expiry(self, scope: str) -> None:
         try:
@@ -498,6 +531,7 @@ class UpstreamPool:
         del self._users[scope]
         if scope.startswith("session:"):
             self._meters.pop(scope.removeprefix("session:"), None)
+        self._clients.pop(scope, None)
         for key in [k for k in self._scoped if k[1] == scope]:
             upstream = self._scoped.pop(key)
             log.info("closing upstream MCP server %s of %s", key[0], scope)

@@ -1,0 +1,38 @@
+"""A kernel still running an earlier call, told on connecting, within seconds.
+
+A gateway that died (or a client that went) while a cell ran leaves the kernel busy
+with it: its shell channel takes requests in order, so anything this gateway sends
+next (its output guard, then the caller's code) waits behind that cell, and a caller
+would only be told, after the guard's timeout, that the guard failed. On connecting,
+a kernel_info_request on the shell channel is answered at once by an idle kernel; one
+that has not answered within `patience` is busy, and the caller is told so, and what
+to do about it. (Its later reply is dropped: replies are taken by their request.)
+"""
+
+from __future__ import annotations
+
+import time
+
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.status import parse_time
+from mcp_forge.errors import SessionNotReady
+from mcp_forge.jupyter.client import KernelConnection
+
+
+async def check_idle(conn: KernelConnection, session: KernelSession, patience: float) -> None:
+    """Return if the kernel's shell answers within `patience` seconds; SessionNotReady
+    saying it is busy with an earlier call (and for how long, as far as known) if not."""
+    probe = conn.send(conn.shell, "kernel_info_request", {})
+    if await conn.reply(conn.shell, probe, patience) is not None:
+        return
+    raise SessionNotReady(busy_message(session, now=time.time()))
+
+
+def busy_message(session: KernelSession, *, now: float) -> str:
+    """What a caller is told of a kernel busy with an earlier call."""
+    since = parse_time(session.status.get("lastActivity"))
+    running = f" (running for {max(now - since, 0):.0f} s)" if since is not None else ""
+    return (
+        f"the kernel of session {session.name!r} is busy with an earlier call{running}; "
+        f"wait, or interrupt it with interrupt_kernel / mcp-forge interrupt {session.name}"
+    )
