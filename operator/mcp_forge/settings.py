@@ -47,7 +47,7 @@ class Settings:
     helper_reply_max: int = 16_000_000  # a file of file_max, base64-encoded, fits
     file_max: int = 10_000_000  # read_file / write_file
     notebook_max: int = 50_000_000  # a session's notebook journal; past it, no outputs
-    notebook_memory_max: int = 1_000_000_000  # address space of the notebook's worker
+    notebook_memory_max: int = 400_000_000  # address space of the notebook's worker
     repr_max: int = 2_000  # variable repr, when inspected
     repr_list_max: int = 200  # variable repr, in a namespace listing
     variables_max: int = 500  # entries in a namespace listing
@@ -55,8 +55,8 @@ class Settings:
     # What one MCP client may ask for.
     sessions_per_client_max: int = 10
     mcp_processes_per_client_max: int = 8  # code mode: isolated upstream processes
-    notebook_exports_max: int = 4  # notebook exports running at once, in one gateway
-    notebook_exports_per_client_max: int = 2
+    notebook_exports_max: int = 2  # notebook exports running at once, in one gateway
+    notebook_exports_per_client_max: int = 1
     session_memory_max: str = "16Gi"
     session_cpu_max: str = "4"
     # Kubernetes (the operator, and the gateway with --kubernetes).

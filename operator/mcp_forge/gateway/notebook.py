@@ -142,11 +142,21 @@ def _output(kind: Any, content: dict[str, Any]) -> dict[str, Any] | None:
 Position = tuple[int, int]  # (line, output) in the journal
 
 
-def _updates(lines: list[bytes]) -> dict[tuple[str, str], tuple[Position, Any]]:
+def _lines(journal: bytes) -> Iterator[bytes]:
+    """The journal's lines, one copy at a time (not all at once: it may be 60 MB)."""
+    start = 0
+    while start < len(journal):
+        end = journal.find(b"\n", start)
+        end = len(journal) if end < 0 else end
+        yield journal[start:end]
+        start = end + 1
+
+
+def _updates(journal: bytes) -> dict[tuple[str, str], tuple[Position, Any]]:
     """The last `update_display_data` of each display_id, for its data and its metadata:
     (display_id, "data" or "metadata") -> (where it is, the value)."""
     last: dict[tuple[str, str], tuple[Position, Any]] = {}
-    for i, line in enumerate(lines):
+    for i, line in enumerate(_lines(journal)):
         if _UPDATE not in line or (record := _record(line)) is None:
             continue  # most lines update nothing: not parsed twice
         for j, item in enumerate(record["outputs"]):
@@ -173,15 +183,15 @@ class _Cells:
     """The cells of a journal, in order, as nbformat dicts; a cell's outputs stop where
     they would fill `room` (the bytes the writer has left), so none is built unbounded."""
 
-    def __init__(self, lines: list[bytes], room: int) -> None:
-        self.lines = lines
+    def __init__(self, journal: bytes, room: int) -> None:
+        self.journal = journal
         self.room = room  # the writer lowers it as it writes
         self.skipped = 0
-        self.updates = _updates(lines)
+        self.updates = _updates(journal)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         kernel: str | None = None
-        for i, line in enumerate(self.lines):
+        for i, line in enumerate(_lines(self.journal)):
             if not line.strip():
                 continue
             record = _record(line)
@@ -286,7 +296,7 @@ def build(journal: bytes, *, session: str, limit: int) -> Notebook:
         "nbformat_minor": 5,
     }
     end = b"\n ],\n" + _dumps(tail)[2:]  # `_dumps(tail)` starts with "{\n"
-    cells = _Cells(journal.splitlines(), limit - len(b'{\n "cells": [\n') - len(end))
+    cells = _Cells(journal, limit - len(b'{\n "cells": [\n') - len(end))
     parts: list[bytes] = []
     code = omitted = 0
     for n, cell in enumerate(cells):

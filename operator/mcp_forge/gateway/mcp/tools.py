@@ -484,7 +484,8 @@ class Tools:
         restart; outputs are as execute_code returned them (bounded). The notebook is at
         most 10 MB (the file limit): past it, cells are kept without their outputs
         (outputs_omitted counts them), and if the code of the cells alone is over it, the
-        export is refused. A client runs at most 2 exports at once; more is an error."""
+        export is refused. A client runs one export at a time: another one meanwhile is
+        an error."""
         session = await self._session_for(ctx, session_id)
         nb = await self.gateway.export_notebook(
             session.name, namespace=session.namespace, save_to=path
