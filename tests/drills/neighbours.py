@@ -73,6 +73,9 @@ from support import release_state_dir
 
 GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
 KINDS = ("flood", "export", "install", "codemode")
+# Diagnostic only (--kind spin): kernels that burn their CPU limit and say nothing, to tell
+# the cost of their CPU from that of what passes through the gateway.
+SPIN = "spin"
 QUIET = "quiet"
 START_DEADLINE = 60.0  # the gateway says it listens
 CALL_DEADLINE = 180.0  # one MCP request under noise, a kernel start included
@@ -97,6 +100,7 @@ EXPORT_CELL = (
     "display({'text/plain': 'w' * 300_000}, raw=True)\n"
 )
 EXPORT_CELLS_FIRST = 6  # cells run before the noise starts: the journal is a few MB
+SPIN_CELL = "import time\nend = time.monotonic() + 5\nwhile time.monotonic() < end:\n    pass\n"
 CODEMODE = (
     "import mcp_tools\n"
     "got = [mcp_tools.edge.echo(text=str(i))['text'] for i in range(20)]\n"
@@ -303,6 +307,8 @@ class Noise:
         elif self.kind == "install":
             version = VERSIONS[self.round % len(VERSIONS)]
             await self.call("install_packages", {"packages": [f"{PACKAGE}=={version}"]})
+        elif self.kind == SPIN:
+            await self.call("execute_code", {"code": SPIN_CELL})
         else:
             await self.call("execute_code", {"code": CODEMODE})
 
@@ -324,12 +330,12 @@ async def noise_main() -> int:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     orders = json.loads(await reader.readline())
     names = sorted(orders["tokens"])
+    kinds = orders["kinds"]
     stop = asyncio.Event()
     async with contextlib.AsyncExitStack() as stack:
         noises = []
         for i, name in enumerate(names):
             c = await stack.enter_async_context(connect(orders["url"], orders["tokens"][name]))
-            kinds = orders["kinds"]
             noises.append(Noise(c, kinds[i % len(kinds)], orders["cpu"]))
         try:
             await asyncio.gather(*(n.prepare() for n in noises))
@@ -343,8 +349,8 @@ async def noise_main() -> int:
         finally:
             closed = await asyncio.gather(*(n.close() for n in noises), return_exceptions=True)
         counts = {
-            "calls": {k: sum(n.calls for n in noises if n.kind == k) for k in KINDS},
-            "errors": {k: _merge([n.errors for n in noises if n.kind == k]) for k in KINDS},
+            "calls": {k: sum(n.calls for n in noises if n.kind == k) for k in kinds},
+            "errors": {k: _merge([n.errors for n in noises if n.kind == k]) for k in kinds},
             "close_failures": [repr(x) for x in closed if isinstance(x, BaseException)],
         }
         print(json.dumps(counts), flush=True)
@@ -705,7 +711,10 @@ def main() -> int:
     parser.add_argument("--threshold-ms", type=float, default=50.0, help="p99 noisy - idle")
     parser.add_argument("--cpu", default="0.25", help="CPU limit of each noisy session")
     parser.add_argument(
-        "--kind", action="append", choices=KINDS, help="only this noise (repeatable; default all)"
+        "--kind",
+        action="append",
+        choices=[*KINDS, SPIN],
+        help="only this noise (repeatable; default all but spin)",
     )
     parser.add_argument("--noise", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
