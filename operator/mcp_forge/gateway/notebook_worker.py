@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import resource
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +27,9 @@ from mcp_forge.gateway.notebook import Notebook, NotebookTooLarge, build
 HEAD_MAX = 4_096  # the worker's JSON line
 STDERR_MAX = 4_096  # kept for the log
 EXIT_MEMORY = 3  # the worker ran out of its memory cap
+# The worker parses the kernel's bytes: it gets none of the gateway's environment (its
+# tokens, its kubeconfig), only what finds our package.
+_ENV = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH")}
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ async def build_in_worker(
         sys.executable, "-P", "-m", __name__, session, str(limits.size), str(limits.memory),
         str(max(1, int(limits.seconds) + 1)),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=_ENV,
     )  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     out = asyncio.create_task(_read(proc.stdout, limits.size + HEAD_MAX))
