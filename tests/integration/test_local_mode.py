@@ -20,6 +20,7 @@ from mcp_forge.clients import podman
 from mcp_forge.control.render import SECCOMP_PROFILE_ROOT
 from mcp_forge.errors import ImageError, InvalidRequest, SessionNotFound, SessionNotReady
 from mcp_forge.runtimes.local import volumes
+from mcp_forge.runtimes.local.orphans import STORE_LABEL, store_tag
 from mcp_forge.runtimes.local.runtime import userns_flag
 from mcp_forge.runtimes.local.supervisor import supervise_once
 
@@ -523,8 +524,10 @@ async def test_the_rendered_podman_pod_is_what_local_mode_plays_and_plays_by_han
         "render", "-f", "-", "--target", "podman", env=cli_env, stdin=yaml.safe_dump(session.body)
     )
     assert rendered.returncode == 0, rendered.stderr
-    played = (runtime._dir(session) / "pod.yaml").read_text()
-    assert list(yaml.safe_load_all(rendered.stdout)) == list(yaml.safe_load_all(played))
+    played = list(yaml.safe_load_all((runtime._dir(session) / "pod.yaml").read_text()))
+    # Played, the pod says which store it belongs to (runtimes/local/orphans.py).
+    assert played[0]["metadata"]["labels"].pop(STORE_LABEL) == store_tag(runtime.settings.state_dir)
+    assert list(yaml.safe_load_all(rendered.stdout)) == played
     # The same YAML, played by hand with plain podman, gives a kernel the gateway uses.
     await runtime._remove_pod(session)  # it retries what Podman 4.3.1 fails at times
     runtime._unseal(session)  # what local mode does before every start
