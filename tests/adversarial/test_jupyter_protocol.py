@@ -175,3 +175,27 @@ async def test_a_multipart_message_too_big_in_all_is_cut_while_it_arrives(
         shown = await run(c, "print('out again'); 7 * 6")
         assert shown["stdout"] == "out again\n", shown["_text"][:2000]
         assert shown["result"]["data"]["text/plain"] == "42"
+
+
+async def test_displays_of_millions_of_small_values_are_dropped_before_they_are_parsed(
+    state_dir: Path,
+) -> None:
+    """Three signed displays of 15 MB, each five million `{}` (under the frame and message
+    bounds): parsed, they held the gateway's loop for seconds and grew it by 780 MB. They
+    are dropped, counted before parsing; the gateway's peak grows by less than a flood's
+    allowance and the session answers the next call."""
+    async with gateway(state_dir) as c:
+        await run(c, "1")
+        before = gateway_peak_rss(state_dir)
+        code = SEND_RAW + (
+            "many = b'{\"data\": {\"application/json\": [' + b'{},' * 4_999_999 + b'{}]}}'\n"
+            "for _ in range(3):\n"
+            "    send_raw(k.iopub_socket, many)\n"
+            "print('still here')"
+        )
+        r = await run(c, code, timeout=120)
+        grew = gateway_peak_rss(state_dir) - before
+        assert r["status"] == "ok" and r["stdout"] == "still here\n", r["_text"][:2000]
+        assert r["displays"] == []
+        assert grew < FLOOD_MEMORY, f"the gateway's peak memory grew by {grew / MB:.0f} MB"
+        assert await value(c, "6 * 7") == 42

@@ -18,7 +18,8 @@ ours, because the kernel is untrusted and we bound what it can make us hold:
   is subscribed only once a message crosses it: the next request first sees one do so;
 * a message that does not deserialize (nesting deep enough to exhaust the recursion
   limit included), whose header, parent or content is not a mapping, or whose content
-  nests deeper than `DEPTH_MAX`, is dropped and logged, never raised into the caller.
+  nests deeper than `DEPTH_MAX`, or holds more than `CONTAINERS_MAX` brackets, is dropped
+  and logged, never raised into the caller.
 
 On a cluster whose Secret holds a Curve pair (keys.py) every socket is a CurveZMQ client
 of the kernel's public key, as jupyter-client's are: the channels are encrypted, and a
@@ -63,6 +64,10 @@ log = logging.getLogger(__name__)
 Message = dict[str, Any]
 
 DEPTH_MAX = 100  # nesting of lists and mappings in a message's parts (JSON displays)
+# Brackets (`{`, `[`) in one message's parts: each may be a Python object to build, on the
+# gateway's loop. 16 MB of `{}` is 8 million dicts, seconds and hundreds of MB to parse;
+# 500,000 is a large JSON display (a plot of 100,000 records) and costs ~0.1 s.
+CONTAINERS_MAX = 500_000
 IOPUB_FIRST_WAIT = 0.01  # wait_ready: first wait for its status on IOPub (see there)
 
 
@@ -429,6 +434,16 @@ class KernelConnection:
     def _parse(self, frames: list[bytes]) -> Message | None:
         try:
             _, parts = self.session.feed_identities(frames, copy=True)
+            # Counted before parsing (a count is fast; brackets in strings count too).
+            raw_parts = cast(list[bytes], parts[1:5])  # copy=True: bytes
+            containers = sum(p.count(b"{") + p.count(b"[") for p in raw_parts)
+            if containers > CONTAINERS_MAX:
+                log.warning(
+                    "dropped a message of %d brackets from the kernel; the limit is %d",
+                    containers,
+                    CONTAINERS_MAX,
+                )
+                return None
             msg = self._deserialize(parts)  # type: ignore[arg-type]  # bytes in, bytes out
         except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
             # Bad signature, replay, not JSON, nested past the recursion limit: the
