@@ -31,8 +31,10 @@ the host's /tmp, so new /tmp/mcp-forge-* entries are reported, not held against 
 state directory's packages/ scratch empty, and no file in it beyond the store's (see
 `leftover_state`). Each leftover is named.
 
-Prints one line per outcome, exits 1 if one failed. The adversarial suite runs a short
-form (tests/adversarial/test_drills.py).
+Prints one line per outcome, exits 1 if one failed. Not yet in the adversarial suite: on
+a 2-core host the quiet client's execute_code p99 rises 50-270 ms under noise (the
+kernels' CPU caps are caps, not reservations), and one short run in three ended with a
+noisy session's close timing out (issue 23's notes).
 """
 
 from __future__ import annotations
@@ -365,15 +367,23 @@ def _merge(dicts: list[dict[str, int]]) -> dict[str, int]:
     return out
 
 
+def _lowest_priority() -> None:
+    os.nice(19)
+
+
 @asynccontextmanager
 async def noise_child(
     url: str, tokens: dict[str, str], cpu: str, kinds: tuple[str, ...]
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, list[str]]]:
-    """The noise child, its sessions prepared; its stdout lines are collected on exit."""
+    """The noise child, its sessions prepared; its stdout lines are collected on exit. It
+    runs at the lowest priority: its clients stand for agents on other machines, so its
+    own parsing of floods is not the host's load, only what they make the gateway and
+    their kernels do is."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         __file__,
         "--noise",
+        preexec_fn=_lowest_priority,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=None,  # its tracebacks, if any, go where ours go
