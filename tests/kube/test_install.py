@@ -207,12 +207,14 @@ async def test_kubectl_apply_k_serves_agents_through_the_gateway_service(
     # "metrics" admits 9090 from a namespace labelled for monitoring, and nothing else (the
     # operator's liveness port stays closed). Unlabelled, the namespace reaches neither.
     ips = {c: pod_of(test_cluster, c)["status"]["podIP"] for c in ("gateway", "operator")}
-    barred = json.loads(await probe(kube, kube_api, {"role": "prometheus"}, SCRAPE.format(**ips)))
+    once = SCRAPE.format(until=0, **ips)
+    barred = json.loads(await probe(kube, kube_api, {"role": "prometheus"}, once))
     assert barred["gateway"] is not True and barred["operator"] is not True, barred
     label = ("label", "namespace", kube_api.namespace)
     kubectl(test_cluster, *label, f"{MONITORING}=true", "--overwrite")
     try:
-        seen = json.loads(await probe(kube, kube_api, {"role": "prometheus"}, SCRAPE.format(**ips)))
+        admitted = SCRAPE.format(until=60, **ips)
+        seen = json.loads(await probe(kube, kube_api, {"role": "prometheus"}, admitted))
     finally:
         kubectl(test_cluster, *label, f"{MONITORING}-")
     assert seen == {"gateway": True, "operator": True, "healthz": seen["healthz"]}, seen
@@ -224,15 +226,22 @@ async def test_kubectl_apply_k_serves_agents_through_the_gateway_service(
     assert can_i(test_cluster, gateway, "list", "kernelsessionpools") == "yes", "to pick one"
 
 
+# With `until` > 0, each scrape is tried again for that long: the CNI applies a policy's
+# change (a namespace label) some moments after the API server has it.
 SCRAPE = """
-import json, socket, urllib.request
+import json, socket, time, urllib.request
 seen = {{}}
 for name, ip in (("gateway", "{gateway}"), ("operator", "{operator}")):
-    try:
-        with urllib.request.urlopen(f"http://{{ip}}:9090/metrics", timeout=10) as r:
-            seen[name] = b"mcpforge_" in r.read()
-    except OSError as e:
-        seen[name] = type(e).__name__
+    deadline = time.monotonic() + {until}
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{{ip}}:9090/metrics", timeout=5) as r:
+                seen[name] = b"mcpforge_" in r.read()
+            break
+        except OSError as e:
+            seen[name] = type(e).__name__
+            if time.monotonic() > deadline:
+                break
 s = socket.socket()
 s.settimeout(3)
 try:
