@@ -175,8 +175,14 @@ class MetricsEndpoint:
             writer.close()  # once what is buffered is sent
             async with asyncio.timeout(WRITE_DEADLINE):
                 await writer.wait_closed()
-        except (TimeoutError, ValueError, ConnectionError, asyncio.IncompleteReadError):
-            pass  # too slow, too long (LimitOverrunError), or gone: closed below
+        except (
+            TimeoutError,
+            ValueError,
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,  # not a ValueError
+        ):
+            pass  # too slow, too long, or gone: closed below
         finally:
             self._open.discard(task)
             self._waiting.pop(task, None)

@@ -29,7 +29,9 @@ class Settings:
     heartbeat_interval: float = 1.0  # liveness check while waiting on a busy kernel
     heartbeat_timeout: float = 1.5
     helper_timeout: float = 30.0  # namespace listing, variable inspection, file operations
-    busy_probe: float = 3.0  # on connecting: a kernel that leaves kernel_info unanswered is busy
+    # On connecting: a kernel that leaves kernel_info unanswered this long is busy (an idle
+    # kernel answers in milliseconds; this allows for a loaded host, not a long cell).
+    busy_probe: float = 8.0
     podman_timeout: float = 120.0
     lock_wait: float = 10.0  # a helper or restart waits this long for a running call
     shutdown_grace: float = 5.0  # HTTP requests in flight get this long at shutdown

@@ -219,7 +219,7 @@ async def test_a_kernel_busy_with_a_gone_gateways_call_says_so_on_connecting(
     del body["spec"]["poolRef"]
     name = body["metadata"]["name"]
     await runtime.apply(body)
-    settings = Settings(state_dir=runtime.settings.state_dir)
+    settings = Settings(state_dir=runtime.settings.state_dir, busy_probe=3.0)
     first, second = Gateway(runtime, settings), Gateway(runtime, settings)
     started = asyncio.Event()
     # The first gateway's call runs on; that gateway is as good as gone (never asked again).

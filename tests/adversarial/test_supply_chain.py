@@ -48,6 +48,7 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (links / "forgetest_lib-99.0-py3-none-any.whl").write_bytes(
         wheel_bytes("forgetest-lib", "99.0", {"forgetest_lib/__init__.py": "V = 'planted'\n"})
     )
+    (base / "tmp").mkdir()
     conf = base / "pip.conf"
     conf.write_text(f"[global]\nfind-links = {links}\nindex-url = http://127.0.0.1:9/simple\n")
     return {
@@ -57,6 +58,7 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "links": links,
         "conf": conf,
         "base": base,
+        "tmp": base / "tmp",
     }
 
 
@@ -99,6 +101,10 @@ async def client(
         "PIP_CONFIG_FILE": str(host["conf"]),
         "MCPFORGE_PACKAGES_INDEX_URL": index.url,
         "MCPFORGE_PACKAGES_CLIENT_INSTALLS_MAX": "2",
+        # A proxy with credentials (unused: the index is on loopback) no build may see.
+        "http_proxy": "http://user:proxy-secret@127.0.0.1:9",
+        "no_proxy": "127.0.0.1,localhost",
+        "TMPDIR": str(host["tmp"]),  # the gateway's own: others' tests share /tmp
     }
     args = ("--packages-allow-sdist", "--packages-deny", DENIED)
     ready: asyncio.Future[Gateway] = asyncio.get_running_loop().create_future()
@@ -201,7 +207,8 @@ async def test_a_source_build_runs_in_the_sandbox_and_its_wheel_reaches_the_kern
     assert seen["interfaces"] in (["lo"], []), seen
     assert not seen["canary_seen"] and not seen["marked"], seen
     gateways = ("PIP_FIND_LINKS", "PIP_INDEX_URL", "MCPFORGE_", "SSL_", "REQUESTS_", "HTTP")
-    assert not [k for k in seen["env"] if k.startswith(gateways)], seen
+    assert not [k for k in seen["env"] if k.upper().startswith(gateways)], seen
+    assert not [k for k in seen["env"] if "proxy" in k.lower()], seen
     assert seen["imports"] == ["forgetest_helper"]
     assert not host["marker"].exists()
 
@@ -235,21 +242,23 @@ async def test_installs_past_a_clients_bound_are_refused_at_once(
         assert not r.is_error, text(r)
 
 
-async def test_nothing_is_left_on_the_host_after_the_installs(client: Gateway) -> None:
-    """Every install's scratch directory is gone, no pip scratch is in /tmp, and pip's
+async def test_nothing_is_left_on_the_host_after_the_installs(
+    client: Gateway, host: dict[str, Path]
+) -> None:
+    """Every install's scratch directory is gone, the gateway's TMPDIR is empty, and pip's
     cache (below the gateway's state directory) is within its bound (pip caches nothing
     fetched over plain HTTP, as this index is: tests/e2e/test_packages_mcp.py shows the
     cache pruned after an install)."""
-    scratch, tmp, size = await asyncio.to_thread(_left, client.state)
+    scratch, tmp, size = await asyncio.to_thread(_left, client.state, host["tmp"])
     assert (scratch, tmp) == ([], [])
     assert size <= 1_000_000_000
 
 
-def _left(state: Path) -> tuple[list[Path], list[Path], int]:
+def _left(state: Path, tmp: Path) -> tuple[list[Path], list[Path], int]:
     cache = state / "cache" / "pip"
     size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
     scratch = list((state / "packages").glob("install-*"))
-    return scratch, list(Path("/tmp").glob("mcp-forge-pip-*")), size
+    return scratch, list(tmp.iterdir()), size
 
 
 def _pip_processes(state: Path) -> list[int]:

@@ -775,12 +775,18 @@ class Gateway:
         return _decoded(reply.get("base64"), self.settings.file_max)
 
     async def export_notebook(
-        self, name: str, *, namespace: str = "default", save_to: str | None = None
+        self,
+        name: str,
+        *,
+        namespace: str = "default",
+        save_to: str | None = None,
+        client: str | None = None,
     ) -> Notebook:
         """The session's notebook: every cell run in it, as its journal has them; also
         written to `save_to` in its workspace if given (replacing a file there). It is
         built in a worker process (the journal is the kernel's), at most file_max long;
-        each client runs a bounded number of exports at once."""
+        each client (`client`, who asks; else the session's owner) runs a bounded number
+        of exports at once."""
         rel = None
         if save_to is not None:
             rel = introspection.workspace_path(save_to)
@@ -792,7 +798,7 @@ class Gateway:
         limits = WorkerLimits(
             size=s.file_max, seconds=s.notebook_timeout, memory=s.notebook_memory_max
         )
-        with self._exports.hold(owner_of(session) or ""):
+        with self._exports.hold(client or owner_of(session) or ""):
             async with self._turn(handle, session):  # no cell is half-written meanwhile
                 journal = self._journal_locked(handle, session)
                 nb = await build_in_worker(journal, session=name, limits=limits)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.client
 import json
 import re
 import urllib.error
@@ -102,22 +103,44 @@ async def fetch(sdist: Sdist, dest: Path, file_max: int) -> Path:
     return path
 
 
+class _HttpOnly(urllib.request.HTTPRedirectHandler):
+    """Redirects to http(s) only (urllib's own would follow one to ftp:)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        if urllib.parse.urlsplit(newurl).scheme not in ("https", "http"):
+            raise urllib.error.HTTPError(newurl, code, "a redirect out of http(s)", headers, fp)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_HttpOnly())
+
+
+def shown_url(url: str) -> str:
+    """`url` without its user information (a private index's credentials)."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc="…@" + parts.netloc.rsplit("@", 1)[1]).geturl()
+
+
 def _get(url: str, most: int, accept: str) -> tuple[bytes, str, str]:
     """The body (at most `most` bytes), content type and final URL of a GET."""
-    request = urllib.request.Request(url, headers={"Accept": accept})
+    shown = shown_url(url)
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT) as answer:
+        request = urllib.request.Request(url, headers={"Accept": accept})
+        with _OPENER.open(request, timeout=TIMEOUT) as answer:
             body = answer.read(most + 1)
             kind = answer.headers.get("Content-Type", "")
             final = answer.geturl()
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
-            raise PackageNotFound(f"the package index has no project at {url}") from None
-        raise PackageError(f"the package index answered {exc.code} for {url}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise PackageError(f"the package index was not reached ({url}): {exc}") from None
+            raise PackageNotFound(f"the package index has no project at {shown}") from None
+        raise PackageError(f"the package index answered {exc.code} for {shown}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+        why = type(exc).__name__
+        raise PackageError(f"the package index was not reached ({shown}): {why}") from None
     if len(body) > most:
-        raise PackageTooLarge(f"{url} is over {most} bytes")
+        raise PackageTooLarge(f"{shown} is over {most} bytes")
     return body, kind, final
 
 

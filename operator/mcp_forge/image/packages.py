@@ -295,7 +295,15 @@ async def download(
     with INSTALLS.slot(policy, client):
         try:
             async with pip.workdir(policy.work_dir) as work:
-                await _resolve(reqs, policy, dest, work)
+                try:
+                    # Each pip run and build has its deadline; the whole install, one too.
+                    async with asyncio.timeout(policy.timeout * 2):
+                        await _resolve(reqs, policy, dest, work)
+                except TimeoutError:
+                    raise PackageError(
+                        f"the install took longer than {policy.timeout * 2:.0f}s in all; "
+                        "nothing was installed"
+                    ) from None
             wheels = _wheels(dest, policy)
         except BaseException:
             # pip may be stopped while it copies a file into `dest`: nothing of it stays.

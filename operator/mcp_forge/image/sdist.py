@@ -3,8 +3,9 @@
 A package's build backend is the package's code. It runs in a container of the kernel
 image (kernelside/build.py), started with `podman run`: as the image's unprivileged user
 in a user namespace of its own (`--userns=auto`), no network, no capabilities, no new
-privileges, the kernels' seccomp profile, a read-only root, a bounded /tmp, memory and
-pids limits, no environment of the gateway's, nothing of the host but its input, mounted
+privileges, the kernels' seccomp profile, a read-only root, a bounded /tmp, memory,
+pids and CPU limits (one core, a low weight), no environment of the gateway's (not its
+proxy variables or hosts file), nothing of the host but its input, mounted
 read-only: the sdist and the wheels of its build requirements. The wheel comes back on
 its stdout, bounded; nothing of the host is writable from inside.
 
@@ -18,21 +19,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mcp_forge.errors import PackageError, PackageTooLarge
+from mcp_forge.errors import PackageError, PackageTooLarge, redact
 from mcp_forge.kernelside import source
+from mcp_forge.logsafe import shown
 from mcp_forge.sandbox import KERNEL_UID, kernel_image
+
+log = logging.getLogger(__name__)
 
 HEADER_MAX = 64_000  # bytes of the sandbox's JSON line
 STDERR_KEPT = 4_000  # bytes of its error output kept for the message
 MEMORY = "2g"
 TMP_SIZE = "1g"
 PIDS = 512
+CPUS = "1"  # of the host's cores, at a low weight (--cpu-shares): sessions come first
 KERNEL_PYTHON = "/opt/kernel/bin/python"  # image/kernel.py's KERNEL_VENV
 # The kernel pods' own seccomp profile (docs/seccomp.md): no new namespaces, keyrings,
 # mounts or ptrace for a build either.
@@ -49,11 +55,14 @@ def command(name: str, inputs: Path, mode: str, sdist: str, seconds: float) -> l
     """The `podman run` of one sandboxed step (see the module docstring)."""
     return [
         "podman", "run", "--rm", "--name", name,
-        "--network=none", "--userns=auto", f"--user={KERNEL_UID}:{KERNEL_UID}",
-        "--read-only", f"--tmpfs=/tmp:rw,nosuid,nodev,size={TMP_SIZE},mode=1777",
+        "--network=none", "--no-hosts", "--http-proxy=false",
+        "--userns=auto", f"--user={KERNEL_UID}:{KERNEL_UID}",
+        "--read-only", "--read-only-tmpfs=false",
+        f"--tmpfs=/tmp:rw,nosuid,nodev,size={TMP_SIZE},mode=1777",
         "--cap-drop=all", "--security-opt=no-new-privileges",
         f"--security-opt=seccomp={SECCOMP}",
         f"--memory={MEMORY}", f"--memory-swap={MEMORY}", f"--pids-limit={PIDS}",
+        f"--cpus={CPUS}", "--cpu-shares=128",
         "--env", f"BUILD_SECONDS={seconds:.0f}", "--workdir=/tmp",
         "--pull=never", "--log-driver=none",
         "--volume", f"{inputs}:/in:ro",
@@ -98,6 +107,7 @@ async def _run(
     )
     assert proc.stdout is not None and proc.stderr is not None
     errors = asyncio.ensure_future(_tail(proc.stderr))
+    header: dict[str, Any] = {}
     try:
         async with asyncio.timeout(seconds + 30):
             header, data = await _answer(proc.stdout, sdist, file_max)
@@ -108,16 +118,16 @@ async def _run(
         if proc.returncode is None:
             await _remove(name, proc)
         stderr = await errors
+        if not header or proc.returncode:  # Podman's own words, host paths and all: the log's
+            log.warning("build sandbox for %s: %s", shown(sdist), shown(stderr, 2000))
     if "error" in header:
-        detail = stderr.strip().splitlines()[-3:]
+        detail = redact(" | ".join(stderr.strip().splitlines()[-3:]))[-800:]
         raise PackageError(
             f"{sdist!r} could not be built: {str(header['error'])[:500]}"
-            + (f" ({' | '.join(detail)[-800:]})" if detail else "")
+            + (f" ({detail})" if detail else "")
         )
     if proc.returncode:
-        raise PackageError(
-            f"the build sandbox for {sdist!r} exited {proc.returncode}: {stderr[-800:]}"
-        )
+        raise PackageError(f"the build sandbox for {sdist!r} exited {proc.returncode}")
     return header, data
 
 
@@ -127,7 +137,9 @@ async def _answer(
     try:
         line = await stdout.readuntil(b"\n")
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-        raise PackageError(f"the build sandbox for {sdist!r} gave no answer") from None
+        raise PackageError(
+            f"the build sandbox for {sdist!r} gave no answer (the gateway's log has why)"
+        ) from None
     try:
         header = json.loads(line[:HEADER_MAX])
     except ValueError:

@@ -488,7 +488,10 @@ class Tools:
         an error."""
         session = await self._session_for(ctx, session_id)
         nb = await self.gateway.export_notebook(
-            session.name, namespace=session.namespace, save_to=path
+            session.name,
+            namespace=session.namespace,
+            save_to=path,
+            client=self._client_of(ctx).owner,
         )
         return NotebookExported(
             session_id=session.name,
