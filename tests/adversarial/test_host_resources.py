@@ -248,7 +248,7 @@ async def test_the_workspace_keeps_its_files_across_a_kernel_restart(
 async def test_tmp_is_a_bounded_tmpfs_charged_to_the_kernels_memory(
     declare: Any, host_dir: Path, runtime: LocalRuntime
 ) -> None:
-    """Attack: fill /tmp (in the README, memory) to reach the host's disk or memory."""
+    """Attack: fill /tmp (in docs/security.md, memory) to reach the host's disk or memory."""
     async with gateway(host_dir) as client:
         # RLIMIT_FSIZE is the workspace size: a big one, so that only /tmp's bound is met.
         session = await declare(memory="1Gi", workspace="1Gi")
