@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from mcp_forge import confine
 from mcp_forge.api import kernelsession
 from mcp_forge.clients import podman
 from mcp_forge.errors import ForgeError
@@ -73,6 +74,12 @@ async def run_checks(say: Say) -> bool:
         "mkfs.ext4, mount and loop devices (each workspace is a filesystem of its size)",
         "apt-get install -y e2fsprogs mount; modprobe loop"
         + (f" (missing: {', '.join(missing)})" if missing else " (no /dev/loop-control)"),
+    )
+    confined, detail = await confine.probe()
+    result(
+        confined,
+        f"host-side work on untrusted data runs confined ({detail})",
+        "apt-get install -y bubblewrap util-linux" if not confined else "",
     )
     dmesg = await _dmesg_readable()
     say(

@@ -137,8 +137,14 @@ class PackageIndex:
         key = canonicalize_name(project)
         return any(f"/simple/{key}/" in p or f"/files/{key}/" in p for p in self.asked)
 
+    def hold(self, project: str) -> None:
+        """Hold `project`'s downloads from now on, until `release`."""
+        self._go.clear()
+        self.held.add(canonicalize_name(project))
+
     def release(self) -> None:
         self._go.set()
+        self.held.clear()
 
     def _page(self, project: str) -> bytes | None:
         files = self.files.get(project)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from mcp import Client
 
+from .confinement import confinement, processes
 from .conftest import Deadline, call, gateway, text, value
 from .package_index import PackageIndex, sdist_bytes, wheel_bytes
 
@@ -219,7 +220,7 @@ async def test_installs_past_a_clients_bound_are_refused_at_once(
     """Twelve installs at once from one client: two run (the bound), each holding a
     download the index keeps waiting; the other ten are refused at once (PackageBusy),
     no more than two pip processes run, and the client's other calls are answered."""
-    index.held.add("forgetest-slow")
+    index.hold("forgetest-slow")
     try:
         calls = [asyncio.ensure_future(install(client, "forgetest-slow")) for _ in range(12)]
         deadline = Deadline(60)
@@ -262,18 +263,34 @@ def _left(state: Path, tmp: Path) -> tuple[list[Path], list[Path], int]:
 
 
 def _pip_processes(state: Path) -> list[int]:
-    """pids of pip processes whose cache is this gateway's."""
-    want = f"PIP_CACHE_DIR={state}/cache/pip".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if (
-                b"pip" in (proc / "cmdline").read_bytes()
-                and want in (proc / "environ").read_bytes()
-            ):
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
+    """pids of pip processes (not their launchers) whose cache is this gateway's."""
+    return processes(argv_has=b"pip", environ_has=f"PIP_CACHE_DIR={state}/cache/pip".encode())
+
+
+async def test_the_hosts_pip_runs_unprivileged_seeing_none_of_the_gateways_files(
+    client: Gateway, index: PackageIndex, host: dict[str, Path]
+) -> None:
+    """Caught while its download is held: the host's pip (it parses what the index
+    sends for names a client chose) runs as an unprivileged user with no capabilities
+    and no way to gain any, at a low priority, in mount and pid namespaces of its own
+    whose root shows none of the gateway's files: its state (tokens, the store), the
+    host's secrets, the gateway's working directory. What it writes is its own."""
+    # The kernels' directories (their connection keys), a host secret, the gateway's cwd.
+    secrets = [client.state / "k", host["canary"], host["cwd"], Path("/etc/shadow")]
+    assert all(p.exists() for p in secrets)
+    index.hold("forgetest-helper")
+    try:
+        running = asyncio.ensure_future(install(client, "forgetest-helper"))
+        assert await asyncio.to_thread(index.waiting.acquire, timeout=60)
+        [pid] = _pip_processes(client.state)
+        seen = confinement(pid, secrets)
+    finally:
+        index.release()
+    done = await running
+    assert not done.is_error, text(done)
+    assert seen.unprivileged(), seen
+    assert seen.own_mounts and seen.own_pids, seen
+    assert seen.visible == [], seen
+    assert seen.nice > 0, seen
+    assert seen.limits["Max address space"] != "unlimited", seen
+    assert seen.limits["Max cpu time"] != "unlimited", seen

@@ -1,8 +1,10 @@
 """Notebook export off the gateway's event loop: notebook.build runs in a worker process
-(`python -m mcp_forge.gateway.notebook_worker`) under a wall-time cap, an address-space
-cap and a CPU-time cap, fed the journal on stdin; what it writes back is read up to the
-size limit and no further. A journal is the kernel's: whatever it holds, the gateway's
-loop only copies bytes, and other clients' calls are served meanwhile.
+(`python -m mcp_forge.gateway.notebook_worker`), confined (confine.py: an unprivileged
+user in a sandbox with no network and none of the gateway's files, at a low priority)
+under a wall-time cap, an address-space cap and a CPU-time cap, fed the journal on
+stdin; what it writes back is read up to the size limit and no further. A journal is
+the kernel's: whatever it holds, the gateway's loop only copies bytes, and other
+clients' calls are served meanwhile.
 
 Exports are also counted (ExportSlots): a client past its share gets a clear error at
 once, instead of queueing workers that hold memory; other clients are unaffected.
@@ -16,16 +18,17 @@ import asyncio
 import contextlib
 import json
 import os
-import resource
 import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
+from mcp_forge import confine
 from mcp_forge.errors import InvalidRequest, KernelProtocolError
 from mcp_forge.gateway.notebook import Notebook, NotebookTooLarge, build
 
 HEAD_MAX = 4_096  # the worker's JSON line
 STDERR_MAX = 4_096  # kept for the log
+OPEN_FILES = 64  # it reads stdin and writes stdout; Python opens its modules
 EXIT_MEMORY = 3  # the worker ran out of its memory cap
 # The worker parses the kernel's bytes: it gets none of the gateway's environment (its
 # tokens, its kubeconfig), only what finds our package.
@@ -44,9 +47,18 @@ async def build_in_worker(
 ) -> Notebook:
     """The notebook of `journal` (its bytes, or its parts as they are read: the gateway
     then holds one part at a time), built by a worker process within `limits`."""
+    argv = confine.command(
+        [sys.executable, "-P", "-m", __name__, session, str(limits.size)],
+        limits=confine.Limits(
+            memory=limits.memory,
+            cpu_seconds=max(1, int(limits.seconds) + 1),  # SIGXCPU: a backstop to the wall cap
+            open_files=OPEN_FILES,
+            file_size=0,
+        ),
+        what="the notebook worker",
+    )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-P", "-m", __name__, session, str(limits.size), str(limits.memory),
-        str(max(1, int(limits.seconds) + 1)),
+        *argv,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=_ENV,
     )  # fmt: skip
@@ -168,10 +180,9 @@ class ExportSlots:
 
 
 def main(argv: list[str]) -> int:
-    """The worker: the journal on stdin, the counts line and the notebook on stdout."""
-    session, size, memory, cpu = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))  # SIGXCPU: a backstop to the wall cap
+    """The worker: the journal on stdin, the counts line and the notebook on stdout.
+    Its limits (memory, CPU time, files) were set before it started (confine.py)."""
+    session, size = argv[0], int(argv[1])
     out = sys.stdout.buffer
     try:
         nb = build(sys.stdin.buffer.read(), session=session, limit=size)

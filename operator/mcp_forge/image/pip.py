@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mcp_forge import confine
 from mcp_forge.errors import PackageError, PackageTooLarge
 from mcp_forge.image.kernel import _stop
 
@@ -44,6 +45,7 @@ PASSED = (
     "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY",
     "SSL_CERT_FILE", "SSL_CERT_DIR", "LANG", "LC_ALL",
 )  # fmt: skip
+MEMORY_MAX = 4 * 2**30  # bytes of pip's address space (it resolves, hashes, unzips)
 STALE_AFTER = 3600.0  # seconds: a work directory this old was left by a killed gateway
 
 
@@ -101,10 +103,21 @@ async def run(args: Sequence[str], work: Path, cache: Path, limits: Limits, dest
     if importlib.util.find_spec("pip") is None:
         raise PackageError(f"pip is not available to the gateway's Python ({sys.executable})")
     home, tmp, cwd = (work / "home", work / "tmp", work / "cwd")
-    for d in (home, tmp, cwd):
-        d.mkdir(mode=0o700, exist_ok=True)
+    await asyncio.to_thread(_give, work, home, tmp, cwd, dest, cache)
+    argv = confine.command(
+        [sys.executable, "-I", "-m", "pip", *args],
+        writable=(work, dest, cache),
+        cwd=cwd,
+        network=True,
+        limits=confine.Limits(
+            memory=MEMORY_MAX,
+            cpu_seconds=int(limits.timeout) + 1,
+            file_size=2 * limits.file_max + 2**20,  # a backstop: _watch stops it first
+        ),
+        what="pip",
+    )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-m", "pip", *args,
+        *argv,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
@@ -140,6 +153,19 @@ async def run(args: Sequence[str], work: Path, cache: Path, limits: Limits, dest
     if proc.returncode:
         raise Failed(proc.returncode, output)
     return output
+
+
+def _give(work: Path, home: Path, tmp: Path, cwd: Path, dest: Path, cache: Path) -> None:
+    """pip's directories, made and given to the confined user (confine.py): its work
+    directory's, the destination, and the cache (whole, the first time: an older
+    gateway's pip wrote it as root)."""
+    for d in (home, tmp, cwd):
+        d.mkdir(mode=0o700, exist_ok=True)
+    cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for d in (work, home, tmp, cwd, dest):
+        confine.give(d)
+    if cache.stat().st_uid != confine.UID:
+        confine.give(cache, recursive=True)
 
 
 class Failed(PackageError):
