@@ -36,8 +36,10 @@ import logging
 import os
 import shutil
 import stat
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,21 +203,34 @@ class LocalRuntime:
         """Hold the session's lock file, so two processes never realize it at once.
 
         Whoever holds it re-reads the session: it may have changed, or gone, meanwhile.
+
+        Within this process the lock is first an asyncio lock (`_in_process`), so only
+        one task at a time opens and waits on the file: tasks of this process queue on
+        the loop, and the file lock is contended only by other processes. A wait for
+        the file lock (`_flock`) takes a thread of its own, never one of the loop's
+        default executor: that executor is small (6 threads on 2 cores) and the holder
+        of the lock needs it to get on (asyncio.to_thread: the store, unmounts,
+        rmtree). With the waits there, 10 sessions closed at once (each holding its
+        lock, `podman pod rm` making the supervisor refresh each, under the same lock)
+        filled every executor thread with waits on locks whose holders then waited for
+        a thread: every close hung (tests/drills/neighbours.py; test_runtime_lock.py).
         """
         base = self._dir(session)
         if create:
             base.mkdir(parents=True, exist_ok=True, mode=0o700)
-        try:
-            fd = os.open(self.lock_path(session), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        except FileNotFoundError:
-            raise SessionNotFound(f"no KernelSession {session.name!r}") from None
-        try:
-            # flock blocks; in a thread it cannot stall the loop. Closing the descriptor
-            # (finally) releases the lock even if we were cancelled while waiting.
-            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+        path = self.lock_path(session)
+        async with _in_process(path):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            except FileNotFoundError:
+                raise SessionNotFound(f"no KernelSession {session.name!r}") from None
+            try:
+                # Closing the descriptor (finally) releases the lock even if we were
+                # cancelled while waiting (see _flock).
+                await _flock(fd)
+                yield
+            finally:
+                os.close(fd)
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -1061,3 +1076,59 @@ def _unsealed(run: Path, kernel_uid: int) -> str:
 
 def _pod_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in spec.items() if k not in _LIVE_FIELDS}
+
+
+# Per lock file, the asyncio lock its holder or waiter of this process holds (see
+# LocalRuntime._locked). Weak: an entry lives as long as a task holds or awaits it.
+_IN_PROCESS: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+
+def _in_process(path: Path) -> asyncio.Lock:
+    """The in-process lock of the lock file at `path`."""
+    key = str(path)
+    lock = _IN_PROCESS.get(key)
+    if lock is None:
+        lock = _IN_PROCESS[key] = asyncio.Lock()
+    return lock
+
+
+async def _flock(fd: int) -> None:
+    """Take an exclusive flock on `fd`, waiting as long as another process holds it.
+
+    Free, it is taken at once on the loop. Otherwise a thread of its own waits (flock has
+    no timeout and cannot be called back): not one of the loop's default executor, which
+    the lock's holder may need to get on. The thread waits on a duplicate of `fd`, and
+    closes it once flock returns: if our caller was cancelled and closed `fd` meanwhile,
+    the lock, taken late, goes with that duplicate, and `fd`'s number, perhaps reused by
+    then, is never touched.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    loop = asyncio.get_running_loop()
+    taken: asyncio.Future[None] = loop.create_future()
+    dup = os.dup(fd)
+
+    def settle(error: BaseException | None) -> None:
+        if taken.done():
+            return
+        if error is None:
+            taken.set_result(None)
+        else:
+            taken.set_exception(error)
+
+    def wait() -> None:
+        error: BaseException | None = None
+        try:
+            fcntl.flock(dup, fcntl.LOCK_EX)
+        except OSError as exc:
+            error = exc
+        finally:
+            os.close(dup)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=wait, name="mcp-forge-session-lock", daemon=True).start()
+    await taken
