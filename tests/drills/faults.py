@@ -7,8 +7,11 @@ through the real gateway over stdio (JSON-RPC lines, no SDK to hide what happens
 
 * gateway: SIGKILL the gateway while a cell runs, `--rounds` times; after each, a new
   gateway must find the session Ready with its variables intact (a counter each round
-  increments, a value set once), and nothing may be left behind: no pod without a
-  session, no mount and no Unix socket more than before the first round.
+  increments, a value set once). Then once more while it creates kernels (its default
+  pool's, or a session's: killed as soon as a `podman kube play` of its state directory
+  runs; that play ends after its gateway). Nothing may be left behind: no pod of the
+  state directory's store that no session owns, no mount and no Unix socket more than
+  before the first round.
 * kernel: SIGKILL the kernel's container mid-call: the call answers "died", names it,
   and the next call runs in a restarted kernel.
 * infra: kill the pod's infra container mid-call: the call answers (died or ok), and the
@@ -41,6 +44,11 @@ from typing import Any
 
 # Run as a script, this file has tests/drills on sys.path, not tests/ (pytest puts it there).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mcp_forge.clients import podman
+from mcp_forge.control.render import podman_pod_name
+from mcp_forge.runtimes.local.orphans import STORE_LABEL, orphans, store_tag
+from mcp_forge.runtimes.local.runtime import LocalRuntime
+from mcp_forge.settings import Settings
 from support import CALL_DEADLINE, GATEWAY, StdioGateway
 
 MINIMAL_IMAGE = "localhost/mcp-forge-kernel:0.1.0-minimal"
@@ -131,12 +139,6 @@ def cli(state_dir: Path, *args: str, stdin: str | None = None) -> str:
     return done.stdout
 
 
-def pods() -> set[str]:
-    out = sh("podman", "pod", "ls", "--filter", "label=app.kubernetes.io/managed-by=mcp-forge",
-             "--format", "{{.Name}}")  # fmt: skip
-    return set(out.split())
-
-
 def mounts(state_dir: Path) -> list[str]:
     return [
         line for line in Path("/proc/mounts").read_text().splitlines() if str(state_dir) in line
@@ -153,12 +155,6 @@ def session_phase(state_dir: Path, name: str) -> str:
     return str(body.get("status", {}).get("phase"))
 
 
-def stored_sessions(state_dir: Path) -> set[str]:
-    out = json.loads(cli(state_dir, "get", "-o", "json"))
-    items = out.get("items", out) if isinstance(out, dict) else out
-    return {item["metadata"]["name"] for item in items}
-
-
 def declare(state_dir: Path, image: str) -> str:
     name = f"drill-{uuid.uuid4().hex[:8]}"
     manifest = {
@@ -173,6 +169,50 @@ def declare(state_dir: Path, image: str) -> str:
     return name
 
 
+async def unowned_pods(state_dir: Path) -> list[str]:
+    """Pods of the state directory's store that no session of it owns."""
+    listed = await podman.run_json(
+        "pod", "ps", "--filter", f"label={STORE_LABEL}={store_tag(state_dir)}", "--format", "json"
+    )
+    owned = {
+        str(s.status.get("podName") or podman_pod_name(s.namespace, s.name))
+        for s in await LocalRuntime(Settings(state_dir=state_dir)).list()
+    }
+    return sorted(name for _, name in orphans(listed or [], owned))
+
+
+def plays(state_dir: Path) -> list[int]:
+    """pids of `podman kube play` processes of the state directory's pods."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+        except OSError:
+            continue
+        if b"play" in argv and any(str(state_dir).encode() in a for a in argv):
+            found.append(int(proc.name))
+    return found
+
+
+async def kill_gateway_mid_create(state_dir: Path) -> bool:
+    """SIGKILL a gateway as soon as it plays a pod (its pool's, or the session it was
+    asked for), then wait for that play to end; True if one was caught mid-way."""
+    async with gateway(state_dir) as gw:
+        call = await gw.start_call("create_session", {"variant": "minimal", "memory": "512Mi"})
+        waiter = asyncio.create_task(gw.answer(call))
+        deadline = time.monotonic() + CALL_DEADLINE
+        while not plays(state_dir) and not waiter.done() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)  # a sample of /proc: no event says a process started
+        caught = bool(plays(state_dir))
+        gw.process.send_signal(signal.SIGKILL)
+        await gw.process.wait()
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+    while plays(state_dir) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)  # the orphaned play runs on; nothing to wait on but it
+    return caught
+
+
 async def kill_gateway_mid_call(state_dir: Path, session: str, rounds: int) -> Outcome:
     """SIGKILL the gateway while a cell increments the counter; a new gateway takes over."""
     async with gateway(state_dir) as gw:
@@ -180,7 +220,6 @@ async def kill_gateway_mid_call(state_dir: Path, session: str, rounds: int) -> O
         if r["error"]:
             return Outcome("gateway", False, f"could not set up: {r['text']}")
     before_mounts, before_sockets = len(mounts(state_dir)), unix_sockets(state_dir)
-    before_pods = pods()
     completed = 0
     for _ in range(rounds):
         async with gateway(state_dir) as gw:
@@ -198,17 +237,20 @@ async def kill_gateway_mid_call(state_dir: Path, session: str, rounds: int) -> O
             waiter.cancel()
             await asyncio.gather(waiter, return_exceptions=True)
         completed += 1
-    async with gateway(state_dir) as gw:
+    caught_creating = await kill_gateway_mid_create(state_dir)
+    async with gateway(state_dir) as gw:  # its first pass removes what no session owns
         r = await gw.run(session, "import json; print(json.dumps([kept, counter]))")
+    # The session the killed gateway was creating, if its row was stored: a session like
+    # any other, that `mcp-forge delete` removes with its pod and mounts.
+    left = [s.name for s in await LocalRuntime(Settings(state_dir=state_dir)).list()]
+    for name in left:
+        if name != session:
+            cli(state_dir, "delete", name)
     facts: dict[str, Any] = {
         "rounds": completed,
+        "caught_creating": caught_creating,
         "phase": session_phase(state_dir, session),
-        "orphan_pods": sorted(
-            p
-            for p in pods() - before_pods
-            if p.startswith("mcpforge-default-drill-")
-            and p.removeprefix("mcpforge-default-") not in stored_sessions(state_dir)
-        ),
+        "orphan_pods": await unowned_pods(state_dir),
         "mounts_added": len(mounts(state_dir)) - before_mounts,
         "sockets_added": unix_sockets(state_dir) - before_sockets,
     }
@@ -219,6 +261,7 @@ async def kill_gateway_mid_call(state_dir: Path, session: str, rounds: int) -> O
     facts["counter"] = counter
     ok = (
         kept == "intact"
+        and caught_creating
         and counter == completed  # every cell the killed gateways started ran to its end
         and facts["phase"] == "Ready"
         and not facts["orphan_pods"]
@@ -226,7 +269,9 @@ async def kill_gateway_mid_call(state_dir: Path, session: str, rounds: int) -> O
         and facts["sockets_added"] <= 0
     )
     detail = (
-        f"{completed} SIGKILLs mid-call; session {facts['phase']}, variables "
+        f"{completed} SIGKILLs mid-call and one mid-create "
+        f"({'caught' if caught_creating else 'NOT caught'} playing a pod); "
+        f"session {facts['phase']}, variables "
         f"{'intact' if kept == 'intact' else 'LOST'}, counter {counter}/{completed}, "
         f"{len(facts['orphan_pods'])} orphan pods, {facts['mounts_added']:+d} mounts, "
         f"{facts['sockets_added']:+d} sockets"
