@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,6 +30,7 @@ HEADER_DEADLINE = 5.0  # seconds to send a whole request head
 WRITE_DEADLINE = 10.0  # seconds to read the answer
 REQUEST_MAX = 8192  # bytes of a request head
 CONNECTIONS_MAX = 64  # open at once (MetricsEndpoint: who is closed past it)
+RENDER_EVERY = 1.0  # seconds: scrapes within one of the last render get that text
 PATHS = (b"/metrics", b"/")
 CONTENT_TYPE = CONTENT_TYPE_LATEST.encode()
 
@@ -119,6 +121,8 @@ class MetricsEndpoint:
         # that holds connections half-sent loses them.
         self._waiting: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._server: asyncio.Server | None = None
+        self._rendered: tuple[float, bytes] | None = None  # (when, text)
+        self.renders = 0
         self.port = 0
 
     @classmethod
@@ -196,8 +200,17 @@ class MetricsEndpoint:
             return _response(b"405 Method Not Allowed", b"GET /metrics only\n", b"text/plain")
         if path not in PATHS:
             return _response(b"404 Not Found", b"GET /metrics only\n", b"text/plain")
-        body = generate_latest(self._registry)
+        body = self._render()
         return _response(b"200 OK", body if method == b"GET" else b"", CONTENT_TYPE, len(body))
+
+    def _render(self) -> bytes:
+        """The registry's text, rendered at most once per RENDER_EVERY: rendering is the
+        one cost a scrape puts on the loop, so a flood of scrapes costs writes only."""
+        now = time.monotonic()
+        if self._rendered is None or now - self._rendered[0] >= RENDER_EVERY:
+            self._rendered = (now, generate_latest(self._registry))
+            self.renders += 1
+        return self._rendered[1]
 
 
 def _response(status: bytes, body: bytes, kind: bytes, length: int | None = None) -> bytes:

@@ -4,6 +4,7 @@ threaded MetricsServer of the operator, in this process, on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -67,3 +68,27 @@ def test_an_oversized_request_is_closed_and_other_paths_are_not_found(
         assert wait_closed([s], 2.0) == [s]
     assert scrape(server.port, "/admin")[0] == 404
     assert scrape(server.port, "/metrics?name[]=x")[0] == 200
+
+
+async def test_a_flood_of_scrapes_renders_the_registry_about_once_a_second() -> None:
+    """500 scrapes in a burst: each answered with the metrics, the registry rendered
+    once or twice (a render is the one cost a scrape puts on the gateway's loop)."""
+    endpoint = await metrics.MetricsEndpoint.start("127.0.0.1", 0)
+    try:
+
+        async def one() -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
+            writer.write(b"GET /metrics HTTP/1.0\r\n\r\n")
+            answer = await reader.read()
+            writer.close()
+            return answer
+
+        started = time.monotonic()
+        answers = []
+        for _ in range(10):
+            answers += await asyncio.gather(*(one() for _ in range(50)))
+        took = time.monotonic() - started
+        assert all(b"200 OK" in a and b"mcpforge_executions_total" in a for a in answers)
+        assert endpoint.renders <= 2 + took / metrics.RENDER_EVERY, (endpoint.renders, took)
+    finally:
+        await endpoint.close()

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 from mcp_forge import __version__
 from mcp_forge.clients import podman
 from mcp_forge.errors import ImageError, InvalidRequest, PodmanError
+from mcp_forge.image.processes import stop
 from mcp_forge.sandbox import KERNEL_CMD, KERNEL_UID, WORKSPACE, kernel_image
 
 VARIANTS = ("minimal", "default")
@@ -112,8 +112,6 @@ CHROOT_TIMEOUT = 600.0
 TAR_TIMEOUT = 600.0
 IMPORT_TIMEOUT = 600.0
 SMOKE_TEST_TIMEOUT = 120.0
-# How long a step's process gets to clean up after SIGTERM before SIGKILL.
-TERMINATE_GRACE = 10.0
 
 # Commands run inside the chroot see only this environment: the host's PIP_*
 # settings (PIP_FIND_LINKS, PIP_CERT) name paths that do not exist in the rootfs.
@@ -584,26 +582,14 @@ async def _exec(
         async with asyncio.timeout(limit):
             out, err = await proc.communicate()
     except TimeoutError as e:
-        await _stop(proc)
+        await stop(proc)
         raise ImageError(f"{what} took longer than {limit:.0f}s") from e
     except BaseException:
-        await _stop(proc)
+        await stop(proc)
         raise
     if proc.returncode != 0:
         raise ImageError(f"{what} failed (exit {proc.returncode}): {_tail(err)}")
     return out
-
-
-async def _stop(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(TERMINATE_GRACE):
-                await asyncio.shield(proc.wait())
-            return
 
 
 def _tail(stderr: bytes, limit: int = 2000) -> str:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from mcp_forge import confine
 from mcp_forge.errors import PackageError, PackageTooLarge
-from mcp_forge.image.kernel import _stop
+from mcp_forge.image.processes import stop, tail
 
 WATCH_INTERVAL = 0.1  # seconds between looks at what pip has written while it runs
 OUTPUT_MAX = 200_000  # bytes of pip's output kept (the tail)
@@ -126,23 +126,23 @@ async def run(args: Sequence[str], work: Path, cache: Path, limits: Limits, dest
         start_new_session=True,
     )  # fmt: skip
     assert proc.stdout is not None
-    ran = asyncio.ensure_future(_tail(proc.stdout))
+    ran = asyncio.ensure_future(tail(proc.stdout, OUTPUT_MAX))
     watchdog = asyncio.ensure_future(_watch((tmp, dest), limits))
     try:
         async with asyncio.timeout(limits.timeout):
             await asyncio.wait((ran, watchdog), return_when=asyncio.FIRST_COMPLETED)
         if not ran.done():
-            await _stop(proc)
+            await stop(proc)
             raise PackageTooLarge(watchdog.result())
         await proc.wait()
     except TimeoutError:
-        await _stop(proc)
+        await stop(proc)
         raise PackageError(
             f"resolving and downloading took longer than {limits.timeout:.0f}s; "
             "nothing was installed"
         ) from None
     except BaseException:
-        await _stop(proc)
+        await stop(proc)
         raise
     finally:
         watchdog.cancel()
@@ -174,14 +174,6 @@ class Failed(PackageError):
     def __init__(self, code: int, output: str) -> None:
         super().__init__(f"pip exited {code}")
         self.output = output
-
-
-async def _tail(stream: asyncio.StreamReader) -> str:
-    kept = bytearray()
-    while chunk := await stream.read(65536):
-        kept += chunk
-        del kept[:-OUTPUT_MAX]
-    return kept.decode(errors="replace")
 
 
 async def _watch(dirs: Sequence[Path], limits: Limits) -> str:

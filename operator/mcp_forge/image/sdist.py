@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mcp_forge.errors import PackageError, PackageTooLarge, redact
+from mcp_forge.image.processes import tail
 from mcp_forge.kernelside import source
 from mcp_forge.logsafe import shown
 from mcp_forge.sandbox import KERNEL_UID, kernel_image
@@ -106,7 +107,7 @@ async def _run(
         start_new_session=True,
     )
     assert proc.stdout is not None and proc.stderr is not None
-    errors = asyncio.ensure_future(_tail(proc.stderr))
+    errors = asyncio.ensure_future(tail(proc.stderr, STDERR_KEPT))
     header: dict[str, Any] = {}
     try:
         async with asyncio.timeout(seconds + 30):
@@ -158,14 +159,6 @@ async def _answer(
     except asyncio.IncompleteReadError:
         raise PackageError(f"the build sandbox for {sdist!r} sent a cut wheel") from None
     return header, data
-
-
-async def _tail(stream: asyncio.StreamReader) -> str:
-    kept = bytearray()
-    while chunk := await stream.read(65536):
-        kept += chunk
-        del kept[:-STDERR_KEPT]
-    return kept.decode(errors="replace")
 
 
 async def _remove(name: str, proc: asyncio.subprocess.Process) -> None:
