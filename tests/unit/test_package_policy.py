@@ -219,3 +219,14 @@ def test_pips_no_wheel_message_names_the_requirement_to_build() -> None:
     missing = packages._missing(out)
     assert missing is not None and str(missing) == "forgetest-built==1.0"
     assert packages._missing("ERROR: No matching distribution found for x.tar.gz") is None
+
+
+def test_pips_errors_reach_the_client_without_host_paths() -> None:
+    policy = packages.PackagePolicy.of(Settings())
+    output = (
+        "Collecting x\nERROR: Could not install packages due to an OSError: [Errno 28] "
+        "No space left on device: '/var/lib/mcp-forge/packages/install-ab12/tmp/x.whl'\n"
+    )
+    message = str(packages._failure(output, policy))
+    assert "/var/lib" not in message and "install-ab12" not in message, message
+    assert "No space left on device" in message, message

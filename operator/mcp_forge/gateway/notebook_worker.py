@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from mcp_forge import confine
-from mcp_forge.errors import InvalidRequest, KernelProtocolError
+from mcp_forge.errors import InvalidRequest, KernelProtocolError, redact
 from mcp_forge.gateway.notebook import Notebook, NotebookTooLarge, build
 
 HEAD_MAX = 4_096  # the worker's JSON line
@@ -109,7 +109,7 @@ def _answer(out: bytes, err: bytes, code: int, *, session: str, limits: WorkerLi
     if code != 0 or not isinstance(counts, dict) or len(text) > limits.size:
         raise KernelProtocolError(
             f"the notebook of {session!r} could not be built (worker exit {code}: "
-            f"{err.decode(errors='replace').strip()[-500:]})"
+            f"{redact(err.decode(errors='replace').strip())[-500:]})"
         )
     return Notebook(
         text=text.decode(),

@@ -46,6 +46,7 @@ from mcp_forge.errors import (
     PackageError,
     PackageNotFound,
     PackageTooLarge,
+    redact,
 )
 from mcp_forge.image import index, pip, sdist
 from mcp_forge.image.kernel import PYTHON_VERSION, WHEEL_PLATFORMS
@@ -251,7 +252,8 @@ def _failure(output: str, policy: PackagePolicy) -> PackageError:
         return PackageNotFound(f"no distribution of {what!r} on the package index {how}")
     lines = [ln for ln in output.strip().splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("ERROR")] or lines[-5:]
-    return PackageError("pip could not resolve the packages: " + " | ".join(errors)[-1500:])
+    said = redact(" | ".join(errors))[-1500:]  # pip names its scratch paths: not the client's
+    return PackageError("pip could not resolve the packages: " + said)
 
 
 def _wheels(dest: Path, policy: PackagePolicy, *, asked: str | None = None) -> list[Wheel]:
