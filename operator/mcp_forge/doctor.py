@@ -16,6 +16,7 @@ from mcp_forge.api import kernelsession
 from mcp_forge.clients import podman
 from mcp_forge.errors import ForgeError
 from mcp_forge.runtimes.local import volumes
+from mcp_forge.runtimes.local.orphans import STORE_LABEL
 from mcp_forge.runtimes.local.userns import SIZE, USERNS_USER, subordinate_ranges
 
 # Podman gives each pod's user namespace at least 1024 ids (the image's users):
@@ -87,6 +88,13 @@ async def run_checks(say: Say) -> bool:
         if dmesg
         else "note the kernel log (dmesg) is not readable: an OOM kill is reported as SIGKILL"
     )
+    unlabelled = await _unlabelled_pods()
+    if unlabelled:
+        say(
+            f"note {len(unlabelled)} kernel pod(s) from a gateway older than the store label "
+            "(no housekeeping removes them; if no gateway of that age still runs: "
+            f"podman pod rm -f {' '.join(unlabelled[:10])}{' ...' if len(unlabelled) > 10 else ''})"
+        )
     image = kernelsession.default_image()
     exists = (await podman.run("image", "exists", image, check=False)).returncode == 0
     result(exists, f"kernel image {image}", "mcp-forge image build")
@@ -94,6 +102,23 @@ async def run_checks(say: Say) -> bool:
         return ok
     result(*await _session_check(image), conf_fix)
     return ok
+
+
+async def _unlabelled_pods() -> list[str]:
+    """Our kernel pods without the store label (orphans.py): a gateway before it made
+    them, and only such a gateway knows whether a session still owns them."""
+    try:
+        rows = await podman.run_json(
+            "pod", "ps", "--filter", "label=app.kubernetes.io/managed-by=mcp-forge",
+            "--format", "json",
+        )  # fmt: skip
+    except (ForgeError, ValueError):
+        return []
+    return sorted(
+        str(r.get("Name"))
+        for r in rows or []
+        if isinstance(r, dict) and STORE_LABEL not in (r.get("Labels") or {})
+    )
 
 
 def _loop_control() -> bool:

@@ -553,9 +553,18 @@ async def test_the_rendered_podman_pod_is_what_local_mode_plays_and_plays_by_han
 
 
 async def test_doctor_checks_the_host(cli_env) -> None:
-    done = await run_cli("doctor", env=cli_env)
+    # A kernel pod as a gateway before the store label made it: named, with what to do.
+    old = f"mcpforge-default-old-{uuid.uuid4().hex[:8]}"
+    await podman.run("pod", "create", "--name", old,
+                     "--label", "app.kubernetes.io/managed-by=mcp-forge")  # fmt: skip
+    try:
+        done = await run_cli("doctor", env=cli_env)
+    finally:
+        await podman.run("pod", "rm", "-f", old, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok   a session starts and runs code" in done.stdout
+    assert "ok   host-side work on untrusted data runs confined (uid 65534)" in done.stdout
+    assert "older than the store label" in done.stdout and old in done.stdout, done.stdout
 
 
 async def test_a_kernel_cannot_change_its_connection_file_or_swap_its_sockets(
