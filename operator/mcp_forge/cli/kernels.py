@@ -1,0 +1,102 @@
+"""A session's kernel: exec, interrupt, restart, export."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from mcp_forge.cli.common import local, main, on_gateway, run
+
+
+@main.command("exec")
+@click.argument("name")
+@click.option("-c", "--code", help="Code to run; without it, read from stdin.")
+@click.option("-n", "--namespace", default="default")
+@click.option("--timeout", type=float, default=None, help="Seconds before the code is interrupted.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+def exec_(
+    name: str, code: str | None, namespace: str, timeout: float | None, as_json: bool
+) -> None:
+    """Run code in a session's kernel; variables persist between calls."""
+    from mcp_forge.gateway.core import Gateway
+
+    source = code if code is not None else sys.stdin.read()
+
+    async def go() -> Any:
+        gw = Gateway(local())
+        task = asyncio.ensure_future(gw.execute(name, source, timeout=timeout, namespace=namespace))
+        loop = asyncio.get_running_loop()
+        # Going away (Ctrl-C, kill, a closed terminal) interrupts the code first.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            click.echo("error: cancelled; the code was interrupted", err=True)
+            sys.exit(130)
+        finally:
+            await gw.close()
+
+    result = run(go())
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+        if result.result is not None:
+            click.echo(result.result["data"].get("text/plain", ""))
+        for d in result.displays:
+            kinds = ", ".join(d["data"])
+            click.echo(f"[display: {kinds}]")
+        if result.error is not None:
+            click.echo("\n".join(result.error.traceback), err=True)
+        if result.message:
+            click.echo(f"[{result.status}] {result.message}", err=True)
+    sys.exit(0 if result.status == "ok" else 1)
+
+
+@main.command()
+@click.argument("name")
+@click.option("-n", "--namespace", default="default")
+def interrupt(name: str, namespace: str) -> None:
+    """Interrupt the code a session's kernel is running; variables are kept."""
+    acked = run(on_gateway(lambda gw: gw.interrupt(name, namespace=namespace)))
+    click.echo(f"kernelsession/{name} interrupted" if acked else f"kernelsession/{name}: no answer")
+    sys.exit(0 if acked else 1)
+
+
+@main.command()
+@click.argument("name")
+@click.option("-n", "--namespace", default="default")
+def restart(name: str, namespace: str) -> None:
+    """Restart a session's kernel: variables are cleared, workspace files kept."""
+    run(on_gateway(lambda gw: gw.restart(name, namespace=namespace)))
+    click.echo(f"kernelsession/{name} restarted")
+
+
+@main.command()
+@click.argument("name")
+@click.option("-n", "--namespace", default="default")
+@click.option(
+    "-o", "--output", default=None, help="The .ipynb file to write (NAME.ipynb); - for stdout."
+)
+def export(name: str, namespace: str, output: str | None) -> None:
+    """Write every cell run in a session so far as a Jupyter notebook (nbformat 4)."""
+    nb = run(on_gateway(lambda gw: gw.export_notebook(name, namespace=namespace)))
+    if output == "-":
+        sys.stdout.write(nb.text)
+        return
+    target = Path(output or f"{name}.ipynb")
+    try:
+        target.write_text(nb.text)
+    except OSError as exc:
+        click.echo(f"error: cannot write {target}: {exc.strerror}", err=True)
+        sys.exit(1)
+    skipped = f" ({nb.skipped} malformed record(s) left out)" if nb.skipped else ""
+    click.echo(f"kernelsession/{name}: {nb.cells} cell(s) written to {target}{skipped}")
