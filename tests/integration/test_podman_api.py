@@ -17,8 +17,9 @@ import pytest
 
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
-from mcp_forge.clients import podman, podman_api
-from mcp_forge.clients.podman_api import Event, PodmanApi
+from mcp_forge.clients import podman, podman_api, podman_service
+from mcp_forge.clients.podman_api import PodmanApi
+from mcp_forge.clients.podman_stream import Event
 from mcp_forge.errors import PodmanError
 from mcp_forge.runtimes.local.containers import LABEL_SELECTOR
 from mcp_forge.runtimes.local.supervisor import supervise
@@ -193,7 +194,7 @@ async def test_a_service_of_our_own_starts_answers_and_stops(tmp_path: Path) -> 
     binary = podman.podman_binary()
     assert binary is not None
     path = Path("/run/mcp-forge") / f"test-{uuid.uuid4().hex[:8]}.sock"
-    service = await podman_api.start_service(path, binary=binary, timeout=120)
+    service = await podman_service.start_service(path, binary=binary, timeout=120)
     try:
         api = PodmanApi(path, timeout=30, owned=service)
         assert await api.inspect_container(f"no-such-{uuid.uuid4().hex[:8]}") is None
@@ -214,8 +215,8 @@ async def test_a_service_of_our_own_lives_through_what_it_says_on_stderr(
     chatty.write_text(f'#!/bin/sh\nexec {binary} --log-level=debug "$@"\n')
     chatty.chmod(0o755)
     path = Path("/run/mcp-forge") / f"test-{uuid.uuid4().hex[:8]}.sock"
-    caplog.set_level("DEBUG", logger="mcp_forge.clients.podman_api")
-    service = await podman_api.start_service(path, binary=str(chatty), timeout=120)
+    caplog.set_level("DEBUG", logger="mcp_forge.clients.podman_service")
+    service = await podman_service.start_service(path, binary=str(chatty), timeout=120)
     api = PodmanApi(path, timeout=30, owned=service)
     try:
         for _ in range(20):
@@ -231,7 +232,7 @@ async def test_a_service_of_our_own_that_dies_is_started_again_by_a_call_then_by
     binary = podman.podman_binary()
     assert binary is not None
     path = Path("/run/mcp-forge") / f"test-{uuid.uuid4().hex[:8]}.sock"
-    first = await podman_api.start_service(path, binary=binary, timeout=120)
+    first = await podman_service.start_service(path, binary=binary, timeout=120)
     api = PodmanApi(path, timeout=30, owned=first, binary=binary)
     heard: asyncio.Future[Event] | None = None
     try:
@@ -291,7 +292,7 @@ async def test_a_service_that_cannot_start_says_why(tmp_path: Path) -> None:
     fake.write_text("#!/bin/sh\necho 'no API service here' >&2\nexit 3\n")
     fake.chmod(0o755)
     with pytest.raises(PodmanError, match=r"did not start.*no API service here"):
-        await podman_api.start_service(tmp_path / "p.sock", binary=str(fake), timeout=120)
+        await podman_service.start_service(tmp_path / "p.sock", binary=str(fake), timeout=120)
 
 
 async def test_the_runtime_s_image_check_and_logs_through_the_api(

@@ -1,4 +1,4 @@
-"""Reading Podman's event stream and log frames (clients/podman_api.py): pure parsing."""
+"""Reading Podman's event stream and log frames (clients/podman_stream.py): pure parsing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import json
 import struct
 
-from mcp_forge.clients.podman_api import EVENT_LINE_MAX, _lines, demux, parse_event
+from mcp_forge.clients.podman_stream import EVENT_LINE_MAX, demux, parse_event, read_lines
 
 # A `died` event as Podman 4.3.1 sends it (trimmed ids).
 DIED = {
@@ -57,7 +57,7 @@ async def _read(body: bytes, *, chunked: bool) -> list[bytes]:
     reader = asyncio.StreamReader(limit=EVENT_LINE_MAX)
     reader.feed_data(body)
     reader.feed_eof()
-    return [line async for line in _lines(reader, chunked=chunked)]
+    return [line async for line in read_lines(reader, chunked=chunked)]
 
 
 def _chunk(data: bytes) -> bytes:

@@ -2,55 +2,33 @@
 
 Which service: the socket Debian's podman package ships for systemd
 (/run/podman/podman.sock, `systemctl enable --now podman.socket`) when it answers; else
-this process starts `podman system service --time=0 unix://…/podman-<pid>.sock` once,
-waits for its sd_notify READY (no polling), and stops it when the process exits (atexit,
-and PR_SET_PDEATHSIG if the process dies without running atexit). One service per
-process, so two processes (a gateway and `mcp-forge apply`) never stop each other's.
-Its stderr is read for as long as it runs, each line into our log: Podman is a Go
-program, and Go exits on SIGPIPE when a write to its stderr finds the pipe closed (seen:
-the first warning it logged, a pod it could not remove, killed it). Should it die all the
-same, the next call that cannot reach it starts another on the same socket.
+one this process starts, owns and stops when it exits (clients/podman_service.py).
+Should that one die, the next call that cannot reach it starts another on the same
+socket (`PodmanApi.revive`).
 
 podman-py is synchronous (requests): its calls run in a small thread pool of ours, one
-client per thread, never on the event loop. Its errors become PodmanError here.
+client per thread, never on the event loop. Its errors become PodmanError here. This is
+the only module that imports podman-py (.importlinter).
 
-The event stream is read with asyncio from the same socket (GET /libpod/events, chunked
-JSON lines): podman-py's `events()` is a blocking generator that nothing can cancel. What
-Podman 4.3.1 emits, seen on this host (cgroup v1 "hybrid", runc, events_logger = "file"):
-
-- a kernel that exits or is killed (`kill -9` of its process, or `podman kill`): `died`,
-  with `containerExitCode` (137 for SIGKILL) and the container's labels, about 0.2 s
-  later, then `cleanup`; its pod's infra container then dies too (`died`, no labels).
-  (`podman kill` also emits `kill` first.) There is no `exited` status.
-- a kernel killed by the OOM killer: the same `died`, exit code 137. No `oom` event, not
-  even when the container's init is the one killed, and inspect's OOMKilled stays false
-  (cgroup v1): containers.py tells an OOM kill from the kernel log.
-- `podman pod rm`: `remove` for each container (a running one `died` first).
-The file event logger is read by polling (every 250 ms), hence the delay; journald's
-would be sooner. Events carry no sequence number: after a reconnect the iterator says
-so (`Event.resync`), and the consumer must look at everything again.
+The event stream is read with asyncio from the same socket, its bytes parsed by
+clients/podman_stream.py, which says what Podman emits and why podman-py's `events()`
+is not used.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import concurrent.futures
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import shutil
-import signal
-import socket
-import struct
 import subprocess
 import threading
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -58,68 +36,28 @@ import podman
 import podman.errors
 import requests
 
+from mcp_forge.clients.podman_service import Service, runtime_dir, start_service
+from mcp_forge.clients.podman_stream import (
+    EVENT_LINE_MAX,
+    EVENTS_PATH,
+    Event,
+    demux,
+    parse_event,
+    read_headers,
+    read_lines,
+)
 from mcp_forge.errors import PodmanError
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
 
 SYSTEM_SOCKET = Path("/run/podman/podman.sock")
-# The libpod API prefix for the event stream: any version up to the server's is accepted.
-EVENTS_PATH = "/v4.0.0/libpod/events"
-EVENT_LINE_MAX = 64 * 1024  # one event's JSON; a longer line is skipped, not buffered
-STATUS_LINE_MAX = 8 * 1024  # an HTTP status or header line of the event stream
-HEADERS_MAX = 100
 PING_TIMEOUT = 2.0  # a systemd socket that does not answer this fast is not used
 RECONNECT_FIRST = 0.1  # event stream: the first reconnect waits this long, doubling up to
 RECONNECT_MAX = 5.0
 DEATH_GRACE = 0.5  # seconds a service whose socket refused us has to be seen exited
-SERVICE_LINE_MAX = 8 * 1024  # one line of our service's stderr; a longer one is split
-SERVICE_LINES_KEPT = 20  # its last lines, for the message if it dies or cannot start
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Event:
-    """One container event (or, with `resync`, the news that events may have been missed)."""
-
-    status: str  # "died", "remove", "oom", ... ("" for a resync)
-    name: str = ""
-    id: str = ""
-    exit_code: int | None = None
-    time_ns: int = 0
-    labels: dict[str, str] = field(default_factory=dict)
-    resync: bool = False
-
-
-def parse_event(line: bytes) -> Event | None:
-    """An event from one line of the stream; None if it is not a container event we read."""
-    try:
-        raw = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(raw, dict) or raw.get("Type") != "container":
-        return None
-    actor: dict[str, Any] = raw["Actor"] if isinstance(raw.get("Actor"), dict) else {}
-    attrs: dict[str, Any] = actor["Attributes"] if isinstance(actor.get("Attributes"), dict) else {}
-    code = attrs.get("containerExitCode")
-    try:
-        exit_code = int(code) if code is not None else None
-    except (TypeError, ValueError):
-        exit_code = None
-    labels = {
-        str(k): str(v)
-        for k, v in attrs.items()
-        if k not in ("name", "image", "containerExitCode", "podId")
-    }
-    return Event(
-        status=str(raw.get("status") or raw.get("Action") or ""),
-        name=str(attrs.get("name") or ""),
-        id=str(actor.get("ID") or raw.get("id") or ""),
-        exit_code=exit_code,
-        time_ns=int(raw.get("timeNano") or 0),
-        labels=labels,
-    )
 
 
 class PodmanApi:
@@ -372,14 +310,14 @@ class PodmanApi:
                 continue
             try:
                 writer.write(request)
-                chunked = await _read_headers(reader)
+                chunked = await read_headers(reader)
                 if on_connect is not None:
                     on_connect()
                 if not first:
                     yield Event("", resync=True)
                 first = False
                 delay = RECONNECT_FIRST
-                async for line in _lines(reader, chunked=chunked):
+                async for line in read_lines(reader, chunked=chunked):
                     event = parse_event(line)
                     if event is not None:
                         yield event
@@ -394,236 +332,8 @@ class PodmanApi:
                     await writer.wait_closed()
 
 
-async def _read_headers(reader: asyncio.StreamReader) -> bool:
-    """Read the response's status and headers; True if its body is chunked."""
-    status = await _line(reader, STATUS_LINE_MAX)
-    parts = status.split(b" ", 2)
-    if len(parts) < 2 or parts[1] != b"200":
-        raise PodmanError(["API", "events"], -1, status.decode(errors="replace")[:200])
-    chunked = False
-    for _ in range(HEADERS_MAX):
-        line = (await _line(reader, STATUS_LINE_MAX)).strip()
-        if not line:
-            return chunked
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"transfer-encoding" and b"chunked" in value.lower():
-            chunked = True
-    raise PodmanError(["API", "events"], -1, "too many response headers")
-
-
-async def _line(reader: asyncio.StreamReader, limit: int) -> bytes:
-    line = await reader.readline()
-    if not line:
-        raise EOFError("the event stream closed")
-    if len(line) > limit or not line.endswith(b"\n"):
-        raise PodmanError(["API", "events"], -1, "a line of the response is too long")
-    return line
-
-
-async def _lines(reader: asyncio.StreamReader, *, chunked: bool) -> AsyncIterator[bytes]:
-    """The body's lines, de-chunked; a line over EVENT_LINE_MAX is skipped whole."""
-    pending = b""
-    skipping = False
-    while True:
-        if chunked:
-            size_line = await _line(reader, STATUS_LINE_MAX)
-            size = int(size_line.split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                return
-            data = await reader.readexactly(size + 2)  # the chunk and its CRLF
-            data = data[:-2]
-        else:
-            data = await reader.read(65536)
-            if not data:
-                return
-        pending += data
-        *whole, pending = pending.split(b"\n")
-        for line in whole:
-            if skipping:  # the tail of an over-long line
-                skipping = False
-                continue
-            if line.strip():
-                yield line
-        if len(pending) > EVENT_LINE_MAX:
-            pending = b""
-            skipping = True
-
-
-def demux(data: bytes) -> bytes:
-    """The payload of a multiplexed log stream (8-byte frame headers), or `data` as is
-    if it is not one (a container with a terminal)."""
-    out = bytearray()
-    at = 0
-    while at + 8 <= len(data):
-        kind, size = data[at], struct.unpack(">I", data[at + 4 : at + 8])[0]
-        if kind not in (0, 1, 2) or data[at + 1 : at + 4] != b"\0\0\0":
-            return data
-        out += data[at + 8 : at + 8 + size]
-        at += 8 + size
-    return bytes(out)
-
-
 def _quote(name: str) -> str:
     return urllib.parse.quote(name, safe="")
-
-
-# ---- the service ---------------------------------------------------------------------------
-
-
-class Service:
-    """A `podman system service` this process started and owns.
-
-    A thread reads its stderr until it exits, each line into our log (Podman's warnings
-    and errors at that level, the rest at debug), and keeps the last few for an error
-    message: an unread pipe would fill and block it, a closed one kill it (SIGPIPE).
-    """
-
-    def __init__(self, proc: subprocess.Popen[bytes], socket_path: Path) -> None:
-        self.proc = proc
-        self.socket_path = socket_path
-        self._last: collections.deque[str] = collections.deque(maxlen=SERVICE_LINES_KEPT)
-        self._reader = threading.Thread(
-            target=self._read_stderr, name=f"podman-service-{proc.pid}", daemon=True
-        )
-        self._reader.start()
-
-    def _read_stderr(self) -> None:
-        stream = self.proc.stderr
-        assert stream is not None
-        with stream:
-            while line := stream.readline(SERVICE_LINE_MAX):
-                text = line.decode(errors="replace").rstrip()
-                if not text:
-                    continue
-                self._last.append(text)
-                level = (
-                    logging.ERROR
-                    if "level=error" in text or "level=fatal" in text
-                    else logging.WARNING
-                    if "level=warn" in text
-                    else logging.DEBUG
-                )
-                log.log(level, "podman service: %s", text)
-
-    def last_lines(self, *, wait: float = 0.0) -> list[str]:
-        """Its last lines on stderr; `wait` for the reader to reach the end first (once
-        the process has exited)."""
-        if wait:
-            self._reader.join(wait)
-        return list(self._last)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
-
-
-def runtime_dir(settings: Settings) -> Path:
-    """Where an owned service's socket goes: /run/mcp-forge as root, else the user's
-    runtime directory, else the state directory."""
-    if os.geteuid() == 0:
-        return Path("/run/mcp-forge")
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(xdg) / "mcp-forge" if xdg else settings.state_dir
-
-
-def _die_with_parent() -> None:
-    # In the child, before exec: SIGTERM when the thread that started it ends. Called
-    # from the event loop's thread, which lives as long as the process does.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _spawn(socket_path: Path, binary: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
-    """Start the service and bind the socket it will say READY on.
-
-    Synchronous on purpose: called from the event loop's thread (it takes a few ms), so
-    that PR_SET_PDEATHSIG is tied to that long-lived thread, not to a worker of a pool.
-    """
-    socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    notify_path = socket_path.with_suffix(".notify")
-    for stale in (socket_path, notify_path):
-        with contextlib.suppress(FileNotFoundError):
-            stale.unlink()
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        notify.bind(str(notify_path))
-        notify.setblocking(False)
-        proc = subprocess.Popen(
-            [binary, "system", "service", "--time=0", f"unix://{socket_path}"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env={**os.environ, "NOTIFY_SOCKET": str(notify_path)},
-            preexec_fn=_die_with_parent,  # only a prctl: nothing that a fork could deadlock
-            # Its own session: a signal to our process group (an MCP client killing its
-            # server's group) must not kill it halfway through a request, which can leave
-            # one of Podman's locks held; it gets SIGTERM when we end (above).
-            start_new_session=True,
-        )
-    except BaseException:
-        notify.close()
-        with contextlib.suppress(FileNotFoundError):
-            notify_path.unlink()
-        raise
-    return proc, notify
-
-
-async def start_service(socket_path: Path, *, binary: str, timeout: float) -> Service:
-    """Start `podman system service` on `socket_path`; return once it listens (its
-    sd_notify READY=1), or raise PodmanError with what it said.
-
-    ~0.07 s on a quiet host; as long as any podman command while another holds Podman's
-    locks (a first play in a new user namespace copies the image's layers: minutes).
-    """
-    loop = asyncio.get_running_loop()
-    proc, notify = _spawn(socket_path, binary)
-    service = Service(proc, socket_path)
-    ready: asyncio.Future[str] = loop.create_future()
-
-    def on_notify() -> None:
-        with contextlib.suppress(BlockingIOError):
-            text = notify.recv(4096).decode(errors="replace")
-            if "READY=1" in text and not ready.done():
-                ready.set_result("ready")
-
-    def on_exit() -> None:
-        if not ready.done():
-            ready.set_result("exited")
-
-    pidfd = os.pidfd_open(proc.pid)
-    loop.add_reader(notify.fileno(), on_notify)
-    loop.add_reader(pidfd, on_exit)
-    try:
-        async with asyncio.timeout(timeout):
-            outcome = await ready
-    except TimeoutError:
-        outcome = f"no READY in {timeout:g}s"
-    except BaseException:
-        service.stop()
-        raise
-    finally:
-        loop.remove_reader(notify.fileno())
-        loop.remove_reader(pidfd)
-        os.close(pidfd)
-        notify.close()
-        with contextlib.suppress(FileNotFoundError):
-            socket_path.with_suffix(".notify").unlink()
-    if outcome != "ready":
-        service.stop()
-        said = " | ".join(await asyncio.to_thread(service.last_lines, wait=5.0))
-        raise PodmanError(
-            ["system", "service", f"unix://{socket_path}"],
-            proc.returncode if proc.returncode is not None else -1,
-            f"the Podman API service did not start ({outcome}): {said}",
-        )
-    return service
 
 
 def _answers(path: Path) -> bool:

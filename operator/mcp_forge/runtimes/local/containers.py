@@ -19,7 +19,8 @@ from typing import Any
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import Termination, termination_of
 from mcp_forge.clients import podman_api
-from mcp_forge.clients.podman_api import Event, PodmanApi
+from mcp_forge.clients.podman_api import PodmanApi
+from mcp_forge.clients.podman_stream import Event
 from mcp_forge.runtimes.local.store import Store
 from mcp_forge.settings import Settings
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
-from mcp_forge.clients.podman_api import Event
+from mcp_forge.clients.podman_stream import Event
 from mcp_forge.control.render import LABEL_NAMESPACE, LABEL_SESSION
 from mcp_forge.errors import ForgeError, SessionNotFound
 from mcp_forge.runtimes.local.orphans import remove_orphans
