@@ -1,7 +1,7 @@
 """The operator and gateway images, built from this checkout with no container registry.
 
 images/Containerfile.control-plane defines them for hosts that can pull a base image. Here
-they are made as the kernel image is (image.py): the cached Debian base rootfs; wheels the
+they are made as the kernel image is (kernel.py): the cached Debian base rootfs; wheels the
 host's pip fetches (the project's own, built from this source tree, and its dependencies
 for CPython 3.11 on x86_64); an offline `pip install` into /opt/mcp-forge in a chroot; one
 `podman import` per image, the two differing only in entrypoint and arguments, as the
@@ -109,7 +109,7 @@ def inputs_hash() -> str:
 async def build_control_plane(
     *, force: bool = False, progress: Callable[[str], None] = print
 ) -> list[BuildResult]:
-    """Build and tag both images unless they are up to date; needs root, like image.py."""
+    """Build and tag both images unless they are up to date; needs root, like kernel.py."""
     if not (SOURCE / "pyproject.toml").exists():
         raise ImageError(
             "the control-plane images are built from a checkout of MCP-Forge (pyproject.toml, "

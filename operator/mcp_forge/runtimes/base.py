@@ -1,6 +1,6 @@
 """Where KernelSessions are realized: the interface the gateway sees.
 
-Two implementations, chosen once at start-up: `LocalRuntime` (local.py: an embedded
+Two implementations, chosen once at start-up: `LocalRuntime` (local/: an embedded
 store and Podman) and `KubernetesRuntime` (cluster.py: the API server, with the
 operator doing the realizing). The gateway holds no session state of its own:
 everything it needs to reach a kernel comes from here.
