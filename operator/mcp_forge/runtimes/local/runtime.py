@@ -142,6 +142,7 @@ class LocalRuntime:
         self.containers = Containers(self.store, self.settings)
         self.pools = Pools(self)
         self.secrets = Secrets(self.store)
+        self._playing = asyncio.Lock()  # one `podman kube play` at a time (see _realize)
 
     # ---- paths and locks -----------------------------------------------------------------
 
@@ -479,16 +480,24 @@ class LocalRuntime:
         self._patch(session, phase=phase, podName=pod, **cleared)
         try:
             await self._mount(session)
-            await podman.run(
-                "kube",
-                "play",
-                "--replace",
-                "--network=none",
-                f"--seccomp-profile-root={SECCOMP_PROFILE_ROOT}",
-                userns_flag(idmap),
-                str(self._dir(session) / "pod.yaml"),
-                timeout=self.settings.podman_timeout,
-            )
+            # This runtime's plays run one at a time. Podman 4.3.1's containers/storage
+            # takes its locks in different orders on the way through a --userns=auto play:
+            # ten played at once (tests/drills/neighbours.py) now and then all stuck until
+            # podman_timeout (120 s). /proc/locks showed one play holding storage.lock,
+            # layers.lock and userns.lock, sleeping between tries of another lock that a
+            # second play held while it waited for layers.lock. Only the play itself is
+            # serialized: the kernels it starts get ready side by side (_started).
+            async with self._playing:
+                await podman.run(
+                    "kube",
+                    "play",
+                    "--replace",
+                    "--network=none",
+                    f"--seccomp-profile-root={SECCOMP_PROFILE_ROOT}",
+                    userns_flag(idmap),
+                    str(self._dir(session) / "pod.yaml"),
+                    timeout=self.settings.podman_timeout,
+                )
         except (PodmanError, volumes.VolumeError) as exc:
             self._fail(session, "PlayFailed", str(exc))
             raise
