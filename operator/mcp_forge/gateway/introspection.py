@@ -111,7 +111,7 @@ def workspace_path(path: str) -> str:
 
 def bridge_program(address: tuple[str | int, ...]) -> str:
     """The silent code that starts code mode's bridge in a kernel, listening at `address`
-    (kernelside/bridge_boot.py, given the sources of framing.py and mcp_tools.py); like
+    (kernelside/bridge_boot.py, given the sources of mcp_tools.py and its modules); like
     the helpers, it leaves no name in the user's namespace, and run again it finds the
     running bridge."""
     boot, sources = _bridge_literals()
@@ -125,6 +125,7 @@ def bridge_program(address: tuple[str | int, ...]) -> str:
 @functools.cache
 def _bridge_literals() -> tuple[str, str]:
     """kernelside/bridge_boot.py's source, and the sources it builds the bridge from (a
-    dict by module name), as Python literals."""
-    sources = {name: source(name) for name in ("framing", "mcp_tools")}
+    dict by module name: bridge_boot.MODULES and mcp_tools), as Python literals."""
+    names = ("framing", "mcp_stubs", "mcp_channel", "mcp_tools")
+    sources = {name: source(name) for name in names}
     return repr(source("bridge_boot")), repr(sources)

@@ -1,11 +1,12 @@
 """Starts code mode's bridge in a kernel, or finds the one already running there.
 
 The gateway runs this module silently (introspection.bridge_program), in a namespace of
-its own holding `BRIDGE_ADDRESS` (where to listen: see mcp_tools.listen) and `SOURCES`
-(the source of framing.py and of mcp_tools.py, by module name). The kernel has no
-mcp_forge package, so this module makes the two itself: framing as a module object,
-then mcp_tools' code in a namespace that holds it (mcp_tools imports framing only when
-it is imported as part of mcp_forge). It registers the module the user imports,
+its own holding `BRIDGE_ADDRESS` (where to listen: see mcp_channel.listen) and `SOURCES`
+(the sources of framing.py, mcp_stubs.py, mcp_channel.py and mcp_tools.py, by module
+name). The kernel has no mcp_forge package, so this module makes them itself: each of
+MODULES in turn as a module object that holds the ones made before it, by name, then
+mcp_tools' code in a namespace that holds them all (these modules import each other only
+when they are imported as part of mcp_forge). It registers the module the user imports,
 `mcp_tools`, in `sys.modules`, and starts the listener the gateway dials.
 
 Run again (a gateway that connects again) it finds the running bridge, through
@@ -22,6 +23,9 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+# mcp_tools' modules in the order they are made: each uses only those before it.
+MODULES = ("framing", "mcp_stubs", "mcp_channel")
+
 
 def find() -> Any:
     """The bridge running in this process, or None."""
@@ -35,14 +39,18 @@ def find() -> Any:
 
 
 def build(sources: Mapping[str, str]) -> Any:
-    """A new bridge: framing, then mcp_tools, run from their sources."""
-    framing = types.ModuleType("mcp_tools.framing")
-    exec(compile(sources["framing"], "<mcp_tools.framing>", "exec"), framing.__dict__)
+    """A new bridge: MODULES in order, then mcp_tools, run from their sources."""
+    modules: dict[str, types.ModuleType] = {}
+    for name in MODULES:
+        module = types.ModuleType(f"mcp_tools.{name}")
+        module.__dict__.update(modules)
+        exec(compile(sources[name], f"<mcp_tools.{name}>", "exec"), module.__dict__)
+        modules[name] = module
     namespace = {
         "__name__": "mcp_tools",
         "__package__": None,
         "__builtins__": builtins,
-        "framing": framing,
+        **modules,
     }
     exec(compile(sources["mcp_tools"], "<mcp_tools>", "exec"), namespace)
     return namespace["BRIDGE"]

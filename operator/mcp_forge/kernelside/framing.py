@@ -8,7 +8,8 @@ FrameError for one it refuses.
 
 The gateway imports this module (mcp_forge.gateway.codemode.bridge); in the kernel,
 which has no mcp_forge package, kernelside/bridge_boot.py runs its source as a module of
-its own and hands it to kernelside/mcp_tools.py. Standard library only.
+its own and hands it to the bridge's modules made after it (mcp_channel.py, mcp_tools.py).
+Standard library only.
 
 BRIDGE_CERT and BRIDGE_KEY name the fields of the connection file that hold the
 bridge's TLS certificate and key (mcp_forge.api.keys writes them; the kernel's listener
