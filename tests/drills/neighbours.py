@@ -31,10 +31,24 @@ the host's /tmp, so new /tmp/mcp-forge-* entries are reported, not held against 
 state directory's packages/ scratch empty, and no file in it beyond the store's (see
 `leftover_state`). Each leftover is named.
 
-Prints one line per outcome, exits 1 if one failed. Not yet in the adversarial suite: on
-a 2-core host the quiet client's execute_code p99 rises 50-270 ms under noise (the
-kernels' CPU caps are caps, not reservations), and one short run in three ended with a
-noisy session's close timing out (issue 23's notes).
+Prints one line per outcome, exits 1 if one failed. Its short form (10 clients, 10 s) is
+tests/adversarial/test_drills.py: closes and leftovers are asserted; the latency criterion
+is reported as an expected failure, because it is not met yet on a 2-core host.
+
+What was measured (issue 23's notes, December 2026, 2 cores shared with another user's
+test runs): the quiet client's execute_code 1+1 p99 rises 230-510 ms under noise,
+list_sessions' 95-270 ms. During the noise the gateway's loop thread ran 20-40% of a core
+and waited for a core 50-60% of the time (/proc/PID/task/TID/schedstat: ~1.3 ms per
+wake-up, ~400 wake-ups a second), with every core busy (the noisy kernels, capped at a
+quarter of a core each, ~85%; kernel writeback threads for their spill files ~40%; the
+code-mode upstream servers ~15%; pip and the notebook workers). The loop's lag (a 10 ms
+timer) was p99 50-110 ms, max 120-380 ms; its slow callbacks (over 5 ms) were flood
+output read by execute's pump (15-30 ms each, wall time inflated by those waits), the
+HTTP handling of large results, and exports' journal windows (~100 ms each until they
+became 1 MB). Renicing the gateway to -10, or giving its threads a 0.1 ms EEVDF slice, did
+not change the p99 in one run each. Fixed on the way: every noisy close hung when 10
+sessions closed at once (session-lock waits filled the loop's executor), and 10 kube
+plays at once sometimes deadlocked in Podman for 120 s.
 """
 
 from __future__ import annotations
@@ -340,7 +354,11 @@ async def noise_main() -> int:
             c = await stack.enter_async_context(connect(orders["url"], orders["tokens"][name]))
             noises.append(Noise(c, kinds[i % len(kinds)], orders["cpu"]))
         try:
-            await asyncio.gather(*(n.prepare() for n in noises))
+            try:
+                await asyncio.gather(*(n.prepare() for n in noises))
+            except Exception as exc:  # said plainly: nested clients bury it in groups
+                print(f"not ready: {exc!r}", flush=True)
+                raise
             print("ready", flush=True)
             if (await reader.readline()).strip() == b"go":
                 async with asyncio.TaskGroup() as tg:
