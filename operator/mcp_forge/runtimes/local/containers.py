@@ -124,6 +124,40 @@ class Containers:
                 return
         log.warning("no pids cgroup for %s: its pids limit is not applied", session.name)
 
+    def weigh_cpu(self, session: KernelSession, info: dict[str, Any]) -> None:
+        """Give the kernel's pod a CPU weight in proportion to spec.resources.cpu.
+
+        Podman 4.3.1's kube play turns the CPU limit into a CFS quota but gives every pod
+        and container the default weight (cpu.shares 1024), whatever its request: a
+        session of one core and one of a quarter core weighed the same, and on a busy
+        host a one-core session waiting to run `1+1` queued behind ten quarter-core
+        kernels spinning at their caps (tests/drills/neighbours.py --kind spin: its
+        execute_code p99 rose 160 ms). A request is a weight on Kubernetes (the
+        kubelet's cpu.shares = millicores * 1024 / 1000, at least 2; cpu.weight on
+        cgroup v2 converted as the kubelet does), so it is here: written to the pod's
+        cgroup, where pods compete, and the container's, right after each start.
+        """
+        cgroup = str(info.get("State", {}).get("CgroupPath", "")).lstrip("/")
+        pod = str(info.get("Pod", ""))
+        if not cgroup:
+            return  # it died already: waiting for it says why
+        shares = max(2, session.spec.cpu_milli * 1024 // 1000)
+        weight = 1 + ((shares - 2) * 9999) // 262142
+        for root, name, value in (
+            (Path("/sys/fs/cgroup/cpu"), "cpu.shares", shares),
+            (Path("/sys/fs/cgroup"), "cpu.weight", weight),
+        ):
+            container = root / cgroup
+            if not (container / name).is_file():
+                continue
+            targets = [container]
+            if pod and pod in container.parent.name:  # the pod's own cgroup
+                targets.append(container.parent)
+            for target in targets:
+                (target / name).write_text(str(value))
+            return
+        log.warning("no cpu cgroup for %s: its CPU weight is not applied", session.name)
+
     async def _oom_killed(self, session: KernelSession, info: dict[str, Any]) -> bool:
         """Was the kernel's last death an OOM kill?
 

@@ -525,6 +525,7 @@ class LocalRuntime:
         info = await self.containers.inspect(self.container_name(session))
         if info is not None:
             self.containers.limit_pids(session, info)
+            self.containers.weigh_cpu(session, info)
             private = self.store.private(session.namespace, session.name)
             private["cgroup"] = str(info.get("State", {}).get("CgroupPath", "")).lstrip("/")
             self.store.set_private(session.namespace, session.name, private)
