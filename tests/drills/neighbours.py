@@ -46,9 +46,17 @@ timer) was p99 50-110 ms, max 120-380 ms; its slow callbacks (over 5 ms) were fl
 output read by execute's pump (15-30 ms each, wall time inflated by those waits), the
 HTTP handling of large results, and exports' journal windows (~100 ms each until they
 became 1 MB). Renicing the gateway to -10, or giving its threads a 0.1 ms EEVDF slice, did
-not change the p99 in one run each. Fixed on the way: every noisy close hung when 10
-sessions closed at once (session-lock waits filled the loop's executor), and 10 kube
-plays at once sometimes deadlocked in Podman for 120 s.
+not change the p99 in one run each; reading flood output in 2 ms turns (a sleep(0) in
+KernelConnection.recv) halved the medians but not the p99 differences, in one run.
+
+With `--kind spin` (kernels at their caps, no traffic through the gateway) list_sessions
+stays within +21 ms, while execute_code rose +160 ms: every pod had cpu.shares 1024, its
+request ignored by Podman. With pods weighed by their request (local mode writes it) that
+is +65 ms; the whole drill (30 s) then gave execute_code +148 ms, list_sessions +130 ms:
+what is left is the gateway's loop, waiting for a core and handling the noise's traffic.
+Fixed on the way: every noisy close hung when 10 sessions closed at once (session-lock
+waits filled the loop's executor), and 10 kube plays at once sometimes deadlocked in
+Podman for 120 s.
 """
 
 from __future__ import annotations
