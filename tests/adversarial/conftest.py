@@ -33,11 +33,13 @@ async def gateway(
     *,
     args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
     **client: Any,
 ) -> AsyncIterator[Client]:
-    """A real gateway over stdio; on exit it deletes the sessions it created."""
+    """A real gateway over stdio (started in `cwd`, if given); on exit it deletes the
+    sessions it created."""
     full_env = {**os.environ, "MCPFORGE_STATE_DIR": str(state_dir), **(env or {})}
-    params = StdioServerParameters(command=GATEWAY, args=["gateway", *args], env=full_env)
+    params = StdioServerParameters(command=GATEWAY, args=["gateway", *args], env=full_env, cwd=cwd)
     async with Client(params, **client) as c:
         yield c
 

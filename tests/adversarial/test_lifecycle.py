@@ -81,11 +81,16 @@ async def test_a_death_after_trouble_is_named_as_a_death(state_dir: Path, death:
         assert await value(c, "5 + 5") == 10
 
 
-async def test_an_oom_kill_after_trouble_is_named_with_its_limit(state_dir: Path) -> None:
+async def test_an_oom_kill_after_trouble_is_named_with_its_limit(
+    state_dir: Path, tmp_path: Path
+) -> None:
     """A session with a 256Mi limit goes through the same trouble, then allocates 2 GiB:
     the call says the kernel ran out of memory and names the limit, within seconds (not
-    a timeout, not an interrupt), and the next call works."""
-    async with gateway(state_dir) as c:
+    a timeout, not an interrupt), and the next call works. Nothing lands in the directory
+    the gateway was started from (Podman's conmon once wrote an `oom` file there)."""
+    started_in = tmp_path / "cwd"
+    started_in.mkdir()
+    async with gateway(state_dir, cwd=started_in) as c:
         made = await call(c, "create_session", {"variant": "minimal", "memory": "256Mi"})
         assert not made.is_error, text(made)
         sid = made.structured_content["session_id"]
@@ -102,6 +107,7 @@ async def test_an_oom_kill_after_trouble_is_named_with_its_limit(state_dir: Path
         assert took < NAMED_WITHIN, f"the OOM kill was named after {took:.1f} s"
         assert r["state_lost"] is True
         assert await value(c, "5 + 5", session_id=sid) == 10
+    assert list(started_in.iterdir()) == []
 
 
 async def test_a_death_is_named_when_the_supervisor_restarts_the_kernel_first(

@@ -34,11 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mcp_forge.errors import PodmanError
@@ -55,6 +58,20 @@ class Completed:
 
 def podman_binary() -> str | None:
     return os.environ.get("MCPFORGE_PODMAN") or shutil.which("podman")
+
+
+@functools.cache
+def workdir() -> str:
+    """Where podman (and the conmon it starts for each container) runs: a directory of
+    ours, never the caller's. conmon writes files to its working directory (an `oom`
+    file after an OOM kill): they landed in whatever directory the gateway was started
+    from, a checkout or an MCP client's project."""
+    if os.geteuid() == 0:
+        path = Path("/run/mcp-forge/podman")
+    else:
+        path = Path(tempfile.gettempdir()) / f"mcp-forge-podman-{os.getuid()}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return str(path)
 
 
 async def run(
@@ -78,6 +95,7 @@ async def run(
         stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        cwd=workdir(),
         # Its own session: a Ctrl-C or SIGTERM aimed at our process group must not kill
         # podman halfway through removing a pod; we stop it ourselves if we must.
         start_new_session=True,

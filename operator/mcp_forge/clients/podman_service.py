@@ -25,6 +25,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+from mcp_forge.clients import podman
 from mcp_forge.errors import PodmanError
 from mcp_forge.settings import Settings
 
@@ -125,6 +126,7 @@ def _spawn(socket_path: Path, binary: str) -> tuple[subprocess.Popen[bytes], soc
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env={**os.environ, "NOTIFY_SOCKET": str(notify_path)},
+            cwd=podman.workdir(),  # conmon's files go there, not to our caller's directory
             preexec_fn=_die_with_parent,  # only a prctl: nothing that a fork could deadlock
             # Its own session: a signal to our process group (an MCP client killing its
             # server's group) must not kill it halfway through a request, which can leave
