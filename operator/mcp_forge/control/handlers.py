@@ -14,8 +14,10 @@ NetworkPolicy exists before a pod is claimed or the session is Ready.
 
 No finalizer: children carry owner references and the API server's garbage collector
 removes them, so deleting a namespace never waits on this operator. No timers or
-daemons either (kopf would add a finalizer for them): deadlines are kept here, in one
-task. Run it with `mcp-forge operator`, or `kopf run -m mcp_forge.control.handlers`.
+daemons either (kopf would add a finalizer for them): deadlines are kept in one task
+(control/schedule.py). One reconcile of a valid session is a pipeline of steps
+(control/realize.py). Run it with `mcp-forge operator`, or
+`kopf run -m mcp_forge.control.handlers`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -35,40 +36,29 @@ from mcp_forge import metrics
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
-from mcp_forge.api.connection import PORTS, ConnectionInfo, new_key
+from mcp_forge.api.connection import ConnectionInfo, new_key
 from mcp_forge.api.kernelsession import GROUP, KernelSession
 from mcp_forge.api.keys import new_bridge_cert, new_curve_keys, usable_keys
-from mcp_forge.api.status import parse_time, stamp
+from mcp_forge.api.status import stamp
 from mcp_forge.clients.kube import (
-    BUSY_PREFIX,
-    RESTART,
     Kube,
     connection_file_of,
     key_of,
 )
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.baseline import Baseline
-from mcp_forge.control.lifecycle import (
-    QUICK_DEATH,
-    Activity,
-    idle_since,
-    plan_kernel,
-    stop_of,
-)
-from mcp_forge.control.pods import Observation, observe
-from mcp_forge.control.pools import LABEL_CLAIMED_FROM, Claim, PoolKeeper, Seen
+from mcp_forge.control.pools import LABEL_CLAIMED_FROM, PoolKeeper, Seen
+from mcp_forge.control.realize import Children, Outcome, host_of, realize
 from mcp_forge.control.render import (
     LABEL_COMPONENT,
     LABEL_SESSION,
     MANAGED_BY,
-    TEMPLATE_HASH,
-    child_name,
-    connection_secret_of,
     render_kubernetes,
     render_lease,
     render_workspace_claim,
     secret_name,
 )
+from mcp_forge.control.schedule import BACKOFF_MAX, Key, Scheduler
 from mcp_forge.errors import ApiError, InvalidSession
 from mcp_forge.settings import Settings
 
@@ -80,63 +70,11 @@ CHILD_LABELS: dict[str, Any] = {
     "app.kubernetes.io/managed-by": MANAGED_BY,
     LABEL_SESSION: kopf.PRESENT,
 }
-STARTING_RECHECK = 15.0  # a pod not Ready after this is looked at again, events or not
-RESIZE_RECHECK = 30.0  # a workspace claim smaller than asked is looked at again after this
 RESIZE_RETRY = 300.0  # a claim the API server refused to grow is asked again after this
-BACKOFF_MAX = 60.0
-LAST_ACTIVITY_STEP = 30.0  # status.lastActivity mirrors the Lease to this resolution
-WORKERS = 16  # reconciles running at once
 CALLS = 16  # API calls of those reconciles made side by side (threads)
 
 KS = kernelsession.KIND
 POOL = ksp.KIND
-Key = tuple[str, str, str]  # kind, namespace, name
-
-
-@dataclass(frozen=True)
-class Outcome:
-    invalid: str | None = None  # the spec is wrong: a permanent error
-    gone: bool = False  # the session no longer exists (or was just deleted: idle)
-    due: float | None = None  # wall-clock time it must be looked at again
-    refill: str | None = None  # the pool it claimed a kernel of, to be refilled
-
-
-@dataclass(frozen=True)
-class Children:
-    """What a reconcile found of a session's children (Service and NetworkPolicy made)."""
-
-    want_pod: dict[str, Any]  # its own kernel pod, as the spec says it should be
-    secret: dict[str, Any] | None  # its own connection Secret (not read for a fresh one)
-    lease: dict[str, Any]
-    pod: dict[str, Any] | None  # its kernel pod: its own, or one it claimed
-    pool: Seen | None  # the pool it names, read for its first claim
-    workspace: tuple[bool, str, str] | None  # its claim's WorkspaceSized condition, if shown
-
-
-def host_of(session: KernelSession) -> str:
-    """The kernel's address: the session's Service, whichever pod it selects."""
-    return f"{child_name(session)}.{session.namespace}.svc"
-
-
-def _activity(lease: dict[str, Any], created: float, now: float) -> tuple[Activity, str]:
-    """What gateways wrote on the Lease (a time in the future counts as now), and the
-    kernelId a gateway asked to restart ("" none)."""
-    spec = lease.get("spec") or {}
-    notes = (lease.get("metadata") or {}).get("annotations") or {}
-    renewed = min(now, parse_time(spec.get("renewTime")) or 0.0)
-    marks = [parse_time(v) for k, v in notes.items() if k.startswith(BUSY_PREFIX)]
-    until = max((t for t in marks if t), default=None)
-    return Activity(max(created, renewed), until), str(notes.get(RESTART) or "")
-
-
-def _lifetime(pod: dict[str, Any]) -> float | None:
-    """How long the pod's kernel ran before it stopped, if the kubelet says."""
-    for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        ended = (status.get("state") or {}).get("terminated") or {}
-        start, end = parse_time(ended.get("startedAt")), parse_time(ended.get("finishedAt"))
-        if start is not None and end is not None:
-            return end - start
-    return None
 
 
 def _differs(current: dict[str, Any], want: dict[str, Any]) -> bool:
@@ -158,12 +96,8 @@ class Reconciler:
         self.baseline = Baseline(kube)
         self.pools = PoolKeeper(kube, settings, self.baseline)
         self._locks: dict[Key, asyncio.Lock] = {}
-        self._due: dict[Key, float] = {}
-        self._failures: dict[Key, int] = {}
-        self._wake = asyncio.Event()
-        self._slots = asyncio.Semaphore(WORKERS)
+        self.schedule = Scheduler(self._one, settings.operator_resync)
         self._calls = concurrent.futures.ThreadPoolExecutor(CALLS, "mcp-forge-api")
-        self._running: set[asyncio.Task[None]] = set()
         # Workspace claims the API server refused to grow: (namespace, name) -> (size
         # asked, when, the condition said), so a refusal is asked again only now and then.
         self._refused: dict[tuple[str, str], tuple[str, float, tuple[bool, str, str]]] = {}
@@ -181,51 +115,23 @@ class Reconciler:
 
     def poke(self, namespace: str, name: str, at: float | None = None, *, kind: str = KS) -> None:
         """Reconcile the session (or pool) at `at` (now if None), or earlier if due."""
-        when = time.time() if at is None else at
-        key = (kind, namespace, name)
-        if key not in self._due or when < self._due[key]:
-            self._due[key] = when
-            self._wake.set()
+        self.schedule.poke((kind, namespace, name), at)
 
     def forget(self, namespace: str, name: str, *, kind: str = KS) -> None:
-        key = (kind, namespace, name)
-        self._due.pop(key, None)
-        self._failures.pop(key, None)
-        self._locks.pop(key, None)
+        self.schedule.forget((kind, namespace, name))
+        self._locks.pop((kind, namespace, name), None)
         if kind == KS:
             self._refused.pop((namespace, name), None)
 
     async def run(self) -> None:
         """Reconcile sessions as they fall due; every session at least every resync."""
-        while True:
-            now = time.time()
-            for key in [k for k, t in self._due.items() if t <= now]:
-                del self._due[key]
-                task = asyncio.create_task(self._background(*key))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
-            self._wake.clear()
-            wait = min(self._due.values(), default=now + self.settings.operator_resync) - now
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, wait)):
-                    await self._wake.wait()
+        await self.schedule.run()
 
-    async def _background(self, kind: str, namespace: str, name: str) -> None:
-        key = (kind, namespace, name)
-        async with self._slots:
-            try:
-                if kind == POOL:
-                    await self.reconcile_pool(namespace, name)
-                else:
-                    await self.reconcile(namespace, name)
-            except Exception as exc:  # kept going: retried with backoff
-                n = self._failures.get(key, 0) + 1
-                self._failures[key] = n
-                delay = min(BACKOFF_MAX, 2.0**n)
-                log.warning("reconcile of %s %s/%s failed (retry in %.0fs): %s", *key, delay, exc)
-                self.poke(namespace, name, time.time() + delay, kind=kind)
-            else:
-                self._failures.pop(key, None)
+    async def _one(self, kind: str, namespace: str, name: str) -> None:
+        if kind == POOL:
+            await self.reconcile_pool(namespace, name)
+        else:
+            await self.reconcile(namespace, name)
 
     async def reconcile_pool(self, namespace: str, name: str) -> None:
         """Keep a KernelSessionPool full (control/pools.py)."""
@@ -286,7 +192,7 @@ class Reconciler:
         except InvalidSession as exc:
             self._write(body, self._invalid(old, str(exc), generation, stamp(now)))
             return Outcome(invalid=str(exc))
-        return self._realize(session, body, old, generation, now)
+        return realize(self, session, body, old, generation, now)
 
     @staticmethod
     def _invalid(old: dict[str, Any], why: str, generation: int, now: str) -> dict[str, Any]:
@@ -541,224 +447,6 @@ class Reconciler:
         if curve is None or bridge is None:
             return {"stringData": want["stringData"]}
         return None
-
-    def _realize(
-        self,
-        session: KernelSession,
-        body: dict[str, Any],
-        old: dict[str, Any],
-        generation: int,
-        now: float,
-    ) -> Outcome:
-        ns, spec = session.namespace, session.spec
-        fresh = not old  # its first reconcile, most likely: no child made yet
-        found = self._children(session, old, fresh=fresh)
-        want_pod, pod, host = found.want_pod, found.pod, host_of(session)
-        created = parse_time(body["metadata"].get("creationTimestamp")) or now
-        act, restart = _activity(found.lease, created, now)
-        expires = created + spec.max_lifetime if spec.max_lifetime else None
-        starting = pod is not None and old.get("phase") in (None, *st.IN_PROGRESS)
-        made = parse_time(pod["metadata"].get("creationTimestamp")) if pod is not None else None
-        floor = idle_since(
-            act,
-            started=parse_time(old.get("startedAt")),
-            starting_since=(made or now) if starting else None,
-        )
-        verdict = stop_of(session, created=created, idle_from=floor, activity=act, now=now)
-        due = list(verdict.due)
-        if verdict.stop is not None and verdict.stop.delete:
-            log.info("deleting %s/%s: %s", ns, session.name, verdict.stop.message)
-            self.kube.delete("KernelSession", ns, session.name, uid=session.uid)
-            return Outcome(gone=True)
-        stop = (
-            Observation(verdict.stop.phase, verdict.stop.reason, verdict.stop.message)
-            if verdict.stop is not None
-            else None
-        )
-
-        status = dict(old)
-        conn = dict(old.get("connection") or {})
-        kernel_gen = int(conn.get("generation") or 0)
-        pending: tuple[str, str] | None = None
-        claim: Claim | None = None
-        if stop is not None:
-            if pod is not None and not pod["metadata"].get("deletionTimestamp"):
-                meta = pod["metadata"]
-                self.kube.delete("Pod", ns, meta["name"], uid=meta["uid"])
-            self._own_secret(session, found.secret, fresh=fresh)  # for the next kernel
-            seen = stop
-            if old.get("phase") != stop.phase:
-                status["suspendedAt"] = stamp(now)
-            pod = None
-        elif pod is None:
-            if spec.pool and not old.get("kernelId"):  # the first kernel: a warm start?
-                claim = self.pools.claim(
-                    session, want_pod["metadata"]["annotations"][TEMPLATE_HASH], found.pool
-                )
-                pod = claim.pod
-            if pod is None:
-                complete = self._own_secret(session, found.secret, fresh=fresh)
-                if complete is not None:
-                    log.info(
-                        "adding the Curve pair and the bridge certificate to the Secret of "
-                        "%s/%s (kept from an older operator, or malformed) before its next "
-                        "kernel pod",
-                        ns,
-                        session.name,
-                    )
-                    self.kube.patch("Secret", ns, secret_name(session), complete)
-                pod, _ = self.kube.ensure(want_pod, likely_new=fresh)
-            if pod["metadata"].get("uid") != old.get("kernelId"):
-                if old.get("kernelId"):
-                    status["restarts"] = int(old.get("restarts") or 0) + 1
-                    last = (old.get("lastTermination") or {}).get("reason")
-                    metrics.KERNEL_RESTARTS.labels(
-                        reason="oom" if last == st.OOM_KILLED else "replaced"
-                    ).inc()
-                kernel_gen += 1
-                status["startedAt"] = None
-            seen = observe(session, pod)
-            due.append(now + STARTING_RECHECK)
-        else:
-            if pod["metadata"]["name"] == child_name(session):  # not a claimed one
-                self._own_secret(session, found.secret, fresh=fresh)
-            uid = pod["metadata"].get("uid")
-            if uid != old.get("kernelId"):  # made by a reconcile whose status write was lost
-                kernel_gen += 1
-            seen = observe(session, pod)
-            deleting = bool(pod["metadata"].get("deletionTimestamp"))
-            outdated = (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH) != (
-                want_pod["metadata"]["annotations"][TEMPLATE_HASH]
-            )
-            last = old.get("lastTermination") or {}
-            if seen.termination is not None:
-                term = seen.termination
-                if last.get("podUID") != uid:
-                    lived = _lifetime(pod)
-                    quick = term.exit_code != 0 and lived is not None and lived < QUICK_DEATH
-                    log.info("kernel of %s/%s died: %s", ns, session.name, term.message)
-                    last = {
-                        "reason": term.reason,
-                        "exitCode": term.exit_code,
-                        "message": term.message,
-                        "at": stamp(now),
-                        "podUID": uid,
-                        "quickDeaths": int(last.get("quickDeaths") or 0) + 1 if quick else 0,
-                    }
-                    status["lastTermination"] = last
-            plan = plan_kernel(
-                session,
-                seen,
-                quick_deaths=int(last.get("quickDeaths") or 0),
-                died_at=parse_time(last.get("at")),
-                outdated=outdated,
-                deleting=deleting,
-                restart_asked=bool(restart) and restart == uid,
-                busy=act.busy(now),
-                now=now,
-            )
-            if plan.replace:
-                self.kube.delete("Pod", ns, pod["metadata"]["name"], uid=uid)
-            seen, pending = plan.seen, plan.pending
-            if plan.due is not None:
-                due.append(plan.due)
-            if seen.phase in st.IN_PROGRESS:
-                due.append(now + STARTING_RECHECK)
-
-        stamp_now = stamp(now)
-        pod_name = pod["metadata"]["name"] if pod is not None else None
-        status.update(
-            phase=seen.phase,
-            reason=seen.reason,
-            message=seen.message,
-            observedGeneration=generation,
-            serviceName=child_name(session),
-            podName=pod_name,
-            podIP=seen.pod_ip,
-            kernelId=pod["metadata"].get("uid") if pod is not None else None,
-            templateHash=(
-                (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH)
-                if pod is not None
-                else None
-            ),
-            expiresAt=stamp(expires) if expires is not None else None,
-            connection={
-                "transport": "tcp",
-                "host": host,
-                "ports": dict(PORTS),
-                "secretName": connection_secret_of(pod_name or child_name(session)),
-                "generation": kernel_gen,
-            },
-        )
-        if claim is not None and claim.pod is not None:
-            status["startedAt"] = stamp_now  # it ran in the pool before: this is its start
-        elif seen.ready and seen.started_at and not old.get("startedAt"):
-            status["startedAt"] = seen.started_at
-            # The floor above was a starting pod's (START_GRACE): now that the kernel runs,
-            # idleness counts from its start, or nothing would wake us before the grace ends.
-            if spec.idle_timeout and stop is None:
-                started = parse_time(seen.started_at) or now
-                due.append(
-                    idle_since(act, started=started, starting_since=None) + spec.idle_timeout
-                )
-        status.setdefault("restarts", 0)
-        if stop is None:
-            status["suspendedAt"] = None
-        shown = parse_time(old.get("lastActivity")) or 0.0
-        if act.last - shown >= LAST_ACTIVITY_STEP or not old.get("lastActivity"):
-            status["lastActivity"] = stamp(act.last)
-        status["conditions"] = st.conditions(
-            old.get("conditions"),
-            seen.phase,
-            seen.reason,
-            seen.message,
-            pending=pending,
-            generation=generation,
-            now=stamp_now,
-        )
-        if not spec.persistent:  # no claim (any more): nothing to say of one
-            status["conditions"] = [
-                c for c in status["conditions"] if c["type"] != ws.WORKSPACE_SIZED
-            ]
-        elif found.workspace is not None:
-            value, why, text = found.workspace
-            sized = st.condition(
-                old.get("conditions"),
-                ws.WORKSPACE_SIZED,
-                value,
-                why,
-                text,
-                generation=generation,
-                now=stamp_now,
-            )
-            status["conditions"] = [
-                *(c for c in status["conditions"] if c["type"] != ws.WORKSPACE_SIZED),
-                sized,
-            ]
-            if why == ws.RESIZING:  # claims are not watched: looked at again
-                due.append(now + RESIZE_RECHECK)
-        if claim is not None:  # WarmStart: kept from then on, as the first kernel's story
-            warm = st.condition(
-                old.get("conditions"),
-                ksp.WARM_START,
-                claim.pod is not None,
-                claim.reason,
-                claim.message,
-                generation=generation,
-                now=stamp_now,
-            )
-            status["conditions"] = [
-                *(c for c in status["conditions"] if c["type"] != ksp.WARM_START),
-                warm,
-            ]
-        self._write(body, status)
-        claimed_now = claim is not None and claim.pod is not None
-        # A session that claimed a kernel stops counting against its pool's maxSize when
-        # it stops on purpose: the pool may start one (after this status write, which the
-        # pool's count reads).
-        let_go = stop is not None and old.get("phase") != stop.phase and ksp.claimed_a_kernel(old)
-        refill = spec.pool if claimed_now or let_go else None
-        return Outcome(due=min(due) if due else None, refill=refill)
 
     def _write(self, body: dict[str, Any], status: dict[str, Any]) -> None:
         old = body.get("status") or {}

@@ -1,0 +1,401 @@
+"""One reconcile of a valid KernelSession, as a pipeline of steps over one `Pass`.
+
+    begin           read the children, the activity and the stop verdict (a session past
+                    its lifetime, or idle with idleAction Delete, is deleted here)
+    then one of     stopped: a stopped session (suspended, expired) has no kernel pod
+                    start_kernel: no pod yet: claim one from the pool, or make one
+                    follow_kernel: a pod: its death, crash loop, replacement or restart
+    fill_status     the status fields every phase has
+    add_conditions  Ready/Reconciling/Stalled, WorkspaceSized, WarmStart
+    outcome         when to look again, and the pool to refill
+
+Each step reads and writes the Pass, and asks the API through the reconciler (its Kube,
+its PoolKeeper, its Secret rules): the decisions themselves are control/lifecycle.py's,
+shared with local mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mcp_forge import metrics
+from mcp_forge.api import kernelsessionpool as ksp
+from mcp_forge.api import status as st
+from mcp_forge.api.connection import PORTS
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.status import parse_time, stamp
+from mcp_forge.clients.kube import BUSY_PREFIX, RESTART
+from mcp_forge.control import workspace as ws
+from mcp_forge.control.lifecycle import QUICK_DEATH, Activity, idle_since, plan_kernel, stop_of
+from mcp_forge.control.pods import Observation, observe
+from mcp_forge.control.pools import Claim, Seen
+from mcp_forge.control.render import (
+    TEMPLATE_HASH,
+    child_name,
+    connection_secret_of,
+    secret_name,
+)
+
+if TYPE_CHECKING:
+    from mcp_forge.control.handlers import Reconciler
+
+log = logging.getLogger(__name__)
+
+STARTING_RECHECK = 15.0  # a pod not Ready after this is looked at again, events or not
+RESIZE_RECHECK = 30.0  # a workspace claim smaller than asked is looked at again after this
+LAST_ACTIVITY_STEP = 30.0  # status.lastActivity mirrors the Lease to this resolution
+
+
+@dataclass(frozen=True)
+class Outcome:
+    invalid: str | None = None  # the spec is wrong: a permanent error
+    gone: bool = False  # the session no longer exists (or was just deleted: idle)
+    due: float | None = None  # wall-clock time it must be looked at again
+    refill: str | None = None  # the pool it claimed a kernel of, to be refilled
+
+
+@dataclass(frozen=True)
+class Children:
+    """What a reconcile found of a session's children (Service and NetworkPolicy made)."""
+
+    want_pod: dict[str, Any]  # its own kernel pod, as the spec says it should be
+    secret: dict[str, Any] | None  # its own connection Secret (not read for a fresh one)
+    lease: dict[str, Any]
+    pod: dict[str, Any] | None  # its kernel pod: its own, or one it claimed
+    pool: Seen | None  # the pool it names, read for its first claim
+    workspace: tuple[bool, str, str] | None  # its claim's WorkspaceSized condition, if shown
+
+
+@dataclass
+class Pass:
+    """One reconcile of one session: what it found, and what its steps decided."""
+
+    session: KernelSession
+    body: dict[str, Any]
+    old: dict[str, Any]  # the status as read
+    generation: int
+    now: float
+    found: Children
+    act: Activity
+    restart: str  # the kernelId a gateway asked to restart ("" none)
+    expires: float | None
+    stop: Observation | None  # why it is stopped, if it is
+    status: dict[str, Any]  # the status to write
+    due: list[float]
+    kernel_gen: int  # the connection's generation: one more per kernel pod
+    pod: dict[str, Any] | None = None
+    seen: Observation | None = None
+    pending: tuple[str, str] | None = None
+    claim: Claim | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fresh(self) -> bool:
+        return not self.old  # its first reconcile, most likely: no child made yet
+
+
+def host_of(session: KernelSession) -> str:
+    """The kernel's address: the session's Service, whichever pod it selects."""
+    return f"{child_name(session)}.{session.namespace}.svc"
+
+
+def activity(lease: dict[str, Any], created: float, now: float) -> tuple[Activity, str]:
+    """What gateways wrote on the Lease (a time in the future counts as now), and the
+    kernelId a gateway asked to restart ("" none)."""
+    spec = lease.get("spec") or {}
+    notes = (lease.get("metadata") or {}).get("annotations") or {}
+    renewed = min(now, parse_time(spec.get("renewTime")) or 0.0)
+    marks = [parse_time(v) for k, v in notes.items() if k.startswith(BUSY_PREFIX)]
+    until = max((t for t in marks if t), default=None)
+    return Activity(max(created, renewed), until), str(notes.get(RESTART) or "")
+
+
+def lifetime(pod: dict[str, Any]) -> float | None:
+    """How long the pod's kernel ran before it stopped, if the kubelet says."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        ended = (status.get("state") or {}).get("terminated") or {}
+        start, end = parse_time(ended.get("startedAt")), parse_time(ended.get("finishedAt"))
+        if start is not None and end is not None:
+            return end - start
+    return None
+
+
+def realize(
+    r: Reconciler,
+    session: KernelSession,
+    body: dict[str, Any],
+    old: dict[str, Any],
+    generation: int,
+    now: float,
+) -> Outcome:
+    """Make the session's kernel what its spec and its life so far say; write status."""
+    p = begin(r, session, body, old, generation, now)
+    if p is None:
+        return Outcome(gone=True)
+    if p.stop is not None:
+        stopped(r, p)
+    elif p.pod is None:
+        start_kernel(r, p)
+    else:
+        follow_kernel(r, p)
+    fill_status(p)
+    add_conditions(p)
+    r._write(body, p.status)
+    return outcome(p)
+
+
+def begin(
+    r: Reconciler,
+    session: KernelSession,
+    body: dict[str, Any],
+    old: dict[str, Any],
+    generation: int,
+    now: float,
+) -> Pass | None:
+    """Read the children and decide whether the session stops; None if it was deleted."""
+    spec = session.spec
+    found = r._children(session, old, fresh=not old)
+    pod = found.pod
+    created = parse_time(body["metadata"].get("creationTimestamp")) or now
+    act, restart = activity(found.lease, created, now)
+    starting = pod is not None and old.get("phase") in (None, *st.IN_PROGRESS)
+    made = parse_time(pod["metadata"].get("creationTimestamp")) if pod is not None else None
+    floor = idle_since(
+        act,
+        started=parse_time(old.get("startedAt")),
+        starting_since=(made or now) if starting else None,
+    )
+    verdict = stop_of(session, created=created, idle_from=floor, activity=act, now=now)
+    if verdict.stop is not None and verdict.stop.delete:
+        log.info("deleting %s/%s: %s", session.namespace, session.name, verdict.stop.message)
+        r.kube.delete("KernelSession", session.namespace, session.name, uid=session.uid)
+        return None
+    stop = (
+        Observation(verdict.stop.phase, verdict.stop.reason, verdict.stop.message)
+        if verdict.stop is not None
+        else None
+    )
+    return Pass(
+        session=session,
+        body=body,
+        old=old,
+        generation=generation,
+        now=now,
+        found=found,
+        act=act,
+        restart=restart,
+        expires=created + spec.max_lifetime if spec.max_lifetime else None,
+        stop=stop,
+        status=dict(old),
+        due=list(verdict.due),
+        kernel_gen=int((old.get("connection") or {}).get("generation") or 0),
+        pod=pod,
+    )
+
+
+def stopped(r: Reconciler, p: Pass) -> None:
+    """A stopped session: its kernel pod goes; its Secret stays, for the next kernel."""
+    assert p.stop is not None
+    pod = p.pod
+    if pod is not None and not pod["metadata"].get("deletionTimestamp"):
+        meta = pod["metadata"]
+        r.kube.delete("Pod", p.session.namespace, meta["name"], uid=meta["uid"])
+    r._own_secret(p.session, p.found.secret, fresh=p.fresh)
+    p.seen = p.stop
+    if p.old.get("phase") != p.stop.phase:
+        p.status["suspendedAt"] = stamp(p.now)
+    p.pod = None
+
+
+def start_kernel(r: Reconciler, p: Pass) -> None:
+    """No kernel pod: the first one may be claimed warm from the pool; else it is made
+    (the Secret completed first if an older operator left it without keys)."""
+    session, old, want_pod = p.session, p.old, p.found.want_pod
+    ns = session.namespace
+    if session.spec.pool and not old.get("kernelId"):  # the first kernel: a warm start?
+        template = want_pod["metadata"]["annotations"][TEMPLATE_HASH]
+        p.claim = r.pools.claim(session, template, p.found.pool)
+        p.pod = p.claim.pod
+    if p.pod is None:
+        complete = r._own_secret(session, p.found.secret, fresh=p.fresh)
+        if complete is not None:
+            log.info(
+                "adding the Curve pair and the bridge certificate to the Secret of %s/%s "
+                "(kept from an older operator, or malformed) before its next kernel pod",
+                ns,
+                session.name,
+            )
+            r.kube.patch("Secret", ns, secret_name(session), complete)
+        p.pod, _ = r.kube.ensure(want_pod, likely_new=p.fresh)
+    pod = p.pod
+    if pod["metadata"].get("uid") != old.get("kernelId"):
+        if old.get("kernelId"):
+            p.status["restarts"] = int(old.get("restarts") or 0) + 1
+            last = (old.get("lastTermination") or {}).get("reason")
+            reason = "oom" if last == st.OOM_KILLED else "replaced"
+            metrics.KERNEL_RESTARTS.labels(reason=reason).inc()
+        p.kernel_gen += 1
+        p.status["startedAt"] = None
+    p.seen = observe(session, pod)
+    p.due.append(p.now + STARTING_RECHECK)
+
+
+def follow_kernel(r: Reconciler, p: Pass) -> None:
+    """A kernel pod: what it shows, its death (lastTermination), and the lifecycle's plan
+    for it (replace it, wait out a crash loop's backoff, restart it on request)."""
+    session, old, pod = p.session, p.old, p.pod
+    assert pod is not None
+    if pod["metadata"]["name"] == child_name(session):  # not a claimed one
+        r._own_secret(session, p.found.secret, fresh=p.fresh)
+    uid = pod["metadata"].get("uid")
+    if uid != old.get("kernelId"):  # made by a reconcile whose status write was lost
+        p.kernel_gen += 1
+    seen = observe(session, pod)
+    hashes = (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH)
+    outdated = hashes != p.found.want_pod["metadata"]["annotations"][TEMPLATE_HASH]
+    last = _termination(p, seen, pod)
+    plan = plan_kernel(
+        session,
+        seen,
+        quick_deaths=int(last.get("quickDeaths") or 0),
+        died_at=parse_time(last.get("at")),
+        outdated=outdated,
+        deleting=bool(pod["metadata"].get("deletionTimestamp")),
+        restart_asked=bool(p.restart) and p.restart == uid,
+        busy=p.act.busy(p.now),
+        now=p.now,
+    )
+    if plan.replace:
+        r.kube.delete("Pod", session.namespace, pod["metadata"]["name"], uid=uid)
+    p.seen, p.pending = plan.seen, plan.pending
+    if plan.due is not None:
+        p.due.append(plan.due)
+    if p.seen.phase in st.IN_PROGRESS:
+        p.due.append(p.now + STARTING_RECHECK)
+
+
+def _termination(p: Pass, seen: Observation, pod: dict[str, Any]) -> dict[str, Any]:
+    """status.lastTermination: the pod's death, recorded once per pod, with the count of
+    quick deaths in a row (the crash loop's)."""
+    last: dict[str, Any] = p.old.get("lastTermination") or {}
+    term, uid = seen.termination, pod["metadata"].get("uid")
+    if term is None or last.get("podUID") == uid:
+        return last
+    lived = lifetime(pod)
+    quick = term.exit_code != 0 and lived is not None and lived < QUICK_DEATH
+    log.info("kernel of %s/%s died: %s", p.session.namespace, p.session.name, term.message)
+    last = {
+        "reason": term.reason,
+        "exitCode": term.exit_code,
+        "message": term.message,
+        "at": stamp(p.now),
+        "podUID": uid,
+        "quickDeaths": int(last.get("quickDeaths") or 0) + 1 if quick else 0,
+    }
+    p.status["lastTermination"] = last
+    return last
+
+
+def fill_status(p: Pass) -> None:
+    """The fields every phase has: phase, the kernel, the connection, activity, times."""
+    session, old, pod, seen = p.session, p.old, p.pod, p.seen
+    assert seen is not None
+    status = p.status
+    pod_name = pod["metadata"]["name"] if pod is not None else None
+    meta = pod["metadata"] if pod is not None else {}
+    status.update(
+        phase=seen.phase,
+        reason=seen.reason,
+        message=seen.message,
+        observedGeneration=p.generation,
+        serviceName=child_name(session),
+        podName=pod_name,
+        podIP=seen.pod_ip,
+        kernelId=meta.get("uid") if pod is not None else None,
+        templateHash=(meta.get("annotations") or {}).get(TEMPLATE_HASH) if pod else None,
+        expiresAt=stamp(p.expires) if p.expires is not None else None,
+        connection={
+            "transport": "tcp",
+            "host": host_of(session),
+            "ports": dict(PORTS),
+            "secretName": connection_secret_of(pod_name or child_name(session)),
+            "generation": p.kernel_gen,
+        },
+    )
+    if p.claim is not None and p.claim.pod is not None:
+        status["startedAt"] = stamp(p.now)  # it ran in the pool before: this is its start
+    elif seen.ready and seen.started_at and not old.get("startedAt"):
+        status["startedAt"] = seen.started_at
+        # The idle floor was a starting pod's (START_GRACE): now that the kernel runs,
+        # idleness counts from its start, or nothing would wake us before the grace ends.
+        if session.spec.idle_timeout and p.stop is None:
+            started = parse_time(seen.started_at) or p.now
+            since = idle_since(p.act, started=started, starting_since=None)
+            p.due.append(since + session.spec.idle_timeout)
+    status.setdefault("restarts", 0)
+    if p.stop is None:
+        status["suspendedAt"] = None
+    shown = parse_time(old.get("lastActivity")) or 0.0
+    if p.act.last - shown >= LAST_ACTIVITY_STEP or not old.get("lastActivity"):
+        status["lastActivity"] = stamp(p.act.last)
+
+
+def add_conditions(p: Pass) -> None:
+    """The phase's conditions, then WorkspaceSized (persistent workspaces only) and
+    WarmStart (kept from the first kernel's claim on)."""
+    seen, old, now = p.seen, p.old.get("conditions"), stamp(p.now)
+    assert seen is not None
+    conditions = st.conditions(
+        old,
+        seen.phase,
+        seen.reason,
+        seen.message,
+        pending=p.pending,
+        generation=p.generation,
+        now=now,
+    )
+    sized = None
+    if p.session.spec.persistent and p.found.workspace is not None:
+        value, why, text = p.found.workspace
+        sized = st.condition(
+            old, ws.WORKSPACE_SIZED, value, why, text, generation=p.generation, now=now
+        )
+        if why == ws.RESIZING:  # claims are not watched: looked at again
+            p.due.append(p.now + RESIZE_RECHECK)
+    if not p.session.spec.persistent or sized is not None:  # none to say, or a new one
+        conditions = _replaced(conditions, ws.WORKSPACE_SIZED, sized)
+    if p.claim is not None:
+        claim = p.claim
+        warm = st.condition(
+            old,
+            ksp.WARM_START,
+            claim.pod is not None,
+            claim.reason,
+            claim.message,
+            generation=p.generation,
+            now=now,
+        )
+        conditions = _replaced(conditions, ksp.WARM_START, warm)
+    p.status["conditions"] = conditions
+
+
+def _replaced(
+    conditions: list[dict[str, Any]], kind: str, new: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """`conditions` without those of type `kind`, and `new` (if any) at the end."""
+    kept = [c for c in conditions if c["type"] != kind]
+    return [*kept, new] if new is not None else kept
+
+
+def outcome(p: Pass) -> Outcome:
+    """When to look again; and the pool to refill: a session that claimed a kernel now,
+    or that stopped on purpose having claimed one, stops counting against its pool's
+    maxSize (after this status write, which the pool's count reads)."""
+    claimed_now = p.claim is not None and p.claim.pod is not None
+    let_go = (
+        p.stop is not None and p.old.get("phase") != p.stop.phase and ksp.claimed_a_kernel(p.old)
+    )
+    refill = p.session.spec.pool if claimed_now or let_go else None
+    return Outcome(due=min(p.due) if p.due else None, refill=refill)
