@@ -24,6 +24,7 @@ from typing import Any
 from mcp_forge.api import kernelsession as ks
 from mcp_forge.api import secret
 from mcp_forge.errors import InvalidSession
+from mcp_forge.kernelside import compiled, run_silently
 from mcp_forge.sandbox import WORKSPACE
 
 KIND = "KernelSessionPool"
@@ -242,23 +243,6 @@ def claim_env(
     return env
 
 
-# Run by claim_program in globals of its own: nothing is left in the user's namespace.
-_SETUP = """
-import os
-mark = ENV.get(MARK)
-if mark is None or os.environ.get(MARK) != mark:
-    os.environ.update(ENV)
-    for path, text in FILES:
-        full = os.path.join(ROOT, path)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        try:
-            with open(full, "x", encoding="utf-8") as f:
-                f.write(text)
-        except FileExistsError:
-            pass
-"""
-
-
 def claim_program(
     env: Mapping[str, str], files: Sequence[tuple[str, str]] = (), *, root: str = WORKSPACE
 ) -> str:
@@ -267,12 +251,12 @@ def claim_program(
     Files are written below `root` where no file of that path exists (a file the code
     changed is kept, across kernel restarts too). With CLAIM_MARK in `env`, all of it is
     done once: a kernel that already has that mark (a gateway connecting again, a
-    second replica) keeps its environment and files as its code left them. The values
-    are Python literals made by repr, which round-trips every str exactly; nothing the
-    kernel sends back is evaluated. It runs in globals of its own, leaving no name.
+    second replica) keeps its environment and files as its code left them
+    (kernelside/claim.py). The values are Python literals made by repr, which
+    round-trips every str exactly; nothing the kernel sends back is evaluated.
     """
     names = {"ENV": dict(env), "FILES": [list(f) for f in files], "MARK": CLAIM_MARK, "ROOT": root}
-    return f"exec({_SETUP!r}, {names!r})"
+    return run_silently(compiled("claim"), {k: repr(v) for k, v in names.items()})
 
 
 def parse_resources(text: str) -> list[dict[str, Any]]:

@@ -53,7 +53,7 @@ from mcp_forge.jupyter.execution import (
     ExecutionResult,
     Status,
 )
-from mcp_forge.kernelside import source
+from mcp_forge.kernelside import compiled, run_silently
 from mcp_forge.logsafe import shown
 from mcp_forge.runtimes.base import Runtime
 from mcp_forge.sandbox import WORKSPACE
@@ -969,14 +969,8 @@ def guard_program(settings: Settings) -> str:
         "journal_record_max": settings.file_max,  # a larger cell fits no notebook
     }
     # First, the packages install_packages gave earlier kernels of the session.
-    return (
-        packages.path_program()
-        + "\n"
-        + (
-            f"exec(compile({source('guard')!r}, '<mcp-forge-guard>', 'exec'), "
-            f"{{'__builtins__': __builtins__, 'get_ipython': get_ipython, 'LIMITS': {limits!r}}})"
-        )
-    )
+    guard = run_silently(compiled("guard"), {"get_ipython": "get_ipython", "LIMITS": repr(limits)})
+    return packages.path_program() + "\n" + guard
 
 
 _VAR_FIELDS: dict[str, type] = {

@@ -22,7 +22,7 @@ import secrets
 from typing import Any
 
 from mcp_forge.errors import InvalidRequest, KernelProtocolError
-from mcp_forge.kernelside import source
+from mcp_forge.kernelside import run_silently, source
 from mcp_forge.sandbox import WORKSPACE
 
 
@@ -40,12 +40,8 @@ def program(op: str, **args: Any) -> tuple[str, str]:
         f"(lambda d: d.get({key!r}) or d.setdefault({key!r}, "
         f"compile({text!r}, '<mcp-forge>', 'exec')))(__import__('sys').__dict__)"
     )
-    code = (
-        f"exec({compiled}, "
-        f"{{'__builtins__': __builtins__, 'get_ipython': get_ipython, "
-        f"'ARGS': {env['ARGS']!r}, 'MARKER': {env['MARKER']!r}}})"
-    )
-    return code, marker
+    names = {"get_ipython": "get_ipython", "ARGS": repr(env["ARGS"]), "MARKER": repr(marker)}
+    return run_silently(compiled, names), marker
 
 
 @functools.cache
@@ -115,11 +111,8 @@ def bridge_program(address: tuple[str | int, ...]) -> str:
     the helpers, it leaves no name in the user's namespace, and run again it finds the
     running bridge."""
     boot, sources = _bridge_literals()
-    return (
-        f"exec(compile({boot}, '<mcp-forge-bridge>', 'exec'), "
-        f"{{'__builtins__': __builtins__, 'BRIDGE_ADDRESS': {tuple(address)!r}, "
-        f"'SOURCES': {sources}}})"
-    )
+    code = f"compile({boot}, '<mcp-forge-bridge>', 'exec')"
+    return run_silently(code, {"BRIDGE_ADDRESS": repr(tuple(address)), "SOURCES": sources})
 
 
 @functools.cache
