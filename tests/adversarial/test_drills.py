@@ -46,5 +46,8 @@ async def test_the_noisy_neighbour_drill_in_its_short_form() -> None:
     assert by_name["leftovers"].ok, lines
     latency = [o for o in outcomes if o.drill.startswith("latency")]
     assert len(latency) == 2
+    # What holds today, asserted: no quiet call waits a second behind the noise (a
+    # lock or an executor starved by the noise once made them wait minutes).
+    assert all(o.facts["difference_ms"] < 1000 for o in latency), lines
     if not all(o.ok for o in latency):
         pytest.xfail(f"the quiet client's p99 under noise is over the threshold:\n{lines}")

@@ -314,7 +314,8 @@ class Noise:
             self.count(type(exc).__name__)
             return
         if r.is_error:
-            self.count(text(r).split(":", 1)[0][:60] or "error")
+            said = text(r).removeprefix(f"Error executing tool {tool}: ")
+            self.count(said[:60] or "error")
         elif tool == "execute_code" and r.structured_content.get("status") != "ok":
             self.count(f"execute_code {r.structured_content.get('status')}")
 
