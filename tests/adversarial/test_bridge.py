@@ -118,7 +118,10 @@ async def test_an_oversized_frame_closes_that_connection_and_the_next_call_works
             "        'next': mcp_tools.edge.echo(text='next')}",
         )
         assert got["back"] is True, got
-        assert got["why"].startswith("the MCP bridge connection was closed"), got
+        # The old connection ended: the kernel saw it closed, or, if the gateway's new
+        # dial arrived first, replaced (a race between two threads; either is the refusal).
+        ended = ("the MCP bridge connection was closed", "the MCP bridge connection was replaced")
+        assert got["why"].startswith(ended), got
         assert got["next"] == {"text": "next"}
 
 
