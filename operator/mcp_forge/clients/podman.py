@@ -74,6 +74,25 @@ def workdir() -> str:
     return str(path)
 
 
+async def remove_pod(ref: str) -> bool:
+    """`podman pod rm -f -t 0 REF`: True once it is removed, False if there was no such
+    pod; PodmanError if it cannot be. Podman 4.3.1 sometimes panics (nil Volume in
+    removePod) when pods are removed at the same time, or finds a container's /dev/shm
+    still busy while its processes die (EBUSY, in a user namespace): either leaves the pod
+    half removed, and a second `pod rm` finishes it. Tried three times."""
+    for attempt in (1, 2, 3):
+        done = await run("pod", "rm", "-f", "-t", "0", ref, check=False)
+        if done.returncode == 0:
+            return True
+        if "no pod with" in done.stderr.lower():
+            return False
+        again = "panic:" in done.stderr or "resource busy" in done.stderr
+        if not again or attempt == 3:
+            raise PodmanError(["pod", "rm", ref], done.returncode, done.stderr)
+        log.warning("podman failed removing pod %s (%s); trying again", ref, done.stderr[-200:])
+    raise AssertionError("unreachable")
+
+
 async def run(
     *args: str,
     input: bytes | None = None,

@@ -85,16 +85,10 @@ async def remove_orphans(runtime: LocalRuntime) -> list[str]:
 
 
 async def _remove(pod_id: str, name: str) -> bool:
-    """Remove a pod by id; False if it is still there. Podman 4.3 may leave a pod half
-    removed (a panic, or /dev/shm still busy while its processes die): a second `pod rm`
-    finishes it, as runtime._remove_pod does."""
-    for _ in range(3):
-        done = await podman.run("pod", "rm", "-f", "-t", "0", pod_id, check=False)
-        if done.returncode == 0:
-            return True
-        if "no pod with" in done.stderr.lower():
-            return False  # removed meanwhile, by whoever removes it
-        if "panic:" not in done.stderr and "resource busy" not in done.stderr:
-            break
-    log.warning("could not remove kernel pod %s: %s", name, done.stderr.strip()[-300:])
-    return False
+    """Remove a pod by id; False if it is still there, or was removed meanwhile by
+    whoever removes it. podman.remove_pod finishes a pod Podman 4.3 left half removed."""
+    try:
+        return await podman.remove_pod(pod_id)
+    except PodmanError as exc:
+        log.warning("could not remove kernel pod %s: %s", name, exc)
+        return False

@@ -773,27 +773,9 @@ class LocalRuntime:
                 await volumes.unmount(Path(target))
 
     async def _remove_pod(self, session: KernelSession) -> None:
-        # -t 0: the kernel is being deleted, with its state; nothing to wait for.
-        # Podman 4.3.1 sometimes panics (nil Volume in removePod) when pods are removed at
-        # the same time, leaving the pod half removed; a second `pod rm` finishes it. In a
-        # user namespace it may also find the container's /dev/shm still busy while its
-        # processes die (EBUSY): the pod is left half removed the same way.
-        for attempt in (1, 2, 3):
-            done = await podman.run(
-                "pod", "rm", "-f", "-t", "0", self.pod_name(session), check=False
-            )
-            if done.returncode == 0 or "no pod with name" in done.stderr.lower():
-                return
-            again = "panic:" in done.stderr or "resource busy" in done.stderr
-            if not again or attempt == 3:
-                raise PodmanError(
-                    ["pod", "rm", self.pod_name(session)], done.returncode, done.stderr
-                )
-            log.warning(
-                "podman failed removing %s (%s); trying again",
-                self.pod_name(session),
-                done.stderr.strip()[-200:],
-            )
+        # -t 0: the kernel is being deleted, with its state; nothing to wait for. A pod
+        # Podman leaves half removed is removed again (podman.remove_pod).
+        await podman.remove_pod(self.pod_name(session))
 
     # ---- observing: runtimes/local/containers.py --------------------------------------------
 
