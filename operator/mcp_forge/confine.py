@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mcp_forge
+from mcp_forge import cpuweight
 from mcp_forge.errors import ForgeError
 
 UID = 65534  # "nobody": owns nothing on the host but the directories given to a run
@@ -93,7 +94,7 @@ def command(
         raise ConfinementUnavailable(
             f"{what} must run unprivileged and the gateway runs as root: {why}"
         )
-    outer = _prlimit(limits)
+    outer = [*cpuweight.prefix(), *_prlimit(limits)]
     if shutil.which("nice"):  # coreutils': not in every image (the gateway's has none)
         outer += [_tool("nice"), "-n", str(NICE)]
     if not needed():

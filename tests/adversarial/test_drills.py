@@ -35,19 +35,22 @@ async def test_the_noisy_neighbour_drill_in_its_short_form() -> None:
     the host (pods, processes, scratch, lock files); the quiet client's figures are
     in the outcome lines.
 
-    The latency criterion (p99 within 50 ms of idle) is not met yet on a 2-core host:
-    the test says so (xfail, with the figures) rather than pass over it; see the drill's
-    docstring for what was measured."""
+    The latency criterion, p99 under noise within 50 ms of idle: list_sessions (the
+    gateway's own work) meets it since the gateway outweighs the kernels for CPU
+    (mcp_forge/cpuweight.py; +4 to +14 ms where it was +90 to +160), and it is asserted.
+    execute_code 1+1 also waits for the quiet kernel to get a core among the noisy
+    kernels (+95 to +125 ms): the test says so (xfail, with the figures) rather than pass
+    over it; see the drill's docstring."""
     outcomes = await neighbours.drill(clients=10, seconds=10, samples=30, threshold_ms=50)
     by_name = {o.drill: o for o in outcomes}
     lines = "\n".join(o.line() for o in outcomes)
     assert by_name["noise"].ok, lines
     assert not by_name["noise"].facts.get("close_failures"), lines
     assert by_name["leftovers"].ok, lines
-    latency = [o for o in outcomes if o.drill.startswith("latency")]
-    assert len(latency) == 2
+    assert by_name["latency list_sessions"].ok, lines
+    executes = by_name["latency execute_code 1+1"]
     # What holds today, asserted: no quiet call waits a second behind the noise (a
     # lock or an executor starved by the noise once made them wait minutes).
-    assert all(o.facts["difference_ms"] < 1000 for o in latency), lines
-    if not all(o.ok for o in latency):
+    assert executes.facts["difference_ms"] < 1000, lines
+    if not executes.ok:
         pytest.xfail(f"the quiet client's p99 under noise is over the threshold:\n{lines}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mcp_forge import metrics, tracing
+from mcp_forge import cpuweight, metrics, tracing
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
@@ -107,6 +107,7 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         if options.pool is None:  # each new session: a pool of the namespace that serves it
             service.find_pools = cluster.pools
     else:
+        say(cpuweight.raise_weight())  # threads and children made later follow it
         runtime = local = LocalRuntime(options.settings())
         service = SessionService(runtime, runtime.settings)
         service.pool, own_pool = await _local_pool(local, options, service.gateway_id, say)

@@ -41,6 +41,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp_types import CallToolResult, ImageContent, TextContent
 
+from mcp_forge import cpuweight
 from mcp_forge.errors import InvalidRequest, UpstreamError
 from mcp_forge.gateway.codemode.policy import Meter
 
@@ -172,8 +173,10 @@ class Upstream:
     def _target(self) -> Any:
         c = self.config
         if c.command:
+            # Back to the host's CPU weight: a kernel's calls are not the gateway's work.
+            argv = [*cpuweight.prefix(), c.command, *c.args]
             return StdioServerParameters(
-                command=c.command, args=list(c.args), env=dict(c.env) or None, cwd=c.cwd
+                command=argv[0], args=argv[1:], env=dict(c.env) or None, cwd=c.cwd
             )
         return c.url
 
