@@ -28,10 +28,14 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture
 async def one_thread() -> AsyncIterator[None]:
-    """The loop's default executor has one thread (a busy gateway's, all but one taken)."""
+    """The loop's default executor has one thread (a busy gateway's, all but one taken);
+    then a new one as asyncio makes: the loop is the whole test session's, and later tests
+    need a default executor that runs."""
+    loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(max_workers=1)
-    asyncio.get_running_loop().set_default_executor(executor)
+    loop.set_default_executor(executor)
     yield
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="asyncio"))
     executor.shutdown(wait=False, cancel_futures=True)
 
 
