@@ -94,55 +94,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx2
 from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
-from mcp_types import TextContent
 
 # Run as a script, this file has tests/drills on sys.path, not tests/ (pytest puts it there).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from drill_leftovers import host_leftovers, store_pods, tmp_entries, watch_family
+from drill_noise import (
+    CALL_DEADLINE,
+    KINDS,
+    PACKAGE,
+    SPIN,
+    VERSIONS,
+    connect,
+    create_session,
+    noise_main,
+    text,
+)
+
 from adversarial.package_index import PackageIndex
 from mcp_forge.cpuweight import V1_CPU, cpu_cgroup
-from mcp_forge.runtimes.local.orphans import STORE_LABEL, store_tag
 from mcp_servers.config import EDGE_SERVER, PYTHON, ROOT
 from mcp_servers.edge_server import SECRET_ENV
 from support import release_state_dir
 
 GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
-KINDS = ("flood", "export", "install", "codemode")
-# Diagnostic only (--kind spin): kernels that burn their CPU limit and say nothing, to tell
-# the cost of their CPU from that of what passes through the gateway.
-SPIN = "spin"
 QUIET = "quiet"
 START_DEADLINE = 60.0  # the gateway says it listens
-CALL_DEADLINE = 180.0  # one MCP request under noise, a kernel start included
 STOP_DEADLINE = 60.0  # SIGTERM until exit; the noise child's last calls and closes
 NOISE_READY_DEADLINE = 240.0  # every noisy session created and prepared
 SAMPLE_INTERVAL = 0.02  # between two samples of the quiet client
-PACKAGE = "drill-neighbour-tab"  # the wheel installs fetch, from the drill's index
-VERSIONS = ("1.0.0", "1.0.1", "1.0.2")
-
-FLOOD = (
-    "import sys\n"
-    "from IPython.display import display, HTML\n"
-    "line = 'x' * 999 + '\\n'\n"
-    "for _ in range(20_000):\n"
-    "    sys.stdout.write(line)\n"
-    "for i in range(300):\n"
-    "    display(HTML(f'<b>{i}</b>' + 'y' * 1000))\n"
-)
-EXPORT_CELL = (
-    "from IPython.display import display\n"
-    "print('z' * 99_000)\n"
-    "display({'text/plain': 'w' * 300_000}, raw=True)\n"
-)
-EXPORT_CELLS_FIRST = 6  # cells run before the noise starts: the journal is a few MB
-SPIN_CELL = "import time\nend = time.monotonic() + 5\nwhile time.monotonic() < end:\n    pass\n"
-CODEMODE = (
-    "import mcp_tools\n"
-    "got = [mcp_tools.edge.echo(text=str(i))['text'] for i in range(20)]\n"
-    "len(got)"
-)
 
 
 @dataclass(frozen=True)
@@ -268,143 +248,6 @@ async def running_gateway(
         if process.returncode is None:
             process.kill()
             await process.wait()
-
-
-@asynccontextmanager
-async def connect(url: str, token: str) -> AsyncIterator[Client]:
-    """The official SDK client over streamable HTTP, with this bearer token."""
-    http = httpx2.AsyncClient(
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=httpx2.Timeout(30.0, read=CALL_DEADLINE),
-    )
-    async with (
-        http,
-        Client(
-            streamable_http_client(url, http_client=http), read_timeout_seconds=CALL_DEADLINE
-        ) as c,
-    ):
-        yield c
-
-
-def text(result: Any) -> str:
-    return "\n".join(c.text for c in result.content if isinstance(c, TextContent))
-
-
-async def create_session(c: Client, **extra: Any) -> str:
-    made = await c.call_tool("create_session", {"variant": "minimal", "memory": "512Mi", **extra})
-    if made.is_error:
-        raise RuntimeError(f"create_session: {text(made)}")
-    return str(made.structured_content["session_id"])
-
-
-# ---- the noise (in a child process: `--noise`, its orders on stdin) ----------------------
-
-
-class Noise:
-    """One noisy client: its session, its kind, what its calls came to."""
-
-    def __init__(self, c: Client, kind: str, cpu: str) -> None:
-        self.c, self.kind, self.cpu = c, kind, cpu
-        self.sid = ""
-        self.calls = 0
-        self.errors: dict[str, int] = {}
-        self.round = 0
-
-    async def prepare(self) -> None:
-        extra: dict[str, Any] = {"cpu": self.cpu}
-        if self.kind == "codemode":
-            extra["mcp_servers"] = ["edge"]
-        self.sid = await create_session(self.c, **extra)
-        if self.kind == "export":
-            for _ in range(EXPORT_CELLS_FIRST):
-                await self.call("execute_code", {"code": EXPORT_CELL})
-
-    async def call(self, tool: str, args: dict[str, Any]) -> None:
-        self.calls += 1
-        try:
-            r = await self.c.call_tool(tool, {"session_id": self.sid, **args})
-        except Exception as exc:  # counted: the noise is not what is measured
-            self.count(type(exc).__name__)
-            return
-        if r.is_error:
-            said = text(r).removeprefix(f"Error executing tool {tool}: ")
-            self.count(said[:60] or "error")
-        elif tool == "execute_code" and r.structured_content.get("status") != "ok":
-            self.count(f"execute_code {r.structured_content.get('status')}")
-
-    def count(self, what: str) -> None:
-        self.errors[what] = self.errors.get(what, 0) + 1
-
-    async def once(self) -> None:
-        self.round += 1
-        if self.kind == "flood":
-            await self.call("execute_code", {"code": FLOOD})
-        elif self.kind == "export":
-            await self.call("execute_code", {"code": EXPORT_CELL})
-            await self.call("export_notebook", {"path": "drill.ipynb"})
-        elif self.kind == "install":
-            version = VERSIONS[self.round % len(VERSIONS)]
-            await self.call("install_packages", {"packages": [f"{PACKAGE}=={version}"]})
-        elif self.kind == SPIN:
-            await self.call("execute_code", {"code": SPIN_CELL})
-        else:
-            await self.call("execute_code", {"code": CODEMODE})
-
-    async def loop(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await self.once()
-
-    async def close(self) -> None:
-        if self.sid:
-            await self.c.call_tool("close_session", {"session_id": self.sid})
-
-
-async def noise_main() -> int:
-    """The child: its orders are one JSON line on stdin (url, tokens, cpu, kinds); it says
-    "ready" once every session is prepared, starts at "go", stops at "stop" (or when
-    stdin closes), closes its sessions and prints its counts as one JSON line."""
-    reader = asyncio.StreamReader()
-    loop = asyncio.get_running_loop()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    orders = json.loads(await reader.readline())
-    names = sorted(orders["tokens"])
-    kinds = orders["kinds"]
-    stop = asyncio.Event()
-    async with contextlib.AsyncExitStack() as stack:
-        noises = []
-        for i, name in enumerate(names):
-            c = await stack.enter_async_context(connect(orders["url"], orders["tokens"][name]))
-            noises.append(Noise(c, kinds[i % len(kinds)], orders["cpu"]))
-        try:
-            try:
-                await asyncio.gather(*(n.prepare() for n in noises))
-            except Exception as exc:  # said plainly: nested clients bury it in groups
-                print(f"not ready: {exc!r}", flush=True)
-                raise
-            print("ready", flush=True)
-            if (await reader.readline()).strip() == b"go":
-                async with asyncio.TaskGroup() as tg:
-                    for n in noises:
-                        tg.create_task(n.loop(stop))
-                    await reader.readline()  # "stop", or EOF
-                    stop.set()
-        finally:
-            closed = await asyncio.gather(*(n.close() for n in noises), return_exceptions=True)
-        counts = {
-            "calls": {k: sum(n.calls for n in noises if n.kind == k) for k in kinds},
-            "errors": {k: _merge([n.errors for n in noises if n.kind == k]) for k in kinds},
-            "close_failures": [repr(x) for x in closed if isinstance(x, BaseException)],
-        }
-        print(json.dumps(counts), flush=True)
-    return 0
-
-
-def _merge(dicts: list[dict[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for d in dicts:
-        for k, v in d.items():
-            out[k] = out.get(k, 0) + v
-    return out
 
 
 def _lowest_priority() -> None:
@@ -557,136 +400,6 @@ class Load:
             f"gateway {gateway:.0%} of a core, host {host:.0%} busy of {os.cpu_count()} cores, "
             f"tasks waiting for a core {waited:.0%} of the time"
         )
-
-
-# ---- what is left on the host -------------------------------------------------------------
-
-
-def gateway_family(root: int) -> dict[int, tuple[int, str]]:
-    """`root`'s descendants now: pid → (start time, command line)."""
-    children: dict[int, list[int]] = {}
-    info: dict[int, tuple[int, str]] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        pid = int(proc.name)
-        children.setdefault(int(stat[1]), []).append(pid)
-        info[pid] = (int(stat[19]), cmd.strip())
-    found: dict[int, tuple[int, str]] = {}
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        if pid in info:
-            found[pid] = info[pid]
-            todo.extend(children.get(pid, []))
-    return found
-
-
-async def watch_family(root: int, seen: dict[int, tuple[int, str]], stop: asyncio.Event) -> None:
-    """Record every process the gateway starts while it runs (pip, podman, upstreams)."""
-    while not stop.is_set():
-        seen.update(await asyncio.to_thread(gateway_family, root))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.25)  # a sample interval, not an event
-
-
-def still_running(seen: dict[int, tuple[int, str]]) -> list[str]:
-    """Those of `seen` still alive (same pid, same start time)."""
-    left = []
-    for pid, (started, cmd) in seen.items():
-        with contextlib.suppress(OSError):
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[19]) == started:
-                left.append(f"pid {pid}: {cmd[:160]}")
-    return left
-
-
-def naming(paths: list[Path]) -> list[str]:
-    """Processes whose command line, working directory or environment names one of `paths`."""
-    needles = [str(p).encode() for p in paths]
-    left = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-            cwd = os.readlink(proc / "cwd").encode()
-            env = (proc / "environ").read_bytes()
-        except OSError:
-            continue
-        if any(n in cmd or cwd.startswith(n) or n in env for n in needles):
-            shown = cmd.replace(b"\0", b" ").decode(errors="replace")[:160]
-            left.append(f"pid {proc.name}: {shown}")
-    return left
-
-
-async def store_pods(state_dir: Path) -> list[str]:
-    done = await asyncio.to_thread(
-        subprocess.run,
-        ["podman", "pod", "ps", "--filter", f"label={STORE_LABEL}={store_tag(state_dir)}",
-         "--format", "{{.Name}}"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    if done.returncode != 0:
-        return [f"podman pod ps failed: {done.stderr.strip()}"]
-    return sorted(done.stdout.split())
-
-
-def tmp_entries(directory: Path) -> set[str]:
-    return {p.name for p in directory.glob("mcp-forge-*")}
-
-
-# What a state directory holds once its gateway stopped cleanly with no session left: the
-# store, and the directories of kernels (k/) and of package installs' scratch (packages/),
-# empty. pip's cache (cache/) may hold what installs downloaded: it is bounded
-# (packages_cache_max) and kept on purpose. Anything else is a leftover, named.
-STATE_FILES = ("store.db",)
-STATE_EMPTY_DIRS = ("k", "packages")
-STATE_KEPT_TREES = ("cache",)
-
-
-def leftover_state(state_dir: Path) -> list[str]:
-    """Entries of `state_dir` beyond those of a clean stop (see above), lock files named
-    as such."""
-    left = []
-    for path in sorted(state_dir.rglob("*")):
-        rel = path.relative_to(state_dir).as_posix()
-        top = rel.split("/", 1)[0]
-        if rel in STATE_FILES or rel in STATE_EMPTY_DIRS or top in STATE_KEPT_TREES:
-            continue
-        if path.is_dir() and not path.is_symlink():
-            if not any(path.iterdir()):
-                left.append(f"directory {rel}/ (empty)")
-            continue  # a directory's files are named one by one
-        kind = "lock file" if "lock" in path.name else "file"
-        left.append(f"{kind} {rel} ({path.lstat().st_size} bytes)")
-    return left
-
-
-def host_leftovers(
-    state_dir: Path, work: Path, seen: dict[int, tuple[int, str]], tmp_before: set[str]
-) -> tuple[dict[str, list[str]], list[str], list[str]]:
-    """What the run left, by kind (besides pods); the state directory's listing; the
-    /tmp/mcp-forge-* entries that appeared on the host meanwhile."""
-    left = {
-        "processes": sorted(set(still_running(seen)) | set(naming([state_dir, work]))),
-        # The gateway's TMPDIR (see running_gateway): everything in it is its leftover.
-        "tmp": sorted(p.name for p in (work / "tmp").iterdir()),
-        "packages_scratch": sorted(
-            p.relative_to(state_dir).as_posix() for p in (state_dir / "packages").rglob("*")
-        ),
-        "state_files": leftover_state(state_dir),
-    }
-    listing = sorted(p.relative_to(state_dir).as_posix() for p in state_dir.rglob("*"))
-    # Host-wide: other users of the host (tests running at once) make these too, so they
-    # are reported, not held against the gateway.
-    listing_tmp = sorted(tmp_entries(Path("/tmp")) - tmp_before)
-    return left, listing, listing_tmp
 
 
 # ---- the drill ---------------------------------------------------------------------------
