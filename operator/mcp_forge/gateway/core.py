@@ -9,15 +9,10 @@ intact. Calls on one session are queued (one lock per session); sessions run in 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import functools
 import logging
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,34 +24,22 @@ from mcp_forge.api.status import parse_time
 from mcp_forge.errors import (
     ForgeError,
     InvalidRequest,
-    KernelProtocolError,
-    PackageError,
     SessionNotFound,
     SessionNotReady,
 )
-from mcp_forge.gateway import busy, introspection
-from mcp_forge.gateway.codemode.bridge import Bridge
-from mcp_forge.gateway.codemode.policy import policies_of
+from mcp_forge.gateway.attach import Handle, KernelSetup
 from mcp_forge.gateway.codemode.upstream import Upstream, UpstreamPool
-from mcp_forge.gateway.notebook import Notebook
-from mcp_forge.gateway.notebook_worker import ExportSlots, WorkerLimits, build_in_worker
-from mcp_forge.gateway.sessions import owner_of
-from mcp_forge.image import packages
+from mcp_forge.gateway.notebook_worker import ExportSlots
+from mcp_forge.gateway.workspace import WorkspaceCalls
 from mcp_forge.jupyter.client import ChannelDropped, KernelConnection, KernelReplaced
 from mcp_forge.jupyter.execution import (
-    EVALUE_MAX,
-    GUARD_KEY,
-    NOTEBOOK_JOURNAL,
     OUTPUT_DIR,
-    TRACEBACK_MAX,
     Collector,
     ExecutionResult,
     Status,
 )
-from mcp_forge.kernelside import compiled, run_silently
 from mcp_forge.logsafe import shown
 from mcp_forge.runtimes.base import Runtime
-from mcp_forge.sandbox import WORKSPACE
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -68,17 +51,6 @@ _WRITE_CHUNK = 1_000_000
 _JOURNAL_WINDOW = 1_000_000  # bytes of the notebook journal read at once (see there)
 
 StreamCallback = Callable[[str, str], None]
-
-
-@dataclass
-class _Handle:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    conn: KernelConnection | None = None
-    kernel: tuple[Any, Any] = (None, None)  # (connection generation, kernel id) of conn
-    activity_recorded: float = float("-inf")  # monotonic time of the last record_activity
-    busy: bool = False  # as last recorded
-    bridge: Bridge | None = None  # code mode: this kernel's bridge, if the session has one
-    execution_count: int | None = None  # the kernel's, after this gateway's last call
 
 
 def _kernel_of(session: KernelSession) -> tuple[Any, Any]:
@@ -95,7 +67,7 @@ def _backoff_left(session: KernelSession) -> float | None:
     return None if at is None else max(0.0, at - time.time())
 
 
-class Gateway:
+class Gateway(WorkspaceCalls):
     """Execution, interruption, restart, introspection and files, per session."""
 
     def __init__(
@@ -111,17 +83,17 @@ class Gateway:
         self.upstreams = (
             upstreams if isinstance(upstreams, UpstreamPool) else UpstreamPool.of(upstreams or {})
         )
-        self._handles: dict[tuple[str, str, str], _Handle] = {}
-        self._guard_code = guard_program(self.settings)
+        self._handles: dict[tuple[str, str, str], Handle] = {}
+        self._setup = KernelSetup(self.runtime, self.settings, self.upstreams)
         self._preparing: set[asyncio.Task[None]] = set()
         self._exports = ExportSlots(
             total=self.settings.notebook_exports_max,
             per_client=self.settings.notebook_exports_per_client_max,
         )
 
-    def _handle(self, session: KernelSession) -> _Handle:
+    def _handle(self, session: KernelSession) -> Handle:
         key = (session.namespace, session.name, session.uid)
-        return self._handles.setdefault(key, _Handle())
+        return self._handles.setdefault(key, Handle())
 
     def _forget(self, namespace: str, name: str, *, keep: str | None = None) -> None:
         """Drop connections to incarnations of this session other than `keep`.
@@ -194,7 +166,7 @@ class Gateway:
             info, max_frame=s.frame_max, max_message=s.message_max, monitor=True
         )
 
-    async def _connect(self, handle: _Handle, session: KernelSession) -> KernelConnection:
+    async def _connect(self, handle: Handle, session: KernelSession) -> KernelConnection:
         current = handle.kernel == _kernel_of(session) and session.status.get("phase") == st.READY
         if handle.conn is not None and current:
             return handle.conn
@@ -220,100 +192,14 @@ class Gateway:
             conn.close()
             raise
         handle.conn, handle.kernel = conn, _kernel_of(session)
-        try:  # still running a call of a gateway gone since: say so now, not at a timeout
-            await busy.check_idle(conn, session, self.settings.busy_probe)
-        except BaseException:
-            self._drop(handle)
-            raise
-        setup = await self.runtime.kernel_setup(session)
-        if setup:
-            try:
-                await self._silently(
-                    conn, setup, "the kernel did not take its environment and working files"
-                )
-            except BaseException:
-                self._drop(handle)
-                raise
         try:
-            await self._silently(conn, self._guard_code, "the kernel's output guard failed")
-        except SessionNotReady as exc:
-            # Code may have broken what the guard wraps; the gateway's own bounds still hold.
-            # Why is the kernel's exception, its words: at debug only.
-            log.warning("session %s runs without its output guard", session.name)
-            log.debug("session %s: %s", session.name, shown(exc, 500))
-        if session.spec.packages:
-            try:
-                await self.runtime.kernel_packages(session, conn)
-            except BaseException:
-                self._drop(handle)  # the next call tries again (a failure is named)
-                raise
-        if session.spec.mcp_servers:
-            try:
-                await self._attach_bridge(handle, session, conn)
-            except BaseException:
-                self._drop(handle)
-                raise
+            await self._setup.prepare(handle, session, conn)
+        except BaseException:
+            self._drop(handle)  # the next call tries again (a failure is named)
+            raise
         return conn
 
-    async def _attach_bridge(
-        self, handle: _Handle, session: KernelSession, conn: KernelConnection
-    ) -> None:
-        """Start `mcp_tools` in the kernel (silently) and dial its bridge (docs/bridge.md)."""
-        policies = policies_of(session.spec.mcp_servers)
-        missing = sorted(n for n in policies if n not in self.upstreams)
-        if missing:
-            log.warning(
-                "session %s names MCP servers this gateway does not have: %s",
-                session.name,
-                ", ".join(missing),
-            )
-        inside, address = await self.runtime.bridge_address(session)
-        await self._silently(
-            conn, introspection.bridge_program(inside), "the kernel could not start its MCP bridge"
-        )
-        # Per-session state outlives this bridge (a restart, a dropped connection): the
-        # upstreams of isolated servers, and the meter of budgets and rates.
-        lease = self.upstreams.lease(
-            [n for n in policies if n in self.upstreams],
-            session=f"{session.namespace}/{session.name}/{session.uid}",
-            client=owner_of(session),
-        )
-        bridge = Bridge(
-            session.name,
-            lease.upstreams,
-            policies,
-            call_timeout=self.settings.bridge_call_timeout,
-            meter=lease.meter,
-            refused=lease.refused,
-            on_close=lease.release,
-            rate=functools.partial(self.runtime.count_call, session),  # shared by replicas
-        )
-        handle.bridge = bridge  # dropped with the handle, which releases the lease
-        try:
-            await bridge.open(address)
-        except (OSError, TimeoutError) as exc:  # ConnectionError is an OSError
-            raise SessionNotReady(f"the kernel's MCP bridge cannot be reached: {exc}") from exc
-        # The user's next cell must find the tools: wait until the kernel applied the hello.
-        await self._silently(
-            conn,
-            "assert __import__('sys').modules['mcp_tools'].wait_connected(10), "
-            "'the MCP bridge did not connect'",
-            "the kernel's MCP bridge did not take the gateway's connection",
-        )
-
-    async def _silently(self, conn: KernelConnection, code: str, failure: str) -> None:
-        collector = Collector("", budget=10_000, spool_max=0, data_budget=0)
-        await conn.before_request()
-        collector.msg_id = conn.send_execute(code, silent=True, store_history=False)
-        if not await conn.pump(collector, self.settings.helper_timeout):
-            raise SessionNotReady(f"{failure} (no answer in {self.settings.helper_timeout:.0f}s)")
-        result = collector.finish(duration=0)
-        if result.status != "ok":
-            err = result.error
-            why = result.message or (f"{err.ename}: {err.evalue}" if err else result.status)
-            raise SessionNotReady(f"{failure}: {why}")
-
-    def _drop(self, handle: _Handle) -> None:
+    def _drop(self, handle: Handle) -> None:
         if handle.bridge is not None:
             handle.bridge.abort()
             handle.bridge = None
@@ -323,7 +209,7 @@ class Gateway:
         handle.kernel = (None, None)
 
     async def _record_activity(
-        self, handle: _Handle, session: KernelSession, *, busy: bool = False
+        self, handle: Handle, session: KernelSession, *, busy: bool = False
     ) -> None:
         # lastActivity has a resolution of seconds and drives culling after minutes:
         # writing it once a second per session is enough, and keeps the store off the
@@ -428,7 +314,7 @@ class Gateway:
 
     async def _run(
         self,
-        handle: _Handle,
+        handle: Handle,
         conn: KernelConnection,
         session: KernelSession,
         code: str,
@@ -467,7 +353,7 @@ class Gateway:
                 # the same sockets: that is a death, never a call that runs on.
                 return await self._on_death(handle, session, collector, started, REPLACED)
 
-    async def _replaced(self, handle: _Handle, session: KernelSession) -> bool:
+    async def _replaced(self, handle: Handle, session: KernelSession) -> bool:
         """Has the session's kernel been replaced since this call's connection was made?"""
         try:
             now = await self.runtime.get(session.name, session.namespace)
@@ -513,7 +399,7 @@ class Gateway:
         return collector.finish(status, duration=time.monotonic() - started, message=message)
 
     async def _settle_after_cancel(
-        self, handle: _Handle, conn: KernelConnection, session: KernelSession, collector: Collector
+        self, handle: Handle, conn: KernelConnection, session: KernelSession, collector: Collector
     ) -> None:
         """Stop the code of a cancelled call before its lock is released.
 
@@ -548,7 +434,7 @@ class Gateway:
 
     async def _on_timeout(
         self,
-        handle: _Handle,
+        handle: Handle,
         conn: KernelConnection,
         session: KernelSession,
         collector: Collector,
@@ -578,7 +464,7 @@ class Gateway:
 
     async def _on_death(
         self,
-        handle: _Handle,
+        handle: Handle,
         session: KernelSession,
         collector: Collector,
         started: float,
@@ -604,7 +490,7 @@ class Gateway:
 
     async def _save_full_output(
         self,
-        handle: _Handle,
+        handle: Handle,
         session: KernelSession,
         result: ExecutionResult,
         collector: Collector,
@@ -643,7 +529,7 @@ class Gateway:
             conn.close()
 
     @contextlib.asynccontextmanager
-    async def _turn(self, handle: _Handle, session: KernelSession) -> AsyncIterator[None]:
+    async def _turn(self, handle: Handle, session: KernelSession) -> AsyncIterator[None]:
         """The session's queue, for calls that should not wait behind running code."""
         try:
             async with asyncio.timeout(self.settings.lock_wait):
@@ -665,351 +551,3 @@ class Gateway:
         async with self._turn(handle, session):
             self._drop(handle)
             await self.runtime.restart_kernel(session, reason="Requested", crashed=False)
-
-    # ---- helpers run in the kernel ---------------------------------------------------------
-
-    async def _helper(self, name: str, namespace: str, op: str, **args: Any) -> dict[str, Any]:
-        session = await self._session(name, namespace)
-        handle = self._handle(session)
-        async with self._turn(handle, session):
-            reply = await self._helper_locked(handle, session, op, **args)
-            await self._record_activity(handle, session)
-            return reply
-
-    async def _helper_locked(
-        self,
-        handle: _Handle,
-        session: KernelSession,
-        op: str,
-        *,
-        wait: float | None = None,
-        **args: Any,
-    ) -> dict[str, Any]:
-        """The helper's reply; InvalidRequest naming what it refused. `wait`: seconds for
-        its reply (helper_timeout)."""
-        reply = await self._ask_locked(handle, session, op, wait=wait, **args)
-        if "error" in reply:
-            raise InvalidRequest(f"{reply['error']}: {reply.get('message', '')}")
-        return reply
-
-    async def _ask_locked(
-        self,
-        handle: _Handle,
-        session: KernelSession,
-        op: str,
-        *,
-        wait: float | None = None,
-        **args: Any,
-    ) -> dict[str, Any]:
-        """The helper's reply as it is, a refusal ({"error": kind, "message"}) included."""
-        s = self.settings
-        wait = s.helper_timeout if wait is None else wait
-        conn = await self._connect(handle, session)
-        code, marker = introspection.program(op, **args)
-        collector = Collector("", budget=s.helper_reply_max, spool_max=0, data_budget=0)
-        await conn.before_request()
-        collector.msg_id = conn.send_execute(code, silent=True, store_history=False)
-        try:
-            done = await conn.pump(collector, wait)
-        except asyncio.CancelledError:
-            await self._settle_after_cancel(handle, conn, session, collector)
-            raise
-        if not done:
-            await self._settle_after_cancel(handle, conn, session, collector)
-            raise SessionNotReady(f"the kernel did not answer within {wait:.0f}s")
-        result = collector.finish(duration=0)
-        if result.truncated:
-            raise KernelProtocolError(
-                f"the kernel's reply is over the {s.helper_reply_max} character limit"
-            )
-        return introspection.parse_reply(result.stdout, marker, limit=s.helper_reply_max)
-
-    async def kernel_tools(self, name: str, *, namespace: str = "default") -> dict[str, Any]:
-        """The `mcp_tools` stubs (signatures, docstrings) code in this session may call."""
-        reply = await self._helper(name, namespace, "tools", max=self.settings.helper_reply_max)
-        servers = reply.get("servers")
-        stubs = reply.get("stubs")
-        if not isinstance(servers, list) or not isinstance(stubs, str):
-            raise KernelProtocolError("the kernel's tool listing is malformed")
-        return {"servers": [str(s) for s in servers], "stubs": stubs}
-
-    async def variables(self, name: str, *, namespace: str = "default") -> list[dict[str, Any]]:
-        """The user's variables: name, type, shape, dtype, length, size, bounded repr."""
-        s = self.settings
-        reply = await self._helper(
-            name, namespace, "variables", max=s.variables_max, repr_max=s.repr_list_max
-        )
-        items = reply.get("variables")
-        if not isinstance(items, list):
-            raise KernelProtocolError("the kernel's variable list is malformed")
-        return [_variable(v) for v in items[: s.variables_max]]
-
-    async def inspect_variable(
-        self, name: str, var: str, *, namespace: str = "default"
-    ) -> dict[str, Any]:
-        if not isinstance(var, str) or not var.isidentifier():
-            raise InvalidRequest(f"{var!r} is not a Python identifier")
-        reply = await self._helper(
-            name, namespace, "inspect", var=var, repr_max=self.settings.repr_max
-        )
-        return _variable(reply.get("variable"))
-
-    async def list_files(
-        self, name: str, path: str = ".", *, namespace: str = "default"
-    ) -> dict[str, Any]:
-        rel = introspection.workspace_path(path)
-        reply = await self._helper(
-            name, namespace, "list", path=rel, max=self.settings.list_files_max
-        )
-        entries = reply.get("entries")
-        if not isinstance(entries, list):
-            raise KernelProtocolError("the kernel's file list is malformed")
-        return {
-            "path": rel,
-            "entries": [_entry(e) for e in entries[: self.settings.list_files_max]],
-            "truncated": reply.get("truncated") is True,
-        }
-
-    async def read_file(self, name: str, path: str, *, namespace: str = "default") -> bytes:
-        rel = introspection.workspace_path(path)
-        reply = await self._helper(name, namespace, "read", path=rel, max=self.settings.file_max)
-        return _decoded(reply.get("base64"), self.settings.file_max)
-
-    async def export_notebook(
-        self,
-        name: str,
-        *,
-        namespace: str = "default",
-        save_to: str | None = None,
-        client: str | None = None,
-    ) -> Notebook:
-        """The session's notebook: every cell run in it, as its journal has them; also
-        written to `save_to` in its workspace if given (replacing a file there). It is
-        built in a worker process (the journal is the kernel's), at most file_max long;
-        each client (`client`, who asks; else the session's owner) runs a bounded number
-        of exports at once."""
-        rel = None
-        if save_to is not None:
-            rel = introspection.workspace_path(save_to)
-            if rel == ".":
-                raise InvalidRequest("path names the workspace itself, not a file")
-        session = await self._session(name, namespace)
-        handle = self._handle(session)
-        s = self.settings
-        limits = WorkerLimits(
-            size=s.file_max, seconds=s.notebook_timeout, memory=s.notebook_memory_max
-        )
-        with self._exports.hold(client or owner_of(session) or ""):
-            async with self._turn(handle, session):  # no cell is half-written meanwhile
-                journal = self._journal_locked(handle, session)
-                nb = await build_in_worker(journal, session=name, limits=limits)
-                if rel is not None:
-                    await self._write_locked(handle, session, rel, nb.text.encode())
-                await self._record_activity(handle, session)
-        return nb
-
-    async def _journal_locked(
-        self, handle: _Handle, session: KernelSession
-    ) -> AsyncIterator[bytes]:
-        """The session's notebook journal, read in windows of at most _JOURNAL_WINDOW, as
-        they come.
-
-        Each window is a helper reply parsed and base64-decoded on the loop, in one step:
-        windows of file_max (10 MB) held the loop ~100 ms each (tests/drills/neighbours.py,
-        10 noisy clients: every client's call waited behind them); 1 MB is ~10 ms.
-        """
-        read = 0
-        window = min(self.settings.file_max, _JOURNAL_WINDOW)
-        most = self.settings.notebook_max + self.settings.data_budget  # its last record
-        while True:
-            reply = await self._ask_locked(
-                handle, session, "read", path=NOTEBOOK_JOURNAL, max=window, offset=read
-            )
-            if reply.get("error") == "FileNotFound" and not read:
-                return  # no cell has run yet
-            if "error" in reply:
-                raise InvalidRequest(f"{reply['error']}: {reply.get('message', '')}")
-            part = _decoded(reply.get("base64"), window)
-            read += len(part)
-            if read > most:
-                raise InvalidRequest(
-                    f"the notebook journal of {session.name!r} is over {most} bytes: "
-                    f"read it with read_file ({NOTEBOOK_JOURNAL}) in parts"
-                )
-            yield part
-            if len(part) < window:
-                return
-
-    async def write_file(
-        self, name: str, path: str, data: bytes, *, namespace: str = "default"
-    ) -> int:
-        rel = introspection.workspace_path(path)
-        if rel == ".":
-            raise InvalidRequest("path names the workspace itself, not a file")
-        if len(data) > self.settings.file_max:
-            raise InvalidRequest(
-                f"content is {len(data)} bytes; the limit is {self.settings.file_max}"
-            )
-        session = await self._session(name, namespace)
-        handle = self._handle(session)
-        async with self._turn(handle, session):
-            size = await self._write_locked(handle, session, rel, data)
-            await self._record_activity(handle, session)
-            return size
-
-    async def _write_locked(
-        self, handle: _Handle, session: KernelSession, rel: str, data: bytes
-    ) -> int:
-        size: Any = None
-        chunks = [data[i : i + _WRITE_CHUNK] for i in range(0, len(data), _WRITE_CHUNK)] or [b""]
-        for i, chunk in enumerate(chunks):
-            reply = await self._helper_locked(
-                handle,
-                session,
-                "write",
-                path=rel,
-                base64=base64.b64encode(chunk).decode(),
-                append=i > 0,
-            )
-            size = reply.get("size")
-        if not isinstance(size, int):
-            raise KernelProtocolError("the kernel's write reply is malformed")
-        return size
-
-    # ---- packages --------------------------------------------------------------------------
-
-    async def install_packages(
-        self,
-        name: str,
-        requirements: Any,
-        *,
-        namespace: str = "default",
-        read: KernelSession | None = None,
-        client: str | None = None,
-    ) -> dict[str, Any]:
-        """Resolve and download `requirements` on the host under the package policy
-        (image/packages.py), send the wheels over the kernel's channels and have it
-        install them offline into its workspace's package directory, which is on its
-        sys.path at once (and in every later kernel of the session: guard_program).
-        `client` (who asks) is held to its share of installs in flight.
-        What was installed (name, version, size) and the bytes in all."""
-        reqs = packages.parse_requirements(requirements)
-        policy = packages.PackagePolicy.of(self.settings)
-        session = await self._session(name, namespace, read=read)  # refused before fetching
-        with tempfile.TemporaryDirectory(prefix="mcp-forge-packages-") as tmp:
-            wheels = await packages.download(reqs, policy, Path(tmp), client=client)
-            session = await self._session(name, namespace)
-            handle = self._handle(session)
-            async with self._turn(handle, session):
-                await self._install_locked(handle, session, wheels, policy.timeout)
-                await self._record_activity(handle, session)
-        return {
-            "installed": [{"name": w.name, "version": w.version, "size": w.size} for w in wheels],
-            "total_bytes": sum(w.size for w in wheels),
-            "path": f"{WORKSPACE}/{packages.PACKAGES_DIR}",
-        }
-
-    async def _install_locked(
-        self,
-        handle: _Handle,
-        session: KernelSession,
-        wheels: list[packages.Wheel],
-        seconds: float,
-    ) -> None:
-        batch = f"{OUTPUT_DIR.rsplit('/', 1)[0]}/wheels"  # emptied by the install, come what may
-        for wheel in wheels:
-            data = await asyncio.to_thread(wheel.path.read_bytes)
-            await self._write_locked(handle, session, f"{batch}/{wheel.path.name}", data)
-        try:
-            await self._helper_locked(
-                handle,
-                session,
-                "install",
-                wait=seconds + self.settings.helper_timeout,
-                wheels=batch,
-                target=packages.PACKAGES_DIR,
-                files=[w.path.name for w in wheels],
-                seconds=seconds,
-            )
-        except InvalidRequest as exc:
-            raise PackageError(f"the kernel could not install them: {exc}") from None
-        conn = await self._connect(handle, session)
-        await self._silently(
-            conn, packages.path_program(), "the kernel could not put its packages on sys.path"
-        )
-
-
-def _decoded(data: Any, limit: int) -> bytes:
-    """A file's bytes as the kernel's helper sent them (base64), at most `limit`."""
-    if not isinstance(data, str):
-        raise KernelProtocolError("the kernel's file reply is malformed")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except ValueError as exc:
-        raise KernelProtocolError("the kernel's file reply is not base64") from exc
-    if len(raw) > limit:
-        raise KernelProtocolError("the kernel sent more than the file limit")
-    return raw
-
-
-def guard_program(settings: Settings) -> str:
-    """The silent code that installs the kernel-side output guard (kernelside/guard.py)
-    with this gateway's limits, and puts the session's installed packages on sys.path;
-    like the helpers, it leaves no name in the user's namespace."""
-    limits = {
-        "text": settings.output_budget,
-        "data": settings.data_budget,
-        "spool": min(settings.output_spool_max, settings.file_max),  # read_file can open it
-        "evalue": EVALUE_MAX,
-        "traceback": TRACEBACK_MAX,
-        "spill_dir": f"{WORKSPACE}/{OUTPUT_DIR}",
-        "report_key": GUARD_KEY,
-        "journal": f"{WORKSPACE}/{NOTEBOOK_JOURNAL}",
-        "journal_max": settings.notebook_max,
-        "journal_record_max": settings.file_max,  # a larger cell fits no notebook
-    }
-    # First, the packages install_packages gave earlier kernels of the session.
-    guard = run_silently(compiled("guard"), {"get_ipython": "get_ipython", "LIMITS": repr(limits)})
-    return packages.path_program() + "\n" + guard
-
-
-_VAR_FIELDS: dict[str, type] = {
-    "name": str,
-    "type": str,
-    "shape": list,
-    "dtype": str,
-    "length": int,
-    "size": int,
-    "repr": str,
-}
-_ENTRY_FIELDS: dict[str, type] = {"name": str, "type": str, "size": int, "mtime": float}
-
-
-def _fields(
-    raw: Any, spec: dict[str, type], what: str, required: tuple[str, ...]
-) -> dict[str, Any]:
-    """Keep only known fields of the expected types from a kernel-made object."""
-    if not isinstance(raw, dict):
-        raise KernelProtocolError(f"the kernel's {what} is malformed")
-    out: dict[str, Any] = {}
-    for key, kind in spec.items():
-        value = raw.get(key)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if isinstance(value, kind) and not isinstance(value, bool):
-            if isinstance(value, list) and not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in value
-            ):
-                continue
-            out[key] = value[:10_000] if isinstance(value, str | list) else value
-    if any(key not in out for key in required):
-        raise KernelProtocolError(f"the kernel's {what} lacks {', '.join(required)}")
-    return out
-
-
-def _variable(raw: Any) -> dict[str, Any]:
-    return _fields(raw, _VAR_FIELDS, "variable description", ("name", "type"))
-
-
-def _entry(raw: Any) -> dict[str, Any]:
-    return _fields(raw, _ENTRY_FIELDS, "file entry", ("name", "type"))
