@@ -18,7 +18,7 @@ file and for all of them. Installs in flight are bounded per gateway and per cli
 
 The kernel then installs the wheels offline, without resolving again (`pip install
 --no-index --no-deps --target`), into PACKAGES_DIR on its workspace, which
-`path_program` puts on its sys.path (see gateway/core.py).
+`path_program` puts on its sys.path (see gateway/attach.py, guard_program).
 """
 
 from __future__ import annotations
