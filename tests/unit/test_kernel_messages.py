@@ -11,13 +11,9 @@ import zmq
 from jupyter_client.session import Session
 
 from mcp_forge.api.connection import ConnectionInfo
-from mcp_forge.jupyter.client import (
-    CONTAINERS_MAX,
-    DELIMITER,
-    DEPTH_MAX,
-    KernelConnection,
-    _may_answer,
-)
+from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.jupyter.wire import CONTAINERS_MAX, DELIMITER, DEPTH_MAX
+from mcp_forge.jupyter.wire import may_answer as _may_answer
 
 MINE = "0b6b7c0e-3f1a-4e39-9b43-2f0d7c1a5e11_4242_7"
 

@@ -39,7 +39,6 @@ import functools
 import hashlib
 import hmac
 import itertools
-import json
 import logging
 import os
 import time
@@ -57,43 +56,22 @@ from mcp_forge.api.connection import PORTS, ConnectionInfo, check_key
 from mcp_forge.errors import KernelProtocolError, SessionNotReady
 from mcp_forge.jupyter.execution import Collector
 from mcp_forge.jupyter.relay import FRAME_OVERHEAD, Relay
+from mcp_forge.jupyter.wire import (
+    CONTAINERS_MAX,
+    DELIMITER,
+    DEPTH_MAX,
+    may_answer,
+    nested_deeper_than,
+    pack,
+    read_now,
+)
 from mcp_forge.logsafe import shown
 
 log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
 
-DEPTH_MAX = 100  # nesting of lists and mappings in a message's parts (JSON displays)
-# Brackets (`{`, `[`) in one message's parts: each may be a Python object to build, on the
-# gateway's loop. 16 MB of `{}` is 8 million dicts, seconds and hundreds of MB to parse;
-# 500,000 is a large JSON display (a plot of 100,000 records) and costs ~0.1 s.
-CONTAINERS_MAX = 500_000
 IOPUB_FIRST_WAIT = 0.01  # wait_ready: first wait for its status on IOPub (see there)
-
-
-DELIMITER = b"<IDS|MSG>"  # between a message's routing identities and its signature
-
-
-def _pack(value: Any) -> bytes:
-    """A part of a message on the wire, as jupyter-client packs it."""
-    return json.dumps(value, ensure_ascii=False, allow_nan=False).encode(
-        "utf8", errors="surrogateescape"
-    )
-
-
-def nested_deeper_than(value: Any, limit: int) -> bool:
-    """True if lists/mappings in `value` nest more than `limit` levels (iterative: no
-    recursion for the kernel to exhaust)."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
-    return False
 
 
 # The channels a connection holds, and the socket each is.
@@ -126,32 +104,6 @@ class KernelReplaced(KernelProtocolError):
 RELAY_SLACK = 1 << 20
 # The heartbeat's echo is 16 bytes: a relay passes at most this much per beat.
 HEARTBEAT_BOUND = 64 << 10
-
-
-def _read_now(sock: zmq.asyncio.Socket) -> list[zmq.Frame]:
-    """The message waiting on `sock`, read without blocking; zmq.Again if none is.
-
-    The plain socket's recv, frame by frame (its recv_multipart would call the asyncio
-    socket's recv): libzmq has every frame of a message once the first is readable."""
-    parts = [zmq.Socket.recv(sock, zmq.NOBLOCK, copy=False)]
-    while parts[-1].more:
-        parts.append(zmq.Socket.recv(sock, zmq.NOBLOCK, copy=False))
-    return parts
-
-
-def _may_answer(parts: list[zmq.Frame], wanted: list[bytes]) -> bool:
-    """Whether a message's parent header holds one of the `wanted` msg_ids' text: False
-    only for a message in reply to none of them (an exact check follows its parsing).
-    A message whose frames are not where the wire protocol puts them is let through, to
-    be refused by the parser and logged."""
-    frames = [part.buffer for part in parts]
-    try:
-        at = next(i for i, f in enumerate(frames) if f == DELIMITER)
-        parent = frames[at + 3]
-    except (StopIteration, IndexError):
-        return True
-    raw = bytes(parent)
-    return any(w in raw for w in wanted)
 
 
 class KernelConnection:
@@ -355,7 +307,7 @@ class KernelConnection:
             "date": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
             "version": protocol_version,
         }
-        parts = [_pack(header), b"{}", b"{}", _pack(content)]
+        parts = [pack(header), b"{}", b"{}", pack(content)]
         signature = self._signer.copy()
         for part in parts:
             signature.update(part)
@@ -390,7 +342,7 @@ class KernelConnection:
             # It is read at once, without the asyncio socket's future (most of the cost
             # of a small message's read), unless it is not there after all.
             try:
-                parts = _read_now(sock)
+                parts = read_now(sock)
             except zmq.Again:
                 parts = await sock.recv_multipart(copy=False)
             total = sum(len(part) for part in parts)
@@ -400,7 +352,7 @@ class KernelConnection:
                     "dropped a %d-byte message from the kernel (limit %d)", total, self.max_message
                 )
                 continue
-            if wanted and not _may_answer(parts, wanted):
+            if wanted and not may_answer(parts, wanted):
                 continue
             msg = self._parse([part.bytes for part in parts])
             if msg is not None:
