@@ -32,8 +32,10 @@ state directory's packages/ scratch empty, and no file in it beyond the store's 
 `leftover_state`). Each leftover is named.
 
 Prints one line per outcome, exits 1 if one failed. Its short form (10 clients, 10 s) is
-tests/adversarial/test_drills.py: closes and leftovers are asserted; the latency criterion
-is reported as an expected failure, because it is not met yet on a 2-core host.
+tests/adversarial/test_drills.py: closes and leftovers are asserted, and that no quiet
+call's p99 rises by a second (the class of stall: a lock or an executor the noise fills).
+The 50 ms criterion is this script's to show, beside its idle baseline: a test on a
+shared machine cannot hold it (CI measured list_sessions +70 ms once, +4 to +21 here).
 
 What was measured (issue 23's notes, December 2026, 2 cores shared with another user's
 test runs): the quiet client's execute_code 1+1 p99 rises 230-510 ms under noise,
