@@ -596,9 +596,21 @@ def test_a_newer_connection_replaces_the_older_and_fails_its_calls(
     newer.close()
 
 
+
+def impatient(kernel: Kernel) -> None:
+    """A call made after the gateway closed waits RECONNECT_WAIT (5 s) for its next dial;
+    the tests of a connection that stays closed wait 0.2 s."""
+    kernel.run(
+        "import sys\n"
+        "bridge = sys.modules['mcp_tools'].__mcp_forge_bridge__\n"
+        "type(bridge).__init__.__globals__['RECONNECT_WAIT'] = 0.2"
+    )
+
+
 def test_a_closed_connection_fails_its_calls_and_later_calls_say_not_connected(
     kernel: Kernel, gateway: Gateway
 ) -> None:
+    impatient(kernel)
     kernel.start("mcp_tools.files.echo(n=1)")
     gateway.receive()
     gateway.close()
@@ -628,6 +640,7 @@ def test_a_closed_connection_fails_its_calls_and_later_calls_say_not_connected(
 def test_a_bad_frame_from_the_gateway_closes_the_connection(
     kernel: Kernel, gateway: Gateway, data: bytes, says: str
 ) -> None:
+    impatient(kernel)
     kernel.start("mcp_tools.files.echo(n=1)")
     gateway.receive()
     gateway.sock.sendall(data)
