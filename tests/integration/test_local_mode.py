@@ -20,8 +20,8 @@ from mcp_forge.clients import podman
 from mcp_forge.control.render import SECCOMP_PROFILE_ROOT
 from mcp_forge.errors import ImageError, InvalidRequest, SessionNotFound, SessionNotReady
 from mcp_forge.runtimes.local import volumes
+from mcp_forge.runtimes.local.kernelpods import userns_flag
 from mcp_forge.runtimes.local.orphans import STORE_LABEL, store_tag
-from mcp_forge.runtimes.local.runtime import userns_flag
 from mcp_forge.runtimes.local.supervisor import supervise_once
 
 pytestmark = pytest.mark.podman

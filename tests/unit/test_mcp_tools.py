@@ -596,7 +596,6 @@ def test_a_newer_connection_replaces_the_older_and_fails_its_calls(
     newer.close()
 
 
-
 def impatient(kernel: Kernel) -> None:
     """A call made after the gateway closed waits RECONNECT_WAIT (5 s) for its next dial;
     the tests of a connection that stays closed wait 0.2 s."""

@@ -213,7 +213,7 @@ class PodmanApi:
             # 409: nothing runs in it any more; it is removed all the same.
             if r.status_code not in (200, 409):
                 r.raise_for_status()
-            # As the CLI (runtime.py's _remove_pod): the container's /dev/shm may still
+            # As the CLI (local/kernelpods.py's _remove_pod): the container's /dev/shm may still
             # be busy while its processes die, and the pod is left half removed; a second
             # delete finishes it.
             for attempt in (1, 2, 3):

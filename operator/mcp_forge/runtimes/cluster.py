@@ -77,7 +77,7 @@ def _micro_now() -> str:
 
 
 class KubernetesRuntime:
-    """The Runtime protocol (runtime.py) on a cluster run by `mcp-forge operator`."""
+    """The Runtime protocol (runtimes/base.py) on a cluster run by `mcp-forge operator`."""
 
     def __init__(self, settings: Settings | None = None, kube: Kube | None = None) -> None:
         self.settings = settings or Settings.from_env()

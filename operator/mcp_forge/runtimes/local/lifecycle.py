@@ -1,0 +1,278 @@
+"""What happens to a session's kernel after it started (`Lifecycle`, a part of
+LocalRuntime): a death seen and counted, a restart per restartPolicy with the crash
+loop's backoff, activity recorded, and the culler's stops (maxLifetime, idleTimeout).
+
+The decisions are the operator's too (control/lifecycle.py: when a death is quick, how
+long the backoff, when a session is idle); what is local is where they are written
+(the store) and how a kernel is started again (a new pod, kernelpods.py).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mcp_forge import metrics
+from mcp_forge.api import kernelsessionpool as ksp
+from mcp_forge.api import status as st
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.status import parse_time, stamp
+from mcp_forge.control.lifecycle import QUICK_DEATH, Activity, after_death, idle_since, stop_of
+from mcp_forge.errors import ForgeError, SessionNotFound, SessionNotReady
+from mcp_forge.runtimes.local import volumes
+from mcp_forge.runtimes.local.containers import lifetime
+from mcp_forge.runtimes.local.kernelpods import KernelPods
+
+if TYPE_CHECKING:
+    from mcp_forge.runtimes.local.pools import Pools
+
+log = logging.getLogger(__name__)
+
+# A busy mark (a gateway runs code in the kernel) lasts this long unless renewed: the
+# gateway renews it while the code runs, so it lapses by itself if the gateway goes away.
+BUSY_LEASE = 30.0
+
+
+class Lifecycle(KernelPods):
+    """Deaths, restarts and stops of local sessions. The session's lock, reading and
+    deleting it are LocalRuntime's, declared here for the type checker."""
+
+    pools: Pools
+
+    if TYPE_CHECKING:
+
+        def _locked(
+            self, session: KernelSession, *, create: bool = False
+        ) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+        async def get(self, name: str, namespace: str = "default") -> KernelSession: ...
+
+        async def list(self, namespace: str | None = None) -> builtins.list[KernelSession]: ...
+
+        async def delete(self, name: str, namespace: str = "default") -> None: ...
+
+    async def refresh(self, session: KernelSession, *, restart: bool = True) -> KernelSession:
+        """Bring status in line with what Podman shows.
+
+        With `restart`, a dead kernel is restarted per restartPolicy; without it, the
+        death is only recorded (phase Restarting: the next use, or the gateway, restarts it).
+        """
+        async with self._locked(session):
+            return await self._refresh_locked(
+                await self.get(session.name, session.namespace), restart=restart
+            )
+
+    async def _refresh_locked(self, session: KernelSession, *, restart: bool) -> KernelSession:
+        phase = session.status.get("phase")
+        if phase == st.SUSPENDED and session.status.get("reason") == st.IDLE and restart:
+            await self._realize(session, wait=True)  # used again: it resumes
+            return await self.get(session.name, session.namespace)
+        if phase not in (st.READY, st.STARTING, st.RESTARTING):
+            return session
+        term = await self.termination(session)
+        if term is None and phase == st.STARTING and session.status.get("reason") == ksp.CLAIMED:
+            if restart:  # a claim whose process went away before it was done
+                await self.pools.finish(session)
+        elif term is None:
+            if phase != st.READY and restart:  # a process that was starting it went away
+                await self.wait_ready(session)
+        elif session.spec.restart_policy == "Never":
+            self._fail(session, term.reason, term.message)
+        elif restart:
+            await self._restart_locked(
+                session, reason=term.reason, crashed=True, message=term.message
+            )
+        elif phase == st.READY:
+            await self._record_death(session, term.reason, term.message, phase=st.RESTARTING)
+        return await self.get(session.name, session.namespace)
+
+    async def _record_death(
+        self,
+        session: KernelSession,
+        reason: str,
+        message: str,
+        *,
+        phase: str,
+        quick: bool | None = None,
+    ) -> dict[str, Any]:
+        """Count a death; one within QUICK_DEATH of its start is one more in a crash loop.
+
+        Returns the new lastTermination (with quickDeaths, and nextStartAt: the backoff).
+        """
+        metrics.KERNEL_RESTARTS.labels(reason="oom" if reason == st.OOM_KILLED else "died").inc()
+        body = self.store.get(session.namespace, session.name)
+        status = body.get("status", {})
+        if quick is None:
+            lived = lifetime(await self.containers.inspect(self.container_name(session)))
+            quick = lived is not None and lived < QUICK_DEATH
+        last = status.get("lastTermination") or {}
+        quick_deaths = int(last.get("quickDeaths") or 0) + 1 if quick else 0
+        at = time.time()
+        last = {
+            "reason": reason,
+            "message": message,
+            "at": stamp(),
+            "quickDeaths": quick_deaths,
+            "nextStartAt": stamp(after_death(quick_deaths, at, message, now=at, local=True).at),
+        }
+        self._patch(
+            session,
+            phase=phase,
+            restarts=int(status.get("restarts", 0)) + 1,
+            reason=reason,
+            message=message,
+            lastTermination=last,
+        )
+        return last
+
+    def _crash_loop(self, session: KernelSession) -> bool:
+        """Hold back a crash-looping kernel: True if it must not be started now.
+
+        In its backoff the session is Restarting (CrashLoopBackOff) and says when it starts
+        again; past the restart limit it is Failed (CrashLoop) and says why.
+        """
+        status = self.store.get(session.namespace, session.name).get("status", {})
+        last = status.get("lastTermination") or {}
+        quick = int(last.get("quickDeaths") or 0)
+        if not quick:
+            return False
+        verdict = after_death(
+            quick,
+            parse_time(last.get("at")) or time.time(),
+            str(last.get("message") or last.get("reason")),
+            now=time.time(),
+            local=True,
+        )
+        if verdict.give_up:
+            self._fail(session, verdict.reason, verdict.message)
+            return True
+        if not verdict.reason:  # its backoff is over
+            return False
+        self._patch(session, phase=st.RESTARTING, reason=verdict.reason, message=verdict.message)
+        return True
+
+    async def restart_kernel(
+        self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
+    ) -> None:
+        """A fresh kernel process in the same pod: the workspace stays, variables go."""
+        async with self._locked(session):
+            await self._restart_locked(
+                await self.get(session.name, session.namespace),
+                reason=reason,
+                crashed=crashed,
+                message=message,
+            )
+
+    async def _restart_locked(
+        self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
+    ) -> None:
+        if crashed and session.status.get("phase") != st.RESTARTING:
+            await self._record_death(session, reason, message or reason, phase=st.RESTARTING)
+        else:
+            self._patch(session, phase=st.RESTARTING)
+        if crashed and self._crash_loop(session):
+            return
+        try:
+            await self._start_again(session)
+        except SessionNotReady as exc:
+            if await self.termination(session) is None:
+                raise
+            # It died while starting: one more quick death, and a backoff before the next.
+            await self._record_death(
+                session, "StartFailed", str(exc)[:1500], phase=st.RESTARTING, quick=True
+            )
+            self._crash_loop(session)
+            status = self.store.get(session.namespace, session.name).get("status", {})
+            raise SessionNotReady(
+                f"session {session.name!r} is {status.get('phase')}: {status.get('message')}"
+            ) from None
+        if crashed:
+            self._patch(session, reason=reason, message=message or reason)
+
+    async def _start_again(self, session: KernelSession) -> None:
+        """A new kernel: the pod is played again, with the same user namespace and mounts.
+
+        Not `pod stop` + `pod start`: kube play gives pods the exit policy "stop", and the
+        clean-up Podman runs after the old kernel exits could land after the infra came back
+        but before the new kernel did, stopping the pod again (about one restart in six).
+        A new pod has a new id, which no clean-up of the old one can reach. A pod played
+        before user namespaces gets one now.
+        """
+        await self._remove_pod(session)
+        await self._realize(session, wait=True, phase=st.RESTARTING)
+
+    async def record_activity(self, session: KernelSession, *, busy: bool = False) -> None:
+        with contextlib.suppress(SessionNotFound):
+            self.store.patch_status(
+                session.namespace,
+                session.name,
+                {"lastActivity": stamp()},
+                private={"busyUntil": time.time() + BUSY_LEASE if busy else None},
+            )
+
+    async def cull_idle(self) -> builtins.list[str]:
+        """Expire sessions past their maxLifetime; delete or suspend (idleAction) those idle
+        past their idleTimeout. Returns their names."""
+        culled = []
+        for session in await self.list():
+            status = session.status
+            if status.get("phase") in st.NO_KERNEL:
+                continue
+            created = parse_time(session.body["metadata"]["creationTimestamp"]) or time.time()
+            last = status.get("lastActivity")
+            try:
+                private = self.store.private(session.namespace, session.name)
+            except SessionNotFound:
+                continue
+            activity = Activity(parse_time(last) or created, private.get("busyUntil"))
+            floor = idle_since(activity, started=None, starting_since=None)
+            verdict = stop_of(
+                session, created=created, idle_from=floor, activity=activity, now=time.time()
+            )
+            stop = verdict.stop
+            if stop is None or (stop.phase == st.SUSPENDED and stop.reason != st.IDLE):
+                continue  # operatingMode Suspended is applied by apply, not here
+            try:
+                log.info(
+                    "%s %s/%s: %s",
+                    "deleting" if stop.delete else "stopping",
+                    session.namespace,
+                    session.name,
+                    stop.message,
+                )
+                if stop.delete:
+                    await self.delete(session.name, session.namespace)
+                else:
+                    await self._stop(session, stop.phase, stop.reason, stop.message)
+            except SessionNotFound:
+                continue
+            except ForgeError as exc:
+                log.warning("could not cull %s: %s", session.name, exc)
+                continue
+            culled.append(session.name)
+        return culled
+
+    async def _stop(self, session: KernelSession, phase: str, reason: str, message: str) -> None:
+        async with self._locked(session):
+            await self._stop_locked(session, phase, reason, message)
+
+    async def _stop_locked(
+        self, session: KernelSession, phase: str, reason: str, message: str
+    ) -> None:
+        """No kernel, the session kept: Suspended or Expired. Variables are lost."""
+        await self._remove_pod(session)
+        if self.host_paths(session).tmp:  # /tmp is memory: a stopped session holds none
+            await volumes.unmount(Path(str(self.host_paths(session).tmp)))
+        self._patch(
+            session,
+            phase=phase,
+            reason=reason,
+            message=message,
+            kernelId=None,
+            podName=None,
+            suspendedAt=stamp() if phase == st.SUSPENDED else None,
+        )
