@@ -179,6 +179,11 @@ async def test_kubectl_apply_k_serves_agents_through_the_gateway_service(
         closed = await agent.call_tool("close_session", {"session_id": sid})
         assert not closed.is_error, text(closed)
 
+    # The operator asked for nothing its RBAC forbids (namespace-scoped: kopf no longer
+    # lists namespaces and CRDs cluster-wide, which held the first session back 55 s).
+    logs = kubectl(test_cluster, "-n", SYSTEM, "logs", "deploy/mcp-forge-operator")
+    assert "Forbidden" not in logs, logs[-3000:]
+
     # What a user reads: the printer columns and the status.
     table = kubectl(test_cluster, "-n", SESSIONS, "get", "ks")
     header, *rows = table.splitlines()
