@@ -73,7 +73,7 @@ class Settings:
     operator_resync: float = 60.0  # every session is reconciled at least this often
     # Code mode.
     bridge_call_timeout: float = 60.0  # one upstream tool call made by kernel code
-    # install_packages: the gateway's package policy (image/packages.py). Names are
+    # install_packages: the gateway's package policy (wheels/fetch.py). Names are
     # comma-separated, compared PEP 503-normalized, and apply to dependencies too.
     packages_allow: str = ""  # only these distributions ("" = any not denied)
     packages_deny: str = ""  # never these

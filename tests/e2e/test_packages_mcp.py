@@ -21,8 +21,8 @@ from mcp_types import TextContent
 
 from mcp_forge.api.kernelsession import requirement
 from mcp_forge.errors import PackageTooLarge
-from mcp_forge.image import packages, pip
 from mcp_forge.settings import Settings
+from mcp_forge.wheels import fetch, pip
 
 pytestmark = pytest.mark.podman
 
@@ -144,7 +144,7 @@ async def test_a_download_past_the_limits_is_stopped_while_it_grows(
     """numpy's wheel is about 16 MB: with a 2 MB limit pip is stopped as the file grows
     past it (pip's cache is the gateway's own, empty in a new state directory, so the
     file does grow), and nothing is left."""
-    base = packages.PackagePolicy.of(Settings(state_dir=tmp_path))
+    base = fetch.PackagePolicy.of(Settings(state_dir=tmp_path))
     policy = (
         replace(base, file_max=2_000_000)
         if limit == "file_max"
@@ -153,7 +153,7 @@ async def test_a_download_past_the_limits_is_stopped_while_it_grows(
     dest = tmp_path / "wheels"
     dest.mkdir()
     with pytest.raises(PackageTooLarge) as raised:
-        await packages.download([requirement("numpy==2.2.6")], policy, dest)
+        await fetch.download([requirement("numpy==2.2.6")], policy, dest)
     assert "stopped while downloading" in str(raised.value), raised.value
     assert "2000000" in str(raised.value), raised.value
     assert list(dest.iterdir()) == []
@@ -166,11 +166,11 @@ async def test_a_download_found_too_large_once_complete_leaves_nothing(
     pygments' wheel (about 1.2 MB) in the directory; the check after finds it over the
     limit, and the directory is emptied: a caller's directory never keeps a refused file."""
     monkeypatch.setattr(pip, "WATCH_INTERVAL", 3600.0)
-    policy = replace(packages.PackagePolicy.of(Settings(state_dir=tmp_path)), file_max=1_000_000)
+    policy = replace(fetch.PackagePolicy.of(Settings(state_dir=tmp_path)), file_max=1_000_000)
     dest = tmp_path / "wheels"
     dest.mkdir()
     with pytest.raises(PackageTooLarge) as raised:
-        await packages.download([requirement("pygments==2.19.2")], policy, dest)
+        await fetch.download([requirement("pygments==2.19.2")], policy, dest)
     assert "the limit for one file is 1000000" in str(raised.value), raised.value
     assert "stopped while downloading" not in str(raised.value), raised.value
     assert list(dest.iterdir()) == []
@@ -185,10 +185,10 @@ async def test_pips_cache_is_pruned_to_its_bound_after_an_install(tmp_path: Path
     for i in range(4):
         (cache / f"{i}").write_bytes(b"x" * 1000)
         os.utime(cache / f"{i}", (1000 + i, 1000 + i))
-    policy = replace(packages.PackagePolicy.of(Settings(state_dir=tmp_path)), cache_max=2500)
+    policy = replace(fetch.PackagePolicy.of(Settings(state_dir=tmp_path)), cache_max=2500)
     dest = tmp_path / "wheels"
     dest.mkdir()
-    wheels = await packages.download([requirement("tabulate==0.9.0")], policy, dest)
+    wheels = await fetch.download([requirement("tabulate==0.9.0")], policy, dest)
     assert [w.name for w in wheels] == ["tabulate"]
     kept = sorted(f.name for f in (tmp_path / "cache" / "pip").rglob("*") if f.is_file())
     assert kept[-2:] == ["2", "3"] and "0" not in kept and "1" not in kept, kept

@@ -13,8 +13,8 @@ import pytest
 from packaging.utils import parse_wheel_filename
 
 from mcp_forge.errors import InvalidRequest, PackageBusy, PackageDenied, PackageNotFound
-from mcp_forge.image import index, packages, pip
 from mcp_forge.settings import Settings
+from mcp_forge.wheels import fetch, index, pip
 
 
 @pytest.mark.parametrize(
@@ -39,30 +39,30 @@ from mcp_forge.settings import Settings
 )
 def test_a_bad_requirement_is_refused_by_its_index_before_pip_runs(items, says) -> None:
     with pytest.raises(InvalidRequest, match=None) as caught:
-        packages.parse_requirements(items)
+        fetch.parse_requirements(items)
     assert says in str(caught.value)
 
 
 def test_names_extras_specifiers_and_markers_are_requirements() -> None:
-    reqs = packages.parse_requirements(["msgpack==1.0.8", "Rich[jupyter]>=13; python_version>'3'"])
+    reqs = fetch.parse_requirements(["msgpack==1.0.8", "Rich[jupyter]>=13; python_version>'3'"])
     assert [r.name for r in reqs] == ["msgpack", "Rich"]
 
 
 def test_the_policy_compares_normalized_names_and_applies_its_allow_list() -> None:
-    policy = packages.PackagePolicy.of(
+    policy = fetch.PackagePolicy.of(
         replace(Settings(), packages_deny="Foo_Bar, six", packages_allow="")
     )
     with pytest.raises(PackageDenied, match=r"PackageDenied: 'foo.BAR' is refused: .*deny"):
         policy.check_name("foo.BAR")
     policy.check_name("tabulate")
-    only = packages.PackagePolicy.of(replace(Settings(), packages_allow="tabulate"))
+    only = fetch.PackagePolicy.of(replace(Settings(), packages_allow="tabulate"))
     only.check_name("Tabulate")
     with pytest.raises(PackageDenied, match="not on the gateway's allow list"):
         only.check_name("wcwidth")
 
 
 def test_the_kernels_tags_take_its_wheels_and_no_others() -> None:
-    accepted = packages.kernel_tags()
+    accepted = fetch.kernel_tags()
 
     def fits(name: str) -> bool:
         return bool(parse_wheel_filename(name)[3] & accepted)
@@ -78,7 +78,7 @@ def test_the_kernels_tags_take_its_wheels_and_no_others() -> None:
 def test_the_path_program_puts_packages_after_the_stdlib_and_imports_at_once(
     tmp_path: Path,
 ) -> None:
-    program = packages.path_program(str(tmp_path))
+    program = fetch.path_program(str(tmp_path))
     script = (
         "import os, sys, json\n"
         f"exec({program!r})\n"  # before the directory exists (a fresh session)
@@ -124,11 +124,11 @@ def test_pips_environment_holds_none_of_the_hosts_pip_settings(
 
 
 def test_pip_is_asked_for_wheels_from_the_configured_index_only(tmp_path: Path) -> None:
-    policy = packages.PackagePolicy.of(
+    policy = fetch.PackagePolicy.of(
         replace(Settings(state_dir=tmp_path), packages_index_url="https://idx.example/simple")
     )
-    reqs = packages.parse_requirements(["tabulate"])
-    args = packages._pip_args(reqs, policy, tmp_path)
+    reqs = fetch.parse_requirements(["tabulate"])
+    args = fetch._pip_args(reqs, policy, tmp_path)
     # Not --isolated: it would skip PIP_CONFIG_FILE=/dev/null (and PIP_CACHE_DIR) and
     # still read the global and site pip.conf; the environment is ours instead.
     assert args[0] == "download" and "--isolated" not in args
@@ -136,7 +136,7 @@ def test_pip_is_asked_for_wheels_from_the_configured_index_only(tmp_path: Path) 
     assert args[args.index("--index-url") + 1] == "https://idx.example/simple"
     assert args[-2:] == ["--", "tabulate"]
     assert "--find-links" not in args
-    built = packages._pip_args(reqs, policy, tmp_path, tmp_path / "built")
+    built = fetch._pip_args(reqs, policy, tmp_path, tmp_path / "built")
     assert built[built.index("--find-links") + 1] == str(tmp_path / "built")
     assert "--only-binary=:all:" in built
 
@@ -144,16 +144,16 @@ def test_pip_is_asked_for_wheels_from_the_configured_index_only(tmp_path: Path) 
 def test_an_index_url_that_is_not_http_is_refused(tmp_path: Path) -> None:
     for url in ("file:///srv/wheels", "/srv/wheels", "https://"):
         with pytest.raises(InvalidRequest, match="is not an http"):
-            packages.PackagePolicy.of(replace(Settings(), packages_index_url=url))
+            fetch.PackagePolicy.of(replace(Settings(), packages_index_url=url))
 
 
 def test_installs_past_a_clients_or_the_gateways_bound_are_refused(tmp_path: Path) -> None:
     policy = replace(
-        packages.PackagePolicy.of(Settings(state_dir=tmp_path)),
+        fetch.PackagePolicy.of(Settings(state_dir=tmp_path)),
         installs_max=3,
         client_installs_max=2,
     )
-    slots = packages.Installs()
+    slots = fetch.Installs()
     with slots.slot(policy, "a"), slots.slot(policy, "a"):
         with (
             pytest.raises(PackageBusy, match="you have 2 installs running"),
@@ -195,12 +195,12 @@ def test_the_newest_allowed_sdist_is_chosen_from_the_index() -> None:
         _entry("pkg-2.2-py3-none-any.whl"),
         _entry("other-9.0.tar.gz"),
     ]
-    req = packages.parse_requirements(["pkg"])[0]
+    req = fetch.parse_requirements(["pkg"])[0]
     assert index.choose(req, files).filename == "pkg-2.0.tar.gz"
-    old = packages.parse_requirements(["pkg<2"])[0]
+    old = fetch.parse_requirements(["pkg<2"])[0]
     assert index.choose(old, files).filename == "pkg-1.0.tar.gz"
     with pytest.raises(PackageNotFound, match="no wheel and no source distribution"):
-        index.choose(packages.parse_requirements(["pkg>5"])[0], files)
+        index.choose(fetch.parse_requirements(["pkg>5"])[0], files)
 
 
 def test_an_html_index_page_is_read_with_hashes_and_yanked_marks() -> None:
@@ -216,17 +216,17 @@ def test_an_html_index_page_is_read_with_hashes_and_yanked_marks() -> None:
 
 def test_pips_no_wheel_message_names_the_requirement_to_build() -> None:
     out = "ERROR: No matching distribution found for forgetest-built==1.0\n"
-    missing = packages._missing(out)
+    missing = fetch._missing(out)
     assert missing is not None and str(missing) == "forgetest-built==1.0"
-    assert packages._missing("ERROR: No matching distribution found for x.tar.gz") is None
+    assert fetch._missing("ERROR: No matching distribution found for x.tar.gz") is None
 
 
 def test_pips_errors_reach_the_client_without_host_paths() -> None:
-    policy = packages.PackagePolicy.of(Settings())
+    policy = fetch.PackagePolicy.of(Settings())
     output = (
         "Collecting x\nERROR: Could not install packages due to an OSError: [Errno 28] "
         "No space left on device: '/var/lib/mcp-forge/packages/install-ab12/tmp/x.whl'\n"
     )
-    message = str(packages._failure(output, policy))
+    message = str(fetch._failure(output, policy))
     assert "/var/lib" not in message and "install-ab12" not in message, message
     assert "No space left on device" in message, message

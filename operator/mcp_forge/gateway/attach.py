@@ -24,7 +24,6 @@ from mcp_forge.gateway.codemode.bridge import Bridge
 from mcp_forge.gateway.codemode.policy import policies_of
 from mcp_forge.gateway.codemode.upstream import UpstreamPool
 from mcp_forge.gateway.sessions import owner_of
-from mcp_forge.image import packages
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.jupyter.execution import (
     EVALUE_MAX,
@@ -39,6 +38,7 @@ from mcp_forge.logsafe import shown
 from mcp_forge.runtimes.base import Runtime
 from mcp_forge.sandbox import WORKSPACE
 from mcp_forge.settings import Settings
+from mcp_forge.wheels import fetch
 
 log = logging.getLogger(__name__)
 
@@ -166,4 +166,4 @@ def guard_program(settings: Settings) -> str:
     }
     # First, the packages install_packages gave earlier kernels of the session.
     guard = run_silently(compiled("guard"), {"get_ipython": "get_ipython", "LIMITS": repr(limits)})
-    return packages.path_program() + "\n" + guard
+    return fetch.path_program() + "\n" + guard

@@ -24,11 +24,11 @@ from mcp_forge.gateway.attach import Handle, silently
 from mcp_forge.gateway.notebook import Notebook
 from mcp_forge.gateway.notebook_worker import ExportSlots, WorkerLimits, build_in_worker
 from mcp_forge.gateway.sessions import owner_of
-from mcp_forge.image import packages
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.jupyter.execution import NOTEBOOK_JOURNAL, OUTPUT_DIR, Collector
 from mcp_forge.sandbox import WORKSPACE
 from mcp_forge.settings import Settings
+from mcp_forge.wheels import fetch
 
 _WRITE_CHUNK = 1_000_000
 _JOURNAL_WINDOW = 1_000_000  # bytes of the notebook journal read at once (see there)
@@ -285,16 +285,16 @@ class WorkspaceCalls:
         client: str | None = None,
     ) -> dict[str, Any]:
         """Resolve and download `requirements` on the host under the package policy
-        (image/packages.py), send the wheels over the kernel's channels and have it
+        (wheels/fetch.py), send the wheels over the kernel's channels and have it
         install them offline into its workspace's package directory, which is on its
         sys.path at once (and in every later kernel of the session: guard_program).
         `client` (who asks) is held to its share of installs in flight.
         What was installed (name, version, size) and the bytes in all."""
-        reqs = packages.parse_requirements(requirements)
-        policy = packages.PackagePolicy.of(self.settings)
+        reqs = fetch.parse_requirements(requirements)
+        policy = fetch.PackagePolicy.of(self.settings)
         session = await self._session(name, namespace, read=read)  # refused before fetching
         with tempfile.TemporaryDirectory(prefix="mcp-forge-packages-") as tmp:
-            wheels = await packages.download(reqs, policy, Path(tmp), client=client)
+            wheels = await fetch.download(reqs, policy, Path(tmp), client=client)
             session = await self._session(name, namespace)
             handle = self._handle(session)
             async with self._turn(handle, session):
@@ -303,14 +303,14 @@ class WorkspaceCalls:
         return {
             "installed": [{"name": w.name, "version": w.version, "size": w.size} for w in wheels],
             "total_bytes": sum(w.size for w in wheels),
-            "path": f"{WORKSPACE}/{packages.PACKAGES_DIR}",
+            "path": f"{WORKSPACE}/{fetch.PACKAGES_DIR}",
         }
 
     async def _install_locked(
         self,
         handle: Handle,
         session: KernelSession,
-        wheels: list[packages.Wheel],
+        wheels: list[fetch.Wheel],
         seconds: float,
     ) -> None:
         batch = f"{OUTPUT_DIR.rsplit('/', 1)[0]}/wheels"  # emptied by the install, come what may
@@ -324,7 +324,7 @@ class WorkspaceCalls:
                 "install",
                 wait=seconds + self.settings.helper_timeout,
                 wheels=batch,
-                target=packages.PACKAGES_DIR,
+                target=fetch.PACKAGES_DIR,
                 files=[w.path.name for w in wheels],
                 seconds=seconds,
             )
@@ -332,7 +332,7 @@ class WorkspaceCalls:
             raise PackageError(f"the kernel could not install them: {exc}") from None
         conn = await self._connect(handle, session)
         failure = "the kernel could not put its packages on sys.path"
-        await silently(conn, packages.path_program(), failure, self.settings.helper_timeout)
+        await silently(conn, fetch.path_program(), failure, self.settings.helper_timeout)
 
 
 def _decoded(data: Any, limit: int) -> bytes:

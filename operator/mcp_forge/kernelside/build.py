@@ -1,4 +1,4 @@
-"""A source distribution built into a wheel, inside a sandbox container (image/sdist.py).
+"""A source distribution built into a wheel, inside a sandbox container (wheels/sdist.py).
 
 Runs with the kernel image's Python, as its unprivileged user, in a user namespace, with
 no network, a read-only root and a bounded /tmp: the sdist and the wheels of its build

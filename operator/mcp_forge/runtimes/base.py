@@ -89,7 +89,7 @@ class Runtime(Protocol):
 
     async def kernel_packages(self, session: KernelSession, conn: KernelConnection) -> None:
         """spec.packages in a kernel the gateway has just connected to, unless it has them
-        (runtimes/packages.py): where the runtime does not install them at start."""
+        (runtimes/spec_packages.py): where the runtime does not install them at start."""
         ...
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:

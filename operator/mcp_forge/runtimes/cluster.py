@@ -53,7 +53,7 @@ from mcp_forge.errors import (
     SessionNotReady,
 )
 from mcp_forge.jupyter.client import KernelConnection
-from mcp_forge.runtimes import packages
+from mcp_forge.runtimes import spec_packages
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -451,7 +451,7 @@ class KubernetesRuntime:
         """The operator does not speak to kernels: the gateway that first connects to a
         new one installs spec.packages (one round trip once they are there)."""
         if session.spec.packages:
-            await packages.give_packages(session, conn, self.settings)
+            await spec_packages.give_packages(session, conn, self.settings)
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return {}  # the metrics API is not asked: the gateway may not read pods

@@ -41,7 +41,7 @@ from mcp_forge.errors import (
     SessionNotReady,
 )
 from mcp_forge.jupyter.client import KernelConnection
-from mcp_forge.runtimes import packages
+from mcp_forge.runtimes import spec_packages
 from mcp_forge.runtimes.local import orphans, userns, volumes
 from mcp_forge.runtimes.local.containers import Containers
 from mcp_forge.runtimes.local.secrets import Secrets
@@ -386,14 +386,14 @@ class KernelPods:
 
     async def give_packages(self, session: KernelSession) -> None:
         """Install spec.packages in the session's running kernel, unless its workspace
-        has them (runtimes/packages.py); nothing to do without spec.packages."""
+        has them (runtimes/spec_packages.py); nothing to do without spec.packages."""
         if not session.spec.packages:
             return
         key = self.store.key(session.namespace, session.name)
         info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
         conn = KernelConnection(info, max_frame=100_000, max_message=100_000)
         try:
-            await packages.give_packages(session, conn, self.settings)
+            await spec_packages.give_packages(session, conn, self.settings)
         finally:
             conn.close()
 

@@ -11,7 +11,7 @@ its stdout, bounded; nothing of the host is writable from inside.
 
 A build is two runs: the first reads the build requirements from the sdist (in the
 sandbox: the archive is untrusted), the host checks them against the policy and fetches
-them as wheels (image/packages.py), the second builds offline from those only.
+them as wheels (wheels/fetch.py), the second builds offline from those only.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Packages for a kernel that has no network: resolved and downloaded on the host.
 
-The host's pip, isolated from the host's own configuration (image/pip.py), resolves the
+The host's pip, isolated from the host's own configuration (wheels/pip.py), resolves the
 requirements and downloads wheels for the kernel's interpreter, not its own: CPython
 3.11 on manylinux x86_64, as the kernel image is (image/kernel.py), with
 `--only-binary=:all:`, from the index the gateway was configured with. Nothing a client
 names runs on the host: a requirement is a name with extras, specifiers and a marker,
 never a URL, a path, an archive's file name or an option. With source distributions
 allowed, a requirement that has no wheel is fetched from the index as an sdist without
-pip (image/index.py) and built in a sandbox container (image/sdist.py), its build
+pip (wheels/index.py) and built in a sandbox container (wheels/sdist.py), its build
 requirements checked against the policy and given to it as wheels; pip then resolves
 again, the wheel it built among its sources.
 
@@ -48,10 +48,10 @@ from mcp_forge.errors import (
     PackageTooLarge,
     redact,
 )
-from mcp_forge.image import index, pip, sdist
 from mcp_forge.image.kernel import PYTHON_VERSION, WHEEL_PLATFORMS
 from mcp_forge.sandbox import WORKSPACE
 from mcp_forge.settings import Settings
+from mcp_forge.wheels import index, pip, sdist
 
 PACKAGES_DIR = ".packages"  # below the workspace: where the kernel installs packages
 REQUIREMENTS_MAX = 50  # requirement strings in one request
@@ -70,7 +70,7 @@ class PackagePolicy:
     deny: frozenset[str]
     total_max: int  # bytes of all files of one install
     file_max: int  # bytes of one file
-    allow_sdist: bool  # built in a sandbox container (image/sdist.py)
+    allow_sdist: bool  # built in a sandbox container (wheels/sdist.py)
     timeout: float  # seconds for pip on the host, and for one build
     index_url: str  # the only index pip and the sdist fetcher use
     work_dir: Path  # where each install's scratch directory is made
@@ -346,7 +346,7 @@ async def _resolve(
 
 
 async def _build(req: Requirement, policy: PackagePolicy, work: Path, out: Path, n: int) -> None:
-    """Build `req`'s sdist into a wheel in `out`, in the sandbox (image/sdist.py): the
+    """Build `req`'s sdist into a wheel in `out`, in the sandbox (wheels/sdist.py): the
     sdist fetched from the index, its build requirements checked against the policy and
     given to the sandbox as wheels, the wheel checked when it comes back."""
     policy.check_name(req.name)

@@ -10,9 +10,9 @@ directory, a cache of ours, bounded (`prune_cache`), and only `--index-url` the
 gateway was configured with. What is passed through is how to reach the index: the
 standard proxy variables and the trust store (SSL_CERT_FILE, SSL_CERT_DIR).
 
-pip runs with `--only-binary=:all:` (image/packages.py builds the arguments): it never
+pip runs with `--only-binary=:all:` (wheels/fetch.py builds the arguments): it never
 builds or prepares a source distribution, which would run the package's code on the
-host. Those are built in a sandbox container (image/sdist.py).
+host. Those are built in a sandbox container (wheels/sdist.py).
 
 While pip runs, what it has written is watched (`_watch`): pip downloads each file into
 its TMPDIR, then copies it to the destination, so a download past the policy's sizes is
@@ -169,7 +169,7 @@ def _give(work: Path, home: Path, tmp: Path, cwd: Path, dest: Path, cache: Path)
 
 
 class Failed(PackageError):
-    """pip exited with an error; `output` is what it said (image/packages.py reads it)."""
+    """pip exited with an error; `output` is what it said (wheels/fetch.py reads it)."""
 
     def __init__(self, code: int, output: str) -> None:
         super().__init__(f"pip exited {code}")

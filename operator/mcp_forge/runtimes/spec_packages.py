@@ -5,7 +5,7 @@ when it connects to a new kernel (the operator does not speak to kernels, and th
 kernel has no network), before the first call goes on.
 
 The host resolves and downloads the wheels under the package policy of its settings
-(image/packages.py: the gateway's --packages-* flags or MCPFORGE_PACKAGES_*), and the
+(wheels/fetch.py: the gateway's --packages-* flags or MCPFORGE_PACKAGES_*), and the
 kernel installs them offline, as install_packages does, over its shell channel only:
 each silent execute's reply says how it went (an exception in the kernel is the error).
 The wheels are written in chunks beneath the workspace, installed by the kernel's pip
@@ -25,11 +25,11 @@ from pathlib import Path
 
 from mcp_forge.api.kernelsession import KernelSession, requirement
 from mcp_forge.errors import PackageError, SessionNotReady
-from mcp_forge.image import packages
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.kernelside import source
 from mcp_forge.sandbox import WORKSPACE
 from mcp_forge.settings import Settings
+from mcp_forge.wheels import fetch
 
 MARK = ".mcp-forge-spec"  # in the package directory: the digest of what was installed
 WHEELS = ".mcp-forge/wheels"  # beneath the workspace, emptied by the install
@@ -60,13 +60,13 @@ async def give_packages(session: KernelSession, conn: KernelConnection, settings
     them. PackageError (named, with the policy's reason) if the host cannot get them;
     SessionNotReady if the kernel does not take them."""
     key = digest(session)
-    target = f"{WORKSPACE}/{packages.PACKAGES_DIR}"
+    target = f"{WORKSPACE}/{fetch.PACKAGES_DIR}"
     if await _run(conn, _CHECK, {"P": f"{target}/{MARK}", "K": key}, STEP_TIMEOUT) is None:
         return
-    policy = packages.PackagePolicy.of(settings)
+    policy = fetch.PackagePolicy.of(settings)
     reqs = [requirement(text) for text in session.spec.packages]
     with tempfile.TemporaryDirectory(prefix="mcp-forge-packages-") as tmp:
-        wheels = await packages.download(reqs, policy, Path(tmp))
+        wheels = await fetch.download(reqs, policy, Path(tmp))
         for wheel in wheels:
             data = await asyncio.to_thread(wheel.path.read_bytes)
             path = f"{WORKSPACE}/{WHEELS}/{wheel.path.name}"
@@ -78,11 +78,11 @@ async def give_packages(session: KernelSession, conn: KernelConnection, settings
                     raise SessionNotReady(f"the kernel could not take {wheel.path.name}: {failed}")
     args = {
         "wheels": WHEELS,
-        "target": packages.PACKAGES_DIR,
+        "target": fetch.PACKAGES_DIR,
         "files": [w.path.name for w in wheels],
         "seconds": policy.timeout,
     }
-    program = source("helpers") + _INSTALL + packages.path_program()
+    program = source("helpers") + _INSTALL + fetch.path_program()
     names = {"ROOT": WORKSPACE, "A": args, "MARK": MARK, "K": key}
     failed = await _run(conn, program, names, policy.timeout + STEP_TIMEOUT)
     if failed:
