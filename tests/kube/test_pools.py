@@ -19,7 +19,7 @@ import pytest
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
-from mcp_forge.control.pools import PoolKeeper, Tally
+from mcp_forge.control.poolkeeper import PoolKeeper, Tally
 from mcp_forge.control.render import LABEL_SESSION, TEMPLATE_HASH
 from mcp_forge.errors import ApiError
 from mcp_forge.settings import Settings

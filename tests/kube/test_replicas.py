@@ -126,8 +126,8 @@ async def test_quota_reservations_race_their_leases_deletion_and_lose_nothing(
     )
     lease = QUOTA_LEASE + hashlib.sha256(b"racer").hexdigest()[:16]
 
-    def claim(name: str) -> quota.Claim:
-        return quota.Claim(ns, "racer", name, QUOTA, owns=lambda b: False)
+    def claim(name: str) -> quota.Seat:
+        return quota.Seat(ns, "racer", name, QUOTA, owns=lambda b: False)
 
     async def reserve(runtime: KubernetesRuntime, name: str) -> str | None:
         try:

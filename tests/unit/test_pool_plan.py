@@ -1,4 +1,4 @@
-"""control/pools.plan: which of a pool's kernels go and how many start (pure)."""
+"""control/poolplan.plan: which of a pool's kernels go and how many start (pure)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from mcp_forge.api import kernelsessionpool as ksp
-from mcp_forge.control.pools import LABEL_CLAIMED_FROM, Member, claimed_from, plan
+from mcp_forge.control.poolplan import LABEL_CLAIMED_FROM, Member, claimed_from, plan
 from mcp_forge.control.render import LABEL_SESSION
 
 NEW, OLD = "new", "old"

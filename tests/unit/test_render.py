@@ -12,7 +12,7 @@ import yaml
 
 from mcp_forge.api import kernelsession, kernelsessionpool
 from mcp_forge.api.connection import PORTS, ConnectionInfo
-from mcp_forge.control.pools import pool_labels
+from mcp_forge.control.poolplan import pool_labels
 from mcp_forge.control.render import (
     SECCOMP_ANNOTATION,
     SECCOMP_PROFILE,

@@ -35,9 +35,10 @@ VALUE_MAX = 64_000  # bytes of a stored value read back; more is garbage, read a
 
 
 @dataclass(frozen=True)
-class Claim:
-    """A place asked for: the session `name` of `owner` in `namespace`, within `limit`;
-    `owns` tells the owner's sessions (bodies, as stored) from others."""
+class Seat:
+    """A seat asked for under a client's session quota: the session `name` of `owner` in
+    `namespace`, within `limit`; `owns` tells the owner's sessions (bodies, as stored)
+    from others."""
 
     namespace: str
     owner: str

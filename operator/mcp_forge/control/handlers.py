@@ -47,7 +47,8 @@ from mcp_forge.clients.kube import (
 )
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.baseline import Baseline
-from mcp_forge.control.pools import LABEL_CLAIMED_FROM, PoolKeeper, Seen
+from mcp_forge.control.poolkeeper import PoolKeeper, Seen
+from mcp_forge.control.poolplan import LABEL_CLAIMED_FROM
 from mcp_forge.control.realize import Children, Outcome, host_of, realize
 from mcp_forge.control.render import (
     LABEL_COMPONENT,
@@ -134,7 +135,7 @@ class Reconciler:
             await self.reconcile(namespace, name)
 
     async def reconcile_pool(self, namespace: str, name: str) -> None:
-        """Keep a KernelSessionPool full (control/pools.py)."""
+        """Keep a KernelSessionPool full (control/poolkeeper.py)."""
         key = (POOL, namespace, name)
         async with self._locks.setdefault(key, asyncio.Lock()):
             try:

@@ -30,7 +30,7 @@ from mcp_forge.clients.kube import BUSY_PREFIX, RESTART
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.lifecycle import QUICK_DEATH, Activity, idle_since, plan_kernel, stop_of
 from mcp_forge.control.pods import Observation, observe
-from mcp_forge.control.pools import Claim, Seen
+from mcp_forge.control.poolkeeper import PodClaim, Seen
 from mcp_forge.control.render import (
     TEMPLATE_HASH,
     child_name,
@@ -88,7 +88,7 @@ class Pass:
     pod: dict[str, Any] | None = None
     seen: Observation | None = None
     pending: tuple[str, str] | None = None
-    claim: Claim | None = None
+    claim: PodClaim | None = None
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -226,7 +226,7 @@ class SessionService:
                 body["spec"]["poolRef"] = {"name": chosen.name}
         # The quota holds across replicas: a reservation, counted with the client's
         # sessions atomically where every replica writes them (api/quota.py).
-        claim = quota.Claim(
+        claim = quota.Seat(
             self.namespace,
             client.owner,
             name,
@@ -265,7 +265,7 @@ class SessionService:
         ):
             await self._delete_quietly(session)
 
-    async def _release(self, claim: quota.Claim) -> None:
+    async def _release(self, claim: quota.Seat) -> None:
         try:
             await self.runtime.release(claim)
         except ForgeError as exc:  # it lapses by itself (quota.RESERVATION_TTL)

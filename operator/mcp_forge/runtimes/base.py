@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from mcp_forge.api.connection import Address, ConnectionInfo
 from mcp_forge.api.kernelsession import KernelSession
-from mcp_forge.api.quota import Claim
+from mcp_forge.api.quota import Seat
 from mcp_forge.api.status import Termination
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.settings import Settings
@@ -36,14 +36,14 @@ class Runtime(Protocol):
         """Delete a session and everything it created."""
         ...
 
-    async def reserve(self, claim: Claim) -> None:
+    async def reserve(self, claim: Seat) -> None:
         """Reserve a place for a session before creating it, atomically across gateway
         replicas (api/quota.py); InvalidRequest if the owner holds its limit of sessions
         and reservations already. The creator calls `release` once the session exists
         or its create failed."""
         ...
 
-    async def release(self, claim: Claim) -> None:
+    async def release(self, claim: Seat) -> None:
         """Drop the reservation (nothing if there is none)."""
         ...
 

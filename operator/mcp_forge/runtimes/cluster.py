@@ -196,7 +196,7 @@ class KubernetesRuntime:
 
     # ---- what replicas share: quota reservations, call rates ------------------------------
 
-    async def reserve(self, claim: quota.Claim) -> None:
+    async def reserve(self, claim: quota.Seat) -> None:
         def change(reservations: dict[str, float]) -> dict[str, float]:
             listed = self.kube.list(KIND, claim.namespace).get("items") or []
             owned = {b["metadata"]["name"] for b in listed if claim.owns(b)}
@@ -206,14 +206,14 @@ class KubernetesRuntime:
 
         await asyncio.to_thread(self._swap_reservations, claim, change)
 
-    async def release(self, claim: quota.Claim) -> None:
+    async def release(self, claim: quota.Seat) -> None:
         await asyncio.to_thread(
             self._swap_reservations, claim, lambda r: quota.release(r, claim.name), make=False
         )
 
     def _swap_reservations(
         self,
-        claim: quota.Claim,
+        claim: quota.Seat,
         change: Callable[[dict[str, float]], dict[str, float]],
         *,
         make: bool = True,

@@ -15,7 +15,7 @@ session's condition WarmStart says why. Whoever keeps the pools (`fill`: the gat
 the background, `mcp-forge apply` of a pool once) starts new kernels up to `size`,
 `maxStarting` at a time, and replaces those of an older template once new ones answer
 (or first, where the pool's maxSize leaves no room beside them: the plan is a cluster
-pool's, control/pools.plan);
+pool's, control/poolplan.py);
 a claimed kernel is a session like any other and is never touched. A file lock per
 pool keeps two processes from filling one pool at once.
 """
@@ -41,7 +41,7 @@ from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.kernelsessionpool import KernelSessionPool
-from mcp_forge.control.pools import Member, plan
+from mcp_forge.control.poolplan import Member, plan
 from mcp_forge.errors import ForgeError, SecretError, SessionNotFound, SessionNotReady
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ _LOCK_STEP = 0.005
 
 
 @dataclass(frozen=True)
-class Claim:
+class SessionClaim:
     """What a claim came to: the session (None: start it cold) and condition WarmStart."""
 
     session: KernelSession | None
@@ -342,25 +342,27 @@ class Pools:
 
     # ---- claims -------------------------------------------------------------------------
 
-    async def claim(self, body: dict[str, Any]) -> Claim:
+    async def claim(self, body: dict[str, Any]) -> SessionClaim:
         """Give the (validated) session `body` a ready kernel of its spec.poolRef's pool.
 
-        Claim.session is None when it must start cold; the reason says why.
+        SessionClaim.session is None when it must start cold; the reason says why.
         """
         meta, spec = body["metadata"], body["spec"]
         name, namespace = spec["poolRef"]["name"], meta["namespace"]
         raw = self.store.get_pool(namespace, name)
         if raw is None:
-            return Claim(None, ksp.POOL_NOT_FOUND, f"no KernelSessionPool {name!r}: started cold")
+            return SessionClaim(
+                None, ksp.POOL_NOT_FOUND, f"no KernelSessionPool {name!r}: started cold"
+            )
         pool = ksp.load(raw)
         try:
             self.runtime.secrets.values(kernelsession.load(body))
         except SecretError as exc:  # the cold start fails with it, and says so
-            return Claim(None, ksp.CLAIM_FAILED, f"{exc}: not claimed")
+            return SessionClaim(None, ksp.CLAIM_FAILED, f"{exc}: not claimed")
         why = ksp.unservable(pool, spec)
         if why:
             self.store.patch_pool_status(namespace, name, {}, add={"misses": 1})
-            return Claim(None, ksp.POOL_MISMATCH, f"{why}: started cold")
+            return SessionClaim(None, ksp.POOL_MISMATCH, f"{why}: started cold")
         members = self.members(pool)
         ready = [m for m in members if self._fresh(pool, m) and m.status.get("phase") == st.READY]
         tried: list[str] = []
@@ -378,11 +380,13 @@ class Pools:
                 self.store.patch_pool_status(namespace, name, {}, add={"claims": 1})
                 self._write_status(pool)
                 self.wanted.set()
-                return Claim(session, ksp.CLAIMED, f"claimed a ready kernel of pool {name!r}")
+                return SessionClaim(
+                    session, ksp.CLAIMED, f"claimed a ready kernel of pool {name!r}"
+                )
         self.store.patch_pool_status(namespace, name, {}, add={"misses": 1})
         self.wanted.set()
         starting = len([m for m in members if m.status.get("phase") in st.IN_PROGRESS])
-        return Claim(
+        return SessionClaim(
             None,
             ksp.POOL_EXHAUSTED,
             f"pool {name!r} had no ready kernel (size {pool.size}, {starting} starting): "

@@ -342,7 +342,7 @@ class LocalRuntime(Lifecycle):
 
     # ---- what gateways share: quota reservations, call rates (api/quota.py) ----------------
 
-    async def reserve(self, claim: quota.Claim) -> None:
+    async def reserve(self, claim: quota.Seat) -> None:
         def change(bodies: builtins.list[dict[str, Any]], held: str) -> str:
             owned = {b["metadata"]["name"] for b in bodies if claim.owns(b)}
             reservations = quota.load_reservations(held)
@@ -352,7 +352,7 @@ class LocalRuntime(Lifecycle):
 
         self.store.swap_reservations(claim.namespace, claim.owner, change)
 
-    async def release(self, claim: quota.Claim) -> None:
+    async def release(self, claim: quota.Seat) -> None:
         def change(_: builtins.list[dict[str, Any]], held: str) -> str:
             return json.dumps(quota.release(quota.load_reservations(held), claim.name))
 

@@ -24,7 +24,8 @@ resourceVersion read, read again and retried on a conflict, so two claims at onc
 two operators) never write the same count. A count not yet written when the operator
 stops is lost: a counter, not a ledger.
 
-`plan` (which kernels to delete, how many to start) is pure; `PoolKeeper` does the I/O.
+Which kernels to delete and how many to start is control/poolplan.py's (pure);
+`PoolKeeper` does the I/O.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import logging
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,16 @@ from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import Kube, secret_env
 from mcp_forge.control.baseline import Baseline
 from mcp_forge.control.pods import observe
+from mcp_forge.control.poolplan import (
+    LABEL_CLAIMED_FROM,
+    Member,
+    Plan,
+    claimed_from,
+    label_value,
+    member_pod_name,
+    plan,
+    pool_labels,
+)
 from mcp_forge.control.render import (
     KERNEL_LABELS,
     LABEL_COMPONENT,
@@ -64,136 +74,12 @@ from mcp_forge.settings import Settings
 log = logging.getLogger(__name__)
 
 KIND = ksp.KIND
-# On a claimed pod: the pool it came from (a label, so a pool counts its claimed kernels).
-LABEL_CLAIMED_FROM = ksp.ANNOTATION_CLAIMED_FROM
 STARTING_RECHECK = 15.0
 COUNT_ATTEMPTS = 8  # conflicting status writes before a count waits for the next one
 
 
-def member_pod_name(pool: str, suffix: str) -> str:
-    return f"ksp-{pool}-{suffix}"
-
-
-def pool_labels(pool: KernelSessionPool) -> dict[str, str]:
-    return {
-        **KERNEL_LABELS,
-        ksp.LABEL_POOL: pool.name,
-        ksp.LABEL_TEMPLATE: pool.template_hash,
-    }
-
-
-def _label(obj: dict[str, Any], key: str) -> str | None:
-    return (obj["metadata"].get("labels") or {}).get(key)
-
-
 def _owner(kind: str, name: str, uid: str, api_version: str = API_VERSION) -> dict[str, Any]:
     return {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "controller": True}
-
-
-# ---- the plan (pure) ---------------------------------------------------------------------
-
-
-def claimed_from(
-    pool: str, sessions: Sequence[dict[str, Any]], kernels: Sequence[dict[str, Any]]
-) -> int:
-    """How many sessions hold a kernel claimed from `pool`, counted against its maxSize.
-
-    A session counts from its claim until it is deleted or has no kernel on purpose
-    (Suspended, Expired), whichever pod runs its kernel: its status says it claimed one
-    (WarmStart True) while a restart or an update replaces its pod. A claimed pod counts
-    its session too, by its labels, while the session's status does not say so yet (its
-    write is still to come, or was lost). `sessions` must be listed before `kernels`: a
-    claim between the two lists is then seen in the pods alone, and a session seen in
-    both is counted once. (Counted from one of them only, a claim between two lists
-    would count twice and, near maxSize, have the plan delete a ready kernel.)
-    """
-    holders: set[str] = set()
-    for body in sessions:
-        meta, status = body["metadata"], body.get("status") or {}
-        if ((body.get("spec") or {}).get("poolRef") or {}).get("name") != pool:
-            continue
-        if meta.get("deletionTimestamp") or status.get("phase") in st.NO_KERNEL:
-            continue
-        if ksp.claimed_a_kernel(status):
-            holders.add(meta["name"])
-    for pod in kernels:
-        if (
-            _label(pod, LABEL_CLAIMED_FROM) == pool
-            and not _label(pod, ksp.LABEL_POOL)
-            and not pod["metadata"].get("deletionTimestamp")
-        ):
-            holders.add(_label(pod, LABEL_SESSION) or pod["metadata"]["name"])
-    return len(holders)
-
-
-@dataclass(frozen=True)
-class Member:
-    """One of a pool's unclaimed kernel pods, as the plan sees it."""
-
-    name: str
-    uid: str
-    resource_version: str
-    template: str  # the template hash it was started with
-    created: float
-    ready: bool
-    failed: bool
-    deleting: bool
-
-
-@dataclass(frozen=True)
-class Plan:
-    delete: tuple[Member, ...]
-    start: int
-    ready: int  # current and ready, once the deletes are done
-    starting: int
-
-
-def plan(
-    members: Sequence[Member],
-    *,
-    size: int,
-    max_starting: int,
-    template: str,
-    room: int | None = None,
-) -> Plan:
-    """What makes the pool `size` ready kernels of `template`, rolling.
-
-    Failed kernels go. Kernels of an older template go only as ready ones of the current
-    template take their place, so a template change never leaves the pool emptier than it
-    was, unless `room` (the pool's maxSize less its claimed kernels) leaves no place for a
-    new kernel beside them: then older kernels make way, those not ready and the oldest
-    first, and a new one starts once they are gone (a kernel being deleted counts until
-    then): the pool holds at most `room` kernels throughout. Beyond `size`, starting
-    kernels go before ready ones, the newest first. At most `max_starting` kernels start
-    at once.
-    """
-    going = sum(1 for m in members if m.deleting)  # still alive until they are gone
-    live = [m for m in members if not m.deleting]
-    delete = [m for m in live if m.failed]
-    live = [m for m in live if not m.failed]
-    current = [m for m in live if m.template == template]
-    older = [m for m in live if m.template != template]
-    excess = len(current) - size
-    if excess > 0:
-        order = sorted(current, key=lambda m: (m.ready, -m.created))
-        delete += order[:excess]
-        current = order[excess:]
-    ready = [m for m in current if m.ready]
-    starting = len(current) - len(ready)
-    # Each ready kernel of the current template retires one of an older one.
-    retire = max(0, len(older) + len(ready) - size)
-    by_age = sorted(older, key=lambda m: (m.ready, m.created))
-    delete += by_age[:retire]
-    older = by_age[retire:]
-    start = max(0, min(size - len(current), max_starting - starting))
-    over = 0 if room is None else going + len(current) + len(older) + start - room
-    if over > 0:
-        delete += older[:over]
-        start = max(0, start - max(0, over - len(older)))
-    return Plan(tuple(delete), start, len(ready), starting + start)
-
-
-# ---- the keeper --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -205,7 +91,7 @@ class Seen:
 
 
 @dataclass(frozen=True)
-class Claim:
+class PodClaim:
     pod: dict[str, Any] | None  # the claimed pod; None: start cold
     reason: str  # kernelsessionpool's WarmStart reasons
     message: str
@@ -308,7 +194,7 @@ class PoolKeeper:
         # claimed from it (see claimed_from).
         sessions = self.kube.list(kernelsession.KIND, namespace).get("items") or []
         kernels = self.kube.list("Pod", namespace, labels=KERNEL_LABELS).get("items") or []
-        pods = [p for p in kernels if _label(p, ksp.LABEL_POOL) == name]
+        pods = [p for p in kernels if label_value(p, ksp.LABEL_POOL) == name]
         claimed = claimed_from(name, sessions, kernels)
         members = []
         for pod in pods:
@@ -507,7 +393,9 @@ class PoolKeeper:
         """The pool's kernel pods, claimed or not, ready or not."""
         return self.kube.list("Pod", namespace, labels={ksp.LABEL_POOL: name}).get("items") or []
 
-    def claim(self, session: KernelSession, template_hash: str, seen: Seen | None = None) -> Claim:
+    def claim(
+        self, session: KernelSession, template_hash: str, seen: Seen | None = None
+    ) -> PodClaim:
         """Take a ready kernel of the session's pool for it, or say why it starts cold.
 
         `template_hash` is what the session's own pod would be: set on the claimed pod, so
@@ -519,22 +407,22 @@ class PoolKeeper:
         body = seen.body
         if body is None or body["metadata"].get("deletionTimestamp"):
             why = f"there is no KernelSessionPool {name!r} in {ns}: started cold"
-            return Claim(None, ksp.POOL_NOT_FOUND, why)
+            return PodClaim(None, ksp.POOL_NOT_FOUND, why)
         try:
             spec_only = {k: v for k, v in body.items() if k != "status"}
             pool = ksp.load(ksp.validate(spec_only, default_namespace=ns))
         except InvalidSession as exc:
-            return Claim(
+            return PodClaim(
                 None, ksp.POOL_NOT_FOUND, f"pool {name!r} is invalid ({exc}): started cold"
             )
         why = ksp.unservable(pool, session.body["spec"])
         if why:
             self.tally.add(pool, "misses")
-            return Claim(None, ksp.POOL_MISMATCH, f"{why}: started cold")
+            return PodClaim(None, ksp.POOL_MISMATCH, f"{why}: started cold")
         try:  # the gateway gives these when it connects: they must be there
             secret_env(self.kube, session)
         except SecretError as exc:  # no miss: the pool could have served it
-            return Claim(None, ksp.CLAIM_FAILED, f"{exc}: started cold")
+            return PodClaim(None, ksp.CLAIM_FAILED, f"{exc}: started cold")
         ready = [
             p
             for p in seen.pods
@@ -548,11 +436,13 @@ class PoolKeeper:
             taken = self._take(pool, pod, session, template_hash)
             if taken is not None:
                 self.tally.add(pool, "claims")
-                return Claim(
+                return PodClaim(
                     taken, ksp.CLAIMED, f"claimed kernel {taken['metadata']['name']} of pool {name}"
                 )
         self.tally.add(pool, "misses")
-        return Claim(None, ksp.POOL_EXHAUSTED, f"pool {name!r} had no ready kernel: started cold")
+        return PodClaim(
+            None, ksp.POOL_EXHAUSTED, f"pool {name!r} had no ready kernel: started cold"
+        )
 
     def _take(
         self, pool: KernelSessionPool, pod: dict[str, Any], session: KernelSession, hash_: str
