@@ -470,7 +470,7 @@ def userns_flag(idmap: dict[str, int]) -> str:
     )
 
 
-def _unsealed(run: Path, kernel_uid: int) -> str:
+def unsealed(run: Path, kernel_uid: int) -> str:
     """Why run/ cannot be trusted yet ("" if it can): root's, 0755, five real sockets."""
     try:
         found = run.lstat()

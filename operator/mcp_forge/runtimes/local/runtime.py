@@ -67,7 +67,7 @@ from mcp_forge.errors import (
 from mcp_forge.image.kernel import missing_image_message
 from mcp_forge.runtimes.local import locks, volumes
 from mcp_forge.runtimes.local.containers import Containers
-from mcp_forge.runtimes.local.kernelpods import _unsealed
+from mcp_forge.runtimes.local.kernelpods import unsealed
 from mcp_forge.runtimes.local.lifecycle import Lifecycle
 from mcp_forge.runtimes.local.pools import Pools
 from mcp_forge.runtimes.local.secrets import Secrets
@@ -178,7 +178,7 @@ class LocalRuntime(Lifecycle):
     async def connection(self, session: KernelSession) -> ConnectionInfo:
         """The kernel's sockets and key, once its run directory is sealed."""
         run = Path(self.host_paths(session).run)
-        problem = _unsealed(run, self.kernel_ids(session)[0])
+        problem = unsealed(run, self.kernel_ids(session)[0])
         if problem:
             raise SessionNotReady(f"session {session.name!r} is not ready: {problem}")
         key = self.store.key(session.namespace, session.name)
