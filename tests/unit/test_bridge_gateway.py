@@ -27,6 +27,8 @@ from mcp_forge.gateway.codemode.policy import ServerPolicy
 from mcp_forge.gateway.codemode.upstream import Lease, Upstream, UpstreamPool, parse_config
 from mcp_servers.config import upstream_config
 
+pytestmark = pytest.mark.servers  # not the fast loop (docs/testing.md)
+
 DEADLINE = 20.0
 
 

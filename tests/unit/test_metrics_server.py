@@ -18,6 +18,8 @@ from mcp_forge import metrics
 from mcp_forge.metrics import MetricsServer
 from support import half_sent, wait_closed
 
+pytestmark = pytest.mark.servers  # not the fast loop (docs/testing.md)
+
 
 @pytest.fixture
 def server() -> Iterator[MetricsServer]:

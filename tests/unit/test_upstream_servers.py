@@ -43,6 +43,8 @@ from mcp_servers.config import (
     upstream_config,
 )
 
+pytestmark = pytest.mark.servers  # not the fast loop (docs/testing.md)
+
 CALL_DEADLINE = 60.0  # one MCP request, the handshake's included
 EDGE_TOOLS = {
     "echo", "slow", "fail", "huge", "image", "add", "write_note", "crash", "count",
