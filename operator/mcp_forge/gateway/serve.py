@@ -93,24 +93,8 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
     if options.metrics is not None:
         exporter = await metrics.MetricsEndpoint.start(*options.metrics)  # on this loop
         say(f"Prometheus metrics at http://{options.metrics[0]}:{exporter.port}/metrics")
-    # Typed as the protocol the gateway sees, so mypy checks each runtime against it.
-    runtime: Runtime
-    cluster: KubernetesRuntime | None = None
-    local: LocalRuntime | None = None
-    own_pool: str | None = None
-    if options.kubernetes:
-        from mcp_forge.runtimes.cluster import KubernetesRuntime
-
-        runtime = cluster = KubernetesRuntime(options.settings())
-        service = SessionService(runtime, runtime.settings, namespace=cluster.namespace)
-        service.pool = options.pool  # the operator says, per session, whether it served it
-        if options.pool is None:  # each new session: a pool of the namespace that serves it
-            service.find_pools = cluster.pools
-    else:
-        say(cpuweight.raise_weight())  # threads and children made later follow it
-        runtime = local = LocalRuntime(options.settings())
-        service = SessionService(runtime, runtime.settings)
-        service.pool, own_pool = await _local_pool(local, options, service.gateway_id, say)
+    where = await _realizer(options, say)
+    runtime, service = where.runtime, where.service
     configs = load_config(options.mcp_config) if options.mcp_config is not None else {}
     upstreams = UpstreamPool(configs, per_client_max=runtime.settings.mcp_processes_per_client_max)
     if options.mcp_processes_max is not None:
@@ -121,44 +105,12 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
     upstart = asyncio.ensure_future(_connect_upstreams(upstreams, say))
     gauges: asyncio.Future[Any] = asyncio.ensure_future(_nothing())
     if exporter is not None:
-        gauges = asyncio.ensure_future(_keep_gauges(runtime, local, options.cull_interval))
+        gauges = asyncio.ensure_future(_keep_gauges(runtime, where.local, options.cull_interval))
     server = build_server(service, gw, transport="stdio" if options.http is None else "http")
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
-    if options.http is None:
-        # The SDK reads stdin in a thread that a cancellation cannot stop, so a signal
-        # ends the gateway by itself (below), not by cancelling the reader.
-        serving = asyncio.ensure_future(serve_stdio(server))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, signalled.set)
-    else:
-        host, port = options.http
-        tokens, source = load_tokens(runtime.settings.state_dir, options.token, options.tokens_file)
-        app = http_app(
-            server,
-            host=host,
-            port=port,
-            tokens=tokens,
-            allowed_origins=list(options.allowed_origins),
-            allowed_hosts=options.allowed_hosts,
-        )
-        # Bound here: clients may connect as soon as the address is printed.
-        listener = HttpServer(app, host=host, port=port, grace=runtime.settings.shutdown_grace)
-        serving = asyncio.ensure_future(listener.serve())
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, listener.stop)
-        say(f"MCP over HTTP at http://{host}:{port}/mcp; bearer token from {source}")
-    housekeeping: asyncio.Future[Any]
-    if cluster is not None:
-        say(f"mcp-forge gateway (cluster mode): sessions in namespace {cluster.namespace}")
-        housekeeping = asyncio.ensure_future(stop.wait())  # the operator keeps sessions
-    else:
-        assert local is not None
-        housekeeping = asyncio.gather(
-            supervise(local, stop, interval=options.cull_interval, say=say),
-            local.pools.keep(stop, interval=options.cull_interval),
-        )
+    serving = _front(options, server, runtime, signalled, say)
+    housekeeping = _housekeeping(where, options, stop, say)
     ended = asyncio.ensure_future(signalled.wait())
     try:
         await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -172,23 +124,105 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         housekeeping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await housekeeping
-        if cluster is not None:  # sessions outlive a gateway: another replica, or it again
-            await gw.close()
-            cluster.close()
-            say("mcp-forge gateway stopped; its sessions keep running")
-        else:
-            assert local is not None
-            # At once: a stdio client gives its server about 2 s after closing stdin.
-            deleted, _ = await asyncio.gather(
-                service.cleanup(), _delete_pool(local, own_pool) if own_pool else _nothing()
-            )
-            await gw.close()
-            say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
+        await _close(where, gw, say)
         await upstreams.close()
         await asyncio.to_thread(traces.close)
         if not serving.done():  # stdio, ended by a signal: its reader thread never returns
             sys.stderr.flush()
             os._exit(0)
+
+
+@dataclass
+class _Realizer:
+    """The runtime the gateway runs on, as its protocol and as the one it is."""
+
+    runtime: Runtime  # typed as the protocol the gateway sees: mypy checks each against it
+    service: SessionService
+    cluster: KubernetesRuntime | None = None
+    local: LocalRuntime | None = None
+    own_pool: str | None = None  # a local pool the gateway made, deleted when it ends
+
+
+async def _realizer(options: GatewayOptions, say: Callable[[str], None]) -> _Realizer:
+    if options.kubernetes:
+        from mcp_forge.runtimes.cluster import KubernetesRuntime
+
+        cluster = KubernetesRuntime(options.settings())
+        service = SessionService(cluster, cluster.settings, namespace=cluster.namespace)
+        service.pool = options.pool  # the operator says, per session, whether it served it
+        if options.pool is None:  # each new session: a pool of the namespace that serves it
+            service.find_pools = cluster.pools
+        return _Realizer(cluster, service, cluster=cluster)
+    say(cpuweight.raise_weight())  # threads and children made later follow it
+    local = LocalRuntime(options.settings())
+    service = SessionService(local, local.settings)
+    service.pool, own_pool = await _local_pool(local, options, service.gateway_id, say)
+    return _Realizer(local, service, local=local, own_pool=own_pool)
+
+
+def _front(
+    options: GatewayOptions,
+    server: Any,
+    runtime: Runtime,
+    signalled: asyncio.Event,
+    say: Callable[[str], None],
+) -> asyncio.Future[Any]:
+    """MCP over stdio or HTTP, serving until it ends; a signal ends it."""
+    loop = asyncio.get_running_loop()
+    if options.http is None:
+        # The SDK reads stdin in a thread that a cancellation cannot stop, so a signal
+        # ends the gateway by itself (in serve), not by cancelling the reader.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, signalled.set)
+        return asyncio.ensure_future(serve_stdio(server))
+    host, port = options.http
+    tokens, source = load_tokens(runtime.settings.state_dir, options.token, options.tokens_file)
+    app = http_app(
+        server,
+        host=host,
+        port=port,
+        tokens=tokens,
+        allowed_origins=list(options.allowed_origins),
+        allowed_hosts=options.allowed_hosts,
+    )
+    # Bound here: clients may connect as soon as the address is printed.
+    listener = HttpServer(app, host=host, port=port, grace=runtime.settings.shutdown_grace)
+    serving = asyncio.ensure_future(listener.serve())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, listener.stop)
+    say(f"MCP over HTTP at http://{host}:{port}/mcp; bearer token from {source}")
+    return serving
+
+
+def _housekeeping(
+    where: _Realizer, options: GatewayOptions, stop: asyncio.Event, say: Callable[[str], None]
+) -> asyncio.Future[Any]:
+    """Locally, the supervisor and the pools' keeper until `stop`; on a cluster the
+    operator keeps sessions."""
+    if where.cluster is not None:
+        say(f"mcp-forge gateway (cluster mode): sessions in namespace {where.cluster.namespace}")
+        return asyncio.ensure_future(stop.wait())
+    assert where.local is not None
+    return asyncio.gather(
+        supervise(where.local, stop, interval=options.cull_interval, say=say),
+        where.local.pools.keep(stop, interval=options.cull_interval),
+    )
+
+
+async def _close(where: _Realizer, gw: Gateway, say: Callable[[str], None]) -> None:
+    if where.cluster is not None:  # sessions outlive a gateway: another replica, or it again
+        await gw.close()
+        where.cluster.close()
+        say("mcp-forge gateway stopped; its sessions keep running")
+        return
+    assert where.local is not None
+    # At once: a stdio client gives its server about 2 s after closing stdin.
+    deleted, _ = await asyncio.gather(
+        where.service.cleanup(),
+        _delete_pool(where.local, where.own_pool) if where.own_pool else _nothing(),
+    )
+    await gw.close()
+    say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
 
 
 async def _keep_gauges(runtime: Runtime, local: LocalRuntime | None, interval: float) -> None:
