@@ -306,13 +306,6 @@ def render_kubernetes(
     `seccomp_profile`, the project's profile as installed on every node (a path below
     the kubelet's seccomp root, docs/seccomp.md); None keeps the runtime's default.
     """
-    spec = session.spec
-    name = child_name(session)
-    gateways: dict[str, Any] = {"podSelector": {"matchLabels": dict(GATEWAY_SELECTOR)}}
-    if gateway_namespace is not None:
-        gateways["namespaceSelector"] = {
-            "matchLabels": {"kubernetes.io/metadata.name": gateway_namespace}
-        }
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -320,10 +313,24 @@ def render_kubernetes(
         "type": "Opaque",
         "stringData": {"connection.json": connection.to_file()},
     }
-    service = {
+    seccomp = (
+        {"type": "Localhost", "localhostProfile": seccomp_profile}
+        if seccomp_profile
+        else RUNTIME_DEFAULT
+    )
+    pod = _pod(session, "kubernetes", _kubernetes_volumes(session), seccomp)
+    if runtime_class:
+        pod["spec"]["runtimeClassName"] = runtime_class
+    pod["metadata"]["annotations"] = {TEMPLATE_HASH: template_hash(pod)}
+    return [secret, _service(session), _network_policy(session, gateway_namespace), pod]
+
+
+def _service(session: KernelSession) -> dict[str, Any]:
+    """The kernel's ports (and its bridge's), by the session's name in its namespace."""
+    return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(session, name),
+        "metadata": _metadata(session, child_name(session)),
         "spec": {
             "type": "ClusterIP",
             "selector": {LABEL_SESSION: session.name, LABEL_COMPONENT: "kernel"},
@@ -333,11 +340,21 @@ def render_kubernetes(
             ],
         },
     }
-    egress: list[dict[str, Any]] = [{}] if spec.egress == "All" else []
-    policy = {
+
+
+def _network_policy(session: KernelSession, gateway_namespace: str | None) -> dict[str, Any]:
+    """In: gateway pods only (of `gateway_namespace`, else the session's), to the kernel's
+    and the bridge's ports. Out: nothing, unless spec.network.egress is All."""
+    gateways: dict[str, Any] = {"podSelector": {"matchLabels": dict(GATEWAY_SELECTOR)}}
+    if gateway_namespace is not None:
+        gateways["namespaceSelector"] = {
+            "matchLabels": {"kubernetes.io/metadata.name": gateway_namespace}
+        }
+    egress: list[dict[str, Any]] = [{}] if session.spec.egress == "All" else []
+    return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(session, name),
+        "metadata": _metadata(session, child_name(session)),
         "spec": {
             "podSelector": {
                 "matchLabels": {LABEL_SESSION: session.name, LABEL_COMPONENT: "kernel"}
@@ -354,6 +371,12 @@ def render_kubernetes(
             "egress": egress,
         },
     }
+
+
+def _kubernetes_volumes(session: KernelSession) -> list[dict[str, Any]]:
+    """The connection file from the Secret, the workspace (a claim if persistent), a
+    memory /tmp, and /shared for a sharedGroup."""
+    spec = session.spec
     volumes: list[dict[str, Any]] = [
         {
             "name": "conf",
@@ -380,16 +403,7 @@ def render_kubernetes(
                 "persistentVolumeClaim": {"claimName": f"mcpforge-shared-{spec.shared_group}"},
             }
         )
-    seccomp = (
-        {"type": "Localhost", "localhostProfile": seccomp_profile}
-        if seccomp_profile
-        else RUNTIME_DEFAULT
-    )
-    pod = _pod(session, "kubernetes", volumes, seccomp)
-    if runtime_class:
-        pod["spec"]["runtimeClassName"] = runtime_class
-    pod["metadata"]["annotations"] = {TEMPLATE_HASH: template_hash(pod)}
-    return [secret, service, policy, pod]
+    return volumes
 
 
 def render_workspace_claim(session: KernelSession) -> dict[str, Any] | None:
