@@ -166,53 +166,7 @@ class SessionService:
         self, client: Client, request: SessionRequest, *, default: bool = False
     ) -> KernelSession:
         s = self.settings
-        if request.variant not in VARIANTS:
-            raise InvalidRequest(
-                f"variant must be one of {', '.join(VARIANTS)}, got {request.variant!r}"
-            )
-        if not default and (request.name or "").startswith(DEFAULT_PREFIX):
-            raise InvalidSession(
-                f"names starting with {DEFAULT_PREFIX!r} are the gateway's", field="name"
-            )
-        name = request.name or f"s-{secrets.token_hex(6)}"
-        annotations = {OWNER: client.owner, CREATED_BY: self.gateway_id}
-        if default:
-            annotations[DEFAULT] = "true"
-        spec: dict[str, Any] = {"image": image_ref(request.variant), "resources": {}}
-        if request.memory is not None:
-            spec["resources"]["memory"] = request.memory
-        if request.cpu is not None:
-            spec["resources"]["cpu"] = request.cpu
-        if request.env:
-            spec["env"] = [{"name": k, "value": v} for k, v in request.env.items()]
-        if request.shared_group is not None:
-            spec["sharedGroup"] = request.shared_group
-        if request.mcp_servers:
-            unknown = sorted(
-                {str(m.get("name")) for m in request.mcp_servers if isinstance(m, dict)}
-                - set(self.mcp_servers)
-            )
-            if unknown:
-                have = ", ".join(sorted(self.mcp_servers)) or "none"
-                raise InvalidSession(
-                    f"no MCP server named {', '.join(unknown)} here (configured: {have})",
-                    field="mcp_servers",
-                )
-            spec["mcpServers"] = request.mcp_servers
-        if self.pool is not None:  # warm if the pool serves this spec, else cold (and why)
-            spec["poolRef"] = {"name": self.pool}
-        draft: dict[str, Any] = {
-            "apiVersion": kernelsession.API_VERSION,
-            "kind": kernelsession.KIND,
-            "metadata": {
-                "name": name,
-                "namespace": self.namespace,
-                "annotations": annotations,
-            },
-            "spec": spec,
-        }
-        # The field-named error, before anything is stored.
-        body = kernelsession.validate(draft)
+        body = self._body(client, request, default=default)  # field-named errors, first
         typed = kernelsession.spec_of(body)
         if typed.memory_bytes > kernelsession.parse_quantity(s.session_memory_max, field="memory"):
             raise InvalidSession(f"at most {s.session_memory_max} per session", field="memory")
@@ -224,6 +178,7 @@ class SessionService:
             chosen = ksp.choose(await self.find_pools(self.namespace), body["spec"])
             if chosen is not None:  # none: cold, and the result says so
                 body["spec"]["poolRef"] = {"name": chosen.name}
+        name = body["metadata"]["name"]
         # The quota holds across replicas: a reservation, counted with the client's
         # sessions atomically where every replica writes them (api/quota.py).
         claim = quota.Seat(
@@ -250,6 +205,55 @@ class SessionService:
         finally:
             # Made, or failed: either way the place is the session's or free again.
             await asyncio.shield(self._release(claim))
+
+    def _body(self, client: Client, request: SessionRequest, *, default: bool) -> dict[str, Any]:
+        """The KernelSession a client's request asks for, validated (nothing stored yet)."""
+        if request.variant not in VARIANTS:
+            raise InvalidRequest(
+                f"variant must be one of {', '.join(VARIANTS)}, got {request.variant!r}"
+            )
+        if not default and (request.name or "").startswith(DEFAULT_PREFIX):
+            raise InvalidSession(
+                f"names starting with {DEFAULT_PREFIX!r} are the gateway's", field="name"
+            )
+        annotations = {OWNER: client.owner, CREATED_BY: self.gateway_id}
+        if default:
+            annotations[DEFAULT] = "true"
+        spec: dict[str, Any] = {"image": image_ref(request.variant), "resources": {}}
+        if request.memory is not None:
+            spec["resources"]["memory"] = request.memory
+        if request.cpu is not None:
+            spec["resources"]["cpu"] = request.cpu
+        if request.env:
+            spec["env"] = [{"name": k, "value": v} for k, v in request.env.items()]
+        if request.shared_group is not None:
+            spec["sharedGroup"] = request.shared_group
+        if request.mcp_servers:
+            unknown = sorted(
+                {str(m.get("name")) for m in request.mcp_servers if isinstance(m, dict)}
+                - set(self.mcp_servers)
+            )
+            if unknown:
+                have = ", ".join(sorted(self.mcp_servers)) or "none"
+                raise InvalidSession(
+                    f"no MCP server named {', '.join(unknown)} here (configured: {have})",
+                    field="mcp_servers",
+                )
+            spec["mcpServers"] = request.mcp_servers
+        if self.pool is not None:  # warm if the pool serves this spec, else cold (and why)
+            spec["poolRef"] = {"name": self.pool}
+        return kernelsession.validate(
+            {
+                "apiVersion": kernelsession.API_VERSION,
+                "kind": kernelsession.KIND,
+                "metadata": {
+                    "name": request.name or f"s-{secrets.token_hex(6)}",
+                    "namespace": self.namespace,
+                    "annotations": annotations,
+                },
+                "spec": spec,
+            }
+        )
 
     async def _drop_failed(self, client: Client, name: str) -> None:
         """Delete the session `name` this gateway just failed to create for `client`."""
