@@ -35,7 +35,7 @@ from mcp_forge.jupyter.execution import (
 )
 from mcp_forge.kernelside import compiled, run_silently
 from mcp_forge.logsafe import shown
-from mcp_forge.runtimes.base import Runtime
+from mcp_forge.runtimes.base import KernelExtras
 from mcp_forge.sandbox import WORKSPACE
 from mcp_forge.settings import Settings
 from mcp_forge.wheels import fetch
@@ -73,7 +73,7 @@ async def silently(conn: KernelConnection, code: str, failure: str, timeout: flo
 
 @dataclass
 class KernelSetup:
-    runtime: Runtime
+    runtime: KernelExtras
     settings: Settings
     upstreams: UpstreamPool
     guard: str = ""

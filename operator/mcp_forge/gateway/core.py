@@ -39,7 +39,7 @@ from mcp_forge.jupyter.execution import (
     Status,
 )
 from mcp_forge.logsafe import shown
-from mcp_forge.runtimes.base import Runtime
+from mcp_forge.runtimes.base import Kernels
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Gateway(WorkspaceCalls):
 
     def __init__(
         self,
-        runtime: Runtime,
+        runtime: Kernels,
         settings: Settings | None = None,
         *,
         upstreams: UpstreamPool | dict[str, Upstream] | None = None,

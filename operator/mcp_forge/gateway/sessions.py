@@ -50,7 +50,7 @@ from mcp_forge.errors import (
 )
 from mcp_forge.image.kernel import VARIANTS, image_ref
 from mcp_forge.logsafe import quoted
-from mcp_forge.runtimes.base import Runtime
+from mcp_forge.runtimes.base import SessionCatalog
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -106,10 +106,14 @@ def owner_of(session: KernelSession) -> str | None:
 
 
 class SessionService:
-    """Ownership-checked access to sessions, on top of a Runtime."""
+    """Ownership-checked access to sessions, on top of a runtime's SessionCatalog."""
 
     def __init__(
-        self, runtime: Runtime, settings: Settings | None = None, *, namespace: str = NAMESPACE
+        self,
+        runtime: SessionCatalog,
+        settings: Settings | None = None,
+        *,
+        namespace: str = NAMESPACE,
     ) -> None:
         self.runtime = runtime
         self.settings = settings or Settings.from_env()

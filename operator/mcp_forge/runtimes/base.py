@@ -1,4 +1,4 @@
-"""Where KernelSessions are realized: the interface the gateway sees.
+"""Where KernelSessions are realized: the interfaces the gateway sees, one per caller.
 
 Two implementations, chosen once at start-up: `LocalRuntime` (local/: an embedded
 store and Podman) and `KubernetesRuntime` (cluster.py: the API server, with the
@@ -19,7 +19,10 @@ from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.settings import Settings
 
 
-class Runtime(Protocol):
+class SessionCatalog(Protocol):
+    """Sessions as the gateway's session service keeps them (gateway/sessions.py):
+    made, read, deleted, their kernels' memory, and the quota that bounds them."""
+
     settings: Settings
 
     async def get(self, name: str, namespace: str = "default") -> KernelSession:
@@ -36,6 +39,15 @@ class Runtime(Protocol):
         """Delete a session and everything it created."""
         ...
 
+    async def refresh(self, session: KernelSession, *, restart: bool = True) -> KernelSession:
+        """The session with status made true; with `restart`, a dead kernel is restarted
+        per restartPolicy (else its death is only recorded)."""
+        ...
+
+    async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
+        """Bytes of memory each running kernel uses now, by session name."""
+        ...
+
     async def reserve(self, claim: Seat) -> None:
         """Reserve a place for a session before creating it, atomically across gateway
         replicas (api/quota.py); InvalidRequest if the owner holds its limit of sessions
@@ -47,10 +59,15 @@ class Runtime(Protocol):
         """Drop the reservation (nothing if there is none)."""
         ...
 
-    async def count_call(self, session: KernelSession, server: str, per_minute: int) -> bool:
-        """Code mode: count a call of the session to `server`, where every replica counts
-        (api/quota.py); False, and not counted, if `per_minute` calls were made in the
-        last minute."""
+
+class KernelAccess(Protocol):
+    """A session's kernel as the gateway's core runs code in it (gateway/core.py):
+    reached, kept true, restarted, and its use recorded."""
+
+    settings: Settings
+
+    async def get(self, name: str, namespace: str = "default") -> KernelSession:
+        """The session, with status kept true; SessionNotFound if there is none."""
         ...
 
     async def connection(self, session: KernelSession) -> ConnectionInfo:
@@ -76,10 +93,10 @@ class Runtime(Protocol):
         """The session is in use (`busy`: its kernel runs code now): not idle."""
         ...
 
-    async def bridge_address(self, session: KernelSession) -> tuple[tuple[str | int, ...], Address]:
-        """Code mode: where the kernel's bridge listens (inside its pod), and how the
-        gateway reaches it."""
-        ...
+
+class KernelExtras(Protocol):
+    """What a new connection to a kernel is given (gateway/attach.py): claim-time
+    setup, spec.packages, and code mode's bridge and its call rate."""
 
     async def kernel_setup(self, session: KernelSession) -> str | None:
         """Silent code the gateway runs in the session's kernel when it connects, before
@@ -92,6 +109,21 @@ class Runtime(Protocol):
         (runtimes/spec_packages.py): where the runtime does not install them at start."""
         ...
 
-    async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
-        """Bytes of memory each running kernel uses now, by session name."""
+    async def bridge_address(self, session: KernelSession) -> tuple[tuple[str | int, ...], Address]:
+        """Code mode: where the kernel's bridge listens (inside its pod), and how the
+        gateway reaches it."""
         ...
+
+    async def count_call(self, session: KernelSession, server: str, per_minute: int) -> bool:
+        """Code mode: count a call of the session to `server`, where every replica counts
+        (api/quota.py); False, and not counted, if `per_minute` calls were made in the
+        last minute."""
+        ...
+
+
+class Kernels(KernelAccess, KernelExtras, Protocol):
+    """What the gateway (gateway/core.py with attach.py and workspace.py) needs."""
+
+
+class Runtime(SessionCatalog, Kernels, Protocol):
+    """A whole runtime: what `mcp-forge gateway` picks at start (gateway/serve.py)."""
