@@ -12,11 +12,14 @@ from mcp_forge.api import status as st
 from mcp_forge.api.status import Termination
 from mcp_forge.control.lifecycle import (
     BUSY_MAX,
+    QUICK_DEATH,
     START_GRACE,
     Activity,
     after_death,
     crash_backoff,
+    death_record,
     idle_since,
+    is_quick,
     plan_kernel,
     stop_of,
 )
@@ -287,3 +290,50 @@ def test_status_times_are_read_one_way_everywhere(text: Any, seconds: float | No
     assert st.parse_time(text) == seconds
     if seconds is not None:
         assert st.parse_time(st.stamp(seconds)) == int(seconds)
+
+
+# lived (seconds), exit code -> one more quick death in a row?
+QUICK = [
+    (1.0, 1, True),
+    (1.0, None, True),  # local mode: the exit code is not what it counts by
+    (QUICK_DEATH - 0.01, 137, True),
+    (QUICK_DEATH, 1, False),
+    (600.0, 1, False),
+    (1.0, 0, False),  # an exit 0: a restart asked for, or the user's exit()
+    (None, 1, False),  # of unknown age
+]
+
+
+@pytest.mark.parametrize(("lived", "exit_code", "quick"), QUICK)
+def test_a_quick_death_is_one_soon_after_the_start_and_not_an_exit_0(
+    lived: float | None, exit_code: int | None, quick: bool
+) -> None:
+    assert is_quick(lived, exit_code) is quick
+
+
+# quickDeaths recorded before, quick now -> quickDeaths after
+RECORDS = [
+    (None, True, 1),
+    (None, False, 0),
+    (0, True, 1),
+    (3, True, 4),
+    (3, False, 0),  # a death after a kernel lived long: the crash loop is over
+]
+
+
+@pytest.mark.parametrize(("before", "quick", "after"), RECORDS)
+def test_a_death_record_counts_quick_deaths_in_a_row(
+    before: int | None, quick: bool, after: int
+) -> None:
+    last = {} if before is None else {"reason": "Error", "quickDeaths": before, "podUID": "old"}
+    record = death_record(
+        last, reason="OOMKilled", message="out of memory", at="2026-12-03T12:00:00Z",
+        quick=quick, podUID="new",
+    )  # fmt: skip
+    assert record == {
+        "reason": "OOMKilled",
+        "message": "out of memory",
+        "at": "2026-12-03T12:00:00Z",
+        "quickDeaths": after,
+        "podUID": "new",
+    }

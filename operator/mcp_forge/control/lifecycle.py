@@ -25,7 +25,9 @@ step behind the operator.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
@@ -150,6 +152,28 @@ def after_death(
     return Restart(
         at, reason=st.CRASH_LOOP_BACKOFF, message=f"{why}, next start in {at - now:.0f}s"
     )
+
+
+def is_quick(lived: float | None, exit_code: int | None = None) -> bool:
+    """A death within QUICK_DEATH of the kernel's start is one more in a crash loop; an
+    exit 0 (a restart asked for, the user's exit()) never is, nor one of unknown age."""
+    return exit_code != 0 and lived is not None and lived < QUICK_DEATH
+
+
+def death_record(
+    last: Mapping[str, Any],
+    *,
+    reason: str,
+    message: str,
+    at: str,
+    quick: bool,
+    **more: Any,
+) -> dict[str, Any]:
+    """status.lastTermination for a death, `last` the one recorded before: the count of
+    quick deaths in a row goes on, or starts again. `more` are what a realizer adds (the
+    operator: exitCode, podUID; local mode: nextStartAt)."""
+    quick_deaths = int(last.get("quickDeaths") or 0) + 1 if quick else 0
+    return {"reason": reason, "message": message, "at": at, "quickDeaths": quick_deaths, **more}
 
 
 @dataclass(frozen=True)

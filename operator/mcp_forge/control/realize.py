@@ -28,7 +28,14 @@ from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART
 from mcp_forge.control import workspace as ws
-from mcp_forge.control.lifecycle import QUICK_DEATH, Activity, idle_since, plan_kernel, stop_of
+from mcp_forge.control.lifecycle import (
+    Activity,
+    death_record,
+    idle_since,
+    is_quick,
+    plan_kernel,
+    stop_of,
+)
 from mcp_forge.control.pods import Observation, observe
 from mcp_forge.control.poolkeeper import PodClaim, Seen
 from mcp_forge.control.render import (
@@ -283,17 +290,16 @@ def _termination(p: Pass, seen: Observation, pod: dict[str, Any]) -> dict[str, A
     term, uid = seen.termination, pod["metadata"].get("uid")
     if term is None or last.get("podUID") == uid:
         return last
-    lived = lifetime(pod)
-    quick = term.exit_code != 0 and lived is not None and lived < QUICK_DEATH
     log.info("kernel of %s/%s died: %s", p.session.namespace, p.session.name, term.message)
-    last = {
-        "reason": term.reason,
-        "exitCode": term.exit_code,
-        "message": term.message,
-        "at": stamp(p.now),
-        "podUID": uid,
-        "quickDeaths": int(last.get("quickDeaths") or 0) + 1 if quick else 0,
-    }
+    last = death_record(
+        last,
+        reason=term.reason,
+        message=term.message,
+        at=stamp(p.now),
+        quick=is_quick(lifetime(pod), term.exit_code),
+        exitCode=term.exit_code,
+        podUID=uid,
+    )
     p.status["lastTermination"] = last
     return last
 

@@ -21,7 +21,14 @@ from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time, stamp
-from mcp_forge.control.lifecycle import QUICK_DEATH, Activity, after_death, idle_since, stop_of
+from mcp_forge.control.lifecycle import (
+    Activity,
+    after_death,
+    death_record,
+    idle_since,
+    is_quick,
+    stop_of,
+)
 from mcp_forge.errors import ForgeError, SessionNotFound, SessionNotReady
 from mcp_forge.runtimes.local import volumes
 from mcp_forge.runtimes.local.containers import lifetime
@@ -107,18 +114,14 @@ class Lifecycle(KernelPods):
         body = self.store.get(session.namespace, session.name)
         status = body.get("status", {})
         if quick is None:
-            lived = lifetime(await self.containers.inspect(self.container_name(session)))
-            quick = lived is not None and lived < QUICK_DEATH
-        last = status.get("lastTermination") or {}
-        quick_deaths = int(last.get("quickDeaths") or 0) + 1 if quick else 0
+            quick = is_quick(lifetime(await self.containers.inspect(self.container_name(session))))
         at = time.time()
-        last = {
-            "reason": reason,
-            "message": message,
-            "at": stamp(),
-            "quickDeaths": quick_deaths,
-            "nextStartAt": stamp(after_death(quick_deaths, at, message, now=at, local=True).at),
-        }
+        last = death_record(
+            status.get("lastTermination") or {}, reason=reason, message=message, at=stamp(at),
+            quick=quick,
+        )  # fmt: skip
+        next_start = after_death(last["quickDeaths"], at, message, now=at, local=True).at
+        last["nextStartAt"] = stamp(next_start)
         self._patch(
             session,
             phase=phase,
