@@ -9,7 +9,7 @@ from typing import Any
 import kubernetes
 
 from mcp_forge.clients.kube import Kube
-from mcp_forge.control.handlers import CALLS, Reconciler
+from mcp_forge.control.reconciler import CALLS, Reconciler
 from mcp_forge.settings import Settings
 
 DEADLINE = 30.0

@@ -1,7 +1,7 @@
 """A session's lifecycle, decided once for the operator and local mode. Pure: no I/O.
 
 Two decisions, each a function of the spec, what was recorded and the time, and each
-applied by the operator (control/handlers.py) and by local mode (runtimes/local/) with
+applied by the operator (control/reconciler.py) and by local mode (runtimes/local/) with
 its own means:
 
 - `stop_of`: whether a session must have no kernel now (maxLifetime reached,

@@ -4,7 +4,7 @@ For the Kubernetes operator (and a gateway in cluster mode): the kubelet reports
 kernel container's state; this turns it into the session's phase, its Ready condition
 and, when the kernel died, a Termination named as local mode names it (OOMKilled with
 the memory limit, a signal, an exit code). The operator decides what to do with it
-(control/lifecycle.py, control/handlers.py); this module only reads.
+(control/lifecycle.py, control/reconciler.py); this module only reads.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from mcp_forge.control.render import (
 )
 
 if TYPE_CHECKING:
-    from mcp_forge.control.handlers import Reconciler
+    from mcp_forge.control.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ time (a deadline, a poke from an event, a retry), and runs each as it falls due,
 bounded number at once, retrying a failed one with exponential backoff.
 
 No timers or daemons of kopf's (they would add a finalizer to every session): the
-deadlines are kept here. The work itself is the reconciler's (control/handlers.py).
+deadlines are kept here. The work itself is the reconciler's (control/reconciler.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,441 @@
+"""The operator's reconciler: every KernelSession kept true on a cluster, by one
+level-based `reconcile` whatever woke it (a change, an event of a child, a deadline).
+
+It reads the session and its children afresh, makes them what the spec says (Secret with
+a key kept across reconciles, Service, NetworkPolicy, Lease, Pod: control/realize.py's
+pipeline), and writes status only when it changed. Calls for one session are serialized;
+sessions reconcile in parallel, their API calls side by side in a pool of threads. The
+deadlines are the scheduler's (control/schedule.py); the kopf wiring that feeds it is
+control/handlers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mcp_forge import metrics
+from mcp_forge.api import kernelsession
+from mcp_forge.api import kernelsessionpool as ksp
+from mcp_forge.api import status as st
+from mcp_forge.api.connection import ConnectionInfo, new_key
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.keys import new_bridge_cert, new_curve_keys, usable_keys
+from mcp_forge.api.status import stamp
+from mcp_forge.clients.kube import (
+    Kube,
+    connection_file_of,
+    key_of,
+)
+from mcp_forge.control import workspace as ws
+from mcp_forge.control.baseline import Baseline
+from mcp_forge.control.poolkeeper import PoolKeeper, Seen
+from mcp_forge.control.realize import Children, Outcome, host_of, realize
+from mcp_forge.control.render import (
+    LABEL_COMPONENT,
+    LABEL_SESSION,
+    render_kubernetes,
+    render_lease,
+    render_workspace_claim,
+    secret_name,
+)
+from mcp_forge.control.schedule import Key, Scheduler
+from mcp_forge.errors import ApiError, InvalidSession
+from mcp_forge.settings import Settings
+
+log = logging.getLogger(__name__)
+
+RESIZE_RETRY = 300.0  # a claim the API server refused to grow is asked again after this
+CALLS = 16  # API calls of those reconciles made side by side (threads)
+
+KS = kernelsession.KIND
+POOL = ksp.KIND
+
+
+def _differs(current: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Whether a child's spec lacks what we want (an API server adds fields of its own,
+    and drops empty lists such as a NetworkPolicy's `egress: []`)."""
+    empty: tuple[Any, ...] = ([], {}, None)
+    return any(
+        not (v in empty and current.get(k) in empty) and current.get(k) != v
+        for k, v in want.items()
+    )
+
+
+class Reconciler:
+    """Keeps sessions true; owns the deadlines. Lives in kopf's event loop."""
+
+    def __init__(self, kube: Kube, settings: Settings) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.baseline = Baseline(kube)
+        self.pools = PoolKeeper(kube, settings, self.baseline)
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self.schedule = Scheduler(self._one, settings.operator_resync)
+        self._calls = concurrent.futures.ThreadPoolExecutor(CALLS, "mcp-forge-api")
+        # Workspace claims the API server refused to grow: (namespace, name) -> (size
+        # asked, when, the condition said), so a refusal is asked again only now and then.
+        self._refused: dict[tuple[str, str], tuple[str, float, tuple[bool, str, str]]] = {}
+
+    def close(self) -> None:
+        # Calls already queued still run (each within the API client's timeouts), so a
+        # reconcile waiting on them in _at_once ends, and the loop's executor with it. Not
+        # cancel_futures: a future cancelled in the queue never wakes
+        # concurrent.futures.wait, and the operator hung at its stop.
+        self._calls.shutdown(wait=False)
+        self.pools.tally.close()  # pending claim and miss counts written before the client goes
+        self.kube.close()
+
+    # ---- scheduling ----------------------------------------------------------------------
+
+    def poke(self, namespace: str, name: str, at: float | None = None, *, kind: str = KS) -> None:
+        """Reconcile the session (or pool) at `at` (now if None), or earlier if due."""
+        self.schedule.poke((kind, namespace, name), at)
+
+    def forget(self, namespace: str, name: str, *, kind: str = KS) -> None:
+        self.schedule.forget((kind, namespace, name))
+        self._locks.pop((kind, namespace, name), None)
+        if kind == KS:
+            self._refused.pop((namespace, name), None)
+
+    async def run(self) -> None:
+        """Reconcile sessions as they fall due; every session at least every resync."""
+        await self.schedule.run()
+
+    async def _one(self, kind: str, namespace: str, name: str) -> None:
+        if kind == POOL:
+            await self.reconcile_pool(namespace, name)
+        else:
+            await self.reconcile(namespace, name)
+
+    async def reconcile_pool(self, namespace: str, name: str) -> None:
+        """Keep a KernelSessionPool full (control/poolkeeper.py)."""
+        key = (POOL, namespace, name)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            try:
+                with metrics.timed(metrics.RECONCILE_SECONDS, metrics.RECONCILE_ERRORS, kind=POOL):
+                    due = await asyncio.to_thread(self.pools.reconcile, namespace, name)
+            except ApiError as exc:
+                if not exc.not_found:
+                    raise
+                if await asyncio.to_thread(self.kube.get, POOL, namespace, name):
+                    raise
+                due = None  # deleted while we were at it: its kernels are GC'd
+        if due is None:
+            self.forget(namespace, name, kind=POOL)
+        else:
+            self.poke(namespace, name, time.time() + due, kind=POOL)
+
+    async def reconcile(self, namespace: str, name: str) -> Outcome:
+        key = (KS, namespace, name)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            try:
+                with metrics.timed(metrics.RECONCILE_SECONDS, metrics.RECONCILE_ERRORS, kind=KS):
+                    outcome = await asyncio.to_thread(self._reconcile, namespace, name)
+            except ApiError as exc:
+                # Deleted while we were at it: nothing left to do (its children are GC'd).
+                if not exc.not_found:
+                    raise
+                if await asyncio.to_thread(self.kube.get, "KernelSession", namespace, name):
+                    raise
+                outcome = Outcome(gone=True)
+        if outcome.refill:
+            self.poke(namespace, outcome.refill, kind=POOL)
+        if outcome.gone:
+            self.forget(namespace, name)
+            return outcome
+        resync = time.time() + self.settings.operator_resync
+        self.poke(namespace, name, min(resync, outcome.due or resync))
+        return outcome
+
+    # ---- the reconcile -------------------------------------------------------------------
+
+    def _reconcile(self, namespace: str, name: str) -> Outcome:
+        body = self.kube.get("KernelSession", namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return Outcome(gone=True)
+        meta = body["metadata"]
+        generation = int(meta.get("generation") or 1)
+        old: dict[str, Any] = body.get("status") or {}
+        now = time.time()
+        try:
+            spec_only = {k: v for k, v in body.items() if k != "status"}
+            session = kernelsession.load(
+                kernelsession.validate(spec_only, default_namespace=namespace)
+            )
+        except InvalidSession as exc:
+            self._write(body, self._invalid(old, str(exc), generation, stamp(now)))
+            return Outcome(invalid=str(exc))
+        return realize(self, session, body, old, generation, now)
+
+    @staticmethod
+    def _invalid(old: dict[str, Any], why: str, generation: int, now: str) -> dict[str, Any]:
+        status = dict(old)
+        status.update(
+            phase=st.FAILED,
+            reason=st.INVALID_SPEC,
+            message=why,
+            observedGeneration=generation,
+            conditions=st.conditions(
+                old.get("conditions"),
+                st.FAILED,
+                st.INVALID_SPEC,
+                why,
+                generation=generation,
+                now=now,
+            ),
+        )
+        return status
+
+    def _owned(self, obj: dict[str, Any] | None, session: KernelSession) -> dict[str, Any] | None:
+        """`obj` if it belongs to this session; an earlier session's leftover is deleted.
+
+        Without a finalizer a KernelSession is gone at once while the garbage collector
+        removes its children later: a new session of the same name must not take over
+        the old one's key, or its running kernel.
+        """
+        if obj is None or not session.uid:
+            return obj
+        refs = obj["metadata"].get("ownerReferences") or []
+        if any(r.get("uid") == session.uid and r.get("controller") for r in refs):
+            return obj
+        meta = obj["metadata"]
+        log.info(
+            "removing %s %s/%s, left by an earlier session of that name",
+            obj.get("kind"),
+            meta.get("namespace"),
+            meta.get("name"),
+        )
+        self.kube.delete(obj["kind"], meta["namespace"], meta["name"], uid=meta.get("uid", ""))
+        return None
+
+    def _ensure(
+        self, want: dict[str, Any], session: KernelSession, *, likely_new: bool = False
+    ) -> dict[str, Any]:
+        """The child `want` names, this session's: made if absent; an earlier session's
+        leftover deleted first."""
+        current, made = self.kube.ensure(want, likely_new=likely_new)
+        if made or self._owned(current, session) is not None:
+            return current
+        current, made = self.kube.ensure(want, likely_new=True)  # the leftover is deleted
+        if not made and self._owned(current, session) is None:  # still on its way out
+            meta = want["metadata"]
+            raise ApiError(
+                409, "Conflict", f"an earlier {want['kind']} {meta['name']} is being removed"
+            )
+        return current
+
+    def _at_once(self, *calls: Callable[[], Any]) -> list[Any]:
+        """The results of independent API calls made side by side; when one fails, the
+        others still end before its error is raised (nothing of this reconcile runs on)."""
+        futures = [self._calls.submit(call) for call in calls]
+        concurrent.futures.wait(futures)
+        return [f.result() for f in futures]
+
+    def _kernel_pod(self, session: KernelSession, old: dict[str, Any]) -> dict[str, Any] | None:
+        """The session's kernel pod: its own (ks-<name>), or the one it claimed from a pool.
+
+        Found by the session's label and owner, so a claim whose status write was lost is
+        found as well. Another live one (which no reconcile makes) is deleted: a session
+        never holds two kernels.
+        """
+        listed = self.kube.list(
+            "Pod",
+            session.namespace,
+            labels={LABEL_SESSION: session.name, LABEL_COMPONENT: "kernel"},
+        )
+        mine: list[dict[str, Any]] = [
+            p for p in listed.get("items") or [] if self._owned(p, session) is not None
+        ]
+        if not mine:
+            return None
+
+        def rank(pod: dict[str, Any]) -> tuple[bool, bool, str]:
+            meta = pod["metadata"]
+            return (
+                not meta.get("deletionTimestamp"),
+                meta.get("uid") == old.get("kernelId"),
+                str(meta.get("creationTimestamp")),
+            )
+
+        mine.sort(key=rank, reverse=True)
+        for extra in mine[1:]:
+            meta = extra["metadata"]
+            if not meta.get("deletionTimestamp"):
+                log.warning(
+                    "deleting pod %s/%s: a second kernel of one session",
+                    meta["namespace"],
+                    meta["name"],
+                )
+                self.kube.delete("Pod", meta["namespace"], meta["name"], uid=meta["uid"])
+        return mine[0]
+
+    def _children(self, session: KernelSession, old: dict[str, Any], *, fresh: bool) -> Children:
+        """Service, NetworkPolicy and Lease made right, the session's Secret read and its
+        kernel pod found: side by side, as none needs another. A `fresh` session (no status
+        yet) most likely has none of them: they are created first, read only if there.
+
+        The NetworkPolicy is in place when this returns, before any pod is claimed: the
+        claim moves the pod out of its pool's NetworkPolicy into this one. So is the
+        namespace's baseline policy, which keeps the pod closed while it moves.
+        """
+        ns = session.namespace
+        # Only the Secret holds keys: these need none (no key made to be thrown away).
+        _, service, policy, want_pod = self._rendered(session, ConnectionInfo("tcp", "", ""))
+
+        def spec_of(child: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+            def made() -> dict[str, Any]:
+                current = self._ensure(child, session, likely_new=fresh)
+                if _differs(current.get("spec") or {}, child["spec"]):
+                    self.kube.patch(
+                        child["kind"], ns, child["metadata"]["name"], {"spec": child["spec"]}
+                    )
+                return current
+
+            return made
+
+        def secret() -> dict[str, Any] | None:
+            if fresh:
+                return None
+            return self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
+
+        # Its first kernel, most likely a claim: the pool is read along with the rest.
+        pool = session.spec.pool if fresh else None
+        got = self._at_once(
+            spec_of(service),
+            spec_of(policy),
+            lambda: self._ensure(render_lease(session), session, likely_new=fresh),
+            secret,
+            lambda: self._kernel_pod(session, old),
+            lambda: self.kube.get(POOL, ns, pool) if pool else None,
+            lambda: self.pools.members(ns, pool) if pool else [],
+            lambda: self._workspace(session, old, fresh=fresh),
+            # Looked at afresh before a claim: it is what keeps the claimed pod closed.
+            lambda: self.baseline.ensure(ns, look=pool is not None),
+        )
+        seen = Seen(got[5], got[6]) if pool else None
+        return Children(
+            want_pod, secret=got[3], lease=got[2], pod=got[4], pool=seen, workspace=got[7]
+        )
+
+    def _workspace(
+        self, session: KernelSession, old: dict[str, Any], *, fresh: bool
+    ) -> tuple[bool, str, str] | None:
+        """A persistent workspace's claim: made if absent, owned as its reclaimPolicy says
+        (Delete: by the session, so the garbage collector deletes it with the session),
+        grown when spec.workspace.size asks for more (control/workspace.py); the
+        WorkspaceSized condition to show, if any.
+
+        A claim left by an earlier session of that name is taken over if it was retained
+        (it has no owner); one the earlier session still owns is being deleted with it:
+        this session's pod waits (the reconcile is retried) rather than mount old files.
+        """
+        want = render_workspace_claim(session)
+        if want is None:
+            return None
+        ns, name = session.namespace, want["metadata"]["name"]
+        current, made = self.kube.ensure(want, likely_new=fresh)
+        if not made:
+            meta = current["metadata"]
+            refs = meta.get("ownerReferences") or []
+            if meta.get("deletionTimestamp") or any(r.get("uid") != session.uid for r in refs):
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f"the workspace claim {name} of an earlier session of that name is being "
+                    "deleted",
+                )
+            owners = want["metadata"].get("ownerReferences") or []
+            if refs != owners:  # reclaimPolicy changed, or a retained claim taken over
+                log.info("workspace claim %s/%s: owners now %s", ns, name, owners)
+                patch = {"metadata": {"ownerReferences": owners or None}}
+                self.kube.patch("PersistentVolumeClaim", ns, name, patch)
+        shown = any(c.get("type") == ws.WORKSPACE_SIZED for c in old.get("conditions") or [])
+        size = ws.sizing(current, session.spec.workspace_size, shown=shown)
+        if size.grow_to is None:
+            self._refused.pop((ns, session.name), None)
+            return size.condition
+        asked, at, said = self._refused.get((ns, session.name), ("", 0.0, size.condition))
+        if asked == size.grow_to and time.monotonic() - at < RESIZE_RETRY:
+            return said  # refused lately: not asked again on every event
+        log.info("workspace claim %s/%s: growing to %s", ns, name, size.grow_to)
+        grow = {"spec": {"resources": {"requests": {"storage": size.grow_to}}}}
+        try:
+            self.kube.patch("PersistentVolumeClaim", ns, name, grow)
+        except ApiError as exc:
+            if exc.status not in (403, 422):  # refused, not failed: said in the status
+                raise
+            said = ws.refused(name, size.grow_to, str(exc))
+            self._refused[(ns, session.name)] = (size.grow_to, time.monotonic(), said)
+            return said
+        self._refused.pop((ns, session.name), None)
+        return size.condition
+
+    def _render(
+        self, session: KernelSession, secret: dict[str, Any] | None
+    ) -> list[dict[str, Any]]:
+        """Secret, Service, NetworkPolicy and Pod; the Secret's keys kept from `secret`,
+        new where it has none."""
+        curve, bridge = usable_keys(connection_file_of(secret) or {})
+        return self._rendered(
+            session,
+            ConnectionInfo(
+                "tcp",
+                host_of(session),
+                key_of(secret) or new_key(),
+                curve or new_curve_keys(),
+                bridge or new_bridge_cert(f"{session.namespace}/{session.name}"),
+            ),
+        )
+
+    def _rendered(self, session: KernelSession, conn: ConnectionInfo) -> list[dict[str, Any]]:
+        return render_kubernetes(
+            session,
+            conn,
+            gateway_namespace=self.settings.gateway_namespace or None,
+            runtime_class=self.settings.runtime_class or None,
+            seccomp_profile=self.settings.seccomp_profile or None,
+        )
+
+    def _own_secret(
+        self, session: KernelSession, secret: dict[str, Any] | None, *, fresh: bool
+    ) -> dict[str, Any] | None:
+        """Make the Secret of the session's own pod (ks-<name>) right; the data to write
+        before its next pod is made (None: it is complete).
+
+        A Secret from an older operator has no Curve pair or bridge certificate (or one
+        that is malformed): the kernel running now read it as it is, and the gateway uses
+        what the Secret has, so it is completed only when the next kernel pod is made.
+        A session whose kernel was claimed from a pool has no Secret of its own: its
+        pod's Secret came with it.
+        """
+        ns = session.namespace
+        if secret is None:
+            self._ensure(self._render(session, None)[0], session, likely_new=fresh)
+            return None
+        want = self._render(session, secret)[0]
+        if key_of(secret) is None:  # unreadable: a kernel cannot start with it
+            self.kube.patch("Secret", ns, secret_name(session), {"stringData": want["stringData"]})
+            return None
+        curve, bridge = usable_keys(connection_file_of(secret) or {})
+        if curve is None or bridge is None:
+            return {"stringData": want["stringData"]}
+        return None
+
+    def _write(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+        old = body.get("status") or {}
+        patch = {k: v for k, v in status.items() if old.get(k) != v}
+        for k in old:
+            if k not in status:
+                patch[k] = None
+        if not patch:
+            return
+        meta = body["metadata"]
+        self.kube.patch(
+            "KernelSession", meta["namespace"], meta["name"], {"status": patch}, status=True
+        )
