@@ -19,8 +19,11 @@ import yaml
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients import podman
 from mcp_forge.errors import SessionNotFound
+from mcp_forge.gateway import busy
 from mcp_forge.gateway.codemode.upstream import Upstream, parse_config
 from mcp_forge.gateway.core import Gateway
+from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.runtimes.guard import STATE, guard_program
 from mcp_servers.config import missing_servers, upstream_config
 
 pytestmark = pytest.mark.podman
@@ -146,6 +149,16 @@ async def test_a_claim_gets_a_ready_kernel_with_its_env_kept_out_of_status_and_l
     assert session.uid == claimed[0].uid
     with pytest.raises(SessionNotFound):  # it is a member no more
         await runtime.get(claimed[0].name)
+    # It holds the output guard it was given as it started, with these limits, and has
+    # run no cell: the gateway's first call keeps it (runtimes/guard.py).
+    info = await runtime.connection(session)
+    conn = KernelConnection(info, max_frame=1_000_000, max_message=1_000_000)
+    try:
+        await conn.wait_ready(30)
+        held = await busy.check_idle(conn, session, 30, {"guard": STATE})
+    finally:
+        conn.close()
+    assert guard_program(gateway.settings).held(held), held
 
     seen = await value(
         gateway,

@@ -14,7 +14,11 @@ from typing import Any
 import pytest
 
 from mcp_forge.errors import InvalidRequest, SessionNotFound
+from mcp_forge.gateway import busy
+from mcp_forge.gateway.attach import silently
 from mcp_forge.gateway.core import Gateway
+from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.runtimes.guard import STATE, guard_program
 from mcp_forge.settings import Settings
 from process_runtime import ProcessRuntime, process_runtime
 
@@ -169,3 +173,38 @@ async def test_a_session_that_is_not_there_is_named(core: tuple[Gateway, Process
     gateway, _ = core
     with pytest.raises(SessionNotFound, match="nope"):
         await gateway.execute("nope", "1")
+
+
+async def test_a_kernel_keeps_the_guard_it_holds_until_code_runs_or_the_limits_differ(
+    core: tuple[Gateway, ProcessRuntime],
+) -> None:
+    """runtimes/guard.py: the first connection's idle probe asks what guard the kernel
+    holds; one it was given as it started, with the same limits, is kept (local mode gives
+    it to every new kernel), and is installed again once a user cell has run."""
+    gateway, runtime = core
+    session = await runtime.get("s")
+    conn = KernelConnection(
+        await runtime.connection(session), max_frame=1_000_000, max_message=1_000_000
+    )
+    ask = {"guard": STATE, "begin": "id(get_ipython().kernel._mcp_forge_begin)"}
+    try:
+        await conn.wait_ready(DEADLINE)
+        program = guard_program(gateway.settings)
+        assert not program.held(await busy.check_idle(conn, session, DEADLINE, ask))
+        await silently(conn, program.code, "the guard failed", DEADLINE)  # as local mode does
+        given = await busy.check_idle(conn, session, DEADLINE, ask)
+        assert program.held(given)
+        other = guard_program(replace(gateway.settings, output_budget=1234))
+        assert not other.held(given)
+
+        assert (await gateway.execute("s", "1 + 1")).status == "ok"  # the first connection
+        kept = await busy.check_idle(conn, session, DEADLINE, ask)
+        assert kept["begin"] == given["begin"]  # not installed again
+        assert not program.held(kept)  # a user cell ran: the next connection installs it
+
+        await gateway.close()  # the next call connects anew
+        assert (await gateway.execute("s", "2 + 2")).status == "ok"
+        again = await busy.check_idle(conn, session, DEADLINE, ask)
+        assert again["begin"] != given["begin"]
+    finally:
+        conn.close()

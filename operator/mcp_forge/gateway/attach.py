@@ -3,10 +3,12 @@
 Once the kernel answers (gateway/core.py `_connect`), `KernelSetup.prepare` does, in
 order: say at once if the kernel still runs a call of a gateway gone since (busy.py);
 give it the session's claim-time environment and working files; install the output guard
-(kernelside/guard.py) with this gateway's limits; put the session's packages in; start
-code mode's `mcp_tools` and dial its bridge. Each runs silently (no output, nothing left
-in the user's namespace), within the helper timeout. A failure is raised to the caller,
-which drops the connection: the next call starts over and names what failed.
+(kernelside/guard.py) with this gateway's limits, unless the kernel holds it already
+(runtimes/guard.py: local mode gives it to every kernel as it starts); put the session's
+packages in; start code mode's `mcp_tools` and dial its bridge. Each runs silently (no
+output, nothing left in the user's namespace), within the helper timeout. A failure is
+raised to the caller, which drops the connection: the next call starts over and names
+what failed.
 """
 
 from __future__ import annotations
@@ -25,20 +27,11 @@ from mcp_forge.gateway.codemode.policy import policies_of
 from mcp_forge.gateway.codemode.upstream import UpstreamPool
 from mcp_forge.gateway.sessions import owner_of
 from mcp_forge.jupyter.client import KernelConnection
-from mcp_forge.jupyter.execution import (
-    EVALUE_MAX,
-    GUARD_KEY,
-    NOTEBOOK_JOURNAL,
-    OUTPUT_DIR,
-    TRACEBACK_MAX,
-    Collector,
-)
-from mcp_forge.kernelside import compiled, run_silently
+from mcp_forge.jupyter.execution import Collector
 from mcp_forge.logsafe import shown
 from mcp_forge.runtimes.base import KernelExtras
-from mcp_forge.sandbox import WORKSPACE
+from mcp_forge.runtimes.guard import STATE, GuardProgram, guard_program
 from mcp_forge.settings import Settings
-from mcp_forge.wheels import fetch
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +69,7 @@ class KernelSetup:
     runtime: KernelExtras
     settings: Settings
     upstreams: UpstreamPool
-    guard: str = ""
+    guard: GuardProgram = field(init=False)
 
     def __post_init__(self) -> None:
         self.guard = guard_program(self.settings)
@@ -86,22 +79,26 @@ class KernelSetup:
 
     async def prepare(self, handle: Handle, session: KernelSession, conn: KernelConnection) -> None:
         """Make `conn`, a kernel that answers, ready for calls (the module docstring)."""
-        await busy.check_idle(conn, session, self.settings.busy_probe)
+        held = await busy.check_idle(conn, session, self.settings.busy_probe, {"guard": STATE})
         setup = await self.runtime.kernel_setup(session)
         if setup:
             failure = "the kernel did not take its environment and working files"
             await self._silently(conn, setup, failure)
+        if not self.guard.held(held):
+            await self._install_guard(session, conn)
+        if session.spec.packages:
+            await self.runtime.kernel_packages(session, conn)
+        if session.spec.mcp_servers:
+            await self._bridge(handle, session, conn)
+
+    async def _install_guard(self, session: KernelSession, conn: KernelConnection) -> None:
         try:
-            await self._silently(conn, self.guard, "the kernel's output guard failed")
+            await self._silently(conn, self.guard.code, "the kernel's output guard failed")
         except SessionNotReady as exc:
             # Code may have broken what the guard wraps; the gateway's own bounds still hold.
             # Why is the kernel's exception, its words: at debug only.
             log.warning("session %s runs without its output guard", session.name)
             log.debug("session %s: %s", session.name, shown(exc, 500))
-        if session.spec.packages:
-            await self.runtime.kernel_packages(session, conn)
-        if session.spec.mcp_servers:
-            await self._bridge(handle, session, conn)
 
     async def _bridge(self, handle: Handle, session: KernelSession, conn: KernelConnection) -> None:
         """Start `mcp_tools` in the kernel (silently) and dial its bridge (docs/bridge.md)."""
@@ -146,24 +143,3 @@ class KernelSetup:
             "'the MCP bridge did not connect'",
             "the kernel's MCP bridge did not take the gateway's connection",
         )
-
-
-def guard_program(settings: Settings) -> str:
-    """The silent code that installs the kernel-side output guard (kernelside/guard.py)
-    with this gateway's limits, and puts the session's installed packages on sys.path;
-    like the helpers, it leaves no name in the user's namespace."""
-    limits = {
-        "text": settings.output_budget,
-        "data": settings.data_budget,
-        "spool": min(settings.output_spool_max, settings.file_max),  # read_file can open it
-        "evalue": EVALUE_MAX,
-        "traceback": TRACEBACK_MAX,
-        "spill_dir": f"{WORKSPACE}/{OUTPUT_DIR}",
-        "report_key": GUARD_KEY,
-        "journal": f"{WORKSPACE}/{NOTEBOOK_JOURNAL}",
-        "journal_max": settings.notebook_max,
-        "journal_record_max": settings.file_max,  # a larger cell fits no notebook
-    }
-    # First, the packages install_packages gave earlier kernels of the session.
-    guard = run_silently(compiled("guard"), {"get_ipython": "get_ipython", "LIMITS": repr(limits)})
-    return fetch.path_program() + "\n" + guard

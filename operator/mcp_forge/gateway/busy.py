@@ -4,14 +4,17 @@ A gateway that died (or a client that went) while a cell ran leaves the kernel b
 with it: its shell channel takes requests in order, so anything this gateway sends
 next (its output guard, then the caller's code) waits behind that cell, and a caller
 would only be told, after the guard's timeout, that the guard failed. On connecting,
-a kernel_info_request on the shell channel is answered at once by an idle kernel; one
-that has not answered within `patience` is busy, and the caller is told so, and what
-to do about it. (Its later reply is dropped: replies are taken by their request.)
+a silent `pass` on the shell channel is answered at once by an idle kernel; one that
+has not answered within `patience` is busy, and the caller is told so, and what to do
+about it. (Its later reply is dropped: replies are taken by their request.) The probe
+carries user expressions, so one round trip also says what the kernel holds (the
+guard's fingerprint, runtimes/guard.py).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time
@@ -19,13 +22,23 @@ from mcp_forge.errors import SessionNotReady
 from mcp_forge.jupyter.client import KernelConnection
 
 
-async def check_idle(conn: KernelConnection, session: KernelSession, patience: float) -> None:
-    """Return if the kernel's shell answers within `patience` seconds; SessionNotReady
-    saying it is busy with an earlier call (and for how long, as far as known) if not."""
-    probe = conn.send(conn.shell, "kernel_info_request", {})
-    if await conn.reply(conn.shell, probe, patience) is not None:
-        return
-    raise SessionNotReady(busy_message(session, now=time.time()))
+async def check_idle(
+    conn: KernelConnection,
+    session: KernelSession,
+    patience: float,
+    expressions: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The values of `expressions` (user expressions, as the kernel reports them) if
+    the kernel's shell answers within `patience` seconds; SessionNotReady saying it is
+    busy with an earlier call (and for how long, as far as known) if not."""
+    probe = conn.send_execute(
+        "pass", silent=True, store_history=False, user_expressions=expressions
+    )
+    reply = await conn.reply(conn.shell, probe, patience)
+    if reply is None:
+        raise SessionNotReady(busy_message(session, now=time.time()))
+    values = reply["content"].get("user_expressions")
+    return values if isinstance(values, dict) else {}
 
 
 def busy_message(session: KernelSession, *, now: float) -> str:

@@ -531,12 +531,19 @@ class KernelConnection:
                 break
         return replied
 
-    def send_execute(self, code: str, *, silent: bool, store_history: bool) -> str:
+    def send_execute(
+        self,
+        code: str,
+        *,
+        silent: bool,
+        store_history: bool,
+        user_expressions: dict[str, str] | None = None,
+    ) -> str:
         content = {
             "code": code,
             "silent": silent,
             "store_history": store_history,
-            "user_expressions": {},
+            "user_expressions": user_expressions or {},
             "allow_stdin": False,
             "stop_on_error": False,
         }

@@ -42,6 +42,7 @@ from mcp_forge.errors import (
 )
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.runtimes import spec_packages
+from mcp_forge.runtimes.guard import GuardProgram, guard_program
 from mcp_forge.runtimes.local import orphans, userns, volumes
 from mcp_forge.runtimes.local.containers import Containers
 from mcp_forge.runtimes.local.secrets import Secrets
@@ -64,6 +65,7 @@ class KernelPods:
     containers: Containers
     secrets: Secrets
     _playing: asyncio.Lock  # one `podman kube play` at a time (see _realize)
+    _guard: GuardProgram | None = None  # the output guard new kernels get (_give_guard)
 
     # ---- where a session's pod and files are -------------------------------------------
 
@@ -338,6 +340,7 @@ class KernelPods:
             conn.close()
         if ready.done() and not ready.cancelled() and ready.exception() is None:
             self._seal(session)
+            await self._give_guard(session)
             # Variables from Secrets are never in the pod (podman inspect shows its env):
             # every new kernel gets them here, over its sealed channel, before it is Ready.
             # So are its working files, where none is yet (a restart keeps what code wrote).
@@ -365,22 +368,35 @@ class KernelPods:
         `files`, by a silent execute on its shell channel: no output, no history, no
         name left in its namespace. Errors say how it went, never what was given
         (values may come from Secrets)."""
+        await self._tell(session, ksp.claim_program(env, files), "its environment")
+
+    async def _give_guard(self, session: KernelSession) -> None:
+        """Install the output guard in a new kernel, with these settings' limits and its
+        fingerprint (runtimes/guard.py): a gateway of the same limits then keeps it. A
+        kernel that will not take it starts all the same; the gateway's first connection
+        tries again, and says so."""
+        if self._guard is None:
+            self._guard = guard_program(self.settings)
+        try:
+            await self._tell(session, self._guard.code, "its output guard")
+        except SessionNotReady as exc:
+            log.warning("session %s: %s", session.name, exc)
+
+    async def _tell(self, session: KernelSession, code: str, what: str) -> None:
+        """Run `code` silently in the session's kernel, over a connection of its own.
+        The shell reply alone says how it went: a silent execute broadcasts nothing we
+        need, so no IOPub subscription is waited for. SessionNotReady naming `what`."""
         key = self.store.key(session.namespace, session.name)
         info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
         conn = KernelConnection(info, max_frame=100_000, max_message=100_000)
         try:
-            # The shell reply alone says how it went: a silent execute broadcasts nothing
-            # we need, so no IOPub subscription is waited for.
-            code = ksp.claim_program(env, files)
             msg_id = conn.send_execute(code, silent=True, store_history=False)
             reply = await conn.reply(conn.shell, msg_id, GIVE_ENV_TIMEOUT)
             if reply is None:
-                raise SessionNotReady(
-                    f"the kernel did not take its environment in {GIVE_ENV_TIMEOUT:.0f}s"
-                )
+                raise SessionNotReady(f"the kernel did not take {what} in {GIVE_ENV_TIMEOUT:.0f}s")
             status = reply["content"].get("status")
             if status != "ok":
-                raise SessionNotReady(f"the kernel refused its environment ({str(status)[:40]})")
+                raise SessionNotReady(f"the kernel refused {what} ({str(status)[:40]})")
         finally:
             conn.close()
 
