@@ -128,6 +128,23 @@ async def test_a_dead_kernel_is_named_and_the_next_call_gets_a_fresh_one(
     assert (await runtime.get("s")).status["restarts"] >= 1
 
 
+async def test_a_kernel_that_died_unwatched_is_restarted_before_the_first_call_runs(
+    core: tuple[Gateway, ProcessRuntime],
+) -> None:
+    """The first connection dials a session read Ready while the runtime refreshes it
+    (gateway/core.py _connect); a refresh that finds the kernel dead starts another,
+    and the call runs there, not on the connection to the dead one."""
+    gateway, runtime = core
+    await gateway.execute("s", "x = 1")
+    await gateway.close()  # no connection is open when it dies
+    runtime.kill("s")
+    assert (await runtime.get("s")).status["phase"] == "Ready"  # as read: not yet refreshed
+    async with asyncio.timeout(DEADLINE):
+        after = await gateway.execute("s", "print('x' in dir())")
+    assert (after.status, after.stdout) == ("ok", "False\n")  # a new kernel
+    assert (await runtime.get("s")).status["restarts"] == 1
+
+
 async def test_a_restart_clears_variables(core: tuple[Gateway, ProcessRuntime]) -> None:
     gateway, _ = core
     await gateway.execute("s", "y = 2")

@@ -58,6 +58,17 @@ def _kernel_of(session: KernelSession) -> tuple[Any, Any]:
     return (status.get("connection") or {}).get("generation"), status.get("kernelId")
 
 
+async def _let_go(dial: asyncio.Future[KernelConnection] | None) -> None:
+    """Cancel a connection being made that is not wanted any more, and close it if it
+    was made meanwhile."""
+    if dial is None:
+        return
+    dial.cancel()
+    await asyncio.wait({dial})
+    if not dial.cancelled() and dial.exception() is None:
+        dial.result().close()
+
+
 def _backoff_left(session: KernelSession) -> float | None:
     """Seconds until a session in a crash-loop backoff starts its kernel again, if it is."""
     status = session.status
@@ -171,6 +182,34 @@ class Gateway(WorkspaceCalls):
         if handle.conn is not None and current:
             return handle.conn
         self._drop(handle)
+        # A session read Ready is dialled while the runtime makes its status true (a
+        # store read, a look at its container): the kernel answers meanwhile. If the
+        # refresh finds another kernel, or none, that connection is let go.
+        dialled = _kernel_of(session)
+        early = None
+        if session.status.get("phase") == st.READY:
+            early = asyncio.ensure_future(self._dial(session))
+        try:
+            session = await self._ready(session)
+            if early is not None and _kernel_of(session) == dialled:
+                conn, early = await early, None
+            else:
+                await _let_go(early)
+                conn = await self._dial(session)
+        except BaseException:
+            await _let_go(early)
+            raise
+        handle.conn, handle.kernel = conn, _kernel_of(session)
+        try:
+            await self._setup.prepare(handle, session, conn)
+        except BaseException:
+            self._drop(handle)  # the next call tries again (a failure is named)
+            raise
+        return conn
+
+    async def _ready(self, session: KernelSession) -> KernelSession:
+        """The session refreshed (runtimes restart a dead kernel), once Ready;
+        SessionNotReady saying its phase if it is not."""
         session = await self.runtime.refresh(session)
         wait = _backoff_left(session)
         if wait is not None and wait <= self.settings.backoff_wait:
@@ -183,6 +222,10 @@ class Gateway(WorkspaceCalls):
                 f"session {session.name!r} is {session.status.get('phase')}: "
                 f"{session.status.get('message', '')}"
             )
+        return session
+
+    async def _dial(self, session: KernelSession) -> KernelConnection:
+        """A new connection to the session's kernel, once it answers."""
         conn = self._new_connection(await self.runtime.connection(session))
         try:
             await conn.wait_ready(
@@ -190,12 +233,6 @@ class Gateway(WorkspaceCalls):
             )
         except BaseException:
             conn.close()
-            raise
-        handle.conn, handle.kernel = conn, _kernel_of(session)
-        try:
-            await self._setup.prepare(handle, session, conn)
-        except BaseException:
-            self._drop(handle)  # the next call tries again (a failure is named)
             raise
         return conn
 
