@@ -155,7 +155,7 @@ async def test_a_claim_gets_a_ready_kernel_with_its_env_kept_out_of_status_and_l
     conn = KernelConnection(info, max_frame=1_000_000, max_message=1_000_000)
     try:
         await conn.wait_ready(30)
-        held = await busy.check_idle(conn, session, 30, {"guard": STATE})
+        held = await busy.check_idle(conn, busy.send_probe(conn, {"guard": STATE}), session, 30)
     finally:
         conn.close()
     assert guard_program(gateway.settings).held(held), held

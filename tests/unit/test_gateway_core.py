@@ -207,21 +207,23 @@ async def test_a_kernel_keeps_the_guard_it_holds_until_code_runs_or_the_limits_d
     try:
         await conn.wait_ready(DEADLINE)
         program = guard_program(gateway.settings)
-        assert not program.held(await busy.check_idle(conn, session, DEADLINE, ask))
+        assert not program.held(
+            await busy.check_idle(conn, busy.send_probe(conn, ask), session, DEADLINE)
+        )
         await silently(conn, program.code, "the guard failed", DEADLINE)  # as local mode does
-        given = await busy.check_idle(conn, session, DEADLINE, ask)
+        given = await busy.check_idle(conn, busy.send_probe(conn, ask), session, DEADLINE)
         assert program.held(given)
         other = guard_program(replace(gateway.settings, output_budget=1234))
         assert not other.held(given)
 
         assert (await gateway.execute("s", "1 + 1")).status == "ok"  # the first connection
-        kept = await busy.check_idle(conn, session, DEADLINE, ask)
+        kept = await busy.check_idle(conn, busy.send_probe(conn, ask), session, DEADLINE)
         assert kept["begin"] == given["begin"]  # not installed again
         assert not program.held(kept)  # a user cell ran: the next connection installs it
 
         await gateway.close()  # the next call connects anew
         assert (await gateway.execute("s", "2 + 2")).status == "ok"
-        again = await busy.check_idle(conn, session, DEADLINE, ask)
+        again = await busy.check_idle(conn, busy.send_probe(conn, ask), session, DEADLINE)
         assert again["begin"] != given["begin"]
     finally:
         conn.close()

@@ -77,9 +77,18 @@ class KernelSetup:
     async def _silently(self, conn: KernelConnection, code: str, failure: str) -> None:
         await silently(conn, code, failure, self.settings.helper_timeout)
 
-    async def prepare(self, handle: Handle, session: KernelSession, conn: KernelConnection) -> None:
-        """Make `conn`, a kernel that answers, ready for calls (the module docstring)."""
-        held = await busy.check_idle(conn, session, self.settings.busy_probe, {"guard": STATE})
+    @staticmethod
+    def probe(conn: KernelConnection) -> str:
+        """Send the idle probe (busy.py) on a new connection, asking which guard the
+        kernel holds; `prepare` takes its answer."""
+        return busy.send_probe(conn, {"guard": STATE})
+
+    async def prepare(
+        self, handle: Handle, session: KernelSession, conn: KernelConnection, probe: str
+    ) -> None:
+        """Make `conn`, a kernel that answers, ready for calls (the module docstring);
+        `probe` is what `probe` sent on it."""
+        held = await busy.check_idle(conn, probe, session, self.settings.busy_probe)
         setup = await self.runtime.kernel_setup(session)
         if setup:
             failure = "the kernel did not take its environment and working files"

@@ -22,18 +22,19 @@ from mcp_forge.errors import SessionNotReady
 from mcp_forge.jupyter.client import KernelConnection
 
 
+def send_probe(conn: KernelConnection, expressions: dict[str, str] | None = None) -> str:
+    """Send the idle probe, carrying `expressions`; its msg_id, for check_idle. Sent as
+    a connection is made, its answer comes while the connection waits for kernel_info
+    on the control channel (gateway/core.py `_dial`)."""
+    return conn.send_execute("pass", silent=True, store_history=False, user_expressions=expressions)
+
+
 async def check_idle(
-    conn: KernelConnection,
-    session: KernelSession,
-    patience: float,
-    expressions: dict[str, str] | None = None,
+    conn: KernelConnection, probe: str, session: KernelSession, patience: float
 ) -> dict[str, Any]:
-    """The values of `expressions` (user expressions, as the kernel reports them) if
-    the kernel's shell answers within `patience` seconds; SessionNotReady saying it is
-    busy with an earlier call (and for how long, as far as known) if not."""
-    probe = conn.send_execute(
-        "pass", silent=True, store_history=False, user_expressions=expressions
-    )
+    """The values of the probe's expressions (user expressions, as the kernel reports
+    them) if the kernel's shell answers it within `patience` seconds; SessionNotReady
+    saying it is busy with an earlier call (and for how long, as far as known) if not."""
     reply = await conn.reply(conn.shell, probe, patience)
     if reply is None:
         raise SessionNotReady(busy_message(session, now=time.time()))

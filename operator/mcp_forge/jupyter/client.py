@@ -259,9 +259,9 @@ class KernelConnection:
         deadline = time.monotonic() + timeout
         while not self._subscribed and (left := deadline - time.monotonic()) > 0:
             async with self._control_lock:
-                msg_id = self.send(self.control, "kernel_info_request", {})
+                self.send(self.control, "kernel_info_request", {})
                 with contextlib.suppress(ChannelDropped):
-                    self._subscribed = await self._iopub_has(msg_id, min(1.0, left))
+                    self._subscribed = await self._iopub_live(min(1.0, left))
         if not self._subscribed:
             log.warning("the kernel's new iopub socket saw no message within %.0fs", timeout)
 
@@ -432,19 +432,18 @@ class KernelConnection:
     async def wait_ready(
         self, timeout: float, *, retry: float = 2.0, iopub: float = 0.1
     ) -> dict[str, Any]:
-        """Wait until the kernel answers kernel_info and IOPub carries its status.
+        """Wait until the kernel answers kernel_info and IOPub carries a message.
 
         The request is sent again every `retry` seconds: a kernel that was starting
-        when the first one left may not have seen it. It is sent again, too, when its
-        status has not crossed IOPub soon after the reply: the kernel publishes that
-        status (busy) before it replies, so a status still missing by then was almost
-        always dropped, our subscription not having reached the kernel yet (a kernel
-        that answers within milliseconds of binding its sockets, as ours do in a pod, or
-        one already running, as a pool's is); a status that was only late costs one more
-        request. The first wait is 10 ms, doubled each time up to `iopub` seconds: a new
-        connection to a running kernel mostly needs one more round trip, not 100 ms.
-        Waiting a second for a dropped status was a one-second tail on such starts
-        (tests/bench/profile_cold.py counts them).
+        when the first one left may not have seen it. It is sent again, too, when
+        nothing has crossed IOPub soon after the reply (`_iopub_live`): the kernel
+        publishes the request's status (busy) before it replies, so a status still
+        missing by then was almost always dropped, our subscription not having reached
+        the kernel yet (a kernel that answers within milliseconds of binding its
+        sockets, as ours do in a pod, or one already running, as a pool's is); a status
+        that was only late costs one more request. The first wait is 10 ms, doubled each
+        time up to `iopub` seconds. Waiting a second for a dropped status was a
+        one-second tail on such starts (tests/bench/profile_cold.py counts them).
         """
         deadline = time.monotonic() + timeout
         patience = min(IOPUB_FIRST_WAIT, iopub)
@@ -460,21 +459,20 @@ class KernelConnection:
                 self.kernel_session = got["header"].get("session")
                 with contextlib.suppress(ChannelDropped):  # asked again on the next turn
                     left = max(deadline - time.monotonic(), 0)
-                    if await self._iopub_has(msg_id, min(patience, left)):
+                    if await self._iopub_live(min(patience, left)):
                         self._subscribed = True
                         return self.kernel_info
                     patience = min(patience * 2, iopub)
         raise SessionNotReady(f"the kernel did not answer kernel_info within {timeout:.0f}s")
 
-    async def _iopub_has(self, msg_id: str, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            msg = await self.recv(self.iopub, left, parents=(msg_id,))
-            if msg is None:
-                return False
-            if msg["parent_header"].get("msg_id") == msg_id:
-                return True
-        return False
+    async def _iopub_live(self, timeout: float) -> bool:
+        """True once IOPub has a message within `timeout`: any message that crosses it
+        says our subscription has reached the kernel, so the output of what we send next
+        cannot be missed. Mostly it is ipykernel 7's greeting of each new subscriber
+        (`iopub_welcome`, JEP 65), there before the kernel_info reply: a new connection
+        to a running kernel costs one round trip. An older kernel's is the status of our
+        request. It is left to be read, and dropped, by the next request's reader."""
+        return await self._wait(self.iopub, timeout)
 
     async def heartbeat(self, timeout: float) -> bool:
         """True if the kernel process echoes a ping within `timeout` (even when busy)."""
