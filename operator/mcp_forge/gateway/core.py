@@ -58,7 +58,7 @@ def _kernel_of(session: KernelSession) -> tuple[Any, Any]:
     return (status.get("connection") or {}).get("generation"), status.get("kernelId")
 
 
-async def _let_go(dial: asyncio.Future[KernelConnection] | None) -> None:
+async def _let_go(dial: asyncio.Future[tuple[KernelConnection, str]] | None) -> None:
     """Cancel a connection being made that is not wanted any more, and close it if it
     was made meanwhile."""
     if dial is None:
@@ -66,7 +66,7 @@ async def _let_go(dial: asyncio.Future[KernelConnection] | None) -> None:
     dial.cancel()
     await asyncio.wait({dial})
     if not dial.cancelled() and dial.exception() is None:
-        dial.result().close()
+        dial.result()[0].close()
 
 
 def _backoff_left(session: KernelSession) -> float | None:
@@ -144,7 +144,7 @@ class Gateway(WorkspaceCalls):
         handle = self._handle(session)
         try:
             async with handle.lock:
-                await self._connect(handle, session)
+                await self._connect(handle, session, fresh=True)
         except (ForgeError, OSError, TimeoutError) as exc:  # the first call says it again
             # Its text may be the kernel's (an exception of code it ran): debug only.
             log.info("could not connect to new session %s ahead of use", session.name)
@@ -177,31 +177,35 @@ class Gateway(WorkspaceCalls):
             info, max_frame=s.frame_max, max_message=s.message_max, monitor=True
         )
 
-    async def _connect(self, handle: Handle, session: KernelSession) -> KernelConnection:
-        current = handle.kernel == _kernel_of(session) and session.status.get("phase") == st.READY
-        if handle.conn is not None and current:
+    async def _connect(
+        self, handle: Handle, session: KernelSession, *, fresh: bool = False
+    ) -> KernelConnection:
+        """The handle's connection to the session's kernel, made ready if it is new.
+        `fresh`: the session is as the runtime has just made it Ready (create_session),
+        whose kernel it has just spoken to: its status is not made true again."""
+        ready = session.status.get("phase") == st.READY
+        if handle.conn is not None and handle.kernel == _kernel_of(session) and ready:
             return handle.conn
         self._drop(handle)
         # A session read Ready is dialled while the runtime makes its status true (a
         # store read, a look at its container): the kernel answers meanwhile. If the
         # refresh finds another kernel, or none, that connection is let go.
         dialled = _kernel_of(session)
-        early = None
-        if session.status.get("phase") == st.READY:
-            early = asyncio.ensure_future(self._dial(session))
+        early = asyncio.ensure_future(self._dial(session)) if ready else None
         try:
-            session = await self._ready(session)
+            if not (fresh and ready):
+                session = await self._ready(session)
             if early is not None and _kernel_of(session) == dialled:
-                conn, early = await early, None
+                (conn, probe), early = await early, None
             else:
                 await _let_go(early)
-                conn = await self._dial(session)
+                conn, probe = await self._dial(session)
         except BaseException:
             await _let_go(early)
             raise
         handle.conn, handle.kernel = conn, _kernel_of(session)
         try:
-            await self._setup.prepare(handle, session, conn)
+            await self._setup.prepare(handle, session, conn, probe)
         except BaseException:
             self._drop(handle)  # the next call tries again (a failure is named)
             raise
@@ -224,17 +228,19 @@ class Gateway(WorkspaceCalls):
             )
         return session
 
-    async def _dial(self, session: KernelSession) -> KernelConnection:
-        """A new connection to the session's kernel, once it answers."""
+    async def _dial(self, session: KernelSession) -> tuple[KernelConnection, str]:
+        """A new connection to the session's kernel, once it answers, and the idle probe
+        sent on it (attach.py), whose answer comes meanwhile."""
         conn = self._new_connection(await self.runtime.connection(session))
         try:
+            probe = self._setup.probe(conn)
             await conn.wait_ready(
                 self.settings.kernel_ready_timeout, retry=self.settings.kernel_info_retry
             )
         except BaseException:
             conn.close()
             raise
-        return conn
+        return conn, probe
 
     def _drop(self, handle: Handle) -> None:
         if handle.bridge is not None:

@@ -55,6 +55,9 @@ LOCK_PATIENCE = 1.0
 _LOCK_STEP = 0.005
 
 
+REFILL_SETTLE = 0.5  # seconds the keeper lets a claimed kernel's first call go first
+
+
 @dataclass(frozen=True)
 class SessionClaim:
     """What a claim came to: the session (None: start it cold) and condition WarmStart."""
@@ -261,6 +264,12 @@ class Pools:
             finally:
                 for w in waits:
                     w.cancel()
+            if self.wanted.is_set() and not stop.is_set():
+                # A claim: its kernel's first call, which mostly comes at once, goes
+                # first; a pod's start (podman's locks, a core's worth of work) after it.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(REFILL_SETTLE):
+                        await stop.wait()
 
     async def fill_all(self) -> None:
         """One keeper pass over every pool of the store."""
