@@ -149,21 +149,21 @@ def instrument(rt: LocalRuntime) -> None:
 
     podman.run = podman_run
 
-    send, iopub_has = KernelConnection.send, KernelConnection._iopub_has
+    send, iopub_live = KernelConnection.send, KernelConnection._iopub_live
 
     def counted_send(self: KernelConnection, sock: Any, msg_type: str, *a: Any, **k: Any) -> Any:
         if msg_type == "kernel_info_request":
             PROBE.counts["kernel_info sent"] += 1
         return send(self, sock, msg_type, *a, **k)
 
-    async def counted_iopub(self: KernelConnection, msg_id: str, timeout: float) -> bool:
-        got = await iopub_has(self, msg_id, timeout)
+    async def counted_iopub(self: KernelConnection, timeout: float) -> bool:
+        got = await iopub_live(self, timeout)
         if not got:
             PROBE.counts["IOPub missed"] += 1
         return got
 
     KernelConnection.send = counted_send  # type: ignore[method-assign]
-    KernelConnection._iopub_has = counted_iopub  # type: ignore[method-assign]
+    KernelConnection._iopub_live = counted_iopub  # type: ignore[method-assign]
 
 
 def _ticks_to_wall() -> Callable[[int], float]:
