@@ -52,8 +52,9 @@ from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# A kernel that answered takes its environment's silent execute within this long.
-GIVE_ENV_TIMEOUT = 10.0
+# A kernel that answered takes a silent execute of ours (its environment, its output
+# guard: _tell) within this long.
+TELL_TIMEOUT = 10.0
 
 
 class KernelPods:
@@ -391,9 +392,9 @@ class KernelPods:
         conn = KernelConnection(info, max_frame=100_000, max_message=100_000)
         try:
             msg_id = conn.send_execute(code, silent=True, store_history=False)
-            reply = await conn.reply(conn.shell, msg_id, GIVE_ENV_TIMEOUT)
+            reply = await conn.reply(conn.shell, msg_id, TELL_TIMEOUT)
             if reply is None:
-                raise SessionNotReady(f"the kernel did not take {what} in {GIVE_ENV_TIMEOUT:.0f}s")
+                raise SessionNotReady(f"the kernel did not take {what} in {TELL_TIMEOUT:.0f}s")
             status = reply["content"].get("status")
             if status != "ok":
                 raise SessionNotReady(f"the kernel refused {what} ({str(status)[:40]})")
