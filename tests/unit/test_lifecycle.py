@@ -15,12 +15,15 @@ from mcp_forge.control.lifecycle import (
     QUICK_DEATH,
     START_GRACE,
     Activity,
+    Kernel,
     after_death,
     crash_backoff,
     death_record,
+    follow,
     idle_since,
     is_quick,
     plan_kernel,
+    shown,
     stop_of,
 )
 from mcp_forge.control.pods import Observation
@@ -337,3 +340,173 @@ def test_a_death_record_counts_quick_deaths_in_a_row(
         "quickDeaths": after,
         "podUID": "new",
     }
+
+
+# Both realizers follow a kernel through `follow`: what each one observed of it (its
+# restartPolicy, what it shows, how long it lived, the record so far, a restart asked)
+# -> (a death recorded now?, quickDeaths after, replace it now?, phase, reason).
+OOM = Termination(st.OOM_KILLED, 137, "the kernel ran out of memory")
+GATEWAY_KILL = Termination("Unresponsive", None, "the kernel did not answer an interrupt")
+FOLLOWS: list[
+    tuple[bool, str, Observation, float | None, dict[str, Any], bool, tuple[Any, ...]]
+] = [
+    # the operator: a death is recorded once per pod, and backs off from the first quick one
+    (False, "Always", dead(DIED), 600.0, {}, False, (True, 0, True, st.RESTARTING, "Error")),
+    (
+        False,
+        "Always",
+        dead(DIED),
+        2.0,
+        {},
+        False,
+        (True, 1, False, st.RESTARTING, st.CRASH_LOOP_BACKOFF),
+    ),
+    (
+        False,
+        "Always",
+        dead(DIED),
+        2.0,
+        {"kernelId": "k1", "quickDeaths": 1, "at": st.stamp(T0 - 60)},
+        False,
+        (False, 1, True, st.RESTARTING, "Error"),  # recorded long ago: the backoff is over
+    ),
+    (
+        False,
+        "Always",
+        dead(DIED),
+        2.0,
+        {"podUID": "k1", "quickDeaths": 1},  # an older operator's record: the same pod
+        False,
+        (False, 1, False, st.RESTARTING, st.CRASH_LOOP_BACKOFF),
+    ),
+    (False, "Never", dead(DIED, "Never"), 600.0, {}, False, (True, 0, False, st.FAILED, "Error")),
+    (
+        False,
+        "Never",
+        dead(CLEAN, "Never"),
+        2.0,
+        {},
+        False,
+        (True, 0, True, st.RESTARTING, "Completed"),
+    ),
+    (False, "Never", dead(DIED, "Never"), 600.0, {}, True, (True, 0, True, st.RESTARTING, "Error")),
+    # local mode: starts again at once after the first quick death, backs off from the
+    # second, gives up past the longest backoff; an exit 0 is no restart it asked for
+    (True, "Always", dead(OOM), 2.0, {}, False, (True, 1, True, st.RESTARTING, st.OOM_KILLED)),
+    (
+        True,
+        "Always",
+        dead(DIED),
+        2.0,
+        {"kernelId": "k0", "quickDeaths": 1},
+        False,
+        (True, 2, False, st.RESTARTING, st.CRASH_LOOP_BACKOFF),
+    ),
+    (
+        True,
+        "Always",
+        dead(DIED),
+        2.0,
+        {"kernelId": "k0", "quickDeaths": 7},
+        False,
+        (True, 8, False, st.FAILED, st.CRASH_LOOP),
+    ),
+    (True, "Never", dead(CLEAN, "Never"), 2.0, {}, False, (True, 0, False, st.FAILED, "Completed")),
+    (
+        True,
+        "Never",
+        Observation(st.RESTARTING, GATEWAY_KILL.reason, GATEWAY_KILL.message, GATEWAY_KILL),
+        None,  # it was running when the gateway gave up on it
+        {},
+        True,
+        (True, 0, True, st.RESTARTING, "Unresponsive"),
+    ),
+    (True, "Never", RUNNING, None, {}, True, (False, 0, True, st.RESTARTING, st.RESTART_REQUESTED)),
+    (
+        True,
+        "Always",
+        RUNNING,
+        None,
+        {"kernelId": "k0", "quickDeaths": 2},
+        False,
+        (False, 2, False, st.READY, st.KERNEL_READY),
+    ),
+]
+
+
+@pytest.mark.parametrize(("local", "policy", "seen", "lived", "last", "asked", "want"), FOLLOWS)
+def test_both_realizers_follow_a_kernel_one_way(
+    local: bool,
+    policy: str,
+    seen: Observation,
+    lived: float | None,
+    last: dict[str, Any],
+    asked: bool,
+    want: tuple[Any, ...],
+) -> None:
+    now = T0
+    kernel = Kernel("k1", seen, lived)
+    followed = follow(
+        session(restartPolicy=policy),
+        kernel,
+        {"lastTermination": last} if last else {},
+        restart_asked=asked,
+        now=now,
+        local=local,
+    )
+    plan = followed.plan
+    got = (
+        followed.died is not None,
+        int(followed.last.get("quickDeaths") or 0),
+        plan.replace,
+        plan.seen.phase,
+        plan.seen.reason,
+    )
+    assert got == want
+    if followed.died is not None:
+        assert followed.died["kernelId"] == "k1" and followed.died["at"] == st.stamp(now)
+        assert followed.died["reason"] == seen.reason
+        # local mode says when the next start is: the gateway's call waits for it
+        assert ("nextStartAt" in followed.died) is local
+        if local and plan.seen.reason == st.CRASH_LOOP_BACKOFF:
+            assert followed.died["nextStartAt"] == st.stamp(now + 5.0)
+    if plan.seen.reason == st.CRASH_LOOP_BACKOFF:
+        assert plan.due == now + 5.0 and "next start in 5s" in plan.seen.message
+    if plan.seen.reason == st.CRASH_LOOP:
+        assert "is not started again" in plan.seen.message
+
+
+def test_what_a_session_shows_is_written_one_way_with_its_conditions() -> None:
+    seen = Observation(st.RESTARTING, st.CRASH_LOOP_BACKOFF, "x" * 5000)
+    fields = shown({}, seen, generation=3, now=T0, pending=(st.KERNEL_BUSY, "busy"))
+    assert (fields["phase"], fields["reason"], fields["observedGeneration"]) == (
+        st.RESTARTING,
+        st.CRASH_LOOP_BACKOFF,
+        3,
+    )
+    assert len(fields["message"]) == 2000  # bounded: a kernel's output may be in it
+    kinds = {c["type"]: c["status"] for c in fields["conditions"]}
+    assert kinds == {
+        "Ready": "False",
+        "UpdatePending": "True",
+        "Reconciling": "True",
+        "Stalled": "False",
+    }
+
+
+def test_a_death_is_planned_for_as_it_was_recorded() -> None:
+    """Local mode records a kernel that died while starting as StartFailed, with its log:
+    what the session says of its crash loop is that, not the bare exit code."""
+    recorded = {
+        "kernelId": "k1",
+        "reason": "StartFailed",
+        "message": "the kernel exited while starting: ImportError",
+        "quickDeaths": 2,
+        "at": st.stamp(T0),
+    }
+    followed = follow(
+        session(), Kernel("k1", dead(DIED), 0.5), {"lastTermination": recorded}, now=T0, local=True
+    )
+    assert followed.died is None  # recorded already
+    assert followed.plan.seen.reason == st.CRASH_LOOP_BACKOFF
+    assert followed.plan.seen.message.startswith("the kernel exited while starting: ImportError")

@@ -51,7 +51,8 @@ class LastTermination(TypedDict, total=False):
     exitCode: int | None
     message: str
     at: str
-    podUID: str  # the operator's: the pod that died (one record per pod)
+    podUID: str  # the operator's: the pod that died
+    kernelId: str  # the kernel that died (status.kernelId): one record per kernel
     quickDeaths: int
     nextStartAt: str  # local mode's: when the crash-loop backoff ends
 

@@ -21,6 +21,12 @@ kernel again at once after its first quick death: that death is most often the c
 the call that just ran (an OOM, an os._exit), the call is answered with it, and the
 next call must find a kernel. It backs off from the second quick death in a row, one
 step behind the operator.
+
+Both realizers follow a kernel the same way (`follow`): observe it (a `Kernel`: the
+operator reads its pod, local mode its container), record its death once
+(`recorded_death`), decide (`plan_kernel`), then show the outcome (`shown`, the one
+builder of phase, reason, message and conditions) and act: replace the kernel, wait
+out a backoff, or leave it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.status import Termination, parse_time, stamp
 from mcp_forge.control.pods import Observation
 
 QUICK_DEATH = 10.0  # a kernel that dies sooner after starting is crash-looping
@@ -171,7 +178,7 @@ def death_record(
 ) -> dict[str, Any]:
     """status.lastTermination for a death, `last` the one recorded before: the count of
     quick deaths in a row goes on, or starts again. `more` are what a realizer adds (the
-    operator: exitCode, podUID; local mode: nextStartAt)."""
+    operator: exitCode, podUID; `recorded_death` the kernelId)."""
     quick_deaths = int(last.get("quickDeaths") or 0) + 1 if quick else 0
     return {"reason": reason, "message": message, "at": at, "quickDeaths": quick_deaths, **more}
 
@@ -197,20 +204,27 @@ def plan_kernel(
     restart_asked: bool,
     busy: bool,
     now: float,
+    local: bool = False,
 ) -> KernelPlan:
-    """The operator's decision for an existing kernel pod, `seen` as control/pods.py reads
-    it: `quick_deaths` and `died_at` are the recorded death's (lastTermination),
-    `outdated` says the pod was made for an older spec, `restart_asked` that a gateway
-    asked to restart this very pod, `busy` that a gateway runs code in it."""
+    """What to do with a session's existing kernel, `seen` as its realizer reads it
+    (control/pods.py, or local mode's container): `quick_deaths` and `died_at` are the
+    recorded death's (lastTermination), `outdated` says the pod was made for an older
+    spec, `restart_asked` that a gateway asked to restart this very kernel, `busy` that a
+    gateway runs code in it."""
     spec = session.spec
     term = seen.termination
     if term is not None:
-        # An exit 0 is a restart a gateway asked for (or the user's exit()); a pod for an
-        # older spec is replaced whatever restartPolicy says.
-        again = spec.restart_policy == "Always" or term.exit_code == 0 or outdated
+        # A restart asked for is one whatever restartPolicy says. On a cluster, so is an
+        # exit 0 (how a kernel ends when a gateway restarts it, or the user's exit()),
+        # and a pod for an older spec is replaced; local mode applies a new spec itself.
+        again = restart_asked or spec.restart_policy == "Always"
+        if not local:
+            again = again or term.exit_code == 0 or outdated
         if not again or deleting:
             return KernelPlan(seen)
-        start = after_death(quick_deaths, died_at or now, term.message, now=now, local=False)
+        start = after_death(quick_deaths, died_at or now, term.message, now=now, local=local)
+        if start.give_up:
+            return KernelPlan(Observation(st.FAILED, start.reason, start.message, term))
         if start.at > now:
             return KernelPlan(
                 Observation(st.RESTARTING, start.reason, start.message, term), due=start.at
@@ -235,3 +249,113 @@ def plan_kernel(
         why += " (updateStrategy OnRestart)"
         return KernelPlan(seen, pending=(st.WAITING_FOR_RESTART, why))
     return KernelPlan(seen)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A session's kernel as its realizer sees it now."""
+
+    id: str  # which kernel: the pod's uid on a cluster, local mode's kernelId
+    seen: Observation  # what it shows (a death: its Termination)
+    lived: float | None = None  # how long it ran, if it died and that is known
+    outdated: bool = False  # made for an older spec
+    deleting: bool = False  # on its way out
+
+
+def recorded_death(
+    last: Mapping[str, Any], kernel: Kernel, *, now: float, local: bool, **more: Any
+) -> dict[str, Any] | None:
+    """The lastTermination to write for the kernel's death; None if it lives, or its death
+    is recorded already (one record per kernel). Local mode's says when the next start
+    is (`nextStartAt`: a gateway's call waits out a short backoff)."""
+    term = kernel.seen.termination
+    if term is None or kernel.id in (last.get("kernelId"), last.get("podUID")):
+        return None
+    record = death_record(
+        last,
+        reason=term.reason,
+        message=term.message,
+        at=stamp(now),
+        quick=is_quick(kernel.lived, term.exit_code),
+        kernelId=kernel.id,
+        **more,
+    )
+    if local:
+        start = after_death(record["quickDeaths"], now, term.message, now=now, local=True)
+        record["nextStartAt"] = stamp(start.at)
+    return record
+
+
+@dataclass(frozen=True)
+class Followed:
+    """A kernel followed: its plan, and its death if recorded just now."""
+
+    plan: KernelPlan
+    last: Mapping[str, Any]  # lastTermination as it is now
+    died: dict[str, Any] | None  # lastTermination to write: a death recorded now
+
+
+def follow(
+    session: KernelSession,
+    kernel: Kernel,
+    status: Mapping[str, Any],
+    *,
+    restart_asked: bool = False,
+    busy: bool = False,
+    now: float,
+    local: bool,
+    **more: Any,
+) -> Followed:
+    """Decide for an existing kernel, as both realizers do: its death recorded once, then
+    the plan (`plan_kernel`) from the deaths so far. `status` is the session's as
+    recorded; `more` goes into a death's record (the operator's exitCode and podUID)."""
+    last: Mapping[str, Any] = status.get("lastTermination") or {}
+    died = recorded_death(last, kernel, now=now, local=local, **more)
+    if died is not None:
+        last = died
+    seen, term = kernel.seen, kernel.seen.termination
+    if term is not None and last.get("reason") and last.get("message"):
+        # The death as recorded, which may say more than the kernel's exit (local mode's
+        # StartFailed: it exited while starting, and its log).
+        term = Termination(str(last["reason"]), term.exit_code, str(last["message"]))
+        seen = Observation(seen.phase, term.reason, term.message, term, None, seen.pod_ip)
+    plan = plan_kernel(
+        session,
+        seen,
+        quick_deaths=int(last.get("quickDeaths") or 0),
+        died_at=parse_time(last.get("at")),
+        outdated=kernel.outdated,
+        deleting=kernel.deleting,
+        restart_asked=restart_asked,
+        busy=busy,
+        now=now,
+        local=local,
+    )
+    return Followed(plan, last, died)
+
+
+def shown(
+    old: Mapping[str, Any],
+    seen: Observation,
+    *,
+    generation: int,
+    now: float,
+    pending: tuple[str, str] | None = None,
+) -> dict[str, Any]:
+    """The status fields that show `seen`: phase, reason, message, observedGeneration
+    and the four conditions (api/status.py), as both realizers write them."""
+    return {
+        "phase": seen.phase,
+        "reason": seen.reason,
+        "message": seen.message[:2000],
+        "observedGeneration": generation,
+        "conditions": st.conditions(
+            old.get("conditions"),
+            seen.phase,
+            seen.reason,
+            seen.message,
+            pending=pending,
+            generation=generation,
+            now=stamp(now),
+        ),
+    }

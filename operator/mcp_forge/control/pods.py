@@ -45,6 +45,13 @@ class Observation:
         return self.phase == st.READY
 
 
+def dead(session: KernelSession, term: Termination, pod_ip: str | None = None) -> Observation:
+    """A session whose kernel died: Restarting if restartPolicy starts another, else Failed
+    (on a cluster and locally alike)."""
+    phase = st.RESTARTING if session.spec.restart_policy == "Always" else st.FAILED
+    return Observation(phase, term.reason, term.message, term, None, pod_ip)
+
+
 def _kernel_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
     for status in (pod.get("status") or {}).get("containerStatuses") or []:
         if isinstance(status, Mapping) and status.get("name") == CONTAINER:
@@ -87,8 +94,7 @@ def observe(session: KernelSession, pod: Mapping[str, Any] | None) -> Observatio
             oom=ended.get("reason") == "OOMKilled",
             memory_limit=session.spec.memory,
         )
-        phase = st.RESTARTING if session.spec.restart_policy == "Always" else st.FAILED
-        return Observation(phase, term.reason, term.message, term, None, pod_ip)
+        return dead(session, term, pod_ip)
     waiting = state.get("waiting") or {}
     reason = str(waiting.get("reason") or status.get("reason") or "ContainerCreating")
     message = str(waiting.get("message") or status.get("message") or "the kernel is starting")

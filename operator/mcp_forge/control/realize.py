@@ -30,10 +30,10 @@ from mcp_forge.clients.kube import BUSY_PREFIX, RESTART
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.lifecycle import (
     Activity,
-    death_record,
+    Kernel,
+    follow,
     idle_since,
-    is_quick,
-    plan_kernel,
+    shown,
     stop_of,
 )
 from mcp_forge.control.pods import Observation, observe
@@ -261,19 +261,28 @@ def follow_kernel(r: Reconciler, p: Pass) -> None:
         p.kernel_gen += 1
     seen = observe(session, pod)
     hashes = (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH)
-    outdated = hashes != p.found.want_pod["metadata"]["annotations"][TEMPLATE_HASH]
-    last = _termination(p, seen, pod)
-    plan = plan_kernel(
-        session,
+    kernel = Kernel(
+        uid,
         seen,
-        quick_deaths=int(last.get("quickDeaths") or 0),
-        died_at=parse_time(last.get("at")),
-        outdated=outdated,
+        lifetime(pod),
+        outdated=hashes != p.found.want_pod["metadata"]["annotations"][TEMPLATE_HASH],
         deleting=bool(pod["metadata"].get("deletionTimestamp")),
+    )
+    followed = follow(
+        session,
+        kernel,
+        old,
         restart_asked=bool(p.restart) and p.restart == uid,
         busy=p.act.busy(p.now),
         now=p.now,
+        local=False,
+        exitCode=seen.termination.exit_code if seen.termination else None,
+        podUID=uid,
     )
+    if followed.died is not None:
+        log.info("kernel of %s/%s died: %s", session.namespace, session.name, seen.message)
+        p.status["lastTermination"] = followed.died
+    plan = followed.plan
     if plan.replace:
         r.kube.delete("Pod", session.namespace, pod["metadata"]["name"], uid=uid)
     p.seen, p.pending = plan.seen, plan.pending
@@ -283,27 +292,6 @@ def follow_kernel(r: Reconciler, p: Pass) -> None:
         p.due.append(p.now + STARTING_RECHECK)
 
 
-def _termination(p: Pass, seen: Observation, pod: dict[str, Any]) -> dict[str, Any]:
-    """status.lastTermination: the pod's death, recorded once per pod, with the count of
-    quick deaths in a row (the crash loop's)."""
-    last: dict[str, Any] = p.old.get("lastTermination") or {}
-    term, uid = seen.termination, pod["metadata"].get("uid")
-    if term is None or last.get("podUID") == uid:
-        return last
-    log.info("kernel of %s/%s died: %s", p.session.namespace, p.session.name, term.message)
-    last = death_record(
-        last,
-        reason=term.reason,
-        message=term.message,
-        at=stamp(p.now),
-        quick=is_quick(lifetime(pod), term.exit_code),
-        exitCode=term.exit_code,
-        podUID=uid,
-    )
-    p.status["lastTermination"] = last
-    return last
-
-
 def fill_status(p: Pass) -> None:
     """The fields every phase has: phase, the kernel, the connection, activity, times."""
     session, old, pod, seen = p.session, p.old, p.pod, p.seen
@@ -311,11 +299,8 @@ def fill_status(p: Pass) -> None:
     status = p.status
     pod_name = pod["metadata"]["name"] if pod is not None else None
     meta = pod["metadata"] if pod is not None else {}
+    status.update(shown(old, seen, generation=p.generation, now=p.now, pending=p.pending))
     status.update(
-        phase=seen.phase,
-        reason=seen.reason,
-        message=seen.message,
-        observedGeneration=p.generation,
         serviceName=child_name(session),
         podName=pod_name,
         podIP=seen.pod_ip,
@@ -343,25 +328,16 @@ def fill_status(p: Pass) -> None:
     status.setdefault("restarts", 0)
     if p.stop is None:
         status["suspendedAt"] = None
-    shown = parse_time(old.get("lastActivity")) or 0.0
-    if p.act.last - shown >= LAST_ACTIVITY_STEP or not old.get("lastActivity"):
+    mirrored = parse_time(old.get("lastActivity")) or 0.0
+    if p.act.last - mirrored >= LAST_ACTIVITY_STEP or not old.get("lastActivity"):
         status["lastActivity"] = stamp(p.act.last)
 
 
 def add_conditions(p: Pass) -> None:
-    """The phase's conditions, then WorkspaceSized (persistent workspaces only) and
-    WarmStart (kept from the first kernel's claim on)."""
-    seen, old, now = p.seen, p.old.get("conditions"), stamp(p.now)
-    assert seen is not None
-    conditions = st.conditions(
-        old,
-        seen.phase,
-        seen.reason,
-        seen.message,
-        pending=p.pending,
-        generation=p.generation,
-        now=now,
-    )
+    """After the phase's conditions (fill_status), WorkspaceSized (persistent
+    workspaces only) and WarmStart (kept from the first kernel's claim on)."""
+    old, now = p.old.get("conditions"), stamp(p.now)
+    conditions: list[dict[str, Any]] = p.status["conditions"]  # the phase's: fill_status
     sized = None
     if p.session.spec.persistent and p.found.workspace is not None:
         value, why, text = p.found.workspace

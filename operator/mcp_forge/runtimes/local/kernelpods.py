@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import stat
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,8 @@ from mcp_forge.api.connection import IPC_PATH_MAX, PORTS, ConnectionInfo
 from mcp_forge.api.kernelsession import KernelSession, parse_quantity
 from mcp_forge.api.status import Termination, stamp
 from mcp_forge.clients import podman
+from mcp_forge.control.lifecycle import shown
+from mcp_forge.control.pods import Observation
 from mcp_forge.control.render import CONTAINER, SECCOMP_PROFILE_ROOT, HostPaths, podman_pod_name
 from mcp_forge.errors import (
     InvalidSession,
@@ -125,25 +128,21 @@ class KernelPods:
                 body = self.store.get(session.namespace, session.name)
                 old = body.get("status") or {}
                 new = {**old, **patch}
-                generation = int(body["metadata"].get("generation", 1))
-                patch["observedGeneration"] = generation
-                patch["conditions"] = st.conditions(
-                    old.get("conditions"),
-                    str(new.get("phase") or st.PENDING),
-                    str(new.get("reason") or new.get("phase") or st.PENDING),
-                    str(new.get("message") or ""),
-                    generation=generation,
-                    now=stamp(),
+                phase = str(new.get("phase") or st.PENDING)
+                seen = Observation(
+                    phase, str(new.get("reason") or phase), str(new.get("message") or "")
                 )
+                generation = int(body["metadata"].get("generation", 1))
+                patch.update(shown(old, seen, generation=generation, now=time.time()))
+                patch["reason"], patch["message"] = new.get("reason"), new.get("message")
             self.store.patch_status(session.namespace, session.name, patch)
 
+    def _show(self, session: KernelSession, seen: Observation) -> None:
+        """Write what the session shows now (control/lifecycle.py's plan for its kernel)."""
+        self._patch(session, phase=seen.phase, reason=seen.reason, message=seen.message[:2000])
+
     def _fail(self, session: KernelSession, reason: str, message: str) -> None:
-        self._patch(
-            session,
-            phase=st.FAILED,
-            reason=reason,
-            message=message[:2000],
-        )
+        self._show(session, Observation(st.FAILED, reason, message))
 
     def mark_ready(self, session: KernelSession, message: str) -> None:
         self._patch(session, phase=st.READY, reason=st.KERNEL_READY, message=message)

@@ -14,21 +14,15 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mcp_forge import metrics
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
-from mcp_forge.api.status import parse_time, stamp
-from mcp_forge.control.lifecycle import (
-    Activity,
-    after_death,
-    death_record,
-    idle_since,
-    is_quick,
-    stop_of,
-)
+from mcp_forge.api.status import Termination, parse_time, stamp
+from mcp_forge.control.lifecycle import Activity, Kernel, follow, idle_since, stop_of
+from mcp_forge.control.pods import Observation, dead
 from mcp_forge.errors import ForgeError, SessionNotFound, SessionNotReady
 from mcp_forge.runtimes.local import volumes
 from mcp_forge.runtimes.local.containers import lifetime
@@ -87,97 +81,37 @@ class Lifecycle(KernelPods):
         elif term is None:
             if phase != st.READY and restart:  # a process that was starting it went away
                 await self.wait_ready(session)
-        elif session.spec.restart_policy == "Never":
-            self._fail(session, term.reason, term.message)
-        elif restart:
-            await self._restart_locked(
-                session, reason=term.reason, crashed=True, message=term.message
-            )
-        elif phase == st.READY:
-            await self._record_death(session, term.reason, term.message, phase=st.RESTARTING)
+        else:
+            await self._follow(session, dead(session, term), restart=restart)
         return await self.get(session.name, session.namespace)
 
-    async def _record_death(
+    async def _follow(
         self,
         session: KernelSession,
-        reason: str,
-        message: str,
+        seen: Observation,
         *,
-        phase: str,
-        quick: bool | None = None,
-    ) -> dict[str, Any]:
-        """Count a death; one within QUICK_DEATH of its start is one more in a crash loop.
-
-        Returns the new lastTermination (with quickDeaths, and nextStartAt: the backoff).
-        """
-        metrics.KERNEL_RESTARTS.labels(reason="oom" if reason == st.OOM_KILLED else "died").inc()
-        body = self.store.get(session.namespace, session.name)
-        status = body.get("status", {})
-        if quick is None:
-            quick = is_quick(lifetime(await self.containers.inspect(self.container_name(session))))
-        at = time.time()
-        last = death_record(
-            status.get("lastTermination") or {}, reason=reason, message=message, at=stamp(at),
-            quick=quick,
-        )  # fmt: skip
-        next_start = after_death(last["quickDeaths"], at, message, now=at, local=True).at
-        last["nextStartAt"] = stamp(next_start)
-        self._patch(
-            session,
-            phase=phase,
-            restarts=int(status.get("restarts", 0)) + 1,
-            reason=reason,
-            message=message,
-            lastTermination=last,
-        )
-        return last
-
-    def _crash_loop(self, session: KernelSession) -> bool:
-        """Hold back a crash-looping kernel: True if it must not be started now.
-
-        In its backoff the session is Restarting (CrashLoopBackOff) and says when it starts
-        again; past the restart limit it is Failed (CrashLoop) and says why.
-        """
-        status = self.store.get(session.namespace, session.name).get("status", {})
-        last = status.get("lastTermination") or {}
-        quick = int(last.get("quickDeaths") or 0)
-        if not quick:
-            return False
-        verdict = after_death(
-            quick,
-            parse_time(last.get("at")) or time.time(),
-            str(last.get("message") or last.get("reason")),
-            now=time.time(),
-            local=True,
-        )
-        if verdict.give_up:
-            self._fail(session, verdict.reason, verdict.message)
-            return True
-        if not verdict.reason:  # its backoff is over
-            return False
-        self._patch(session, phase=st.RESTARTING, reason=verdict.reason, message=verdict.message)
-        return True
-
-    async def restart_kernel(
-        self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
+        restart: bool,
+        asked: bool = False,
+        lived: float | None = None,
     ) -> None:
-        """A fresh kernel process in the same pod: the workspace stays, variables go."""
-        async with self._locked(session):
-            await self._restart_locked(
-                await self.get(session.name, session.namespace),
-                reason=reason,
-                crashed=crashed,
-                message=message,
-            )
-
-    async def _restart_locked(
-        self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
-    ) -> None:
-        if crashed and session.status.get("phase") != st.RESTARTING:
-            await self._record_death(session, reason, message or reason, phase=st.RESTARTING)
-        else:
-            self._patch(session, phase=st.RESTARTING)
-        if crashed and self._crash_loop(session):
+        """Follow the kernel as the operator follows a pod (control/lifecycle.py): its
+        death (`seen` has its Termination) recorded once, then the plan shown and, with
+        `restart`, carried out: a new kernel now, or none yet (a crash loop's backoff;
+        Failed when restartPolicy is Never or the crash loop is given up on). `asked`: a
+        gateway restarts it, whatever restartPolicy says."""
+        status = self.store.get(session.namespace, session.name).get("status") or {}
+        if seen.termination is not None and lived is None:
+            lived = lifetime(await self.containers.inspect(self.container_name(session)))
+        kernel = Kernel(str(status.get("kernelId") or ""), seen, lived)
+        followed = follow(session, kernel, status, restart_asked=asked, now=time.time(), local=True)
+        if followed.died is not None:
+            oom = followed.died["reason"] == st.OOM_KILLED
+            metrics.KERNEL_RESTARTS.labels(reason="oom" if oom else "died").inc()
+            restarts = int(status.get("restarts") or 0) + 1
+            self._patch(session, restarts=restarts, lastTermination=followed.died)
+        plan = followed.plan
+        self._show(session, plan.seen)
+        if not (restart and plan.replace):
             return
         try:
             await self._start_again(session)
@@ -185,16 +119,28 @@ class Lifecycle(KernelPods):
             if await self.termination(session) is None:
                 raise
             # It died while starting: one more quick death, and a backoff before the next.
-            await self._record_death(
-                session, "StartFailed", str(exc)[:1500], phase=st.RESTARTING, quick=True
-            )
-            self._crash_loop(session)
+            why = Termination("StartFailed", None, str(exc)[:1500])
+            await self._follow(session, dead(session, why), restart=False, lived=0.0)
             status = self.store.get(session.namespace, session.name).get("status", {})
             raise SessionNotReady(
                 f"session {session.name!r} is {status.get('phase')}: {status.get('message')}"
             ) from None
-        if crashed:
-            self._patch(session, reason=reason, message=message or reason)
+        if plan.seen.termination is not None:  # Ready, and says why it was restarted
+            self._patch(session, reason=plan.seen.reason, message=plan.seen.message)
+
+    async def restart_kernel(
+        self, session: KernelSession, *, reason: str, crashed: bool, message: str = ""
+    ) -> None:
+        """A fresh kernel process in the same pod: the workspace stays, variables go.
+        `crashed`: the gateway gave up on it (`reason`): counted as a death."""
+        async with self._locked(session):
+            session = await self.get(session.name, session.namespace)
+            if crashed:
+                why = Termination(reason, None, message or reason)
+                seen = Observation(st.RESTARTING, why.reason, why.message, why)
+            else:
+                seen = Observation(st.READY, st.KERNEL_READY, "the kernel answered")
+            await self._follow(session, seen, restart=True, asked=True)
 
     async def _start_again(self, session: KernelSession) -> None:
         """A new kernel: the pod is played again, with the same user namespace and mounts.
