@@ -14,8 +14,10 @@ from mcp_forge.control.lifecycle import (
     BUSY_MAX,
     QUICK_DEATH,
     START_GRACE,
+    USER_SUSPENDED,
     Activity,
     Kernel,
+    Stop,
     after_death,
     crash_backoff,
     death_record,
@@ -25,6 +27,7 @@ from mcp_forge.control.lifecycle import (
     plan_kernel,
     shown,
     stop_of,
+    stopped,
 )
 from mcp_forge.control.pods import Observation
 from support import kernel_session as session
@@ -510,3 +513,30 @@ def test_a_death_is_planned_for_as_it_was_recorded() -> None:
     assert followed.died is None  # recorded already
     assert followed.plan.seen.reason == st.CRASH_LOOP_BACKOFF
     assert followed.plan.seen.message.startswith("the kernel exited while starting: ImportError")
+
+
+# the phase before, the stop -> suspendedAt after ("now", kept "T", or None)
+STOPPED = [
+    (st.READY, USER_SUSPENDED, "now"),
+    (st.SUSPENDED, USER_SUSPENDED, "T"),  # suspended still: since when it first was
+    (st.SUSPENDED, Stop(st.SUSPENDED, st.IDLE, "no activity for 5m"), "T"),
+    (st.READY, Stop(st.EXPIRED, st.EXPIRED, "the session reached its maxLifetime"), None),
+    (st.SUSPENDED, Stop(st.EXPIRED, st.EXPIRED, "the session reached its maxLifetime"), None),
+]
+
+
+@pytest.mark.parametrize(("before", "stop", "since"), STOPPED)
+def test_a_stopped_session_shows_why_has_no_kernel_and_says_since_when(
+    before: str, stop: Stop, since: str | None
+) -> None:
+    old = {"phase": before, "suspendedAt": "T", "kernelId": "k1", "podName": "p"}
+    fields = stopped(old, stop, generation=2, now=T0)
+    assert (fields["phase"], fields["reason"], fields["message"]) == (
+        stop.phase,
+        stop.reason,
+        stop.message,
+    )
+    assert (fields["kernelId"], fields["podName"]) == (None, None)
+    assert fields["suspendedAt"] == (st.stamp(T0) if since == "now" else since)
+    ready = next(c for c in fields["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == stop.reason

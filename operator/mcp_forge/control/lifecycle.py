@@ -68,6 +68,9 @@ class Stop:
     delete: bool = False  # idleAction Delete: the session itself is deleted
 
 
+USER_SUSPENDED = Stop(st.SUSPENDED, st.USER_REQUESTED, "spec.operatingMode is Suspended")
+
+
 @dataclass(frozen=True)
 class Verdict:
     stop: Stop | None
@@ -94,7 +97,7 @@ def stop_of(
         why = f"the session reached its maxLifetime of {written['maxLifetime']}"
         return Verdict(Stop(st.EXPIRED, st.EXPIRED, why))
     if spec.operating_mode == "Suspended":
-        return Verdict(Stop(st.SUSPENDED, st.USER_REQUESTED, "spec.operatingMode is Suspended"))
+        return Verdict(USER_SUSPENDED)
     busy = activity.busy(now)
     if spec.idle_timeout and not busy and now - idle_from >= spec.idle_timeout:
         why = f"no activity for {written['idleTimeout']}"
@@ -358,4 +361,18 @@ def shown(
             generation=generation,
             now=stamp(now),
         ),
+    }
+
+
+def stopped(old: Mapping[str, Any], stop: Stop, *, generation: int, now: float) -> dict[str, Any]:
+    """The status of a session stopped by `stop`: what shows it, no kernel, and since
+    when it is Suspended (kept while it stays so; none once Expired)."""
+    since = old.get("suspendedAt") if old.get("phase") == st.SUSPENDED else None
+    return {
+        **shown(
+            old, Observation(stop.phase, stop.reason, stop.message), generation=generation, now=now
+        ),
+        "suspendedAt": (since or stamp(now)) if stop.phase == st.SUSPENDED else None,
+        "kernelId": None,
+        "podName": None,
     }

@@ -2,7 +2,7 @@
 
     begin           read the children, the activity and the stop verdict (a session past
                     its lifetime, or idle with idleAction Delete, is deleted here)
-    then one of     stopped: a stopped session (suspended, expired) has no kernel pod
+    then one of     stop_kernel: a stopped session (suspended, expired) has no kernel pod
                     start_kernel: no pod yet: claim one from the pool, or make one
                     follow_kernel: a pod: its death, crash loop, replacement or restart
     fill_status     the status fields every phase has
@@ -31,10 +31,12 @@ from mcp_forge.control import workspace as ws
 from mcp_forge.control.lifecycle import (
     Activity,
     Kernel,
+    Stop,
     follow,
     idle_since,
     shown,
     stop_of,
+    stopped,
 )
 from mcp_forge.control.pods import Observation, observe
 from mcp_forge.control.poolkeeper import PodClaim, Seen
@@ -88,7 +90,7 @@ class Pass:
     act: Activity
     restart: str  # the kernelId a gateway asked to restart ("" none)
     expires: float | None
-    stop: Observation | None  # why it is stopped, if it is
+    stop: Stop | None  # why it is stopped, if it is
     status: dict[str, Any]  # the status to write
     due: list[float]
     kernel_gen: int  # the connection's generation: one more per kernel pod
@@ -142,7 +144,7 @@ def realize(
     if p is None:
         return Outcome(gone=True)
     if p.stop is not None:
-        stopped(r, p)
+        stop_kernel(r, p)
     elif p.pod is None:
         start_kernel(r, p)
     else:
@@ -179,11 +181,6 @@ def begin(
         log.info("deleting %s/%s: %s", session.namespace, session.name, verdict.stop.message)
         r.kube.delete("KernelSession", session.namespace, session.name, uid=session.uid)
         return None
-    stop = (
-        Observation(verdict.stop.phase, verdict.stop.reason, verdict.stop.message)
-        if verdict.stop is not None
-        else None
-    )
     return Pass(
         session=session,
         body=body,
@@ -194,7 +191,7 @@ def begin(
         act=act,
         restart=restart,
         expires=created + spec.max_lifetime if spec.max_lifetime else None,
-        stop=stop,
+        stop=verdict.stop,
         status=dict(old),
         due=list(verdict.due),
         kernel_gen=int((old.get("connection") or {}).get("generation") or 0),
@@ -202,17 +199,17 @@ def begin(
     )
 
 
-def stopped(r: Reconciler, p: Pass) -> None:
+def stop_kernel(r: Reconciler, p: Pass) -> None:
     """A stopped session: its kernel pod goes; its Secret stays, for the next kernel."""
-    assert p.stop is not None
+    stop = p.stop
+    assert stop is not None
     pod = p.pod
     if pod is not None and not pod["metadata"].get("deletionTimestamp"):
         meta = pod["metadata"]
         r.kube.delete("Pod", p.session.namespace, meta["name"], uid=meta["uid"])
     r._own_secret(p.session, p.found.secret, fresh=p.fresh)
-    p.seen = p.stop
-    if p.old.get("phase") != p.stop.phase:
-        p.status["suspendedAt"] = stamp(p.now)
+    p.seen = Observation(stop.phase, stop.reason, stop.message)
+    p.status.update(stopped(p.old, stop, generation=p.generation, now=p.now))
     p.pod = None
 
 

@@ -21,7 +21,7 @@ from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import Termination, parse_time, stamp
-from mcp_forge.control.lifecycle import Activity, Kernel, follow, idle_since, stop_of
+from mcp_forge.control.lifecycle import Activity, Kernel, Stop, follow, idle_since, stop_of, stopped
 from mcp_forge.control.pods import Observation, dead
 from mcp_forge.errors import ForgeError, SessionNotFound, SessionNotReady
 from mcp_forge.runtimes.local import volumes
@@ -196,7 +196,7 @@ class Lifecycle(KernelPods):
                 if stop.delete:
                     await self.delete(session.name, session.namespace)
                 else:
-                    await self._stop(session, stop.phase, stop.reason, stop.message)
+                    await self._stop(session, stop)
             except SessionNotFound:
                 continue
             except ForgeError as exc:
@@ -205,23 +205,17 @@ class Lifecycle(KernelPods):
             culled.append(session.name)
         return culled
 
-    async def _stop(self, session: KernelSession, phase: str, reason: str, message: str) -> None:
+    async def _stop(self, session: KernelSession, stop: Stop) -> None:
         async with self._locked(session):
-            await self._stop_locked(session, phase, reason, message)
+            await self._stop_locked(session, stop)
 
-    async def _stop_locked(
-        self, session: KernelSession, phase: str, reason: str, message: str
-    ) -> None:
+    async def _stop_locked(self, session: KernelSession, stop: Stop) -> None:
         """No kernel, the session kept: Suspended or Expired. Variables are lost."""
         await self._remove_pod(session)
         if self.host_paths(session).tmp:  # /tmp is memory: a stopped session holds none
             await volumes.unmount(Path(str(self.host_paths(session).tmp)))
-        self._patch(
-            session,
-            phase=phase,
-            reason=reason,
-            message=message,
-            kernelId=None,
-            podName=None,
-            suspendedAt=stamp() if phase == st.SUSPENDED else None,
-        )
+        with contextlib.suppress(SessionNotFound):
+            body = self.store.get(session.namespace, session.name)
+            generation = int(body["metadata"].get("generation", 1))
+            fields = stopped(body.get("status") or {}, stop, generation=generation, now=time.time())
+            self.store.patch_status(session.namespace, session.name, fields)

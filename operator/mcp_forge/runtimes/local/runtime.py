@@ -58,6 +58,7 @@ from mcp_forge.api.connection import (
 )
 from mcp_forge.api.kernelsession import KernelSession, parse_quantity
 from mcp_forge.api.status import stamp
+from mcp_forge.control.lifecycle import USER_SUSPENDED
 from mcp_forge.errors import (
     ImageError,
     InvalidSession,
@@ -86,9 +87,6 @@ _LIVE_FIELDS = (
     "updateStrategy",
     "operatingMode",
 )
-
-
-_USER_SUSPENDED = (st.SUSPENDED, st.USER_REQUESTED, "spec.operatingMode is Suspended")
 
 
 @dataclass(frozen=True)
@@ -236,7 +234,7 @@ class LocalRuntime(Lifecycle):
             self.set_warm_start(session, False, claim.reason, claim.message)
         async with self._locked(session, create=True):
             if session.spec.operating_mode == "Suspended":
-                await self._stop_locked(session, *_USER_SUSPENDED)
+                await self._stop_locked(session, USER_SUSPENDED)
             else:
                 await self._realize(session, wait=wait)
         return await self.get(session.name, session.namespace)
@@ -270,7 +268,7 @@ class LocalRuntime(Lifecycle):
             session = kernelsession.load(current)
             phase = session.status.get("phase")
             if session.spec.operating_mode == "Suspended":
-                await self._stop_locked(session, *_USER_SUSPENDED)
+                await self._stop_locked(session, USER_SUSPENDED)
             elif (
                 needs_pod
                 or phase == st.EXPIRED  # a longer maxLifetime, or a changed spec: a new start
