@@ -60,6 +60,12 @@ def _gateway() -> Any:
     return Gateway
 
 
+def _connections() -> Any:
+    from mcp_forge.gateway.connections import Connections
+
+    return Connections
+
+
 def _connection() -> Any:
     from mcp_forge.jupyter.client import KernelConnection
 
@@ -72,7 +78,7 @@ PARTS: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (_tools_class, "_session_for", "resolving the session"),
     (_tools, "execution_result", "building the result"),
     (_gateway, "execute", "Gateway.execute"),
-    (_gateway, "_connect", "  its connection check"),
+    (_connections, "_connect", "  its connection check"),
     (_gateway, "_record_activity", "  recording activity"),
     (_connection, "before_request", "  checking the channels"),
     (_connection, "send_execute", "  signing and sending"),

@@ -1,8 +1,9 @@
-"""The gateway's core (gateway/core.py) against real ipykernels in local processes
-(tests/process_runtime.py: no pod, no store), so its logic is tested in seconds: state
-kept between calls, output and errors collected, bounds, a timeout and an interrupt
-that leave the kernel usable, a kernel's death named and a fresh one started, a restart
-that clears variables, queued calls in order, bad input refused."""
+"""The gateway's core (gateway/core.py, its connections in gateway/connections.py)
+against real ipykernels in local processes (tests/process_runtime.py: no pod, no store),
+so its logic is tested in seconds: state kept between calls, output and errors collected,
+bounds, a timeout and an interrupt that leave the kernel usable, a kernel's death named
+and a fresh one started, a restart that clears variables, queued calls in order, bad
+input refused."""
 
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ async def test_a_kernel_that_died_unwatched_is_restarted_before_the_first_call_r
     core: tuple[Gateway, ProcessRuntime],
 ) -> None:
     """The first connection dials a session read Ready while the runtime refreshes it
-    (gateway/core.py _connect); a refresh that finds the kernel dead starts another,
+    (gateway/connections.py _connect); a refresh that finds the kernel dead starts another,
     and the call runs there, not on the connection to the dead one."""
     gateway, runtime = core
     await gateway.execute("s", "x = 1")

@@ -1,6 +1,6 @@
 """A new connection to a kernel, made ready for the session's calls.
 
-Once the kernel answers (gateway/core.py `_connect`), `KernelSetup.prepare` does, in
+Once the kernel answers (gateway/connections.py `_connect`), `KernelSetup.prepare` does, in
 order: say at once if the kernel still runs a call of a gateway gone since (busy.py);
 give it the session's claim-time environment and working files; install the output guard
 (kernelside/guard.py) with this gateway's limits, unless the kernel holds it already

@@ -25,7 +25,7 @@ from mcp_forge.jupyter.client import KernelConnection
 def send_probe(conn: KernelConnection, expressions: dict[str, str] | None = None) -> str:
     """Send the idle probe, carrying `expressions`; its msg_id, for check_idle. Sent as
     a connection is made, its answer comes while the connection waits for kernel_info
-    on the control channel (gateway/core.py `_dial`)."""
+    on the control channel (gateway/connections.py `_dial`)."""
     return conn.send_execute("pass", silent=True, store_history=False, user_expressions=expressions)
 
 

@@ -35,8 +35,9 @@ _JOURNAL_WINDOW = 1_000_000  # bytes of the notebook journal read at once (see t
 
 
 class WorkspaceCalls:
-    """Helpers run in the kernel. The connection, the session's turn and its activity are
-    the gateway's (gateway/core.py), declared here for the type checker."""
+    """Helpers run in the kernel. The session and its connection (gateway/connections.py),
+    its turn and its activity (gateway/core.py) are the gateway's, declared here for the
+    type checker."""
 
     settings: Settings
     _exports: ExportSlots

@@ -61,8 +61,8 @@ class SessionCatalog(Protocol):
 
 
 class KernelAccess(Protocol):
-    """A session's kernel as the gateway's core runs code in it (gateway/core.py):
-    reached, kept true, restarted, and its use recorded."""
+    """A session's kernel as the gateway's core runs code in it (gateway/core.py, its
+    connections in connections.py): reached, kept true, restarted, and its use recorded."""
 
     settings: Settings
 
@@ -122,7 +122,8 @@ class KernelExtras(Protocol):
 
 
 class Kernels(KernelAccess, KernelExtras, Protocol):
-    """What the gateway (gateway/core.py with attach.py and workspace.py) needs."""
+    """What the gateway (gateway/core.py with connections.py, attach.py and workspace.py)
+    needs."""
 
 
 class Runtime(SessionCatalog, Kernels, Protocol):
