@@ -43,8 +43,6 @@ log = logging.getLogger(__name__)
 REPLACED = "it was restarted while the call ran (a new kernel process answers)"
 OUTPUT_FILES_KEPT = 20
 BUSY_FROM_START = 10.0  # seconds: the margin past activity_interval (see execute)
-_WRITE_CHUNK = 1_000_000
-_JOURNAL_WINDOW = 1_000_000  # bytes of the notebook journal read at once (see there)
 
 StreamCallback = Callable[[str, str], None]
 
