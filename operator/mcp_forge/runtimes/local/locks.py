@@ -29,6 +29,15 @@ def in_process(path: Path) -> asyncio.Lock:
     return lock
 
 
+def try_flock(fd: int) -> bool:
+    """Take an exclusive flock on `fd` if no other process holds it: True if taken."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 async def flock(fd: int) -> None:
     """Take an exclusive flock on `fd`, waiting as long as another process holds it.
 
@@ -39,11 +48,8 @@ async def flock(fd: int) -> None:
     the lock, taken late, goes with that duplicate, and `fd`'s number, perhaps reused by
     then, is never touched.
     """
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if try_flock(fd):
         return
-    except BlockingIOError:
-        pass
     loop = asyncio.get_running_loop()
     taken: asyncio.Future[None] = loop.create_future()
     dup = os.dup(fd)

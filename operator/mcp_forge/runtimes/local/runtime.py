@@ -165,6 +165,28 @@ class LocalRuntime(Lifecycle):
             finally:
                 os.close(fd)
 
+    @contextlib.asynccontextmanager
+    async def locked_if_free(self, session: KernelSession) -> AsyncIterator[bool]:
+        """The session's lock if no task or process holds it now: True while it is held,
+        False at once if it is busy or the session's directory is gone. For housekeeping,
+        which waits for no one: what it wanted to do waits for its next pass. Whoever
+        holds it re-reads the session, as with `locked`."""
+        path = self.lock_path(session)
+        in_process = locks.in_process(path)
+        if in_process.locked():
+            yield False
+            return
+        async with in_process:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            except FileNotFoundError:
+                yield False
+                return
+            try:
+                yield locks.try_flock(fd)
+            finally:
+                os.close(fd)
+
     # ---- reading -------------------------------------------------------------------------
 
     async def get(self, name: str, namespace: str = "default") -> KernelSession:
