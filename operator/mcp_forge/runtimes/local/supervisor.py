@@ -17,7 +17,7 @@ from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.clients.podman_stream import Event
 from mcp_forge.control.render import LABEL_NAMESPACE, LABEL_SESSION
 from mcp_forge.errors import ForgeError, SessionNotFound
-from mcp_forge.runtimes.local.orphans import remove_orphans
+from mcp_forge.runtimes.local.orphans import remove_orphans, remove_storage_only
 from mcp_forge.runtimes.local.runtime import LocalRuntime
 
 log = logging.getLogger(__name__)
@@ -30,11 +30,13 @@ Refreshed = Callable[[KernelSession], None]
 async def supervise_once(runtime: LocalRuntime) -> list[str]:
     """One pass: refresh every session that needs it, then cull the idle ones.
 
-    Pods no session owns are removed (orphans.py). Returns the names culled. An error
-    about one session is logged and the pass goes on.
+    Pods no session owns, and storage-only kernel containers of sessions' pods, are
+    removed (orphans.py). Returns the names culled. An error about one session is
+    logged and the pass goes on.
     """
     await refresh_stale(runtime)
     await remove_orphans(runtime)
+    await remove_storage_only(runtime)
     return await runtime.cull_idle()
 
 
