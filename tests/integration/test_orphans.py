@@ -1,6 +1,6 @@
 """Storage-only containers (runtimes/local/orphans.py): real ones, made the way Podman
-4.3.1 makes them, removed by housekeeping only when a session of the store owns their
-name, and never a buildah working container's or another store's."""
+4.3.1 makes them, removed by housekeeping and by a play only when a session of the
+store owns their name, and never a buildah working container's or another store's."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.clients import podman
 from mcp_forge.control.render import podman_pod_name
@@ -156,3 +157,18 @@ async def test_a_storage_only_container_waits_while_its_session_is_locked(
         assert await remove_storage_only(runtime) == []
         assert (await held()).get(name) == container_id
     assert await remove_storage_only(runtime) == [name]
+
+
+async def test_a_play_that_finds_its_kernel_container_name_taken_frees_it_and_starts(
+    runtime: LocalRuntime, images: dict[str, str], leftovers: list[str]
+) -> None:
+    body = session_body(images["minimal"])
+    session = (await runtime.apply(body)).session
+    container_id = await make_storage_only(kernel_container(session), images["minimal"], leftovers)
+    body["spec"]["operatingMode"] = "Running"  # resumed: its pod is played
+    try:
+        resumed = (await runtime.apply(body)).session
+        assert resumed.status.get("phase") == st.READY, resumed.status
+        assert container_id not in (await held()).values()
+    finally:
+        await runtime.delete(session.name)

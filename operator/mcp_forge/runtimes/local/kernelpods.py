@@ -252,20 +252,37 @@ class KernelPods:
             # second play held while it waited for layers.lock. Only the play itself is
             # serialized: the kernels it starts get ready side by side (_started).
             async with self._playing:
-                await podman.run(
-                    "kube",
-                    "play",
-                    "--replace",
-                    "--network=none",
-                    f"--seccomp-profile-root={SECCOMP_PROFILE_ROOT}",
-                    userns_flag(idmap),
-                    str(self._dir(session) / "pod.yaml"),
-                    timeout=self.settings.podman_timeout,
-                )
+                await self._play(session, idmap)
         except (PodmanError, volumes.VolumeError) as exc:
             self._fail(session, "PlayFailed", str(exc))
             raise
         await self._started(session, wait=wait)
+
+    async def _play(self, session: KernelSession, idmap: dict[str, int]) -> None:
+        """`podman kube play` of the session's pod.yaml, its lock held.
+
+        A play that finds its kernel container's name taken by a storage-only container
+        (one an earlier pod of this session left, orphans.py) removes that container and
+        plays once more: with the lock held no other play of this pod is under way in
+        any process of this store, so the container is nobody's work in progress. The
+        failed play's half-made pod goes with --replace."""
+        args = (
+            "kube",
+            "play",
+            "--replace",
+            "--network=none",
+            f"--seccomp-profile-root={SECCOMP_PROFILE_ROOT}",
+            userns_flag(idmap),
+            str(self._dir(session) / "pod.yaml"),
+        )
+        try:
+            await podman.run(*args, timeout=self.settings.podman_timeout)
+        except PodmanError as exc:
+            name = self.container_name(session)
+            if orphans.name_in_use(exc.stderr) != name or not await orphans.free_name(name):
+                raise
+            log.warning("%s: its kernel container's name is free again; playing once more", name)
+            await podman.run(*args, timeout=self.settings.podman_timeout)
 
     def _claim_idmap(self, session: KernelSession) -> dict[str, int]:
         """A user namespace: that of a stored session of its sharedGroup (so they can
