@@ -1,6 +1,6 @@
 """The gateway over streamable HTTP: bearer-token auth (each token one client), the ASGI
-app at /mcp with its Host/Origin allow-list and request size limit, and uvicorn on a
-socket bound before anyone is told the address."""
+app at /mcp with its Host/Origin allow-list and request size limit, the wire's
+corrections (wire.py), and uvicorn on a socket bound before anyone is told the address."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from mcp.server.mcpserver import MCPServer
 
 from mcp_forge.errors import ForgeError
+from mcp_forge.gateway.mcp.wire import Wire
 
 CLIENT_HEADER = "x-mcpforge-client"  # set by BearerAuth only
 MAX_REQUEST_BODY = 16 * 1024 * 1024  # a 10 MB file, base64-encoded, in a JSON-RPC request
@@ -108,7 +109,7 @@ def http_app(
         max_request_body_size=MAX_REQUEST_BODY,
         host=host,
     )
-    return BearerAuth(app, tokens)
+    return BearerAuth(Wire(app), tokens)
 
 
 class HttpServer:

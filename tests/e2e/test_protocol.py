@@ -1,0 +1,197 @@
+"""MCP as the specification has it, on the real gateway over streamable HTTP: the
+capabilities each protocol version is told (and served), serverInfo, the running
+cell's output through what the negotiated version recommends, and the wire (media
+type, batches, no answer to a cancelled request). Plain HTTP where the SDK client would
+hide what is on the wire, the official SDK client elsewhere (the initialize handshake
+with mode="legacy", 2026-07-28 by its own probe)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from mcp import Client, MCPError
+from mcp.client.streamable_http import streamable_http_client
+from test_http import CALL_DEADLINE, INITIALIZE, HttpGateway, delete_sessions, running_gateway
+
+from mcp_forge import __version__
+
+pytestmark = pytest.mark.podman
+
+HANDSHAKE = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
+SERVED = {"tools", "logging"}  # what the gateway serves: nothing else may be declared
+TICKS = "import time\nfor i in range(2):\n    print('tick', i, flush=True)\n    time.sleep(0.7)"
+
+
+@pytest.fixture(scope="module")
+async def gw(state_dir: Path, tmp_path_factory: Any) -> AsyncIterator[HttpGateway]:
+    async with running_gateway(state_dir, tmp_path_factory.mktemp("protocol")) as g:
+        yield g
+    await delete_sessions(state_dir, None)
+
+
+@asynccontextmanager
+async def client(gw: HttpGateway, name: str = "alice", **options: Any) -> AsyncIterator[Client]:
+    """The official SDK client over streamable HTTP with `name`'s token; `options` are
+    the Client's (mode, logging_callback, log_level)."""
+    http = httpx2.AsyncClient(
+        headers={"Authorization": f"Bearer {gw.tokens[name]}"},
+        timeout=httpx2.Timeout(30.0, read=CALL_DEADLINE),
+    )
+    transport = streamable_http_client(gw.url, http_client=http)
+    async with http, Client(transport, read_timeout_seconds=CALL_DEADLINE, **options) as c:
+        yield c
+
+
+def messages(response: httpx2.Response) -> list[dict[str, Any]]:
+    """The JSON-RPC messages of a response: a JSON body, or the data of its SSE events."""
+    if response.headers.get("content-type", "").startswith("application/json"):
+        return [response.json()]
+    return [json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:")]
+
+
+def initialize(version: str) -> dict[str, Any]:
+    params: dict[str, Any] = dict(INITIALIZE["params"])  # type: ignore[call-overload]
+    return {**INITIALIZE, "params": {**params, "protocolVersion": version}}
+
+
+@pytest.mark.parametrize("version", HANDSHAKE)
+async def test_each_handshake_version_is_told_what_is_served_and_the_version(
+    gw: HttpGateway, version: str
+) -> None:
+    sent = {"Content-Type": "application/json"}
+    r = await gw.post(gw.tokens["alice"], headers=sent, content=json.dumps(initialize(version)))
+    assert r.status_code == 200, r.text
+    [answer] = messages(r)
+    result = answer["result"]
+    assert result["protocolVersion"] == version
+    assert set(result["capabilities"]) == SERVED, result["capabilities"]
+    assert (result["serverInfo"]["name"], result["serverInfo"]["version"]) == (
+        "mcp-forge",
+        __version__,
+    )
+
+
+async def test_the_2026_07_28_probe_is_told_what_is_served(gw: HttpGateway) -> None:
+    async with client(gw) as c:
+        assert c.protocol_version == "2026-07-28"
+        declared = c.server_capabilities.model_dump(exclude_none=True)
+        assert set(declared) == SERVED, declared
+        assert c.server_info is not None and c.server_info.version == __version__
+        with pytest.raises(MCPError) as refused:
+            await c.list_prompts()
+        assert refused.value.error.code == -32601  # not declared, not served
+    async with client(gw, mode="legacy") as c:
+        with pytest.raises(MCPError) as refused:
+            await c.list_resources()
+        assert refused.value.error.code == -32601
+
+
+# mode, logging/setLevel sent (legacy only), the request's opt-in log level (2026-07-28)
+# -> the output arrives as log messages, as progress messages
+OUTPUT = [
+    ("legacy", None, None, True, False),
+    ("legacy", "warning", None, False, True),  # the client does not want info logs
+    ("auto", None, None, False, True),  # 2026-07-28: logging only on request
+    ("auto", None, "info", True, False),
+]
+
+
+@pytest.mark.parametrize(("mode", "set_level", "log_level", "as_log", "as_progress"), OUTPUT)
+async def test_a_running_cells_output_arrives_as_the_negotiated_version_recommends(
+    gw: HttpGateway,
+    mode: str,
+    set_level: Any,
+    log_level: str | None,
+    as_log: bool,
+    as_progress: bool,
+) -> None:
+    logs: list[str] = []
+    heard: list[tuple[float, str]] = []
+
+    async def on_log(params: Any) -> None:
+        logs.append(str(params.data))
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        heard.append((progress, message or ""))
+
+    options: dict[str, Any] = {"mode": mode, "logging_callback": on_log}
+    if log_level is not None:
+        options["log_level"] = log_level
+    async with client(gw, "bob", **options) as c:
+        if set_level is not None:
+            await c.set_logging_level(set_level)
+        r = await c.call_tool("execute_code", {"code": TICKS}, progress_callback=on_progress)
+    assert not r.is_error, r
+    said = "".join(message for _, message in heard)
+    assert ("tick 0" in "".join(logs)) is as_log, logs
+    assert ("tick 0" in said) is as_progress, heard
+    assert [v for v, _ in heard] == sorted({v for v, _ in heard})  # strictly rising
+    # SEP-2577: the SDK's Context.log warns on every call; the gateway does not use it
+    assert not [line for line in gw.log if "eprecat" in line], gw.log
+
+
+async def test_a_body_that_is_not_json_gets_415(gw: HttpGateway) -> None:
+    r = await gw.post(gw.tokens["alice"], headers={"Content-Type": "text/plain"}, content=b"hello")
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == -32600
+    assert "application/json" in r.json()["error"]["message"]
+
+
+async def test_a_batch_gets_invalid_request(gw: HttpGateway) -> None:
+    batch = json.dumps([initialize("2025-06-18"), {**initialize("2025-06-18"), "id": 2}])
+    r = await gw.post(
+        gw.tokens["alice"], headers={"Content-Type": "application/json"}, content=batch
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == -32600
+    # and a single message still works
+    assert (await gw.post(gw.tokens["alice"])).status_code == 200
+
+
+async def test_a_cancelled_request_is_not_answered(gw: HttpGateway) -> None:
+    """notifications/cancelled: the call's stream ends, with no response to the call."""
+    version = "2025-06-18"
+    headers = {
+        "Authorization": f"Bearer {gw.tokens['alice']}",
+        "Accept": "application/json, text/event-stream",
+    }
+    call = {
+        "jsonrpc": "2.0",
+        "id": 7,
+        "method": "tools/call",
+        "params": {
+            "name": "execute_code",
+            "arguments": {"code": "import time\nprint('started', flush=True)\ntime.sleep(60)"},
+            "_meta": {"progressToken": "p7"},
+        },
+    }
+    cancel = {
+        "jsonrpc": "2.0",
+        "method": "notifications/cancelled",
+        "params": {"requestId": 7, "reason": "the test changed its mind"},
+    }
+    async with httpx2.AsyncClient(timeout=CALL_DEADLINE) as http, asyncio.timeout(CALL_DEADLINE):
+        opened = await http.post(gw.url, headers=headers, json=initialize(version))
+        session = {**headers, "mcp-session-id": opened.headers["mcp-session-id"]}
+        session["mcp-protocol-version"] = version
+        done = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+        assert (await http.post(gw.url, headers=session, json=done)).status_code == 202
+        seen: list[dict[str, Any]] = []
+        async with http.stream("POST", gw.url, headers=session, json=call) as stream:
+            lines = stream.aiter_lines()
+            async for line in lines:  # until the cell runs: its first notification
+                if line.startswith("data:"):
+                    seen.append(json.loads(line[5:]))
+                    break
+            said = await http.post(gw.url, headers=session, json=cancel)
+            assert said.status_code == 202, said.text
+            seen += [json.loads(line[5:]) async for line in lines if line.startswith("data:")]
+    assert seen and "method" in seen[0], seen  # the cell ran
+    assert not [m for m in seen if m.get("id") == 7], seen  # and nothing answered it
