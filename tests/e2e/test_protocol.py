@@ -8,6 +8,7 @@ with mode="legacy", 2026-07-28 by its own probe)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,7 +26,7 @@ from mcp_forge import __version__
 pytestmark = pytest.mark.podman
 
 HANDSHAKE = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
-SERVED = {"tools", "logging"}  # what the gateway serves: nothing else may be declared
+SERVED = {"tools", "resources", "logging"}  # what it serves: nothing else may be declared
 TICKS = "import time\nfor i in range(2):\n    print('tick', i, flush=True)\n    time.sleep(0.7)"
 
 
@@ -89,8 +90,47 @@ async def test_the_2026_07_28_probe_is_told_what_is_served(gw: HttpGateway) -> N
         assert refused.value.error.code == -32601  # not declared, not served
     async with client(gw, mode="legacy") as c:
         with pytest.raises(MCPError) as refused:
-            await c.list_resources()
+            await c.list_prompts()
         assert refused.value.error.code == -32601
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_a_sessions_files_and_notebook_are_resources_of_its_client_only(
+    gw: HttpGateway, mode: str
+) -> None:
+    code = (
+        "open('/workspace/hello.txt', 'w').write('hi there')\n"
+        "open('/workspace/blob.bin', 'wb').write(bytes(range(256)))"
+    )
+    async with client(gw, "alice", mode=mode) as c:
+        ran = await c.call_tool("execute_code", {"code": code})
+        assert not ran.is_error, ran
+        sid = ran.structured_content["session_id"]
+        listed = await c.list_resources()
+        notebook = f"forge://sessions/{sid}/notebook"
+        assert notebook in [str(r.uri) for r in listed.resources], listed
+        templates = {t.uri_template for t in (await c.list_resource_templates()).resource_templates}
+        assert templates == {
+            "forge://sessions/{session_id}/files/{+path}",
+            "forge://sessions/{session_id}/notebook",
+        }
+        [text] = (await c.read_resource(f"forge://sessions/{sid}/files/hello.txt")).contents
+        assert getattr(text, "text", None) == "hi there", text
+        [blob] = (await c.read_resource(f"forge://sessions/{sid}/files/blob.bin")).contents
+        assert base64.b64decode(getattr(blob, "blob", "")) == bytes(range(256)), blob
+        [nb] = (await c.read_resource(notebook)).contents
+        cells = json.loads(getattr(nb, "text", "{}"))["cells"]
+        assert any("hello.txt" in "".join(cell["source"]) for cell in cells), cells
+        for missing in ("files/nothing-here", "files/../../etc/passwd"):
+            with pytest.raises(MCPError) as refused:
+                await c.read_resource(f"forge://sessions/{sid}/{missing}")
+            assert refused.value.error.code == -32602, refused.value.error
+    async with client(gw, "bob", mode=mode) as other:
+        assert notebook not in [str(r.uri) for r in (await other.list_resources()).resources]
+        with pytest.raises(MCPError) as refused:
+            await other.read_resource(f"forge://sessions/{sid}/files/hello.txt")
+        assert refused.value.error.code == -32602
+        assert "hi there" not in refused.value.error.message
 
 
 # mode, logging/setLevel sent (legacy only), the request's opt-in log level (2026-07-28)

@@ -12,15 +12,13 @@ from mcp_types import SetLevelRequestParams
 from mcp_forge import __version__
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.gateway.mcp.notifications import set_level
+from mcp_forge.gateway.mcp.resources import Resources
 from mcp_forge.gateway.mcp.tools import Tools
 from mcp_forge.gateway.sessions import SessionService
 
 UNSERVED = (
     "prompts/list",
     "prompts/get",
-    "resources/list",
-    "resources/read",
-    "resources/templates/list",
     "subscriptions/listen",
 )
 
@@ -40,19 +38,21 @@ def build_server(
     server: MCPServer = MCPServer(
         name="mcp-forge", version=__version__, instructions=INSTRUCTIONS, subscriptions=False
     )
-    Tools(service, gateway, transport=transport).register(server)
+    tools = Tools(service, gateway, transport=transport)
+    tools.register(server)
+    Resources(tools).register(server)
     declare_what_is_served(server)
     return server
 
 
 def declare_what_is_served(server: MCPServer) -> None:
     """Capabilities that say the truth: the SDK declares a capability for each method it
-    has a handler for, and MCPServer registers prompts and resources whatever a server
-    serves. The gateway serves tools, and logging (the output of running code, up to
-    protocol 2025-11-25, and to requests that ask for it on 2026-07-28): the methods of
-    the others are taken out (unknown methods then answer -32601). The SDK has no
-    public way to unregister a handler; tests/e2e/test_protocol.py checks the
-    capabilities each version negotiates."""
+    has a handler for, and MCPServer registers prompts (and subscriptions/listen)
+    whatever a server serves. The gateway serves tools, resources (resources.py) and
+    logging (the output of running code, up to protocol 2025-11-25, and to requests
+    that ask for it on 2026-07-28): the others' methods are taken out (they then answer
+    -32601). The SDK has no public way to unregister a handler;
+    tests/e2e/test_protocol.py checks the capabilities each version negotiates."""
     lowlevel = server._lowlevel_server
     for method in UNSERVED:
         lowlevel._request_handlers.pop(method, None)

@@ -12,7 +12,7 @@ import binascii
 import functools
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 from mcp.server.mcpserver import Context, MCPServer
@@ -181,9 +181,13 @@ class Tools:
         it controls (any client-sent value is dropped first). Over HTTP, a request
         without it is refused, never taken for the stdio client.
         """
+        return self._client_from(ctx.headers)
+
+    def _client_from(self, headers: Mapping[str, str] | None) -> Client:
+        """`_client_of`, from a request's headers (None: it came over stdio)."""
         if self.transport == "stdio":
             return self.stdio_client
-        name = (ctx.headers or {}).get(CLIENT_HEADER)
+        name = (headers or {}).get(CLIENT_HEADER)
         if not name:
             raise ToolError("unauthenticated request")
         return Client(name)
