@@ -612,7 +612,10 @@ def wait_until(what: str, check: Any, timeout: float = START_TIMEOUT) -> None:
             last = e
         dead = [n for n in started_so_far if running(n) is None]
         if dead:
-            raise ClusterError(f"{dead[0]} exited while waiting for {what}: see {logfile(dead[0])}")
+            raise ClusterError(
+                f"{dead[0]} exited while waiting for {what}; the end of {logfile(dead[0])}:\n"
+                + log_tail(dead[0])
+            )
         time.sleep(0.2)  # processes and an API we do not control: polled, under a deadline
     raise ClusterError(f"{what} not reached within {timeout:.0f}s (last error: {last})")
 
@@ -622,6 +625,17 @@ started_so_far: list[str] = []
 
 def logfile(name: str) -> Path:
     return ROOT / "logs" / f"{name}.log"
+
+
+def log_tail(name: str, lines: int = 25) -> str:
+    """The last lines of a component's log (bounded: a log may be large), for an error."""
+    try:
+        with open(logfile(name), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
 
 
 def node_ready() -> bool:
@@ -676,8 +690,11 @@ def up() -> Path:
             wait_until("API server ready", lambda: api_get("/readyz") == "ok")
             bootstrap(bins)
         elif name == "containerd":
-            sock = ROOT / "containerd" / "containerd.sock"
-            wait_until("containerd socket", sock.exists)
+            # Not the socket's existence: one left by a containerd that died, or made a moment
+            # before it listens, refused the first `ctr` in a CI run. Answering is the event.
+            wait_until(
+                "containerd answering", lambda: ctr(bins, "version", check=False).returncode == 0
+            )
             ensure_pause_image(bins)
             static_image(bins, volume_helper(bins), bins / "volume-helper", ["/volume-helper"])
         elif name == "kubelet":  # kube-router needs the Node object to exist
@@ -1197,6 +1214,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ClusterError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or ""
         print(f"error: {e}\n{detail}".rstrip(), file=sys.stderr)
+        for name in started_so_far:  # a component that died is the likeliest cause: say how
+            if running(name) is None:
+                print(
+                    f"{name} is not running; the end of its log:\n{log_tail(name)}", file=sys.stderr
+                )
         return 1
     return 0
 
