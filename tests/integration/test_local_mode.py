@@ -250,6 +250,8 @@ async def test_a_pod_that_dies_is_noticed_and_restarted_per_policy(runtime, make
     failed = (await runtime.refresh(await runtime.get(never))).status
     assert failed["phase"] == "Failed"
     assert failed["reason"] == "Error"
+    assert failed["restarts"] == 0, "no restart follows that death: none is counted"
+    assert failed["lastTermination"]["reason"] == "Error"
 
 
 async def test_idle_sessions_are_culled_and_active_ones_kept(runtime, make_session) -> None:

@@ -25,6 +25,7 @@ from mcp_forge.control.lifecycle import (
     idle_since,
     is_quick,
     plan_kernel,
+    recorded,
     shown,
     stop_of,
     stopped,
@@ -540,3 +541,26 @@ def test_a_stopped_session_shows_why_has_no_kernel_and_says_since_when(
     assert fields["suspendedAt"] == (st.stamp(T0) if since == "now" else since)
     ready = next(c for c in fields["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False" and ready["reason"] == stop.reason
+
+
+@pytest.mark.parametrize(
+    ("last", "phase", "want"),
+    [
+        ({}, st.READY, False),  # no death recorded yet
+        ({"reason": "Error", "kernelId": "k1"}, st.READY, True),
+        ({"reason": "Error", "podUID": "k1"}, st.READY, True),  # the operator's, before kernelId
+        ({"reason": "Error", "kernelId": "k0"}, st.RESTARTING, False),  # an earlier kernel's
+        # written before records named their kernel: this one's while it is restarting,
+        # an earlier one's once a kernel is Ready again
+        ({"reason": "Error"}, st.RESTARTING, True),
+        ({"reason": "Error"}, st.READY, False),
+    ],
+)
+def test_a_death_is_recorded_once_per_kernel_records_without_an_id_included(
+    last: dict[str, Any], phase: str, want: bool
+) -> None:
+    assert recorded(last, "k1", phase=phase) is want
+    seen = Observation(st.RESTARTING, DIED.reason, DIED.message, DIED)
+    status = {"phase": phase, "lastTermination": last}
+    followed = follow(session(), Kernel("k1", seen, 2.0), status, now=T0, local=True)
+    assert (followed.died is None) is want

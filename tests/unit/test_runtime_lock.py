@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from mcp_forge.runtimes.local import locks
 from mcp_forge.runtimes.local.runtime import LocalRuntime
 from mcp_forge.settings import Settings
 
@@ -112,3 +113,35 @@ async def test_a_wait_on_another_process_takes_no_executor_thread_and_may_be_can
                 await asyncio.sleep(0.01)
             finally:
                 os.close(probe)
+
+
+async def test_housekeeping_does_not_queue_behind_a_task_woken_for_the_lock(
+    runtime_and_session: tuple[LocalRuntime, Any],
+) -> None:
+    """Just after a release, the task woken for the lock has not run yet: `locked()` says
+    False, yet taking the lock would queue behind it. locked_if_free says busy at once."""
+    runtime, session = runtime_and_session
+    holding, order = asyncio.Event(), []
+    lock = locks.in_process(runtime.lock_path(session))
+
+    async def waiter() -> None:
+        await holding.wait()
+        async with runtime.locked(session):
+            order.append("waiter")
+
+    async def holder() -> bool:
+        async with runtime.locked(session):
+            holding.set()
+            # asyncio has no event for "a task queued on this lock": each turn of the
+            # loop looks, under the test's timeout.
+            while not lock._waiters:  # noqa: ASYNC110
+                await asyncio.sleep(0)
+        assert not lock.locked()  # released, its next holder woken, not yet run
+        async with runtime.locked_if_free(session) as mine:
+            order.append(f"housekeeping: {mine}")
+        return mine
+
+    async with asyncio.timeout(10):
+        mine, _ = await asyncio.gather(holder(), waiter())
+    assert mine is False
+    assert order == ["housekeeping: False", "waiter"]

@@ -265,14 +265,31 @@ class Kernel:
     deleting: bool = False  # on its way out
 
 
+def recorded(last: Mapping[str, Any], kernel_id: str, *, phase: str | None) -> bool:
+    """Whether `last` (lastTermination) is the death of the kernel `kernel_id`. A record
+    without a kernel's id (written before records had one) is taken for the current
+    kernel's while the session shows Restarting, so that death is not counted twice."""
+    if kernel_id in (last.get("kernelId"), last.get("podUID")):
+        return True
+    unnamed = bool(last) and not last.get("kernelId") and not last.get("podUID")
+    return unnamed and phase == st.RESTARTING
+
+
 def recorded_death(
-    last: Mapping[str, Any], kernel: Kernel, *, now: float, local: bool, **more: Any
+    last: Mapping[str, Any],
+    kernel: Kernel,
+    *,
+    now: float,
+    local: bool,
+    phase: str | None = None,
+    **more: Any,
 ) -> dict[str, Any] | None:
     """The lastTermination to write for the kernel's death; None if it lives, or its death
-    is recorded already (one record per kernel). Local mode's says when the next start
-    is (`nextStartAt`: a gateway's call waits out a short backoff)."""
+    is recorded already (one record per kernel; `phase` the session's, see `recorded`).
+    Local mode's says when the next start is (`nextStartAt`: a gateway's call waits out
+    a short backoff)."""
     term = kernel.seen.termination
-    if term is None or kernel.id in (last.get("kernelId"), last.get("podUID")):
+    if term is None or recorded(last, kernel.id, phase=phase):
         return None
     record = death_record(
         last,
@@ -313,7 +330,8 @@ def follow(
     the plan (`plan_kernel`) from the deaths so far. `status` is the session's as
     recorded; `more` goes into a death's record (the operator's exitCode and podUID)."""
     last: Mapping[str, Any] = status.get("lastTermination") or {}
-    died = recorded_death(last, kernel, now=now, local=local, **more)
+    phase = status.get("phase")
+    died = recorded_death(last, kernel, now=now, local=local, phase=phase, **more)
     if died is not None:
         last = died
     seen, term = kernel.seen, kernel.seen.termination

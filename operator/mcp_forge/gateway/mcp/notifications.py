@@ -57,13 +57,19 @@ async def set_level(ctx: Any, params: SetLevelRequestParams) -> EmptyResult:
 
 
 def _as_log(ctx: Context) -> bool:
-    """Whether output goes to this call's client as log messages (see the docstring)."""
-    version = ctx.protocol_version or ""
-    if version in MODERN_PROTOCOL_VERSIONS:
-        meta: Any = ctx.request_context.meta
-        return OUTPUT_LEVEL in allowed_log_levels(version, meta)
-    chosen = str(_connection_state(ctx.request_context.session).get(LEVEL_KEY, "debug"))
-    return _LEVELS.index(chosen) <= _LEVELS.index(OUTPUT_LEVEL)
+    """Whether output goes to this call's client as log messages (see the docstring).
+    What the SDK keeps for it is read defensively: a change there costs a call its log
+    messages (the output still rides the progress), never its result."""
+    try:
+        version = ctx.protocol_version or ""
+        if version in MODERN_PROTOCOL_VERSIONS:
+            meta: Any = ctx.request_context.meta
+            return OUTPUT_LEVEL in allowed_log_levels(version, meta)
+        chosen = str(_connection_state(ctx.request_context.session).get(LEVEL_KEY, "debug"))
+        return _LEVELS.index(chosen) <= _LEVELS.index(OUTPUT_LEVEL)
+    except (AttributeError, LookupError, TypeError, ValueError) as exc:
+        log.warning("cannot tell how this client hears output (%r): progress only", exc)
+        return False
 
 
 class _Informer:

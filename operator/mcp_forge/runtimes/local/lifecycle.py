@@ -21,7 +21,16 @@ from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import Termination, parse_time, stamp
-from mcp_forge.control.lifecycle import Activity, Kernel, Stop, follow, idle_since, stop_of, stopped
+from mcp_forge.control.lifecycle import (
+    Activity,
+    Kernel,
+    Stop,
+    follow,
+    idle_since,
+    recorded,
+    stop_of,
+    stopped,
+)
 from mcp_forge.control.pods import Observation, dead
 from mcp_forge.errors import ForgeError, SessionNotFound, SessionNotReady
 from mcp_forge.runtimes.local import volumes
@@ -100,16 +109,21 @@ class Lifecycle(KernelPods):
         Failed when restartPolicy is Never or the crash loop is given up on). `asked`: a
         gateway restarts it, whatever restartPolicy says."""
         status = self.store.get(session.namespace, session.name).get("status") or {}
-        if seen.termination is not None and lived is None:
+        kernel_id = str(status.get("kernelId") or "")
+        last = status.get("lastTermination") or {}
+        new_death = not recorded(last, kernel_id, phase=status.get("phase"))
+        if seen.termination is not None and lived is None and new_death:
             lived = lifetime(await self.containers.inspect(self.container_name(session)))
-        kernel = Kernel(str(status.get("kernelId") or ""), seen, lived)
+        kernel = Kernel(kernel_id, seen, lived)
         followed = follow(session, kernel, status, restart_asked=asked, now=time.time(), local=True)
-        if followed.died is not None:
-            oom = followed.died["reason"] == st.OOM_KILLED
-            metrics.KERNEL_RESTARTS.labels(reason="oom" if oom else "died").inc()
-            restarts = int(status.get("restarts") or 0) + 1
-            self._patch(session, restarts=restarts, lastTermination=followed.died)
         plan = followed.plan
+        if followed.died is not None:
+            fields: dict[str, object] = {"lastTermination": followed.died}
+            if plan.seen.phase == st.RESTARTING:  # a restart comes (now, or after a backoff)
+                oom = followed.died["reason"] == st.OOM_KILLED
+                metrics.KERNEL_RESTARTS.labels(reason="oom" if oom else "died").inc()
+                fields["restarts"] = int(status.get("restarts") or 0) + 1
+            self._patch(session, **fields)
         self._show(session, plan.seen)
         if not (restart and plan.replace):
             return

@@ -29,6 +29,14 @@ def in_process(path: Path) -> asyncio.Lock:
     return lock
 
 
+def contended(lock: asyncio.Lock) -> bool:
+    """Whether taking `lock` now would wait: held, or a task is queued for it. Just after
+    a release `locked()` is False while the task woken for it has not run yet, and a new
+    `acquire` queues behind that task: `locked()` alone would have it wait."""
+    waiters = getattr(lock, "_waiters", None) or ()  # asyncio's own, since 3.10
+    return lock.locked() or any(not w.cancelled() for w in waiters)
+
+
 def try_flock(fd: int) -> bool:
     """Take an exclusive flock on `fd` if no other process holds it: True if taken."""
     try:

@@ -155,8 +155,13 @@ async def remove_storage_only(runtime: LocalRuntime) -> list[str]:
     for name in sorted(held.keys() & sessions.keys()):
         session = sessions[name]
         async with runtime.locked_if_free(session) as mine:
-            if mine and await _still(runtime, session, name) and await free_name(name):
-                removed.append(name)
+            if not mine or not await _still(runtime, session, name):
+                continue
+            # Not beside a play of this runtime's: storage locks taken in different orders
+            # by two podman processes can stall both (kernelpods.py, _realize).
+            async with runtime._playing:
+                if await free_name(name):
+                    removed.append(name)
     return removed
 
 

@@ -173,7 +173,7 @@ class LocalRuntime(Lifecycle):
         holds it re-reads the session, as with `locked`."""
         path = self.lock_path(session)
         in_process = locks.in_process(path)
-        if in_process.locked():
+        if locks.contended(in_process):
             yield False
             return
         async with in_process:
