@@ -1,5 +1,5 @@
 """The gateway through a second, independent MCP client: the MCP Inspector's CLI (the
-TypeScript SDK), over stdio, with real kernels in real Podman pods.
+TypeScript SDK), over stdio and streamable HTTP, with real kernels in real Podman pods.
 
 `.ci/setup` installs the Inspector; its CLI flags and JSON output are those of the version
 pinned here, so a missing or different Inspector fails the test with the command to run.
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_http import delete_sessions, running_gateway
 
 from support import gateway_pools, pods
 
@@ -111,3 +112,38 @@ async def test_the_inspector_runs_code_and_gets_its_value_back(
     session_id = called["structuredContent"]["session_id"]
     assert f"mcpforge-default-{session_id}" not in await pods()
     assert not gateway_pools(await pods() - before)
+
+
+async def test_the_inspector_over_http_runs_code_and_reads_what_it_wrote(
+    inspector: str, state_dir: Path, tmp_path: Path
+) -> None:
+    """The same client over streamable HTTP, its bearer token sent as a header."""
+    async with running_gateway(state_dir, tmp_path) as gw:
+        http = (
+            gw.url,
+            "--transport",
+            "http",
+            "--header",
+            f"Authorization: Bearer {gw.tokens['bob']}",
+        )
+        code, out, err = await run(
+            *(inspector, "--cli", "--format", "json", *http, "--method", "tools/call"),
+            *(
+                "--tool-name",
+                "execute_code",
+                "--tool-arg",
+                "code=open('/workspace/i.txt','w').write('hi')",
+            ),
+        )
+        assert code == 0, f"exit {code}\n{out}\n{err}"
+        called = json.loads(out)["result"]
+        assert called["isError"] is False and called["structuredContent"]["status"] == "ok", called
+        sid = called["structuredContent"]["session_id"]
+        code, out, err = await run(
+            *(inspector, "--cli", "--format", "json", *http, "--method", "resources/read"),
+            *("--uri", f"forge://sessions/{sid}/files/i.txt"),
+        )
+        assert code == 0, f"exit {code}\n{out}\n{err}"
+        [content] = json.loads(out)["result"]["contents"]
+        assert content["text"] == "hi", content
+    await delete_sessions(state_dir, None)
