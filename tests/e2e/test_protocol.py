@@ -235,3 +235,83 @@ async def test_a_cancelled_request_is_not_answered(gw: HttpGateway) -> None:
             seen += [json.loads(line[5:]) async for line in lines if line.startswith("data:")]
     assert seen and "method" in seen[0], seen  # the cell ran
     assert not [m for m in seen if m.get("id") == 7], seen  # and nothing answered it
+
+
+async def sse_events(response: httpx2.Response) -> AsyncIterator[tuple[str | None, Any]]:
+    """An SSE body's events as they come: (id, the JSON-RPC message, None if no data)."""
+    event_id, data = None, ""
+    async for line in response.aiter_lines():
+        if line.startswith("id:"):
+            event_id = line[3:].strip()
+        elif line.startswith("data:"):
+            data += line[5:].strip()
+        elif not line and (event_id is not None or data):
+            yield event_id, json.loads(data) if data else None
+            event_id, data = None, ""
+
+
+async def opened(http: httpx2.AsyncClient, gw: HttpGateway, name: str) -> dict[str, str]:
+    """A new MCP session of `name`'s (2025-11-25), initialized; its request headers."""
+    sent = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {gw.tokens[name]}",
+    }
+    r = await http.post(gw.url, headers=sent, json=initialize("2025-11-25"))
+    assert r.status_code == 200, r.text
+    sent = {
+        **sent,
+        "mcp-session-id": r.headers["mcp-session-id"],
+        "mcp-protocol-version": "2025-11-25",
+    }
+    note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    assert (await http.post(gw.url, headers=sent, json=note)).status_code == 202
+    return sent
+
+
+async def test_a_dropped_stream_resumes_with_what_was_missed_and_nothing_else(
+    gw: HttpGateway,
+) -> None:
+    code = (
+        "import time\nfor i in range(3):\n    print('tick', i, flush=True)\n    time.sleep(1)\n42"
+    )
+    call = {
+        "jsonrpc": "2.0",
+        "id": 7,
+        "method": "tools/call",
+        "params": {
+            "name": "execute_code",
+            "arguments": {"code": code},
+            "_meta": {"progressToken": 1},
+        },
+    }
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(30.0, read=CALL_DEADLINE)) as http:
+        alice = await opened(http, gw, "alice")
+        seen: list[tuple[str | None, Any]] = []
+        async with http.stream("POST", gw.url, headers=alice, json=call) as r:
+            async for event in sse_events(r):
+                seen.append(event)
+                if "tick 0" in json.dumps(event[1]):
+                    break  # the connection drops here, the cell runs on
+        last = seen[-1][0]
+        assert last is not None and seen[0][1] is None, seen  # a priming event came first
+        # Another client's session, and another session of the same client, resuming from
+        # that event: nothing of it.
+        for other in (await opened(http, gw, "bob"), await opened(http, gw, "alice")):
+            async with http.stream("GET", gw.url, headers={**other, "Last-Event-ID": last}) as r:
+                assert [e async for e in sse_events(r) if e[1] is not None] == [], other
+        replayed: list[tuple[str | None, Any]] = []
+        async with http.stream("GET", gw.url, headers={**alice, "Last-Event-ID": last}) as r:
+            assert r.status_code == 200
+            async for event in sse_events(r):
+                replayed.append(event)
+                if isinstance(event[1], dict) and event[1].get("id") == 7:
+                    break
+    sent = [m for _, m in replayed if m is not None]
+    output = [m["params"]["data"] for m in sent if m.get("method") == "notifications/message"]
+    assert "".join(output) == "tick 1\ntick 2\n", sent  # what it missed, and only that
+    assert any(m.get("method") == "notifications/progress" for m in sent), sent
+    assert sent[-1]["result"]["structuredContent"]["result"]["data"]["text/plain"] == "42"
+    ids = [i for i, _ in replayed if i is not None]
+    assert not set(ids) & {i for i, _ in seen}, "nothing already received comes again"
+    assert len(ids) == len(set(ids))

@@ -1,6 +1,7 @@
 """The gateway over streamable HTTP: bearer-token auth (each token one client), the ASGI
 app at /mcp with its Host/Origin allow-list and request size limit, the wire's
-corrections (wire.py), and uvicorn on a socket bound before anyone is told the address."""
+corrections (wire.py), resumable streams (events.py), and uvicorn on a socket bound
+before anyone is told the address."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from mcp.server.mcpserver import MCPServer
 
 from mcp_forge.errors import ForgeError
+from mcp_forge.gateway.mcp.events import Resumable, SessionEvents
 from mcp_forge.gateway.mcp.wire import Wire
 
 CLIENT_HEADER = "x-mcpforge-client"  # set by BearerAuth only
@@ -108,8 +110,9 @@ def http_app(
         transport_security=security,
         max_request_body_size=MAX_REQUEST_BODY,
         host=host,
+        event_store=SessionEvents(),  # resumable streams (events.py)
     )
-    return BearerAuth(Wire(app), tokens)
+    return BearerAuth(Wire(Resumable(app)), tokens)
 
 
 class HttpServer:
