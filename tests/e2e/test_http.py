@@ -108,9 +108,11 @@ async def running_gateway(
     *args: str,
     tokens: dict[str, str] | None = None,
     env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> AsyncIterator[HttpGateway]:
-    """A gateway with a token for each of CLIENTS (these `tokens`: replicas share them)."""
-    port = free_port()
+    """A gateway with a token for each of CLIENTS (these `tokens`: replicas share them),
+    on `port` (a restarted gateway: the same one) or a free one."""
+    port = port or free_port()
     tokens = tokens or {name: secrets.token_urlsafe(24) for name in CLIENTS}
     tokens_file = tokens_dir / f"tokens-{port}"
     tokens_file.write_text("".join(f"{name} {token}\n" for name, token in tokens.items()))

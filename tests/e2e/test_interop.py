@@ -104,7 +104,8 @@ async def test_the_typescript_sdk_client_interoperates(
     node: str, state_dir: Path, tmp_path: Path, transport: str, mode: str
 ) -> None:
     """Tools, the cell's output while it runs, progress, cancellation (the kernel is
-    interrupted), a resource read: as the Python SDK's client has them."""
+    interrupted), a task (2025-11-25), a resource read: as the Python SDK's client has
+    them."""
     client = str(INTEROP / "client.mjs")
     if transport == "stdio":
         env = {"MCPFORGE_STATE_DIR": str(state_dir), "PATH": os.environ.get("PATH", "")}
@@ -119,7 +120,8 @@ async def test_the_typescript_sdk_client_interoperates(
     seen = json.loads(out)
     assert seen["protocolVersion"] == ("2026-07-28" if mode == "auto" else "2025-11-25"), seen
     assert seen["server"]["name"] == "mcp-forge"
-    assert seen["capabilities"] == sorted({"tools", "resources", "logging"}), seen
+    served = {"tools", "resources", "logging"} | ({"tasks"} if mode == "legacy" else set())
+    assert seen["capabilities"] == sorted(served), seen
     assert "execute_code" in seen["tools"] and "read_file" in seen["tools"], seen
     execute = seen["execute"]
     assert not execute["isError"] and execute["structured"]["result"]["data"]["text/plain"] == "42"
@@ -135,6 +137,12 @@ async def test_the_typescript_sdk_client_interoperates(
     cancel = seen["cancel"]
     assert cancel["outcome"] != "completed" and cancel["seconds"] < 30, cancel
     assert not cancel["nextIsError"] and cancel["next"].endswith("False"), cancel
+    if mode == "legacy":  # a task: 2025-11-25's, the version legacy negotiates
+        assert seen["task"]["created"] == "working" and seen["task"]["got"] in (
+            "working",
+            "completed",
+        )
+        assert seen["task"]["value"] == "42" and seen["task"]["related"], seen["task"]
     assert seen["resource"] == ["from typescript"]
     sid = execute["structured"]["session_id"]
     assert f"forge://sessions/{sid}/notebook" in seen["resources"], seen

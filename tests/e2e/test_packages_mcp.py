@@ -139,11 +139,14 @@ async def test_denied_missing_oversized_and_malformed_packages_get_named_errors(
 
 @pytest.mark.parametrize("limit", ["file_max", "total_max"])
 async def test_a_download_past_the_limits_is_stopped_while_it_grows(
-    tmp_path: Path, limit: str
+    tmp_path: Path, limit: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """numpy's wheel is about 16 MB: with a 2 MB limit pip is stopped as the file grows
     past it (pip's cache is the gateway's own, empty in a new state directory, so the
-    file does grow), and nothing is left."""
+    file does grow), and nothing is left. Looked at every 5 ms: through a proxy that has
+    the wheel cached, 16 MB once came down within one look of 100 ms (the check after
+    pip then refused it, as test_a_download_found_too_large_once_complete_... shows)."""
+    monkeypatch.setattr(pip, "WATCH_INTERVAL", 0.005)
     base = fetch.PackagePolicy.of(Settings(state_dir=tmp_path))
     policy = (
         replace(base, file_max=2_000_000)

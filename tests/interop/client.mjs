@@ -8,6 +8,7 @@
 //                     "token": "...", "mode": "legacy" | "auto"}'
 import { Client, StreamableHTTPClientTransport } from "@modelcontextprotocol/client";
 import { StdioClientTransport } from "@modelcontextprotocol/client/stdio";
+import { z } from "zod";
 
 const CALL_TIMEOUT_MS = 120_000; // a kernel's start is in the first call
 const config = JSON.parse(process.argv[2]);
@@ -100,6 +101,34 @@ async function main() {
     next: texts(next).join("\n"),
     nextIsError: next.isError ?? false,
   };
+
+  // A task (2025-11-25 only): answered at once, its result fetched when done. The SDK makes
+  // no tasks itself: plain requests, each result checked by the test, not by a schema here.
+  if (seen.protocolVersion === "2025-11-25") {
+    const any = z.looseObject({});
+    const created = await client.request(
+      {
+        method: "tools/call",
+        params: {
+          name: "execute_code",
+          arguments: { code: "import time\ntime.sleep(1)\n6 * 7", session_id: sid },
+          task: { ttl: 60_000 },
+        },
+      },
+      any,
+    );
+    const id = created.task?.taskId;
+    const got = await client.request({ method: "tasks/get", params: { taskId: id } }, any);
+    const result = await client.request({ method: "tasks/result", params: { taskId: id } }, any, {
+      timeout: CALL_TIMEOUT_MS,
+    });
+    seen.task = {
+      created: created.task?.status ?? null,
+      got: got.status ?? null,
+      value: result.structuredContent?.result?.data?.["text/plain"] ?? null,
+      related: result._meta?.["io.modelcontextprotocol/related-task"]?.taskId === id,
+    };
+  }
 
   // A resource read: the file the first cell wrote, and the session's notebook.
   const file = await client.readResource({ uri: `forge://sessions/${sid}/files/interop.txt` });

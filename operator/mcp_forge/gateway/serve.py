@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import signal
@@ -106,7 +107,12 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
     gauges: asyncio.Future[Any] = asyncio.ensure_future(_nothing())
     if exporter is not None:
         gauges = asyncio.ensure_future(_keep_gauges(runtime, where.local, options.cull_interval))
-    server = build_server(service, gw, transport="stdio" if options.http is None else "http")
+    server, tasks = build_server(
+        service,
+        gw,
+        transport="stdio" if options.http is None else "http",
+        tasks_dir=_tasks_dir(where, options),
+    )
     stop = asyncio.Event()
     signalled = asyncio.Event()
     serving = _front(options, server, runtime, signalled, say)
@@ -121,6 +127,7 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         if exporter is not None:
             await exporter.close()
         stop.set()
+        await tasks.aclose()
         housekeeping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await housekeeping
@@ -130,6 +137,19 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         if not serving.done():  # stdio, ended by a signal: its reader thread never returns
             sys.stderr.flush()
             os._exit(0)
+
+
+def _tasks_dir(where: _Realizer, options: GatewayOptions) -> Path | None:
+    """Where a local HTTP gateway keeps its clients' tasks: under the state directory, by
+    its address, so that the gateway restarted at that address finds them (and no two
+    live gateways share them). Stdio clients' tasks end with their gateway, a cluster
+    gateway's with its process: kept in memory."""
+    if where.local is None or options.http is None:
+        return None
+    address = f"{options.http[0]}:{options.http[1]}"
+    return (
+        where.local.settings.state_dir / "tasks" / hashlib.sha256(address.encode()).hexdigest()[:16]
+    )
 
 
 @dataclass

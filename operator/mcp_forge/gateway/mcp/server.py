@@ -4,6 +4,7 @@ imports the `mcp` SDK (besides code mode's upstream client)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from mcp.server.mcpserver import MCPServer
@@ -13,6 +14,8 @@ from mcp_forge import __version__
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.gateway.mcp.notifications import set_level
 from mcp_forge.gateway.mcp.resources import Resources
+from mcp_forge.gateway.mcp.tasks import Tasks
+from mcp_forge.gateway.mcp.tasks_store import TaskStore
 from mcp_forge.gateway.mcp.tools import Tools
 from mcp_forge.gateway.sessions import SessionService
 
@@ -32,9 +35,14 @@ numpy, pandas, matplotlib and pillow)."""
 
 
 def build_server(
-    service: SessionService, gateway: Gateway, *, transport: Literal["stdio", "http"]
-) -> MCPServer:
-    """The MCP server with the gateway's tools, for one transport."""
+    service: SessionService,
+    gateway: Gateway,
+    *,
+    transport: Literal["stdio", "http"],
+    tasks_dir: Path | None = None,
+) -> tuple[MCPServer, Tasks]:
+    """The MCP server with the gateway's tools, for one transport, and its tasks (kept
+    in `tasks_dir` if given, else in memory; tasks.py)."""
     server: MCPServer = MCPServer(
         name="mcp-forge", version=__version__, instructions=INSTRUCTIONS, subscriptions=False
     )
@@ -42,7 +50,9 @@ def build_server(
     tools.register(server)
     Resources(tools).register(server)
     declare_what_is_served(server)
-    return server
+    tasks = Tasks(tools, TaskStore(tasks_dir))
+    tasks.register(server)
+    return server, tasks
 
 
 def declare_what_is_served(server: MCPServer) -> None:
