@@ -31,7 +31,16 @@ import httpx2
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_mcp import GATEWAY, stats
 
+from mcp_forge.runtimes.local.runtime import LocalRuntime
+from mcp_forge.settings import Settings
+
 TOKEN = "bench-token-0123456789abcdef"
+
+
+async def delete_all(state: Path) -> None:
+    runtime = LocalRuntime(Settings(state_dir=state))
+    for session in await runtime.list():
+        await runtime.delete(session.name, session.namespace)
 
 
 class Session:
@@ -115,6 +124,7 @@ async def main(runs: int) -> None:
     finally:
         proc.terminate()
         await proc.wait()
+        await delete_all(Path(state))  # an HTTP client's default session outlives its gateway
     base = stats(plain)[0]
     title = f"execute_code 1+1 over HTTP, ms (n={runs})"
     print(f"{title:<50}{'median':>8}{'p90':>8}{'vs plain':>10}")
