@@ -318,3 +318,55 @@ async def test_a_dropped_stream_resumes_with_what_was_missed_and_nothing_else(
     ids = [i for i, _ in replayed if i is not None]
     assert not set(ids) & {i for i, _ in seen}, "nothing already received comes again"
     assert len(ids) == len(set(ids))
+
+
+@pytest.mark.filterwarnings("ignore:resources/")  # the client's: deprecated at 2026-07-28
+async def test_a_subscribed_file_or_notebook_is_notified_when_it_changes_and_only_then(
+    gw: HttpGateway,
+) -> None:
+    updated: list[str] = []
+    arrived = asyncio.Event()
+
+    async def on_message(message: Any) -> None:
+        if getattr(message, "method", None) == "notifications/resources/updated":
+            updated.append(str(message.params.uri))
+            arrived.set()
+
+    async def next_update() -> str:
+        async with asyncio.timeout(CALL_DEADLINE):
+            await arrived.wait()
+        arrived.clear()
+        return updated[-1]
+
+    async with client(gw, "alice", mode="legacy", message_handler=on_message) as c:
+        resources = c.server_capabilities.resources
+        assert resources is not None and resources.subscribe, c.server_capabilities
+        ran = await c.call_tool(
+            "execute_code", {"code": "open('/workspace/a.txt', 'w').write('a')"}
+        )
+        sid = ran.structured_content["session_id"]
+        files = f"forge://sessions/{sid}/files/"
+        for name in ("a.txt", "b.txt", "c.txt"):  # b and c do not exist yet
+            await c.subscribe_resource(files + name)
+        # b is written, a is not: b is notified, and a, which would come first, is not.
+        await c.call_tool("write_file", {"session_id": sid, "path": "b.txt", "content": "b"})
+        assert await next_update() == files + "b.txt"
+        assert updated == [files + "b.txt"]
+        # Unsubscribed from b: when b and c change, c alone is notified.
+        await c.unsubscribe_resource(files + "b.txt")
+        code = "for n in 'bc': open(f'/workspace/{n}.txt', 'w').write(n * 2)"
+        await c.call_tool("execute_code", {"code": code, "session_id": sid})
+        assert await next_update() == files + "c.txt"
+        assert updated == [files + "b.txt", files + "c.txt"]
+        # The notebook changes with every cell run.
+        await c.subscribe_resource(f"forge://sessions/{sid}/notebook")
+        await c.call_tool("execute_code", {"code": "1", "session_id": sid})
+        assert await next_update() == f"forge://sessions/{sid}/notebook"
+        for bad in (f"{files}../../etc/passwd", "test://watched-resource"):
+            with pytest.raises(MCPError) as refused:  # the resources of resources/read only
+                await c.subscribe_resource(bad)
+            assert refused.value.error.code == -32602, bad
+    async with client(gw, "bob", mode="legacy") as c:  # not bob's session: as if not there
+        with pytest.raises(MCPError) as refused:
+            await c.subscribe_resource(files + "a.txt")
+        assert refused.value.error.code == -32602

@@ -14,6 +14,7 @@ from mcp_forge import __version__
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.gateway.mcp.notifications import set_level
 from mcp_forge.gateway.mcp.resources import Resources
+from mcp_forge.gateway.mcp.subscriptions import Subscriptions
 from mcp_forge.gateway.mcp.tasks import Tasks
 from mcp_forge.gateway.mcp.tasks_store import TaskStore
 from mcp_forge.gateway.mcp.tools import Tools
@@ -50,6 +51,7 @@ def build_server(
     tools.register(server)
     Resources(tools).register(server)
     declare_what_is_served(server)
+    Subscriptions(tools).register(server)  # before tasks: a task's end is looked at too
     tasks = Tasks(tools, TaskStore(tasks_dir))
     tasks.register(server)
     return server, tasks
