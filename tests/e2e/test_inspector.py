@@ -36,15 +36,19 @@ TOOLS = {
 }  # fmt: skip
 
 
-async def run(*args: str) -> tuple[int, str, str]:
+async def run(
+    *args: str, deadline: float = RUN_DEADLINE, cwd: Path | None = None
+) -> tuple[int, str, str]:
+    """A command's exit status, stdout and stderr; killed past `deadline` seconds."""
     process = await asyncio.create_subprocess_exec(
         *args,
+        cwd=cwd,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
     try:
-        async with asyncio.timeout(RUN_DEADLINE):
+        async with asyncio.timeout(deadline):
             out, err = await process.communicate()
     except TimeoutError:
         process.kill()

@@ -7,10 +7,8 @@ tests/interop/package.json, with the Node.js 22 they need; .ci/setup-tests insta
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 import pytest
 from bearer_proxy import bearer_proxy, hosts
 from test_http import delete_sessions, free_port, running_gateway
+from test_inspector import run as run_command
 
 pytestmark = pytest.mark.podman
 
@@ -30,22 +29,7 @@ RUN_DEADLINE = 180.0  # one run of the suite (30 scenarios, seconds here) or of 
 
 
 async def run(*args: str, cwd: Path | None = None) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        *args,
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        async with asyncio.timeout(RUN_DEADLINE):
-            out, err = await process.communicate()
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+    return await run_command(*args, deadline=RUN_DEADLINE, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
