@@ -340,6 +340,35 @@ async def test_a_cancelled_call_interrupts_its_code_and_keeps_variables(
     assert after.result is not None and after.result["data"]["text/plain"] == "7"
 
 
+@pytest.mark.parametrize("moment", ["before_request", "send_execute"])
+async def test_a_call_cancelled_as_its_code_is_sent_stops_it_and_keeps_variables(
+    gateway, make_session, monkeypatch, moment
+) -> None:
+    """Cancelled just before its code is sent (nothing to stop), or just after, when the
+    interrupt reaches the kernel before it began the cell and ipykernel ignores SIGINT:
+    either way the next call runs at once, on the same variables, with no restart."""
+    from mcp_forge.jupyter.client import KernelConnection
+
+    name = await make_session()
+    await gateway.execute(name, "kept = 7")
+    original = getattr(KernelConnection, moment)
+
+    def then_cancel(self, *args, **kwargs):
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # delivered at the call's next await
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KernelConnection, moment, then_cancel)
+    task = asyncio.create_task(gateway.execute(name, "import time\ntime.sleep(60)\nafter = 1"))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    monkeypatch.setattr(KernelConnection, moment, original)
+    after = await asyncio.wait_for(gateway.execute(name, "('after' in globals(), kept)"), 30)
+    assert after.state_lost is False and after.result is not None, after
+    assert after.result["data"]["text/plain"] == "(False, 7)"
+
+
 async def test_a_long_call_counts_as_activity_and_is_not_culled(
     gateway, runtime, make_session
 ) -> None:

@@ -268,8 +268,9 @@ class Gateway(Connections, WorkspaceCalls):
         """
 
         async def settle() -> None:
-            grace = self.settings.interrupt_grace
-            if await conn.interrupt(grace) and await conn.pump(collector, grace):
+            if not collector.msg_id:
+                return  # cancelled before its code was sent: nothing runs
+            if await self._stop_cell(conn, collector):
                 return
             self._drop(handle)
             await self.runtime.restart_kernel(session, reason="Unresponsive", crashed=True)
@@ -291,6 +292,21 @@ class Gateway(Connections, WorkspaceCalls):
             return f" Restarting the kernel failed: {exc}"
         return " The kernel was restarted: all variables are lost (workspace files are kept)."
 
+    async def _stop_cell(self, conn: KernelConnection, collector: Collector) -> bool:
+        """Interrupt the collector's cell; True once it ended, False if it did not stop.
+
+        ipykernel ignores SIGINT between cells, so an interrupt that arrives after the
+        request was sent but before the kernel began it would be lost and the cell run
+        on: the interrupt waits for the cell's start (its execute_input), each step
+        within the interrupt grace.
+        """
+        grace = self.settings.interrupt_grace
+        if not await conn.pump(collector, grace, started=True):
+            return False
+        if collector.done:
+            return True
+        return await conn.interrupt(grace) and await conn.pump(collector, grace)
+
     async def _on_timeout(
         self,
         handle: Handle,
@@ -301,7 +317,7 @@ class Gateway(Connections, WorkspaceCalls):
         timeout: float,
     ) -> ExecutionResult:
         grace = self.settings.interrupt_grace
-        if await conn.interrupt(grace) and await conn.pump(collector, grace):
+        if await self._stop_cell(conn, collector):
             return collector.finish(
                 "timeout",
                 duration=time.monotonic() - started,

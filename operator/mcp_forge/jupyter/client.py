@@ -547,15 +547,16 @@ class KernelConnection:
         }
         return self.send(self.shell, "execute_request", content)
 
-    async def pump(self, collector: Collector, timeout: float) -> bool:
+    async def pump(self, collector: Collector, timeout: float, *, started: bool = False) -> bool:
         """Feed `collector` the messages of its request for up to `timeout` seconds.
 
         IOPub until the kernel is idle for the request, then the shell reply (the kernel
         sends the reply first, so it is waiting). Messages of other requests, such as the
-        late output of an earlier one, are dropped. True once the request is done.
+        late output of an earlier one, are dropped. True once the request is done, or
+        with `started` once the kernel has begun it.
         """
         deadline = time.monotonic() + timeout
-        while not collector.done:
+        while not (collector.done or (started and collector.started)):
             left = deadline - time.monotonic()
             if left <= 0:
                 return False

@@ -126,6 +126,7 @@ class Collector:
     execution_count: int | None = None
     reply_status: str | None = None
     idle: bool = False
+    started: bool = False  # the kernel has begun the request (its execute_input)
     used: int = 0  # text characters kept so far
     dropped: int = 0  # text characters cut
     spool: list[str] = field(default_factory=list)  # the whole text, in arrival order
@@ -224,6 +225,8 @@ class Collector:
             self._display(content, "display")
         elif kind == "update_display_data":
             self._display(content, "display update")
+        elif kind == "execute_input":
+            self.started = True
         elif kind == "clear_output":
             pass  # outputs already returned stay in the record
         elif kind == "error":
