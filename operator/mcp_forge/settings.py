@@ -70,6 +70,12 @@ class Settings:
     seccomp_profile: str = ""
     kube_connect: str = "service"  # the gateway dials the session's Service, or "pod-ip"
     lease_renew: float = 10.0  # the gateway renews a session's activity Lease at most this often
+    # Tasks of a cluster gateway: Secrets in this namespace ("" = the gateway's own).
+    tasks_namespace: str = ""
+    # 2026-07-28: execute_code still running after this long becomes a task (for clients
+    # that declare the tasks extension on the call); shorter calls are answered as ever.
+    task_after: float = 5.0
+    task_heartbeat: float = 10.0  # a running task's sign of life; 3 missed: its gateway is gone
     operator_resync: float = 60.0  # every session is reconciled at least this often
     # Code mode.
     bridge_call_timeout: float = 60.0  # one upstream tool call made by kernel code

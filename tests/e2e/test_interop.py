@@ -104,7 +104,8 @@ async def test_the_typescript_sdk_client_interoperates(
     seen = json.loads(out)
     assert seen["protocolVersion"] == ("2026-07-28" if mode == "auto" else "2025-11-25"), seen
     assert seen["server"]["name"] == "mcp-forge"
-    served = {"tools", "resources", "logging"} | ({"tasks"} if mode == "legacy" else set())
+    # Tasks: 2025-11-25's core capability, 2026-07-28's extension.
+    served = {"tools", "resources", "logging"} | ({"tasks"} if mode == "legacy" else {"extensions"})
     assert seen["capabilities"] == sorted(served), seen
     assert "execute_code" in seen["tools"] and "read_file" in seen["tools"], seen
     execute = seen["execute"]

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.podman
 
 HANDSHAKE = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 SERVED = {"tools", "resources", "logging"}  # what it serves: nothing else may be declared
-HANDSHAKE_SERVED = SERVED | {"tasks"}  # tasks (test_tasks.py): 2025-11-25's, not 2026-07-28's
+HANDSHAKE_SERVED = SERVED | {"tasks"}  # tasks (test_tasks.py): 2026-07-28's is an extension
 TICKS = "import time\nfor i in range(2):\n    print('tick', i, flush=True)\n    time.sleep(0.7)"
 
 
@@ -86,7 +86,8 @@ async def test_the_2026_07_28_probe_is_told_what_is_served(gw: HttpGateway) -> N
     async with client(gw) as c:
         assert c.protocol_version == "2026-07-28"
         declared = c.server_capabilities.model_dump(exclude_none=True)
-        assert set(declared) == SERVED, declared
+        assert set(declared) == SERVED | {"extensions"}, declared
+        assert declared["extensions"] == {"io.modelcontextprotocol/tasks": {}}, declared
         assert c.server_info is not None and c.server_info.version == __version__
         with pytest.raises(MCPError) as refused:
             await c.list_prompts()

@@ -15,15 +15,19 @@ import pytest
 from test_http import CALL_DEADLINE, HttpGateway, delete_sessions, free_port, running_gateway
 from test_protocol import messages, opened
 
+import raw_mcp
+
 pytestmark = pytest.mark.podman
 
 RELATED = "io.modelcontextprotocol/related-task"
+AFTER = 1.0  # seconds: on 2026-07-28 a call still running then becomes a task
 SLOW = "import time\nprint('started', flush=True)\ntime.sleep(2)\nanswer = 42\nanswer"
 
 
 @pytest.fixture(scope="module")
 async def gw(state_dir: Path, tmp_path_factory: Any) -> AsyncIterator[HttpGateway]:
-    async with running_gateway(state_dir, tmp_path_factory.mktemp("tasks")) as g:
+    env = {"MCPFORGE_TASK_AFTER": str(AFTER)}
+    async with running_gateway(state_dir, tmp_path_factory.mktemp("tasks"), env=env) as g:
         yield g
     await delete_sessions(state_dir, None)
 
@@ -37,32 +41,13 @@ async def http() -> AsyncIterator[httpx2.AsyncClient]:
 async def rpc(
     http: httpx2.AsyncClient, gw: HttpGateway, sent: dict[str, str], method: str, **params: Any
 ) -> dict[str, Any]:
-    """One request on the session whose headers are `sent`: its answer (result or error)."""
-    r = await http.post(
-        gw.url, headers=sent, json={"jsonrpc": "2.0", "id": 9, "method": method, "params": params}
-    )
-    assert r.status_code == 200, r.text
-    [answer] = [m for m in messages(r) if m.get("id") == 9]
-    return answer
+    return await raw_mcp.rpc(http, gw.url, sent, method, **params)
 
 
 async def task_of(
     http: httpx2.AsyncClient, gw: HttpGateway, sent: dict[str, str], code: str, **args: Any
 ) -> str:
-    call = await rpc(
-        http,
-        gw,
-        sent,
-        "tools/call",
-        name="execute_code",
-        arguments={"code": code, **args},
-        task={"ttl": 600_000},
-    )
-    assert "result" in call, call
-    task = call["result"]["task"]
-    assert task["status"] == "working" and task["ttl"] == 600_000, call
-    assert task["pollInterval"] > 0 and task["createdAt"].endswith("Z"), call
-    return str(task["taskId"])
+    return await raw_mcp.task_of(http, gw.url, sent, code, **args)
 
 
 async def test_a_task_is_answered_at_once_and_its_result_picked_up_on_another_connection(
@@ -135,9 +120,7 @@ async def test_a_cancelled_task_interrupts_the_kernel_and_keeps_the_session(
     # The kernel was interrupted (the next call runs now), and kept its variables.
     code = "('after' in globals(), kept)"
     after = await rpc(http, gw, alice, "tools/call", name="execute_code", arguments={"code": code})
-    assert (after["result"]["structuredContent"]["result"] or {}).get("data", {}).get(
-        "text/plain"
-    ) == "(False, 1)", after
+    assert raw_mcp.shown(after) == "(False, 1)", after
 
 
 async def test_a_finished_task_outlives_a_gateway_restart_and_a_cut_off_one_says_so(
@@ -161,3 +144,72 @@ async def test_a_finished_task_outlives_a_gateway_restart_and_a_cut_off_one_says
         said = await rpc(http, gw, alice, "tasks/result", taskId=cut)
         assert "gateway" in said["error"]["message"], said
     await delete_sessions(state_dir, None)
+
+
+async def test_on_2026_07_28_a_call_past_its_moment_becomes_a_task_for_a_client_that_takes_them(
+    gw: HttpGateway, http: httpx2.AsyncClient
+) -> None:
+    """The tasks extension (SEP-2663): declared in server/discover; a short call answered
+    as ever, a long one with a task whose tasks/get inlines the result; never a task for a
+    call that does not declare the extension; tasks/update acknowledged; the same store
+    as 2025-11-25's tasks."""
+    token = gw.tokens["alice"]
+
+    async def modern(method: str, **params: Any) -> dict[str, Any]:
+        return await raw_mcp.modern(http, gw.url, token, method, **params)
+
+    found = (await modern("server/discover"))["result"]
+    assert found["capabilities"]["extensions"] == {raw_mcp.TASKS_EXTENSION: {}}, found
+    assert "tasks" not in found["capabilities"], found  # 2025-11-25's form: not here
+    short = await modern("tools/call", name="execute_code", arguments={"code": "6 * 7"})
+    assert short["result"]["resultType"] == "complete" and raw_mcp.shown(short) == "42", short
+
+    long = await modern("tools/call", name="execute_code", arguments={"code": SLOW})
+    task = long["result"]
+    assert task["resultType"] == "task" and task["status"] == "working", long
+    assert task["ttlMs"] > 0 and task["pollIntervalMs"] > 0 and "content" not in task, long
+    got = (await modern("tasks/get", taskId=task["taskId"]))["result"]
+    assert got["resultType"] == "complete" and got["status"] in ("working", "completed"), got
+    # Waited for as 2025-11-25 does (tasks/result): one store, one owner.
+    alice = await opened(http, gw, "alice")
+    await rpc(http, gw, alice, "tasks/result", taskId=task["taskId"])
+    got = (await modern("tasks/get", taskId=task["taskId"]))["result"]
+    assert got["status"] == "completed", got
+    assert got["result"]["structuredContent"]["result"]["data"]["text/plain"] == "42", got
+    assert got["result"]["structuredContent"]["stdout"] == "started\n", got
+    ack = await modern("tasks/update", taskId=task["taskId"], inputResponses={"x": {}})
+    assert ack["result"]["resultType"] == "complete", ack
+    # Not declared: the long call is answered when it ends, never with a task.
+    plain = await raw_mcp.modern(
+        http, gw.url, token, "tools/call", tasks=False, name="execute_code",
+        arguments={"code": SLOW},
+    )  # fmt: skip
+    assert raw_mcp.shown(plain) == "42", plain
+    # Another client, or a made-up id: unknown.
+    for taken in (task["taskId"], "no-such-task"):
+        foreign = await raw_mcp.modern(http, gw.url, gw.tokens["bob"], "tasks/get", taskId=taken)
+        assert foreign["error"]["code"] == -32602, foreign
+
+
+async def test_on_2026_07_28_a_cancelled_task_interrupts_the_kernel_and_keeps_the_session(
+    gw: HttpGateway, http: httpx2.AsyncClient
+) -> None:
+    token = gw.tokens["alice"]
+
+    async def modern(method: str, **params: Any) -> dict[str, Any]:
+        return await raw_mcp.modern(http, gw.url, token, method, **params)
+
+    await modern("tools/call", name="execute_code", arguments={"code": "kept = 2"})
+    code = "import time\ntime.sleep(120)\nafter = 1"
+    task = (await modern("tools/call", name="execute_code", arguments={"code": code}))["result"]
+    assert task["resultType"] == "task", task
+    ack = await modern("tasks/cancel", taskId=task["taskId"])
+    assert ack["result"]["resultType"] == "complete", ack
+    got = (await modern("tasks/get", taskId=task["taskId"]))["result"]
+    assert got["status"] == "cancelled" and "result" not in got, got
+    again = await modern("tasks/cancel", taskId=task["taskId"])  # ended: acknowledged
+    assert again["result"]["resultType"] == "complete", again
+    after = await modern(
+        "tools/call", name="execute_code", arguments={"code": "('after' in globals(), kept)"}
+    )
+    assert raw_mcp.shown(after) == "(False, 2)", after

@@ -31,8 +31,10 @@ from mcp_types import TextContent
 from prometheus_client.parser import text_string_to_metric_families
 
 from mcp_forge.clients.kube import Kube
+from mcp_forge.gateway.mcp.tasks_kube import PREFIX
 from mcp_forge.image.control_plane import TARGETS, build_control_plane, image_ref
 from mcp_forge.runtimes.cluster import QUOTA_LEASE
+from raw_mcp import open_session, rpc, shown, task_of
 
 from .conftest import ClusterUnderTest, KubeAPI, install_crds
 from .test_security import probe
@@ -178,6 +180,13 @@ async def test_kubectl_apply_k_serves_agents_through_the_gateway_service(
         assert "warm" in text(ran), text(ran)
         closed = await agent.call_tool("close_session", {"session_id": sid})
         assert not closed.is_error, text(closed)
+    # A long cell as a task: kept in the API, in the gateway's own namespace (its Role).
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(30, read=120)) as raw:
+        sent = await open_session(raw, gateway_url, installed)
+        task = await task_of(raw, gateway_url, sent, "x * 2", session_id="scratch")
+        assert shown(await rpc(raw, gateway_url, sent, "tasks/result", taskId=task)) == "84"
+    kept = json.loads(kubectl(test_cluster, "-n", SYSTEM, "get", "secrets", "-o", "json"))
+    assert PREFIX + task in [x["metadata"]["name"] for x in kept["items"]], "not in the API"
 
     # The operator asked for nothing its RBAC forbids (namespace-scoped: kopf no longer
     # lists namespaces and CRDs cluster-wide, which held the first session back 55 s).
@@ -229,6 +238,7 @@ async def test_kubectl_apply_k_serves_agents_through_the_gateway_service(
     assert can_i(test_cluster, gateway, "list", "pods") == "no"
     assert can_i(test_cluster, gateway, "create", "kernelsessions") == "yes"
     assert can_i(test_cluster, gateway, "list", "kernelsessionpools") == "yes", "to pick one"
+    assert can_i(test_cluster, gateway, "list", "secrets") == "no", "kernels' keys are there"
 
 
 # With `until` > 0, each scrape is tried again for that long: the CNI applies a policy's

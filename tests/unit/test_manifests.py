@@ -422,12 +422,18 @@ def test_no_rule_uses_a_wildcard() -> None:
                     assert "*" not in rule[field], (key(obj), rule)
 
 
+# Its clients' tasks (gateway/mcp/tasks_kube.py): a Secret per task, in its own namespace.
+GATEWAY_TASK_RULES = {("", "secrets"): "get list create patch delete"}
+
+
 @pytest.mark.parametrize("name", INSTALLS)
-def test_the_gateway_reads_secrets_in_the_session_namespace_and_nowhere_else(name: str) -> None:
+def test_the_gateway_reads_kernel_secrets_and_keeps_tasks_in_its_own_namespace_only(
+    name: str,
+) -> None:
     granted = grants(build(name), GATEWAY_SA)
-    assert granted == expand(SESSIONS, GATEWAY_RULES)
+    assert granted == expand(SESSIONS, GATEWAY_RULES) | expand(SYSTEM, GATEWAY_TASK_RULES)
     secrets = {(scope, verb) for scope, _, res, verb in granted if res == "secrets"}
-    assert secrets == {(SESSIONS, "get")}
+    assert {verb for scope, verb in secrets if scope == SESSIONS} == {"get"}, "kernels' keys"
     assert not any(scope == CLUSTER for scope, *_ in granted)
     assert not any(res.startswith("pods") for _, _, res, _ in granted), "no pods, no exec"
 

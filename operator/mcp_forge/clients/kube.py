@@ -41,6 +41,7 @@ PATHS: dict[str, tuple[str, str]] = {
     "KernelSessionPool": (f"apis/{API_VERSION}", "kernelsessionpools"),
 }
 MERGE = "application/merge-patch+json"
+METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 REQUEST_TIMEOUT = 30.0
 POOL_SIZE = 32  # connections kept open to the API server
 BODY_MAX = 64_000_000  # one list of 200 sessions is ~1 MB; refuse a runaway answer
@@ -163,8 +164,9 @@ class Kube:
         content_type: str = "application/json",
         timeout: float | tuple[float, float] = REQUEST_TIMEOUT,
         stream: bool = False,
+        accept: str = "application/json",
     ) -> Any:
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": accept}
         if body is not None:
             headers["Content-Type"] = content_type
         try:
@@ -212,14 +214,19 @@ class Kube:
         *,
         labels: dict[str, str] | None = None,
         fields: dict[str, str] | None = None,
+        metadata_only: bool = False,
     ) -> dict[str, Any]:
-        """The list object (items and metadata.resourceVersion)."""
+        """The list object (items and metadata.resourceVersion); with `metadata_only`,
+        each item's metadata alone (a PartialObjectMetadataList: no data, no spec)."""
         query = []
         if labels:
             query.append(("labelSelector", ",".join(f"{k}={v}" for k, v in labels.items())))
         if fields:
             query.append(("fieldSelector", ",".join(f"{k}={v}" for k, v in fields.items())))
-        result: dict[str, Any] = self._call("GET", self.path(kind, namespace), query=query)
+        accept = METADATA_ONLY if metadata_only else "application/json"
+        result: dict[str, Any] = self._call(
+            "GET", self.path(kind, namespace), query=query, accept=accept
+        )
         return result
 
     def create(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,8 @@ from mcp_forge.gateway.codemode.upstream import UpstreamPool, load_config
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.gateway.mcp.http import HttpServer, http_app
 from mcp_forge.gateway.mcp.server import build_server, serve_stdio
+from mcp_forge.gateway.mcp.tasks_kube import KubeTaskStore
+from mcp_forge.gateway.mcp.tasks_store import Store, TaskStore
 from mcp_forge.gateway.mcp.tokens import load as load_tokens
 from mcp_forge.gateway.sessions import NAMESPACE, SessionService
 from mcp_forge.image.kernel import image_ref
@@ -111,7 +113,7 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         service,
         gw,
         transport="stdio" if options.http is None else "http",
-        tasks_dir=_tasks_dir(where, options),
+        tasks=_task_store(where, options, say),
     )
     stop = asyncio.Event()
     signalled = asyncio.Event()
@@ -139,17 +141,35 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
             os._exit(0)
 
 
-def _tasks_dir(where: _Realizer, options: GatewayOptions) -> Path | None:
-    """Where a local HTTP gateway keeps its clients' tasks: under the state directory, by
-    its address, so that the gateway restarted at that address finds them (and no two
-    live gateways share them). Stdio clients' tasks end with their gateway, a cluster
-    gateway's with its process: kept in memory."""
-    if where.local is None or options.http is None:
-        return None
-    address = f"{options.http[0]}:{options.http[1]}"
-    return (
-        where.local.settings.state_dir / "tasks" / hashlib.sha256(address.encode()).hexdigest()[:16]
-    )
+def _task_store(where: _Realizer, options: GatewayOptions, say: Callable[[str], None]) -> Store:
+    """Where an HTTP gateway keeps its clients' tasks. Local: under the state directory,
+    by its address, so that the gateway restarted at that address finds them (and no two
+    live gateways share them). A cluster: in the API, in the gateway's own namespace, so
+    that every replica answers for every task. Stdio clients' tasks end with their
+    gateway: kept in memory, as a cluster gateway's are where it has no namespace."""
+    if options.http is None:
+        return TaskStore()
+    if where.local is not None:
+        address = f"{options.http[0]}:{options.http[1]}"
+        digest = hashlib.sha256(address.encode()).hexdigest()[:16]
+        return TaskStore(where.local.settings.state_dir / "tasks" / digest)
+    if where.cluster is None:
+        return TaskStore()
+    namespace = where.cluster.settings.tasks_namespace or _own_namespace()
+    if not namespace:
+        say("tasks: kept in this process (no namespace: set MCPFORGE_TASKS_NAMESPACE)")
+        return TaskStore()
+    say(f"tasks: kept in the API, as Secrets in namespace {namespace}")
+    heartbeat = where.cluster.settings.task_heartbeat
+    return KubeTaskStore(where.cluster.kube, namespace, heartbeat=heartbeat)
+
+
+def _own_namespace() -> str:
+    """The namespace of the pod the gateway runs in, as its service account says."""
+    try:
+        return OWN_NAMESPACE.read_text().strip()
+    except OSError:
+        return ""
 
 
 @dataclass
@@ -285,6 +305,7 @@ async def _connect_upstreams(upstreams: UpstreamPool, say: Callable[[str], None]
 # gateway that died without cleaning up has its pool (and the kernels in it) deleted by
 # the next one.
 _POOL_PROCESS = "mcpforge.dev/gateway-process"
+OWN_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 async def _local_pool(

@@ -4,7 +4,6 @@ imports the `mcp` SDK (besides code mode's upstream client)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from mcp.server.mcpserver import MCPServer
@@ -16,7 +15,7 @@ from mcp_forge.gateway.mcp.notifications import set_level
 from mcp_forge.gateway.mcp.resources import Resources
 from mcp_forge.gateway.mcp.subscriptions import Subscriptions
 from mcp_forge.gateway.mcp.tasks import Tasks
-from mcp_forge.gateway.mcp.tasks_store import TaskStore
+from mcp_forge.gateway.mcp.tasks_store import Store, TaskStore
 from mcp_forge.gateway.mcp.tools import Tools
 from mcp_forge.gateway.sessions import SessionService
 
@@ -40,10 +39,10 @@ def build_server(
     gateway: Gateway,
     *,
     transport: Literal["stdio", "http"],
-    tasks_dir: Path | None = None,
+    tasks: Store | None = None,
 ) -> tuple[MCPServer, Tasks]:
     """The MCP server with the gateway's tools, for one transport, and its tasks (kept
-    in `tasks_dir` if given, else in memory; tasks.py)."""
+    in `tasks`: a directory, the API, or memory by default; tasks.py)."""
     server: MCPServer = MCPServer(
         name="mcp-forge", version=__version__, instructions=INSTRUCTIONS, subscriptions=False
     )
@@ -52,9 +51,9 @@ def build_server(
     Resources(tools).register(server)
     declare_what_is_served(server)
     Subscriptions(tools).register(server)  # before tasks: a task's end is looked at too
-    tasks = Tasks(tools, TaskStore(tasks_dir))
-    tasks.register(server)
-    return server, tasks
+    served = Tasks(tools, tasks if tasks is not None else TaskStore())
+    served.register(server)
+    return server, served
 
 
 def declare_what_is_served(server: MCPServer) -> None:

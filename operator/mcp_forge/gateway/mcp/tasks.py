@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from mcp import MCPError
 from mcp.server.mcpserver import MCPServer
 from mcp_types import (
@@ -53,14 +54,18 @@ from mcp_types import (
 from mcp_types import methods as _methods
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
+from mcp_forge.gateway.mcp.tasks_ext import TasksExtension
 from mcp_forge.gateway.mcp.tasks_store import (
     CANCELLED,
     COMPLETED,
     FAILED,
+    POLL_INTERVAL_MS,
+    TASK_TOOLS,
     TASKS_PER_CLIENT,
     WORKING,
     Record,
-    TaskStore,
+    Store,
+    iso,
 )
 
 if TYPE_CHECKING:
@@ -68,10 +73,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TASK_TOOLS = ("execute_code",)  # the tools a client may call as a task
 RELATED_TASK = "io.modelcontextprotocol/related-task"
 TASKS_VERSION = "2025-11-25"  # the one protocol version with tasks in its core
-POLL_INTERVAL_MS = 1000
 PAGE = 50  # tasks per tasks/list page
 INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
@@ -83,24 +86,22 @@ def _task(record: Record) -> dict[str, Any]:
         "taskId": record.task_id,
         "status": record.status,
         "statusMessage": record.message or None,
-        "createdAt": _iso(record.created),
-        "lastUpdatedAt": _iso(record.updated),
+        "createdAt": iso(record.created),
+        "lastUpdatedAt": iso(record.updated),
         "ttl": record.ttl_ms,
         "pollInterval": POLL_INTERVAL_MS,
     }
 
 
-def _iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
-
-
 class Tasks:
     """The task support of the module docstring, on one MCPServer."""
 
-    def __init__(self, tools: Tools, store: TaskStore) -> None:
+    def __init__(self, tools: Tools, store: Store) -> None:
         self.tools = tools
         self.store = store
-        self._running: dict[str, asyncio.Task[None]] = {}
+        self._running: dict[str, tuple[asyncio.Task[None], Record]] = {}  # here
+        store.on_cancel = self._cancelled_elsewhere
+        self.extension = TasksExtension(self, tools.gateway.settings.task_after)
 
     def register(self, server: MCPServer) -> None:
         _accept_task_results()
@@ -109,9 +110,11 @@ class Tasks:
         listing = lowlevel._request_handlers["tools/list"]
 
         async def call_tool(ctx: Any, params: Any) -> Any:
-            if params.task is None:
-                return await call.handler(ctx, params)
-            return await self._create(ctx, params, call.handler)
+            if params.task is not None:
+                return await self._create(ctx, params, call.handler)
+            if self.extension.asked(ctx, params):
+                return await self.extension.call(ctx, params, call.handler)
+            return await call.handler(ctx, params)
 
         async def list_tools(ctx: Any, params: Any) -> Any:
             listed = await listing.handler(ctx, params)
@@ -142,6 +145,7 @@ class Tasks:
             return capabilities
 
         lowlevel.get_capabilities = get_capabilities  # type: ignore[method-assign]
+        self.extension.register(lowlevel)
 
         async def initialize(ctx: Any, call_next: Any) -> Any:
             """initialize's capabilities are computed without the version (docs/mcp-sdk.md):
@@ -166,32 +170,38 @@ class Tasks:
                 METHOD_NOT_FOUND, f"{params.name} cannot run as a task (only execute_code)"
             )
         owner = self._owner(ctx)
-        if self.store.working(owner) >= TASKS_PER_CLIENT:
+        if await self.store.working(owner) >= TASKS_PER_CLIENT:
             raise MCPError(
                 INVALID_PARAMS,
                 f"{TASKS_PER_CLIENT} tasks of yours are running: wait for one or cancel it",
             )
-        record = self.store.create(owner, params.task.ttl)
+        record = await self.store.create(owner, params.task.ttl)
         plain = params.model_copy(update={"task": None})
-        self._running[record.task_id] = asyncio.create_task(
-            self._run(record, handler, ctx, plain), name=f"mcp-task-{record.task_id[:8]}"
-        )
+        self.start(record, handler(ctx, plain))
         return CreateTaskResult(task=Task.model_validate(_task(record)))
 
-    async def _run(self, record: Record, handler: Any, ctx: Any, params: Any) -> None:
+    def start(self, record: Record, call: Awaitable[Any]) -> None:
+        """Run the tool call `call` as the task `record`, outside any request."""
+        running = asyncio.create_task(
+            self._run(record, call), name=f"mcp-task-{record.task_id[:8]}"
+        )
+        self._running[record.task_id] = (running, record)
+
+    async def _run(self, record: Record, call: Awaitable[Any]) -> None:
         """The tool call, outside its request: its result, or error, goes to the store."""
         try:
-            result = await handler(ctx, params)
-            self.store.finish(
+            result = await call
+            await self.store.finish(
                 record,
                 COMPLETED,
                 result=result.model_dump(by_alias=True, mode="json", exclude_none=True),
             )
         except asyncio.CancelledError:
-            self.store.finish(record, CANCELLED, message="cancelled: the kernel was interrupted")
+            with anyio.CancelScope(shield=True):
+                await self.store.finish(record, CANCELLED, message=CANCELLED_MESSAGE)
             raise
         except MCPError as exc:
-            self.store.finish(
+            await self.store.finish(
                 record,
                 FAILED,
                 message=exc.error.message,
@@ -200,14 +210,14 @@ class Tasks:
         except Exception as exc:  # a bug: said, not hidden, and the task ends
             log.exception("task %s failed", record.task_id)
             why = f"the gateway failed running it: {type(exc).__name__}"
-            self.store.finish(
+            await self.store.finish(
                 record, FAILED, message=why, error={"code": INTERNAL_ERROR, "message": why}
             )
         finally:
             self._running.pop(record.task_id, None)
 
-    def _find(self, ctx: Any, task_id: str) -> Record:
-        record = self.store.get(self._owner(ctx), task_id)
+    async def _find(self, ctx: Any, task_id: str) -> Record:
+        record = await self.store.get(self._owner(ctx), task_id)
         if record is None:
             raise MCPError(
                 INVALID_PARAMS, f"no task {task_id[:100]!r} (unknown, expired, or not yours)"
@@ -215,11 +225,10 @@ class Tasks:
         return record
 
     async def _get(self, ctx: Any, params: GetTaskRequestParams) -> GetTaskResult:
-        return GetTaskResult.model_validate(_task(self._find(ctx, params.task_id)))
+        return GetTaskResult.model_validate(_task(await self._find(ctx, params.task_id)))
 
     async def _result(self, ctx: Any, params: GetTaskPayloadRequestParams) -> CallToolResult:
-        record = self._find(ctx, params.task_id)
-        await self.store.finished(record)
+        record = await self.store.finished(await self._find(ctx, params.task_id))
         related = {RELATED_TASK: {"taskId": record.task_id}}
         if record.status == COMPLETED and record.result is not None:
             result = CallToolResult.model_validate(record.result)
@@ -231,20 +240,38 @@ class Tasks:
         )
 
     async def _cancel(self, ctx: Any, params: CancelTaskRequestParams) -> CancelTaskResult:
-        record = self._find(ctx, params.task_id)
+        record = await self._find(ctx, params.task_id)
         if record.status != WORKING:
             raise MCPError(
                 INVALID_PARAMS, f"task {record.task_id} is {record.status}: it cannot be cancelled"
             )
-        running = self._running.get(record.task_id)
-        if running is not None:
+        return CancelTaskResult.model_validate(_task(await self.cancel(record)))
+
+    async def cancel(self, record: Record) -> Record:
+        """Cancel a working task: here, its kernel interrupted; elsewhere, its gateway
+        told through the store."""
+        running, _ = self._running.get(record.task_id, (None, None))
+        if running is None:  # running on another gateway: it interrupts the kernel
+            record = await self.store.cancel(record, CANCELLED_MESSAGE)
+            if record.status != CANCELLED:
+                raise MCPError(
+                    INVALID_PARAMS,
+                    f"task {record.task_id} is {record.status}: it cannot be cancelled",
+                )
+        else:
             running.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await running  # the kernel interrupted, the task's status written
-        return CancelTaskResult.model_validate(_task(record))
+        return record
+
+    def _cancelled_elsewhere(self, task_id: str) -> None:
+        """Another gateway cancelled a task running here (its status already says so)."""
+        running, _ = self._running.get(task_id, (None, None))
+        if running is not None:
+            running.cancel()
 
     async def _list(self, ctx: Any, params: PaginatedRequestParams) -> ListTasksResult:
-        mine = self.store.list(self._owner(ctx))
+        mine = await self.store.list(self._owner(ctx))
         start = 0
         if params.cursor:
             ids = [r.task_id for r in mine]
@@ -260,13 +287,13 @@ class Tasks:
 
     async def aclose(self) -> None:
         """The gateway stops: its running tasks end as failed (their kernels keep state)."""
-        for task_id, running in list(self._running.items()):
-            record = self.store.peek(task_id)
-            if record is not None:
-                self.store.finish(record, FAILED, message=STOPPED)
+        for running, record in list(self._running.values()):
+            await self.store.finish(record, FAILED, message=STOPPED)
             running.cancel()
+        await self.store.aclose()
 
 
+CANCELLED_MESSAGE = "cancelled: the kernel was interrupted"
 STOPPED = "the gateway stopped while the cell ran; the session kept its state, not this result"
 
 

@@ -14,6 +14,7 @@ aside, never trusted.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import hashlib
 import json
@@ -21,9 +22,10 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ TTL_MAX_MS = 86_400_000
 TASKS_PER_CLIENT = 16  # working at once
 TASKS_KEPT = 200  # per client, finished ones included
 RESULT_MAX = 16 * 1024 * 1024  # bytes of a result's JSON
+TASK_TOOLS = ("execute_code",)  # the tools a client may call as a task
+POLL_INTERVAL_MS = 1000  # what a client is told to poll at
 RESTARTED = (
     "the gateway restarted while the cell ran; the session kept its state (its variables, "
     "unless the kernel died), but this result was lost with the gateway"
@@ -53,16 +57,54 @@ class Record:
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
+    version: str = field(default="", repr=False, compare=False)  # as stored (the API's)
 
     @property
     def expires(self) -> float:
         return self.created + self.ttl_ms / 1000
 
 
-_KEPT = tuple(f.name for f in fields(Record) if f.name != "done")
+_KEPT = tuple(f.name for f in fields(Record) if f.name not in ("done", "version"))
+
+
+class Store(Protocol):
+    """What tasks.py asks of where tasks are kept: here, or the API (tasks_kube.py)."""
+
+    on_cancel: Callable[[str], None] | None  # a task of ours cancelled by another gateway
+
+    async def create(self, owner: str, ttl_ms: int | None) -> Record: ...
+    async def get(self, owner: str, task_id: str) -> Record | None: ...
+    async def list(self, owner: str) -> list[Record]: ...
+    async def working(self, owner: str) -> int: ...
+    async def finish(
+        self,
+        record: Record,
+        status: str,
+        *,
+        message: str = "",
+        result: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> None: ...
+    async def finished(self, record: Record) -> Record: ...
+    async def cancel(self, record: Record, message: str) -> Record: ...
+    async def aclose(self) -> None: ...
+
+
+def iso(t: float) -> str:
+    """Epoch seconds as the protocol's timestamps: ISO 8601, UTC, milliseconds."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+
+
+def too_large(limit: int, where: str) -> tuple[str, dict[str, Any]]:
+    message = f"the result is larger than {limit // 1024} KiB{where} and was not kept"
+    return message, {"code": -32603, "message": message}
 
 
 class TaskStore:
+    """Tasks in memory, and on disk given a directory."""
+
+    on_cancel: Callable[[str], None] | None = None  # one gateway per directory: never
+
     def __init__(self, directory: Path | None = None) -> None:
         self.directory = directory
         self._tasks: dict[str, Record] = {}
@@ -71,7 +113,10 @@ class TaskStore:
 
     # ---- the API of tasks.py ----------------------------------------------------------
 
-    def create(self, owner: str, ttl_ms: int | None) -> Record:
+    async def create(self, owner: str, ttl_ms: int | None) -> Record:
+        return self._create(owner, ttl_ms)
+
+    def _create(self, owner: str, ttl_ms: int | None) -> Record:
         self._expire()
         now = time.time()
         ttl = min(max(ttl_ms if ttl_ms is not None else TTL_DEFAULT_MS, TTL_MIN_MS), TTL_MAX_MS)
@@ -79,30 +124,41 @@ class TaskStore:
         self._tasks[record.task_id] = record
         mine = [r for r in self._tasks.values() if r.owner == owner and r.status in TERMINAL]
         for old in sorted(mine, key=lambda r: r.created)[
-            : max(0, len(self.list(owner)) - TASKS_KEPT)
+            : max(0, len(self._list(owner)) - TASKS_KEPT)
         ]:
             self._drop(old)
         self._write(record)
         return record
 
-    def get(self, owner: str, task_id: str) -> Record | None:
+    async def get(self, owner: str, task_id: str) -> Record | None:
         self._expire()
         record = self._tasks.get(task_id)
         return record if record is not None and record.owner == owner else None
 
-    def peek(self, task_id: str) -> Record | None:
-        return self._tasks.get(task_id)
+    async def list(self, owner: str) -> list[Record]:
+        return self._list(owner)
 
-    def list(self, owner: str) -> list[Record]:
+    def _list(self, owner: str) -> builtins.list[Record]:
         """The owner's tasks, newest first."""
         self._expire()
         mine = [r for r in self._tasks.values() if r.owner == owner]
         return sorted(mine, key=lambda r: r.created, reverse=True)
 
-    def working(self, owner: str) -> int:
+    async def working(self, owner: str) -> int:
         return sum(1 for r in self._tasks.values() if r.owner == owner and r.status == WORKING)
 
-    def finish(
+    async def finish(
+        self,
+        record: Record,
+        status: str,
+        *,
+        message: str = "",
+        result: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> None:
+        self._finish(record, status, message=message, result=result, error=error)
+
+    def _finish(
         self,
         record: Record,
         status: str,
@@ -116,17 +172,25 @@ class TaskStore:
             return
         if result is not None and len(json.dumps(result)) > RESULT_MAX:
             status, result = FAILED, None
-            message = f"the result is larger than {RESULT_MAX // 2**20} MB and was not kept"
-            error = {"code": -32603, "message": message}
+            message, error = too_large(RESULT_MAX, "")
         record.status, record.message, record.result, record.error = status, message, result, error
         record.updated = time.time()
         record.done.set()
         if record.task_id in self._tasks:
             self._write(record)
 
-    async def finished(self, record: Record) -> None:
+    async def finished(self, record: Record) -> Record:
         if record.status not in TERMINAL:
             await record.done.wait()
+        return record
+
+    async def cancel(self, record: Record, message: str) -> Record:
+        """A task running nowhere (none here is: each runs in this process)."""
+        self._finish(record, CANCELLED, message=message)
+        return record
+
+    async def aclose(self) -> None:
+        return None
 
     # ---- keeping ---------------------------------------------------------------------
 
@@ -184,7 +248,7 @@ class TaskStore:
                 continue
             self._tasks[record.task_id] = record
             if record.status not in TERMINAL:
-                self.finish(
+                self._finish(
                     record, FAILED, message=RESTARTED, error={"code": -32603, "message": RESTARTED}
                 )
             else:
