@@ -8,7 +8,10 @@ both) as:
   * a plain execute_code (the baseline): one request;
   * a task: tools/call with params.task answered with the task, then tasks/result (two
     requests; the kernel's run happens between or during them);
-  * the task's first answer alone: how soon a client has control back.
+  * the task's first answer alone: how soon a client has control back;
+  * on 2026-07-28 (no session; the request's envelope in `_meta`), a plain call and the
+    same call declaring the tasks extension, which a short cell is answered as ever:
+    what declaring it costs a call that does not become a task.
 Medians and p90 in ms, and each against the plain call. The machines are shared and
 noisy: compare ratios, not absolute numbers.
 """
@@ -90,6 +93,33 @@ class Session:
         raise RuntimeError(f"no answer to {method}: {r.text[:300]}")
 
 
+async def modern_call(http: httpx2.AsyncClient, url: str, code: str, tasks: bool) -> Any:
+    """execute_code on 2026-07-28, declaring the tasks extension if `tasks`: its result."""
+    extensions: dict[str, Any] = {"io.modelcontextprotocol/tasks": {}} if tasks else {}
+    meta = {
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {"extensions": extensions},
+    }
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {TOKEN}",
+        "MCP-Protocol-Version": "2026-07-28",
+        "Mcp-Method": "tools/call",
+        "Mcp-Name": "execute_code",
+    }
+    params = {"name": "execute_code", "arguments": {"code": code}, "_meta": meta}
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params}
+    r = await http.post(url, headers=headers, json=body)
+    answer = r.json() if r.headers["content-type"].startswith("application/json") else None
+    if answer is None:
+        lines = [ln[5:] for ln in r.text.splitlines() if ln.startswith("data:") and ln[5:].strip()]
+        answer = json.loads(lines[-1])
+    result = answer["result"]
+    assert result["resultType"] == "complete", result  # a short cell: never a task
+    return result["structuredContent"]["result"]["data"]["text/plain"]
+
+
 async def main(runs: int) -> None:
     state = tempfile.mkdtemp(prefix="mf-bench-tasks-", dir="/tmp")
     with socket.socket() as s:
@@ -104,6 +134,8 @@ async def main(runs: int) -> None:
         while b"MCP over HTTP" not in await proc.stderr.readline():
             pass
     plain, task, answered = [], [], []
+    modern: list[float] = []
+    declared: list[float] = []
     try:
         async with httpx2.AsyncClient(timeout=60) as http:
             mcp = Session(http, f"http://127.0.0.1:{port}/mcp")
@@ -121,6 +153,10 @@ async def main(runs: int) -> None:
                 result = await mcp.call("tasks/result", taskId=created["task"]["taskId"])
                 task.append((time.perf_counter() - t0) * 1000)
                 assert result["structuredContent"]["result"]["data"]["text/plain"] == "2", result
+                for kept, tasks in ((modern, False), (declared, True)):
+                    t0 = time.perf_counter()
+                    assert await modern_call(http, mcp.url, "1+1", tasks) == "2"
+                    kept.append((time.perf_counter() - t0) * 1000)
     finally:
         proc.terminate()
         await proc.wait()
@@ -132,6 +168,8 @@ async def main(runs: int) -> None:
         ("plain execute_code (baseline)", plain),
         ("as a task: tools/call + tasks/result", task),
         ("as a task: until the task is answered", answered),
+        ("2026-07-28: plain execute_code", modern),
+        ("2026-07-28: declaring the tasks extension", declared),
     ):
         median, p90 = stats(xs)
         print(f"{name:<50}{median:>8.2f}{p90:>8.2f}{median / base:>9.2f}x")

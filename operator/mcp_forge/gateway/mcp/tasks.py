@@ -9,14 +9,14 @@ The SDK (mcp 2.3) has the types and nothing else: this module wraps its `tools/c
 handler, adds the `tasks/*` handlers, declares the `tasks` capability and marks
 execute_code `execution.taskSupport: optional`. Tasks are the client's (the owner its
 credential names): another client's task id is as unknown as a made-up one, and ids are
-random. 2026-07-28 moved tasks to an extension (SEP-2663), not served yet: there the
-capability is not declared and `params.task` is refused.
+random. 2026-07-28 moved tasks to an extension (SEP-2663): tasks_ext.py serves it;
+there `params.task` is refused.
 
 Kept where the gateway keeps a session's state in local mode (tasks_store.py: a file per
 task in the state directory), so a client picks up a result after it reconnected, and
 after the gateway restarted; a task that was running when its gateway stopped is
 `failed` (the kernel kept its state; the result was lost with the gateway). On a cluster
-tasks live in the gateway's memory. Bounded: TASKS_PER_CLIENT live at once, each kept
+in the API (tasks_kube.py), where every replica finds them. Bounded: TASKS_PER_CLIENT live at once, each kept
 for its ttl (at most TTL_MAX) from its creation.
 """
 
