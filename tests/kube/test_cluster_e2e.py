@@ -154,6 +154,13 @@ async def test_a_cluster_gateway_runs_code_survives_its_restart_and_deletes(
         assert obj["status"]["phase"] == "Ready"
         lease = await asyncio.to_thread(kube.get, "Lease", ns, f"ks-{sid}")
         assert lease is not None and lease["spec"]["renewTime"], "activity is on the Lease"
+        # Who wrote what, by name (managedFields): the gateway made the session and renews
+        # its Lease, the operator wrote its status.
+        wrote = {(m["manager"], m.get("subresource", "")) for m in obj["metadata"]["managedFields"]}
+        assert {("mcp-forge-gateway", ""), ("mcp-forge-operator", "status")} <= wrote, wrote
+        assert not [m for m, _ in wrote if m == "OpenAPI-Generator"], wrote
+        renewed = {m["manager"] for m in lease["metadata"]["managedFields"]}
+        assert "mcp-forge-gateway" in renewed and "OpenAPI-Generator" not in renewed, renewed
         # A new gateway process, no store: it reattaches to the same kernel.
         async with cluster_gateway(kube_api, tokens, token) as gw, connect(gw) as agent:
             listed = await agent.call_tool("list_sessions", {})

@@ -41,6 +41,7 @@ PATHS: dict[str, tuple[str, str]] = {
     "KernelSessionPool": (f"apis/{API_VERSION}", "kernelsessionpools"),
 }
 MERGE = "application/merge-patch+json"
+MANAGER = "mcp-forge"  # the field manager of writes; the operator and gateway name theirs
 METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 REQUEST_TIMEOUT = 30.0
 POOL_SIZE = 32  # connections kept open to the API server
@@ -134,7 +135,14 @@ class Event:
 
 
 class Kube:
-    def __init__(self, config: kubernetes.client.Configuration | None = None) -> None:
+    """`manager` names whoever writes through it (the operator, a gateway): every write
+    carries it as its field manager, so managedFields and tools that read them (Argo
+    CD's `managedFieldsManagers`) can tell them apart."""
+
+    def __init__(
+        self, config: kubernetes.client.Configuration | None = None, *, manager: str = MANAGER
+    ) -> None:
+        self.manager = manager
         config = config or load_config()
         # Callers run calls side by side from threads (the operator's reconciles); a
         # connection beyond the pool's size is closed after one use (a new TLS handshake).
@@ -169,6 +177,8 @@ class Kube:
         headers = {"Accept": accept}
         if body is not None:
             headers["Content-Type"] = content_type
+        if method in ("POST", "PATCH", "PUT"):
+            query = [*(query or []), ("fieldManager", self.manager)]
         try:
             m, url, h, b, _ = self.client.param_serialize(
                 method,

@@ -68,7 +68,7 @@ async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     config = Settings.from_env()
-    kube = await asyncio.to_thread(Kube)
+    kube = await asyncio.to_thread(Kube, manager="mcp-forge-operator")
     reconciler = Reconciler(kube, config)
     memo.reconciler = reconciler
     memo.scheduler = asyncio.create_task(reconciler.run(), name="mcp-forge deadlines")

@@ -86,7 +86,7 @@ class KubernetesRuntime:
                 f"MCPFORGE_KUBE_CONNECT must be service or pod-ip, got "
                 f"{self.settings.kube_connect!r}"
             )
-        self.kube = kube or Kube()
+        self.kube = kube or Kube(manager="mcp-forge-gateway")
         self.namespace = self.settings.session_namespace or DEFAULT_NAMESPACE
         # Who marks a session busy: this process (two replicas, or two gateways on one host,
         # must not clear each other's marks). An annotation name: <= 63 of [A-Za-z0-9-_.].

@@ -16,8 +16,8 @@ Kept where the gateway keeps a session's state in local mode (tasks_store.py: a 
 task in the state directory), so a client picks up a result after it reconnected, and
 after the gateway restarted; a task that was running when its gateway stopped is
 `failed` (the kernel kept its state; the result was lost with the gateway). On a cluster
-in the API (tasks_kube.py), where every replica finds them. Bounded: TASKS_PER_CLIENT live at once, each kept
-for its ttl (at most TTL_MAX) from its creation.
+in the API (tasks_kube.py), where every replica finds them. Bounded: TASKS_PER_CLIENT
+live at once, each kept for its ttl (at most TTL_MAX) from its creation.
 """
 
 from __future__ import annotations
