@@ -19,6 +19,7 @@ import httpx2
 import pytest
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.subscriptions import ResourceUpdated
 from test_http import CALL_DEADLINE, INITIALIZE, HttpGateway, delete_sessions, running_gateway
 
 from mcp_forge import __version__
@@ -371,3 +372,30 @@ async def test_a_subscribed_file_or_notebook_is_notified_when_it_changes_and_onl
         with pytest.raises(MCPError) as refused:
             await c.subscribe_resource(files + "a.txt")
         assert refused.value.error.code == -32602
+
+
+async def test_on_2026_07_28_a_listen_stream_gets_its_clients_resource_updates_only(
+    gw: HttpGateway,
+) -> None:
+    """subscriptions/listen: the URIs that pass resources/read's checks are honored (the
+    acknowledgement says which), a change made by a call is delivered on the stream, and
+    another client's session, or a path out of /workspace, is left out."""
+    async with client(gw, "alice") as c, client(gw, "bob") as other:
+        declared = c.server_capabilities.resources
+        assert declared is not None and declared.subscribe and not declared.list_changed
+        ran = await c.call_tool("execute_code", {"code": "1"})
+        sid = ran.structured_content["session_id"]
+        files = f"forge://sessions/{sid}/files/"
+        asked = [files + "l.txt", f"forge://sessions/{sid}/notebook", files + "../../etc/passwd"]
+        async with c.listen(resource_subscriptions=asked) as sub:
+            assert sub.honored.resource_subscriptions == asked[:2], sub.honored
+            await c.call_tool("write_file", {"session_id": sid, "path": "l.txt", "content": "x"})
+            async with asyncio.timeout(CALL_DEADLINE):
+                event = await anext(aiter(sub))
+            assert isinstance(event, ResourceUpdated) and event.uri == files + "l.txt", event
+            await c.call_tool("execute_code", {"code": "2", "session_id": sid})
+            async with asyncio.timeout(CALL_DEADLINE):
+                event = await anext(aiter(sub))
+            assert isinstance(event, ResourceUpdated) and event.uri == asked[1], event
+        async with other.listen(resource_subscriptions=asked[:2]) as foreign:
+            assert not foreign.honored.resource_subscriptions, foreign.honored  # not bob's
