@@ -185,6 +185,14 @@ async def test_on_2026_07_28_a_call_past_its_moment_becomes_a_task_for_a_client_
         arguments={"code": SLOW},
     )  # fmt: skip
     assert raw_mcp.shown(plain) == "42", plain
+    # Asked for without declaring the extension: the capability it needs is named.
+    undeclared = await raw_mcp.modern(
+        http, gw.url, token, "tasks/get", tasks=False, taskId=task["taskId"]
+    )
+    assert undeclared["error"]["code"] == -32021, undeclared
+    assert undeclared["error"]["data"]["requiredCapabilities"] == {
+        "extensions": {raw_mcp.TASKS_EXTENSION: {}}
+    }, undeclared
     # Another client, or a made-up id: unknown.
     for taken in (task["taskId"], "no-such-task"):
         foreign = await raw_mcp.modern(http, gw.url, gw.tokens["bob"], "tasks/get", taskId=taken)

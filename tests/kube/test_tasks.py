@@ -83,6 +83,9 @@ async def test_a_clients_tasks_are_answered_by_every_replica_and_outlive_the_one
             arguments={"code": "('after' in globals(), kept)"},
         )
         assert shown(after) == "(False, 1)", after
+        for url, sent in ((one.url, via_one), (two.url, via_two)):  # the cancel stands
+            ended = (await rpc(http, url, sent, "tasks/get", taskId=long))["result"]
+            assert ended["status"] == "cancelled", ended
 
         # One is killed while it runs a cell: through two the task says its runner is gone.
         cut = await task_of(http, one.url, via_one, "import time\ntime.sleep(120)")

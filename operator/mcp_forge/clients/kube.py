@@ -271,14 +271,23 @@ class Kube:
         return existing, False
 
     def patch(
-        self, kind: str, namespace: str, name: str, patch: dict[str, Any], *, status: bool = False
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        *,
+        status: bool = False,
+        timeout: float = REQUEST_TIMEOUT,
     ) -> dict[str, Any]:
-        """A JSON merge patch (RFC 7386), of the status subresource with `status`."""
+        """A JSON merge patch (RFC 7386), of the status subresource with `status`; with
+        `metadata.resourceVersion` in it, only if the object is unchanged since (409)."""
         obj: dict[str, Any] = self._call(
             "PATCH",
             self.path(kind, namespace, name, "status" if status else None),
             body=patch,
             content_type=MERGE,
+            timeout=timeout,
         )
         return obj
 

@@ -293,19 +293,25 @@ class Gateway(Connections, WorkspaceCalls):
         return " The kernel was restarted: all variables are lost (workspace files are kept)."
 
     async def _stop_cell(self, conn: KernelConnection, collector: Collector) -> bool:
-        """Interrupt the collector's cell; True once it ended, False if it did not stop.
+        """Interrupt the collector's cell; True once it ended, False if it did not stop
+        within twice the interrupt grace (or a channel dropped meanwhile).
 
         ipykernel ignores SIGINT between cells, so an interrupt that arrives after the
         request was sent but before the kernel began it would be lost and the cell run
-        on: the interrupt waits for the cell's start (its execute_input), each step
-        within the interrupt grace.
+        on: the interrupt waits for the cell's start (its execute_input), at most one
+        grace, and is sent then even if the start was not seen.
         """
         grace = self.settings.interrupt_grace
-        if not await conn.pump(collector, grace, started=True):
+        deadline = time.monotonic() + 2 * grace
+        try:
+            await conn.pump(collector, grace, started=True)
+            if collector.done:
+                return True
+            if not await conn.interrupt(max(0.1, deadline - time.monotonic())):
+                return False
+            return await conn.pump(collector, max(0.0, deadline - time.monotonic()))
+        except ChannelDropped:  # the kernel is restarted: no channel, no knowing it stopped
             return False
-        if collector.done:
-            return True
-        return await conn.interrupt(grace) and await conn.pump(collector, grace)
 
     async def _on_timeout(
         self,
@@ -326,8 +332,8 @@ class Gateway(Connections, WorkspaceCalls):
             )
         self._drop(handle)
         why = (
-            f"the code ran past its {timeout:g}s timeout and did not stop within {grace:g}s "
-            "of an interrupt"
+            f"the code ran past its {timeout:g}s timeout and did not stop within "
+            f"{2 * grace:g}s of an interrupt"
         )
         outcome = await self._restart_after(session, "Unresponsive", why)
         return collector.finish(

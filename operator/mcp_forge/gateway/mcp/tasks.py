@@ -23,7 +23,6 @@ live at once, each kept for its ttl (at most TTL_MAX) from its creation.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
@@ -54,6 +53,7 @@ from mcp_types import (
 from mcp_types import methods as _methods
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
+from mcp_forge.errors import ForgeError
 from mcp_forge.gateway.mcp.tasks_ext import TasksExtension
 from mcp_forge.gateway.mcp.tasks_store import (
     CANCELLED,
@@ -252,22 +252,33 @@ class Tasks:
         told through the store."""
         running, _ = self._running.get(record.task_id, (None, None))
         if running is None:  # running on another gateway: it interrupts the kernel
-            record = await self.store.cancel(record, CANCELLED_MESSAGE)
+            try:
+                record = await self.store.cancel(record, CANCELLED_MESSAGE)
+            except ForgeError as exc:  # not written: not cancelled, and said so
+                raise MCPError(INTERNAL_ERROR, f"could not cancel the task: {exc}") from exc
             if record.status != CANCELLED:
                 raise MCPError(
                     INVALID_PARAMS,
                     f"task {record.task_id} is {record.status}: it cannot be cancelled",
                 )
         else:
-            running.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await running  # the kernel interrupted, the task's status written
+            self._stop(running)
+            # Waited for, never awaited: a cancellation of this request must not reach
+            # the task while it stops its cell (a second cancel cuts the interrupt short).
+            await asyncio.wait({running})
         return record
 
     def _cancelled_elsewhere(self, task_id: str) -> None:
         """Another gateway cancelled a task running here (its status already says so)."""
         running, _ = self._running.get(task_id, (None, None))
         if running is not None:
+            self._stop(running)
+
+    @staticmethod
+    def _stop(running: asyncio.Task[None]) -> None:
+        """Cancel the task once: a second cancellation would cut short the interrupt the
+        first one set going (gateway/core.py settles a cancelled call, shielded)."""
+        if not running.cancelling() and not running.done():
             running.cancel()
 
     async def _list(self, ctx: Any, params: PaginatedRequestParams) -> ListTasksResult:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -32,7 +33,6 @@ from mcp_forge.gateway.mcp.tasks_store import (
     POLL_INTERVAL_MS,
     TASK_TOOLS,
     TASKS_PER_CLIENT,
-    TERMINAL,
     WORKING,
     Record,
     iso,
@@ -43,10 +43,13 @@ if TYPE_CHECKING:
 
     from mcp_forge.gateway.mcp.tasks import Tasks
 
+log = logging.getLogger(__name__)
+
 EXTENSION = "io.modelcontextprotocol/tasks"
 METHODS = ("tasks/get", "tasks/update", "tasks/cancel")
 ID_MAX = 200  # characters of a task id looked up
 INVALID_PARAMS = -32602
+MISSING_CAPABILITY = -32021  # the client did not declare what the method needs
 INTERNAL_ERROR = -32603
 
 
@@ -120,10 +123,9 @@ class TasksExtension:
             await asyncio.wait({call}, timeout=self.after)
             if call.done():
                 return call.result()
-            owner = self.tasks._owner(ctx)
-            if await self.tasks.store.working(owner) >= TASKS_PER_CLIENT:
+            record = await self._task_for(ctx)
+            if record is None:
                 return await call  # no task to be had: answered when it ends, as ever
-            record = await self.tasks.store.create(owner, None)
         except asyncio.CancelledError:  # the request is gone (its stream closed)
             call.cancel()
             with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError):
@@ -132,7 +134,22 @@ class TasksExtension:
         self.tasks.start(record, call)
         return {"resultType": "task", **detailed(record)}
 
+    async def _task_for(self, ctx: Any) -> Record | None:
+        """A new task for the call, or None: the client has TASKS_PER_CLIENT running, or
+        the store failed (said in the log; the call is then answered when it ends)."""
+        owner = self.tasks._owner(ctx)
+        try:
+            if await self.tasks.store.working(owner) >= TASKS_PER_CLIENT:
+                return None
+            return await self.tasks.store.create(owner, None)
+        except Exception as exc:
+            log.warning("no task for a long call (answered when it ends): %s", exc)
+            return None
+
     async def _answer(self, ctx: Any) -> dict[str, Any]:
+        if not declared(ctx):
+            required: dict[str, Any] = {"requiredCapabilities": {"extensions": {EXTENSION: {}}}}
+            raise MCPError(MISSING_CAPABILITY, "Missing required client capability", required)
         params = ctx.params if isinstance(ctx.params, dict) else {}
         task_id = params.get("taskId")
         if not isinstance(task_id, str) or not task_id or len(task_id) > ID_MAX:
@@ -145,7 +162,9 @@ class TasksExtension:
                 raise MCPError(INVALID_PARAMS, "tasks/update: inputResponses must be an object")
             return {}  # nothing outstanding: a task of execute_code never asks for input
         if record.status == WORKING:
-            await self.tasks.cancel(record)
-        elif record.status not in TERMINAL:  # pragma: no cover - no other status exists
-            raise MCPError(INTERNAL_ERROR, f"task {record.task_id} is {record.status}")
+            try:
+                await self.tasks.cancel(record)
+            except MCPError as exc:  # ended first: acknowledged all the same
+                if exc.error.code != INVALID_PARAMS:
+                    raise
         return {}

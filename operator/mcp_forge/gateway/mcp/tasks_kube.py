@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import contextlib
 import gzip
 import hashlib
@@ -64,6 +65,7 @@ POLL = 1.0  # the runner looks for its tasks cancelled elsewhere this often
 SWEEP = 60.0  # expired tasks are deleted at most this often
 CAS_TRIES = 5
 ID = re.compile(r"[0-9a-f]{32}")
+MANAGED_BY = "mcp-forge-gateway"
 GONE = "the gateway running this task stopped; the session kept its state, not this result"
 
 
@@ -77,16 +79,34 @@ class KubeTaskStore:
         self.runner = secrets.token_hex(8)
         self.on_cancel: Callable[[str], None] | None = None
         self._mine: dict[str, Record] = {}  # running in this process
-        self._watching: asyncio.Task[None] | None = None
+        self._told: set[str] = set()  # of those, the ones cancelled elsewhere, said once
+        self._loops: list[asyncio.Task[None]] = []
+        self._sweeping: asyncio.Task[None] | None = None
         self._swept = 0.0
 
     async def _api(self, call: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         return await asyncio.to_thread(call, *args, **kw)
 
+    async def _read(self, task_id: str) -> tuple[Record | None, float]:
+        """The task as stored (read and parsed off the event loop), and its last beat."""
+
+        def read() -> tuple[Record | None, float]:
+            secret = self.kube.get("Secret", self.namespace, PREFIX + task_id)
+            if secret is None:
+                return None, 0.0
+            return _record(secret), _beat_of(secret)
+
+        found: tuple[Record | None, float] = await self._api(read)
+        return found
+
+    def _stale(self, record: Record, beat: float) -> bool:
+        """A working task whose runner has not beaten for STALE heartbeats: gone."""
+        return record.status == WORKING and time.time() - beat > STALE * self.heartbeat
+
     # ---- the API of tasks.py ----------------------------------------------------------
 
     async def create(self, owner: str, ttl_ms: int | None) -> Record:
-        await self._sweep(owner)
+        await self._keep_bounded(owner)
         now = time.time()
         ttl = min(max(ttl_ms if ttl_ms is not None else TTL_DEFAULT_MS, TTL_MIN_MS), TTL_MAX_MS)
         record = Record(secrets.token_hex(16), owner, WORKING, now, now, ttl)
@@ -98,7 +118,7 @@ class KubeTaskStore:
                 "name": PREFIX + record.task_id,
                 "namespace": self.namespace,
                 "labels": {
-                    "app.kubernetes.io/managed-by": "mcp-forge-gateway",
+                    "app.kubernetes.io/managed-by": MANAGED_BY,
                     OWNER: _hash(owner),
                     STATUS: WORKING,
                     RUNNER: self.runner,
@@ -109,8 +129,11 @@ class KubeTaskStore:
         made = await self._api(self.kube.create, body)  # durable before it is answered
         record.version = made["metadata"]["resourceVersion"]
         self._mine[record.task_id] = record
-        if self._watching is None or self._watching.done():
-            self._watching = asyncio.create_task(self._watch(), name="mcp-tasks-runner")
+        if not [loop for loop in self._loops if not loop.done()]:
+            self._loops = [
+                asyncio.create_task(self._watch_cancels(), name="mcp-tasks-cancels"),
+                asyncio.create_task(self._beat(), name="mcp-tasks-heartbeat"),
+            ]
         return record
 
     async def get(self, owner: str, task_id: str) -> Record | None:
@@ -119,37 +142,30 @@ class KubeTaskStore:
             return mine if mine.owner == owner else None
         if not ID.fullmatch(task_id):
             return None
-        secret = await self._api(self.kube.get, "Secret", self.namespace, PREFIX + task_id)
-        record = _record(secret) if secret is not None else None
+        record, beat = await self._read(task_id)
         if record is None or record.owner != owner:
             return None
         if record.expires <= time.time():
             await self._delete(task_id)
             return None
-        beat = _float((secret["metadata"].get("annotations") or {}).get(HEARTBEAT))
-        if record.status == WORKING and time.time() - beat > STALE * self.heartbeat:
-            await self.finish(record, FAILED, message=GONE, error={"code": -32603, "message": GONE})
+        if self._stale(record, beat):
+            await self._gone(record)
         return record
 
     async def list(self, owner: str) -> list[Record]:
-        listed = await self._api(
-            self.kube.list,
-            "Secret",
-            self.namespace,
-            labels={OWNER: _hash(owner)},
-            metadata_only=True,
-        )
         now = time.time()
-        found = [_record(item) for item in (listed.get("items") or [])]
-        mine = [r for r in found if r is not None and r.owner == owner and r.expires > now]
+        mine = []
+        for record, beat in await self._listed({OWNER: _hash(owner)}):
+            if record.owner != owner or record.expires <= now:
+                continue
+            if record.task_id not in self._mine and self._stale(record, beat):
+                await self._gone(record)
+            mine.append(self._mine.get(record.task_id, record))
         return sorted(mine, key=lambda r: r.created, reverse=True)
 
     async def working(self, owner: str) -> int:
-        labels = {OWNER: _hash(owner), STATUS: WORKING}
-        listed = await self._api(
-            self.kube.list, "Secret", self.namespace, labels=labels, metadata_only=True
-        )
-        return len(listed.get("items") or [])
+        mine = await self.list(owner)  # a gone runner's tasks count no more
+        return sum(1 for r in mine if r.status == WORKING)
 
     async def finish(
         self,
@@ -160,14 +176,16 @@ class KubeTaskStore:
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
     ) -> None:
-        """The task's end, once: if another gateway ended it first, its end stands."""
+        """The task's end, once: if another gateway ended it first, its end stands.
+        The end of a task running here is kept in memory if the API cannot be reached
+        (the others then see it go stale); any other end that cannot be written raises."""
         if record.status in TERMINAL:
             return
-        outcome = gzip.compress(json.dumps({"result": result, "error": error}).encode())
+        outcome = await asyncio.to_thread(_deflate, {"result": result, "error": error})
         if len(outcome) > RESULT_MAX:
             status, result = FAILED, None
             message, error = too_large(RESULT_MAX, " gzipped (a task's most in the API)")
-            outcome = gzip.compress(json.dumps({"result": None, "error": error}).encode())
+            outcome = _deflate({"result": None, "error": error})
         ended = Record(**{**vars(record), "status": status, "message": message[:2000]})
         ended.updated, ended.result, ended.error = time.time(), result, error
         patch = {
@@ -176,12 +194,15 @@ class KubeTaskStore:
         }
         try:
             stored = await self._swap(record, patch)
-        except ApiError as exc:  # the API unreachable: said; the others see it go stale
+        except ApiError as exc:
+            if record.task_id not in self._mine:
+                raise
             log.warning("could not keep the end of task %s: %s", record.task_id, exc)
             stored = ended
         for name in ("status", "message", "updated", "result", "error", "version"):
             setattr(record, name, getattr(stored, name))
         self._mine.pop(record.task_id, None)
+        self._told.discard(record.task_id)
         record.done.set()
 
     async def finished(self, record: Record) -> Record:
@@ -207,12 +228,28 @@ class KubeTaskStore:
         return record
 
     async def aclose(self) -> None:
-        if self._watching is not None:
-            self._watching.cancel()
+        for task in [*self._loops, *([self._sweeping] if self._sweeping else [])]:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._watching
+                await task
 
     # ---- keeping ---------------------------------------------------------------------
+
+    async def _gone(self, record: Record) -> None:
+        """A task whose runner stopped beating: failed, saying so (if no one ended it)."""
+        with contextlib.suppress(ApiError):
+            await self.finish(record, FAILED, message=GONE, error={"code": -32603, "message": GONE})
+
+    async def _listed(self, labels: dict[str, str]) -> builtins.list[tuple[Record, float]]:
+        """The tasks with these labels, metadata only (no results): with their beats."""
+
+        def listing() -> builtins.list[tuple[Record, float]]:
+            found = self.kube.list("Secret", self.namespace, labels=labels, metadata_only=True)
+            items = found.get("items") or []
+            return [(r, _beat_of(i)) for i in items if (r := _record(i)) is not None]
+
+        listed: builtins.list[tuple[Record, float]] = await self._api(listing)
+        return listed
 
     async def _swap(self, record: Record, patch: dict[str, Any]) -> Record:
         """Write `patch` if the task is unchanged since it was read; else read it again
@@ -229,10 +266,7 @@ class KubeTaskStore:
             except ApiError as exc:
                 if not exc.conflict:
                     raise
-                secret = await self._api(
-                    self.kube.get, "Secret", self.namespace, PREFIX + record.task_id
-                )
-                fresh = _record(secret) if secret is not None else None
+                fresh, _ = await self._read(record.task_id)
                 if fresh is None:
                     raise ApiError(404, "NotFound", f"task {record.task_id} is gone") from None
                 if fresh.status in TERMINAL:
@@ -245,63 +279,72 @@ class KubeTaskStore:
             return stored
         raise ApiError(409, "Conflict", f"task {record.task_id}: {CAS_TRIES} writes lost")
 
-    async def _watch(self) -> None:
-        """While tasks run here: notice those cancelled elsewhere, and beat for them."""
-        beat = 0.0
+    async def _watch_cancels(self) -> None:
+        """While tasks run here: notice those another gateway ended (cancelled, or took
+        for gone), and say so once each."""
         while self._mine:
-            await asyncio.sleep(min(POLL, self.heartbeat))
+            await asyncio.sleep(POLL)
             try:
-                listed = await self._api(
-                    self.kube.list,
-                    "Secret",
-                    self.namespace,
-                    labels={RUNNER: self.runner},
-                    metadata_only=True,
-                )
-                for item in listed.get("items") or []:
-                    stored = _record(item)
-                    if stored is None or stored.task_id not in self._mine:
-                        continue
-                    if stored.status in TERMINAL and self.on_cancel is not None:
-                        self.on_cancel(stored.task_id)
-                if time.monotonic() - beat >= self.heartbeat:
-                    beat = time.monotonic()
-                    await self._beat()
-            except ApiError as exc:
-                log.warning("tasks: the API did not answer: %s", exc)
+                for stored, _ in await self._listed({RUNNER: self.runner}):
+                    if stored.status in TERMINAL:
+                        self._tell(stored.task_id)
+            except Exception as exc:  # the API, or a Secret broken by hand: said, not fatal
+                log.warning("tasks: could not look for cancels: %s", exc)
+
+    def _tell(self, task_id: str) -> None:
+        if task_id in self._mine and task_id not in self._told and self.on_cancel is not None:
+            self._told.add(task_id)
+            self.on_cancel(task_id)
 
     async def _beat(self) -> None:
-        now = {"metadata": {"annotations": {HEARTBEAT: f"{time.time():.3f}"}}}
-        for record in list(self._mine.values()):
-            with contextlib.suppress(ApiError):
-                written = await self._api(
-                    self.kube.patch, "Secret", self.namespace, PREFIX + record.task_id, now
-                )
-                if record.status not in TERMINAL:
-                    record.version = written["metadata"]["resourceVersion"]
+        """While tasks run here: each one's sign of life, every heartbeat, side by side,
+        each bounded by a heartbeat; written only if the task is unchanged since."""
+        while self._mine:
+            await asyncio.sleep(self.heartbeat)
+            await asyncio.gather(*(self._beat_one(r) for r in list(self._mine.values())))
 
-    async def _sweep(self, owner: str) -> None:
-        """Delete the owner's oldest finished tasks past TASKS_KEPT, and, at most every
-        SWEEP seconds, every expired task."""
+    async def _beat_one(self, record: Record) -> None:
+        now = {"resourceVersion": record.version, "annotations": {HEARTBEAT: f"{time.time():.3f}"}}
+        try:
+            written = await self._api(
+                self.kube.patch,
+                "Secret",
+                self.namespace,
+                PREFIX + record.task_id,
+                {"metadata": now},
+                timeout=self.heartbeat,
+            )
+            record.version = written["metadata"]["resourceVersion"]
+        except ApiError as exc:
+            if not exc.conflict:
+                log.warning("tasks: no heartbeat for %s: %s", record.task_id, exc)
+                return
+            with contextlib.suppress(ApiError):
+                fresh, _ = await self._read(record.task_id)
+                if fresh is not None and fresh.status in TERMINAL:
+                    self._tell(record.task_id)  # ended elsewhere: the cell is stopped
+                elif fresh is not None and record.status not in TERMINAL:
+                    record.version = fresh.version
+
+    async def _keep_bounded(self, owner: str) -> None:
+        """The owner's oldest finished tasks past TASKS_KEPT go now; every expired task
+        goes in the background, at most every SWEEP seconds, as far as the API lets it."""
         mine = await self.list(owner)
         done = sorted((r for r in mine if r.status in TERMINAL), key=lambda r: r.created)
         for old in done[: max(0, len(mine) + 1 - TASKS_KEPT)]:
             await self._delete(old.task_id)
-        if time.monotonic() - self._swept < SWEEP:
-            return
-        self._swept = time.monotonic()
-        listed = await self._api(
-            self.kube.list,
-            "Secret",
-            self.namespace,
-            labels={"app.kubernetes.io/managed-by": "mcp-forge-gateway"},
-            metadata_only=True,
-        )
-        now = time.time()
-        for item in listed.get("items") or []:
-            record = _record(item)
-            if record is not None and record.expires <= now:
-                await self._delete(record.task_id)
+        if time.monotonic() - self._swept >= SWEEP:
+            self._swept = time.monotonic()
+            self._sweeping = asyncio.create_task(self._sweep(), name="mcp-tasks-sweep")
+
+    async def _sweep(self) -> None:
+        try:
+            now = time.time()
+            for record, _ in await self._listed({"app.kubernetes.io/managed-by": MANAGED_BY}):
+                if record.expires <= now:
+                    await self._delete(record.task_id)
+        except Exception as exc:
+            log.warning("tasks: the sweep of expired tasks stopped: %s", exc)
 
     async def _delete(self, task_id: str) -> None:
         with contextlib.suppress(ApiError):
@@ -342,7 +385,9 @@ def _record(obj: dict[str, Any]) -> Record | None:
         if blob:
             outcome = json.loads(_inflate(base64.b64decode(blob), 64 * RESULT_MAX))
             record.result, record.error = outcome.get("result"), outcome.get("error")
-    except (KeyError, TypeError, ValueError, zlib.error) as exc:
+    except (
+        KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError, zlib.error
+    ) as exc:  # fmt: skip
         log.warning("tasks: setting aside %s: %s", meta.get("name"), exc)
         return None
     record.version = str(meta.get("resourceVersion") or "")
@@ -360,8 +405,14 @@ def _inflate(blob: bytes, limit: int) -> bytes:
     return raw
 
 
-def _float(text: Any) -> float:
+def _beat_of(obj: dict[str, Any]) -> float:
+    """When the task's runner last beat for it (0: never, or unreadable)."""
+    text = ((obj.get("metadata") or {}).get("annotations") or {}).get(HEARTBEAT)
     try:
-        return float(text)
-    except (TypeError, ValueError):
+        return float(str(text)) if text is not None else 0.0
+    except (ValueError, OverflowError):
         return 0.0
+
+
+def _deflate(outcome: dict[str, Any]) -> bytes:
+    return gzip.compress(json.dumps(outcome).encode())
