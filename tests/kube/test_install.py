@@ -63,6 +63,9 @@ def kubectl(cluster: ClusterUnderTest, *args: str, input: str | None = None) -> 
 
 # Each kustomization that can run here (overlays/gvisor needs a gVisor runtime on the node).
 KUSTOMIZATIONS = ["base", "overlays/namespace-scoped"]
+# How each is applied: client-side as `kubectl apply -k` does, server-side as Argo CD and
+# Flux do in their server-side modes; each is then diffed the other way.
+SERVER_SIDE = {"base": False, "overlays/namespace-scoped": True}
 
 
 @pytest.fixture(scope="module", params=KUSTOMIZATIONS)
@@ -80,8 +83,9 @@ def installed(test_cluster: ClusterUnderTest, request: pytest.FixtureRequest) ->
     )
     assert imported.returncode == 0, imported.stderr
     token = secrets.token_urlsafe(32)
+    how = ["--server-side", "--force-conflicts"] if SERVER_SIDE[request.param] else []
     try:
-        kubectl(test_cluster, "apply", "-k", str(kustomization))
+        kubectl(test_cluster, "apply", *how, "-k", str(kustomization))
         kubectl(
             test_cluster,
             "-n",
@@ -98,9 +102,22 @@ def installed(test_cluster: ClusterUnderTest, request: pytest.FixtureRequest) ->
                 test_cluster, "-n", SYSTEM, "rollout", "status", f"deploy/{deployment}",
                 f"--timeout={DEADLINE}",
             )  # fmt: skip
+        assert_unchanged(test_cluster, kustomization, server_side=not how)
         yield token
     finally:
         uninstall(test_cluster, kustomization)
+
+
+def assert_unchanged(cluster: ClusterUnderTest, kustomization: Path, *, server_side: bool) -> None:
+    """Applying it again (server-side or client-side) would change nothing: `kubectl
+    diff` exits 0 for no differences, 1 for some (printed), more for an error."""
+    done = subprocess.run(
+        [cluster.bin("kubectl"), f"--kubeconfig={cluster.kubeconfig}", "diff",
+         *(["--server-side"] if server_side else []), "-k", str(kustomization)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr
+    assert done.returncode == 0, f"{kustomization.name}: {done.stdout[-4000:]}"
 
 
 def uninstall(cluster: ClusterUnderTest, kustomization: Path) -> None:

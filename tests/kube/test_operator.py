@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kstatus import kstatus
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART, Kube
 
 from .conftest import CRD_PATH, KubeAPI, install_crd
@@ -234,11 +235,22 @@ async def test_idle_suspend_keeps_the_session_and_activity_resumes_it(
     first = await ready(kube, ns, "nap")
     obj = await eventually(kube, KS, ns, "nap", lambda o: phase(o) == "Suspended", timeout=30)
     assert obj is not None and obj["status"]["reason"] == "Idle"
-    assert condition(obj, "Ready")["status"] == "False"
+    assert condition(obj, "Ready") == {}, "no kernel on purpose: no Ready (kstatus: Current)"
+    assert kstatus(obj) == ["Current"]
     await eventually(kube, "Pod", ns, "ks-nap", lambda p: p is None, timeout=60, what="no pod")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
     await asyncio.to_thread(kube.patch, "Lease", ns, "ks-nap", {"spec": {"renewTime": stamp}})
     await ready(kube, ns, "nap", other_than=first["status"]["kernelId"])
+
+
+async def test_a_session_no_operator_has_seen_reads_as_in_progress(kube: Kube, ns: str) -> None:
+    """The CRD's status default (observedGeneration 0): with no operator running, a new
+    session is not taken for done by kstatus (Flux's health checks, kpt)."""
+    made = await create(kube, ns, "unseen")
+    got = await asyncio.to_thread(kube.get, KS, ns, "unseen")
+    assert got is not None and got["status"] == {"observedGeneration": 0}, got
+    assert made["metadata"]["generation"] == 1
+    assert kstatus(got) == ["InProgress"]
 
 
 async def test_operating_mode_suspended_and_back(kube: Kube, ns: str, operator: Any) -> None:
@@ -247,6 +259,7 @@ async def test_operating_mode_suspended_and_back(kube: Kube, ns: str, operator: 
     await asyncio.to_thread(kube.patch, KS, ns, "mode", {"spec": {"operatingMode": "Suspended"}})
     obj = await eventually(kube, KS, ns, "mode", lambda o: phase(o) == "Suspended")
     assert obj is not None and obj["status"]["reason"] == "UserRequested"
+    assert kstatus(obj) == ["Current"]
     await eventually(kube, "Pod", ns, "ks-mode", lambda p: p is None, timeout=60)
     await asyncio.to_thread(kube.patch, KS, ns, "mode", {"spec": {"operatingMode": "Running"}})
     await ready(kube, ns, "mode", other_than=first["status"]["kernelId"])

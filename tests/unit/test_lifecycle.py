@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kstatus import kstatus
 from mcp_forge.api import status as st
 from mcp_forge.api.status import Termination
 from mcp_forge.control.lifecycle import (
@@ -156,28 +157,49 @@ def test_a_backoff_that_is_over_starts_the_kernel_now() -> None:
 
 
 PHASES = [
-    # phase -> Ready, Reconciling, Stalled
-    (st.PENDING, "False", "True", "False"),
-    (st.STARTING, "False", "True", "False"),
-    (st.READY, "True", "False", "False"),
-    (st.RESTARTING, "False", "True", "False"),
-    (st.FAILED, "False", "False", "True"),
-    (st.SUSPENDED, "False", "False", "False"),
-    (st.EXPIRED, "False", "False", "True"),
+    # phase -> Ready, Reconciling, Stalled, and what kstatus (Flux, kpt) reads of it
+    (st.PENDING, "False", "True", "False", "InProgress"),
+    (st.STARTING, "False", "True", "False", "InProgress"),
+    (st.READY, "True", "False", "False", "Current"),
+    (st.RESTARTING, "False", "True", "False", "InProgress"),
+    (st.FAILED, "False", "False", "True", "Failed"),
+    (st.SUSPENDED, None, "False", "False", "Current"),  # no kernel on purpose: no Ready
+    (st.EXPIRED, "False", "False", "True", "Failed"),
 ]
 
 
-@pytest.mark.parametrize(("phase", "ready", "reconciling", "stalled"), PHASES)
-def test_the_four_conditions_follow_the_phase(
-    phase: str, ready: str, reconciling: str, stalled: str
+@pytest.mark.parametrize(("phase", "ready", "reconciling", "stalled", "health"), PHASES)
+def test_the_four_conditions_follow_the_phase_and_kstatus_reads_them(
+    phase: str, ready: str | None, reconciling: str, stalled: str, health: str
 ) -> None:
     got = st.conditions(None, phase, "Why", "because", generation=3, now="T1")
     by_type = {c["type"]: c for c in got}
-    assert list(by_type) == ["Ready", "UpdatePending", "Reconciling", "Stalled"]
-    assert (by_type["Ready"]["status"], by_type["Reconciling"]["status"]) == (ready, reconciling)
+    assert list(by_type) == ["Ready", "UpdatePending", "Reconciling", "Stalled"][ready is None :]
+    assert (by_type.get("Ready", {}).get("status"), by_type["Reconciling"]["status"]) == (
+        ready,
+        reconciling,
+    )
     assert by_type["Stalled"]["status"] == stalled
     assert by_type["UpdatePending"]["status"] == "False"
     assert all(c["observedGeneration"] == 3 and c["lastTransitionTime"] == "T1" for c in got)
+    seen = session_with(phase, got, generation=3, observed=3)
+    pending = st.conditions(None, phase, "Why", "because", pending=("Updating", "later"),
+                            generation=3, now="T1")  # fmt: skip
+    assert kstatus(seen, session_with(phase, pending, generation=3, observed=3)) == [health] * 2
+    # A spec the operator has not seen yet is in progress, whatever the phase says.
+    assert kstatus(session_with(phase, got, generation=4, observed=3)) == ["InProgress"]
+
+
+def session_with(
+    phase: str, conditions: list[dict[str, Any]], *, generation: int, observed: int
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": "s", "namespace": "default", "generation": generation},
+        "spec": {},
+        "status": {"phase": phase, "observedGeneration": observed, "conditions": conditions},
+    }
 
 
 def test_a_condition_keeps_its_transition_time_while_unchanged_and_says_what_is_pending() -> None:
@@ -539,8 +561,11 @@ def test_a_stopped_session_shows_why_has_no_kernel_and_says_since_when(
     )
     assert (fields["kernelId"], fields["podName"]) == (None, None)
     assert fields["suspendedAt"] == (st.stamp(T0) if since == "now" else since)
-    ready = next(c for c in fields["conditions"] if c["type"] == "Ready")
-    assert ready["status"] == "False" and ready["reason"] == stop.reason
+    ready = [c for c in fields["conditions"] if c["type"] == "Ready"]
+    if stop.phase == st.SUSPENDED:  # no kernel on purpose: no Ready to be False
+        assert ready == [], ready
+    else:
+        assert ready[0]["status"] == "False" and ready[0]["reason"] == stop.reason
 
 
 @pytest.mark.parametrize(

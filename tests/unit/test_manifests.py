@@ -237,7 +237,9 @@ def test_every_setting_a_deployment_gives_is_one_the_package_reads(
     for var in c.get("env", []):
         assert var["name"].startswith("MCPFORGE_"), var
         if "valueFrom" in var:
-            assert var["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+            assert var["valueFrom"] == {
+                "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}
+            }
             value = dep["metadata"]["namespace"]
         else:
             value = var["value"]
@@ -391,7 +393,7 @@ OPERATOR_RULES = {
     ("mcpforge.dev", "kernelsessionpools/status"): "get patch",
     ("", "pods"): "get list watch create patch delete",
     ("", "services"): "get list watch create patch delete",
-    ("", "secrets"): "get list watch create patch delete",
+    ("", "secrets"): "get list create patch delete",  # never watched
     ("networking.k8s.io", "networkpolicies"): "get list watch create patch delete",
     ("coordination.k8s.io", "leases"): "get list watch create patch delete",
     # A persistent workspace's claim: made, its owner set per reclaimPolicy; deleted by the
@@ -410,7 +412,7 @@ GATEWAY_RULES = {
     ("mcpforge.dev", "kernelsessionpools"): "list",
     ("", "secrets"): "get",
     # delete: a client's quota Lease once it holds no reservation.
-    ("coordination.k8s.io", "leases"): "get create patch update delete",
+    ("coordination.k8s.io", "leases"): "get create patch delete",
 }
 
 
@@ -476,7 +478,7 @@ def test_the_gateway_pods_are_the_ones_kernel_policies_admit(name: str) -> None:
     assert not GATEWAY_SELECTOR.items() <= op_labels.items(), "the operator never reaches a kernel"
     # The operator renders kernel policies for gateways of its MCPFORGE_GATEWAY_NAMESPACE.
     field = env_of(container(objs, "mcp-forge-operator"))["MCPFORGE_GATEWAY_NAMESPACE"]
-    assert field == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert field == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}
     assert operator["metadata"]["namespace"] == gateway["metadata"]["namespace"]
 
 
@@ -1002,3 +1004,13 @@ def test_the_argocd_cm_snippet_carries_the_health_script_verbatim() -> None:
             "resource.customizations.health.mcpforge.dev_KernelSession": HEALTH_LUA.read_text()
         }
     }
+
+
+def test_the_crds_apply_with_f_and_with_k_alike() -> None:
+    """`kubectl apply -f crds/` takes the directory's .yaml, .yml and .json files: the CRDs
+    and nothing else (no kustomization), the same objects `-k crds` builds."""
+    crds = MANIFESTS.parent / "crds"
+    read = [p for p in crds.iterdir() if p.suffix in (".yaml", ".yml", ".json")]
+    objs = [o for p in sorted(read) for o in yaml.safe_load_all(p.read_text()) if o]
+    assert {o["kind"] for o in objs} == {"CustomResourceDefinition"}, [p.name for p in read]
+    assert sorted(key(o) for o in objs) == sorted(key(o) for o in kustomize(crds))

@@ -167,14 +167,19 @@ def conditions(
     """Ready, UpdatePending, Reconciling and Stalled for a session in `phase`.
 
     `pending` is the (reason, message) of a spec change not yet on the kernel's pod.
+    A Suspended session has no Ready condition: it has no kernel on purpose, which is
+    its desired state, and kstatus (Flux, kpt) reads any Ready=False as progress still
+    to come; without one it reads Reconciling and Stalled (both False): Current.
+    `kubectl wait --for=condition=Ready` waits on, as it should, until it resumes.
     """
     busy, stuck = phase in IN_PROGRESS, phase in STUCK
 
     def one(type_: str, value: bool, why: str, text: str) -> dict[str, Any]:
         return condition(old, type_, value, why, text, generation=generation, now=now)
 
+    ready = [] if phase == SUSPENDED else [one("Ready", phase == READY, reason, message)]
     own = [
-        one("Ready", phase == READY, reason, message),
+        *ready,
         one(
             "UpdatePending",
             pending is not None,
