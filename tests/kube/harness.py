@@ -137,7 +137,30 @@ async def eventually(
         await asyncio.to_thread(_next_event, kube, kind, namespace, name, rv, min(left, 2.0))
 
 
-def _next_event(kube: Kube, kind: str, namespace: str, name: str, rv: str, timeout: float) -> None:
+async def events_of(
+    kube: Kube, namespace: str, name: str, reasons: set[str], *, timeout: float = 15.0
+) -> list[dict[str, Any]]:
+    """The Events on object `name` once they include these reasons; woken by each Event
+    written in the namespace."""
+    deadline = time.monotonic() + timeout
+    while True:
+        listed = await asyncio.to_thread(
+            kube.list, "Event", namespace, fields={"involvedObject.name": name}
+        )
+        found: list[dict[str, Any]] = listed.get("items") or []
+        if reasons <= {e.get("reason") for e in found}:
+            return found
+        left = deadline - time.monotonic()
+        if left <= 0:
+            seen = [(e.get("type"), e.get("reason"), e.get("message")) for e in found]
+            raise AssertionError(f"Events on {name}: no {reasons} in {seen}")
+        rv = str(listed["metadata"].get("resourceVersion") or "0")
+        await asyncio.to_thread(_next_event, kube, "Event", namespace, None, rv, min(left, 2.0))
+
+
+def _next_event(
+    kube: Kube, kind: str, namespace: str, name: str | None, rv: str, timeout: float
+) -> None:
     try:
         for _ in kube.watch(kind, namespace, resource_version=rv, name=name, timeout=timeout):
             return

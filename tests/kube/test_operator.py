@@ -25,6 +25,7 @@ from .conftest import CRD_PATH, KubeAPI, install_crd
 from .harness import (
     KS,
     condition,
+    events_of,
     eventually,
     kernel,
     kernel_dies,
@@ -117,6 +118,12 @@ async def test_an_oom_killed_kernel_is_named_and_recreated_with_its_key(
     assert last["reason"] == "OOMKilled" and last["exitCode"] == 137
     assert "out of memory (limit 128Mi)" in last["message"]
     assert obj["status"]["restarts"] == 1
+    # What `kubectl describe` shows: made, Ready, and the OOM kill with its limit.
+    told = await events_of(kube, ns, "beta", {"Starting", "Ready", "OOMKilled"})
+    oom = next(e for e in told if e["reason"] == "OOMKilled")
+    assert oom["type"] == "Warning" and "limit 128Mi" in oom["message"], oom
+    assert oom["involvedObject"]["uid"] == obj["metadata"]["uid"]
+    assert {e["source"]["component"] for e in told} == {"mcp-forge-operator"}
     assert obj["status"]["connection"]["generation"] == 2
     again = await asyncio.to_thread(kube.get, "Secret", ns, "ks-beta-conn")
     assert again is not None and key_in(again) == key_in(secret), "the key is kept"
@@ -241,6 +248,8 @@ async def test_idle_suspend_keeps_the_session_and_activity_resumes_it(
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
     await asyncio.to_thread(kube.patch, "Lease", ns, "ks-nap", {"spec": {"renewTime": stamp}})
     await ready(kube, ns, "nap", other_than=first["status"]["kernelId"])
+    told = await events_of(kube, ns, "nap", {"Ready", "Suspended", "Resumed"})
+    assert {e["type"] for e in told} == {"Normal"}, told
 
 
 async def test_a_session_no_operator_has_seen_reads_as_in_progress(kube: Kube, ns: str) -> None:

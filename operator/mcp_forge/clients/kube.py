@@ -36,6 +36,7 @@ PATHS: dict[str, tuple[str, str]] = {
     "Service": ("api/v1", "services"),
     "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies"),
     "Lease": ("apis/coordination.k8s.io/v1", "leases"),
+    "Event": ("api/v1", "events"),
     "PersistentVolumeClaim": ("api/v1", "persistentvolumeclaims"),
     "KernelSession": (f"apis/{API_VERSION}", "kernelsessions"),
     "KernelSessionPool": (f"apis/{API_VERSION}", "kernelsessionpools"),

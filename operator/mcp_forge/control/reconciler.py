@@ -31,6 +31,7 @@ from mcp_forge.clients.kube import (
     connection_file_of,
     key_of,
 )
+from mcp_forge.control import events
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.baseline import Baseline
 from mcp_forge.control.poolkeeper import PoolKeeper, Seen
@@ -73,6 +74,7 @@ class Reconciler:
         self.kube = kube
         self.settings = settings
         self.baseline = Baseline(kube)
+        self.events = events.Recorder(kube)
         self.pools = PoolKeeper(kube, settings, self.baseline)
         self._locks: dict[Key, asyncio.Lock] = {}
         self.schedule = Scheduler(self._one, settings.operator_resync)
@@ -439,3 +441,4 @@ class Reconciler:
         self.kube.patch(
             "KernelSession", meta["namespace"], meta["name"], {"status": patch}, status=True
         )
+        self.events.record(body, events.changes(old, status))
