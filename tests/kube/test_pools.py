@@ -16,6 +16,7 @@ from typing import Any
 import kubernetes
 import pytest
 
+from kstatus import kstatus
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
@@ -29,6 +30,7 @@ from .harness import (
     KS,
     SMALL,
     condition,
+    events_of,
     eventually,
     kernel,
     key_in,
@@ -584,3 +586,37 @@ async def test_a_claim_whose_secret_is_missing_takes_no_kernel_and_its_cold_pod_
     assert obj["status"]["reason"] == "CreateContainerConfigError", obj["status"]
     assert "absent" in obj["status"]["message"]
     assert len(await members(kube, ns, "sec")) == 1, "the pool's kernel is still there"
+
+
+async def test_a_pool_of_a_missing_image_backs_off_stalls_and_recovers_when_fixed(
+    kube: Kube, ns: str, images: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad template makes a handful of pods, not a churn: each failure waits a backoff
+    (1 s here, doubling), the third in a row makes the pool Stalled with the kubelet's
+    reason (kstatus: Failed); a fixed template clears it and the pool fills."""
+    monkeypatch.setenv("MCPFORGE_POOL_BACKOFF", "1")
+    async with running_operator(kube):
+        bad = pool_body("broken", ns, 1, "localhost/mcp-forge-no-such-image:0")
+        await asyncio.to_thread(kube.create, bad)
+        stalled = await eventually(
+            kube, POOL, ns, "broken",
+            lambda o: condition(o, "Stalled").get("status") == "True", timeout=FILL,
+            what="Stalled",
+        )  # fmt: skip
+        assert stalled is not None
+        said = condition(stalled, "Stalled")
+        assert said["reason"] in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName"), said
+        failures = stalled["status"]["failures"]
+        assert failures["count"] >= 3 and failures["reason"] == said["reason"], failures
+        assert kstatus(stalled) == ["Failed"]
+        made = await asyncio.to_thread(kube.list, "Event", ns, fields={"reason": "Scheduled"})
+        assert len(made.get("items") or []) <= failures["count"] + 1, "a churn of pods"
+        told = await events_of(kube, ns, "broken", {said["reason"], "Stalled"})
+        assert {e["type"] for e in told} == {"Warning"}, told
+
+        fix = {"spec": {"template": {"image": images["minimal"]}}}
+        await asyncio.to_thread(kube.patch, POOL, ns, "broken", fix)
+        fixed = await filled(kube, ns, "broken", 1)
+        assert condition(fixed, "Stalled")["status"] == "False"
+        assert "failures" not in fixed["status"], fixed["status"]
+        assert kstatus(fixed) == ["Current"]

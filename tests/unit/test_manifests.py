@@ -26,6 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kstatus import kstatus
 from mcp_forge.api import kernelsession
 from mcp_forge.api.connection import BRIDGE_PORT, PORTS, ConnectionInfo
 from mcp_forge.cli import main as cli
@@ -910,11 +911,13 @@ def lua() -> str:
     return found
 
 
-def argocd_health(lua: str, obj: dict[str, Any], tmp_path: Path) -> tuple[str, str]:
+def argocd_health(
+    lua: str, obj: dict[str, Any], tmp_path: Path, script: Path = HEALTH_LUA
+) -> tuple[str, str]:
     harness = tmp_path / "harness.lua"
     harness.write_text(
         f"obj = {lua_literal(obj)}\n"
-        f"local hs = dofile({lua_literal(str(HEALTH_LUA))})\n"
+        f"local hs = dofile({lua_literal(str(script))})\n"
         'io.write(hs.status, "\\n", hs.message or "")\n'
     )
     done = subprocess.run([lua, str(harness)], capture_output=True, text=True, timeout=10)
@@ -997,13 +1000,82 @@ def test_the_argocd_health_script_passes_on_the_operators_message(lua: str, tmp_
     assert message == "maxLifetime 8h passed"
 
 
-def test_the_argocd_cm_snippet_carries_the_health_script_verbatim() -> None:
+def test_the_argocd_cm_snippet_carries_the_health_scripts_verbatim() -> None:
     snippet = yaml.safe_load((MANIFESTS / "argocd" / "argocd-cm.yaml").read_text())
+    key = "resource.customizations.health.mcpforge.dev_"
     assert snippet == {
         "data": {
-            "resource.customizations.health.mcpforge.dev_KernelSession": HEALTH_LUA.read_text()
+            key + "KernelSession": HEALTH_LUA.read_text(),
+            key + "KernelSessionPool": POOL_HEALTH_LUA.read_text(),
         }
     }
+
+
+POOL_HEALTH_LUA = MANIFESTS / "argocd" / "pool-health.lua"
+
+
+def _pool(generation: int = 2, **status: Any) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSessionPool",
+        "metadata": {"name": "warm", "namespace": SESSIONS, "generation": generation},
+        "spec": {"size": 2},
+    }
+    if status:
+        obj["status"] = status
+    return obj
+
+
+def _pool_conditions(ready: str, reason: str, stalled: str = "False") -> list[dict[str, Any]]:
+    return [
+        {"type": "Ready", "status": ready, "reason": reason, "message": f"{reason} message"},
+        {"type": "Stalled", "status": stalled, "reason": reason, "message": f"{reason} stuck"},
+    ]
+
+
+# A pool's status -> Argo CD health (pool-health.lua) and kstatus (Flux), side by side.
+POOL_CASES = {
+    "not seen yet (the CRD's default)": (_pool(observedGeneration=0), "Progressing", "InProgress"),
+    "filling": (
+        _pool(observedGeneration=2, conditions=_pool_conditions("False", "Filling")),
+        "Progressing",
+        "InProgress",
+    ),
+    "filled": (
+        _pool(observedGeneration=2, conditions=_pool_conditions("True", "Filled")),
+        "Healthy",
+        "Current",
+    ),
+    "at its maximum": (
+        _pool(observedGeneration=2, conditions=_pool_conditions("True", "AtMaximum")),
+        "Healthy",
+        "Current",
+    ),
+    "backing off": (
+        _pool(observedGeneration=2, conditions=_pool_conditions("False", "ErrImagePull")),
+        "Progressing",
+        "InProgress",
+    ),
+    "stalled": (
+        _pool(observedGeneration=2, conditions=_pool_conditions("False", "ErrImagePull", "True")),
+        "Degraded",
+        "Failed",
+    ),
+    "filled for an older spec": (
+        _pool(observedGeneration=1, conditions=_pool_conditions("True", "Filled")),
+        "Progressing",
+        "InProgress",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", POOL_CASES, ids=list(POOL_CASES))
+def test_argocd_and_kstatus_read_a_pool_alike(case: str, lua: str, tmp_path: Path) -> None:
+    obj, argocd, flux = POOL_CASES[case]
+    status, message = argocd_health(lua, obj, tmp_path, POOL_HEALTH_LUA)
+    assert (status, kstatus(obj)) == (argocd, [flux]), message
+    if argocd == "Degraded":
+        assert message == "ErrImagePull stuck"
 
 
 def test_the_crds_apply_with_f_and_with_k_alike() -> None:

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from mcp_forge.api import kernelsessionpool as ksp
-from mcp_forge.control.poolplan import LABEL_CLAIMED_FROM, Member, claimed_from, plan
+from mcp_forge.api import status as st
+from mcp_forge.control.poolplan import (
+    BACKOFF_MAX,
+    LABEL_CLAIMED_FROM,
+    Member,
+    Trouble,
+    claimed_from,
+    plan,
+    trouble,
+)
 from mcp_forge.control.render import LABEL_SESSION
 
 NEW, OLD = "new", "old"
@@ -188,3 +198,38 @@ def test_a_session_counts_against_its_pool_whichever_pod_runs_its_kernel() -> No
     assert claimed_from("warm", sessions, kernels) == 3  # a, b (once), c
     assert claimed_from("other", sessions, kernels) == 1
     assert claimed_from("warm", [], []) == 0
+
+
+def failing(n: int, template: str = "t1", reason: str = "ErrImagePull") -> Member:
+    failed = member(n, template=template, ready=False, failed=True)
+    return replace(failed, reason=reason, message=f"m{n}")
+
+
+def test_failed_kernels_in_a_row_back_the_pool_off_then_stall_it() -> None:
+    first = trouble(None, [failing(1)], [failing(1)], template="t1", now=100.0)
+    assert first == Trouble(1, "ErrImagePull", "m1", 100.0, "t1")
+    assert first.next_start(10.0) == 110.0 and not first.stalled
+    second = trouble(first, [failing(2)], [failing(2)], template="t1", now=111.0)
+    assert first is not None and second is not None
+    assert (second.count, second.next_start(10.0)) == (2, 131.0)  # doubled
+    third = trouble(second, [failing(3)], [failing(3)], template="t1", now=132.0)
+    assert third is not None and third.stalled and third.next_start(10.0) == 172.0
+    late = Trouble(20, "ErrImagePull", "", 0.0, "t1")
+    assert late.next_start(10.0) == BACKOFF_MAX  # at most
+    # Nothing failed this time: the trouble stays as it was.
+    assert trouble(third, [failing(3)], [], template="t1", now=140.0) == third
+    # Kept in the status and read back; anything else there is no trouble.
+    assert Trouble.from_status(third.as_status()) == third
+    for broken in (None, {}, {"count": "x", "at": "T"}, {"count": 0, "at": st.stamp(1.0)}):
+        assert Trouble.from_status(broken) is None
+
+
+def test_a_ready_kernel_or_a_new_template_clears_the_trouble() -> None:
+    stalled = Trouble(3, "ErrImagePull", "", 100.0, "t1")
+    ready = member(4, template="t1", ready=True)
+    assert trouble(stalled, [ready], [], template="t1", now=200.0) is None
+    assert trouble(stalled, [failing(5, "t2")], [], template="t2", now=200.0) is None
+    fresh = trouble(stalled, [failing(5, "t2")], [failing(5, "t2")], template="t2", now=200.0)
+    assert fresh is not None and fresh.count == 1 and fresh.template == "t2"
+    # A kernel of the old template failing counts for nothing now.
+    assert trouble(None, [failing(6, "t1")], [failing(6, "t1")], template="t2", now=1.0) is None

@@ -34,8 +34,9 @@ import concurrent.futures
 import logging
 import secrets
 import threading
+import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mcp_forge.api import kernelsession
@@ -47,18 +48,21 @@ from mcp_forge.api.kernelsessionpool import KernelSessionPool
 from mcp_forge.api.keys import new_bridge_cert, new_curve_keys
 from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import Kube, secret_env
+from mcp_forge.control import events
 from mcp_forge.control.baseline import Baseline
 from mcp_forge.control.pods import observe
 from mcp_forge.control.poolplan import (
     LABEL_CLAIMED_FROM,
     Member,
     Plan,
+    Trouble,
     claimed_from,
     label_value,
     member_pod_name,
     plan,
     pool_labels,
 )
+from mcp_forge.control.poolplan import trouble as pool_trouble
 from mcp_forge.control.render import (
     KERNEL_LABELS,
     LABEL_COMPONENT,
@@ -176,6 +180,7 @@ class PoolKeeper:
         self.settings = settings
         self.baseline = baseline or Baseline(kube)
         self.tally = Tally(kube)
+        self.events = events.Recorder(kube)
 
     # ---- filling -------------------------------------------------------------------------
 
@@ -211,6 +216,22 @@ class PoolKeeper:
             template=pool.template_hash,
             room=pool.room(claimed),
         )
+        now, backoff = time.time(), self.settings.pool_backoff
+        failed = [m for m in todo.delete if m.failed]
+        old = Trouble.from_status((body.get("status") or {}).get("failures"))
+        trouble = pool_trouble(old, members, failed, template=pool.template_hash, now=now)
+        if failed and trouble is not None:  # what `kubectl describe ksp` shows
+            said = f"kernel {failed[-1].name} failed: {trouble.message or trouble.reason}"
+            told = [(events.WARNING, trouble.reason, said)]
+            if trouble.stalled and (old is None or not old.stalled):
+                told.append((events.WARNING, "Stalled", f"{trouble.count} failed in a row"))
+            self.events.record(body, told)
+        if trouble is not None:
+            # Backing off: no new kernel before then, and one at a time after (a Stalled
+            # pool still tries, a backoff apart: the kubelet's trouble may pass).
+            allowed = 0 if now < trouble.next_start(backoff) else 1
+            if todo.start > allowed:
+                todo = replace(todo, start=allowed, starting=todo.starting - todo.start + allowed)
         for member in todo.delete:
             self._delete_member(pool, member)
         self.baseline.ensure(namespace, look=True)  # its kernels are claimed: see there
@@ -223,8 +244,10 @@ class PoolKeeper:
                 error = ("KernelStartFailed", str(exc))
                 log.warning("pool %s/%s could not start a kernel: %s", namespace, name, exc)
                 break
-        self._write_status(body, pool, todo, claimed, error=error)
+        self._write_status(body, pool, todo, claimed, error=error, trouble=trouble)
         self.tally.flush(namespace, name)
+        if trouble is not None and now < trouble.next_start(backoff):
+            return max(0.5, min(trouble.next_start(backoff) - now, self.settings.operator_resync))
         if todo.starting or todo.delete or error:
             return STARTING_RECHECK
         return self.settings.operator_resync
@@ -242,6 +265,8 @@ class PoolKeeper:
             ready=seen.ready,
             failed=seen.phase in (st.FAILED, st.RESTARTING),
             deleting=bool(meta.get("deletionTimestamp")),
+            reason=seen.reason,
+            message=seen.message,
         )
 
     def _delete_member(self, pool: KernelSessionPool, member: Member) -> None:
@@ -352,11 +377,13 @@ class PoolKeeper:
         claimed: int,
         *,
         error: tuple[str, str] | None,
+        trouble: Trouble | None = None,
     ) -> None:
         meta = body["metadata"]
         generation = int(meta.get("generation") or 1)
         old = body.get("status") or {}
         status: dict[str, Any] = {"observedGeneration": generation}
+        status["failures"] = trouble.as_status() if trouble is not None else None
         if pool is not None and todo is not None:
             status.update(
                 templateHash=pool.template_hash,
@@ -368,16 +395,22 @@ class PoolKeeper:
             ok, (reason, message) = False, error or ("InvalidSpec", "")
         else:
             ok, reason, message = pool.condition(todo.ready, claimed)
+        stalled = error is not None or pool is None or (trouble is not None and trouble.stalled)
+        if trouble is not None and not ok:
+            said = f"{trouble.count} kernels failed in a row, the last: {trouble.reason}"
+            reason, message = trouble.reason, f"{said}: {trouble.message}"[:1000]
+        now, conditions = stamp(), old.get("conditions")
         status["conditions"] = [
+            st.condition(conditions, "Ready", ok, reason, message, generation=generation, now=now),
             st.condition(
-                old.get("conditions"),
-                "Ready",
-                ok,
-                reason,
-                message,
+                conditions,
+                "Stalled",
+                stalled,
+                reason if stalled else "NotStalled",
+                message if stalled else "not stuck",
                 generation=generation,
-                now=stamp(),
-            )
+                now=now,
+            ),
         ]
         patch = {k: v for k, v in status.items() if old.get(k) != v}
         if patch:

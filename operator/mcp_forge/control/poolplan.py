@@ -83,6 +83,8 @@ class Member:
     ready: bool
     failed: bool
     deleting: bool
+    reason: str = ""  # why it failed: the kubelet's (ErrImagePull, ...) or the kernel's
+    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -136,3 +138,70 @@ def plan(
         delete += older[:over]
         start = max(0, start - max(0, over - len(older)))
     return Plan(tuple(delete), start, len(ready), starting + start)
+
+
+BACKOFF_FIRST = 10.0  # seconds after a pool's kernel failed before another starts
+BACKOFF_MAX = 300.0  # doubling up to this, as a session's restarts do
+STALL_AFTER = 3  # kernels of one template failed in a row: the pool is Stalled
+
+
+@dataclass(frozen=True)
+class Trouble:
+    """A pool's kernels of one template that failed in a row, and the last one's why."""
+
+    count: int
+    reason: str
+    message: str
+    at: float  # when the last one was seen failed
+    template: str
+
+    @property
+    def stalled(self) -> bool:
+        return self.count >= STALL_AFTER
+
+    def next_start(self, first: float = BACKOFF_FIRST) -> float:
+        """No kernel starts before then: the backoff after the last failure (`first`,
+        doubling with each failure, at most BACKOFF_MAX)."""
+        return self.at + min(first * 2.0 ** (self.count - 1), BACKOFF_MAX)
+
+    def as_status(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "reason": self.reason,
+            "message": self.message[:1000],
+            "at": st.stamp(self.at),
+            "template": self.template,
+        }
+
+    @classmethod
+    def from_status(cls, value: Any) -> Trouble | None:
+        if not isinstance(value, dict):
+            return None
+        try:
+            at = st.parse_time(value.get("at"))
+            count = int(value["count"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if at is None or count < 1:
+            return None
+        return cls(count, str(value.get("reason") or ""), str(value.get("message") or ""),
+                   at, str(value.get("template") or ""))  # fmt: skip
+
+
+def trouble(
+    old: Trouble | None, members: Sequence[Member], failed: Sequence[Member], *,
+    template: str, now: float,
+) -> Trouble | None:  # fmt: skip
+    """The pool's trouble after this look: none once a kernel of `template` is ready, or
+    the template changed (a fixed one starts afresh); one more for each kernel of it
+    that failed (`failed`: those the plan deletes for it, each seen once)."""
+    if old is not None and old.template != template:
+        old = None
+    if any(m.ready and not m.failed and m.template == template and not m.deleting for m in members):
+        old = None
+    mine = [m for m in failed if m.template == template]
+    if not mine:
+        return old
+    last = mine[-1]
+    count = (old.count if old is not None else 0) + len(mine)
+    return Trouble(count, last.reason or "Failed", last.message, now, template)
