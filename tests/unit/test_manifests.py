@@ -1086,3 +1086,35 @@ def test_the_crds_apply_with_f_and_with_k_alike() -> None:
     objs = [o for p in sorted(read) for o in yaml.safe_load_all(p.read_text()) if o]
     assert {o["kind"] for o in objs} == {"CustomResourceDefinition"}, [p.name for p in read]
     assert sorted(key(o) for o in objs) == sorted(key(o) for o in kustomize(crds))
+
+
+@pytest.mark.parametrize("crd", ["kernelsession.yaml", "kernelsessionpool.yaml"])
+def test_kubectl_explain_has_a_description_for_every_field(crd: str) -> None:
+    doc = yaml.safe_load((MANIFESTS.parent / "crds" / crd).read_text())
+    schema = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    missing = [] if schema.get("description") else ["(the kind)"]
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        for name, prop in (node.get("properties") or {}).items():
+            if name in ("apiVersion", "kind", "metadata"):
+                continue
+            if not prop.get("description"):
+                missing.append(f"{path}.{name}")
+            walk(prop, f"{path}.{name}")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}[]")
+
+    walk(schema, "")
+    assert missing == [], missing
+
+
+def test_kubectl_get_o_wide_shows_reason_image_pod_and_pool() -> None:
+    doc = yaml.safe_load((MANIFESTS.parent / "crds" / "kernelsession.yaml").read_text())
+    columns = doc["spec"]["versions"][0]["additionalPrinterColumns"]
+    wide = {c["name"]: c["jsonPath"] for c in columns if c.get("priority") == 1}
+    assert wide == {
+        "Reason": ".status.reason",
+        "Image": ".spec.image",
+        "Pod": ".status.podName",
+        "Pool": ".spec.poolRef.name",
+    }
