@@ -48,8 +48,10 @@ GATEWAY_SA = (SYSTEM, "mcp-forge-gateway")
 TOKENS_SECRET = "mcp-forge-gateway-tokens"
 CLUSTER = "*"  # the scope of a grant made by a ClusterRoleBinding
 
-KUSTOMIZATIONS = sorted(
-    p.parent.relative_to(MANIFESTS).as_posix() for p in MANIFESTS.rglob("kustomization.yaml")
+KUSTOMIZATIONS = sorted(  # of the install; examples/ hold sessions (checked as such)
+    p.parent.relative_to(MANIFESTS).as_posix()
+    for p in MANIFESTS.rglob("kustomization.yaml")
+    if "examples" not in p.relative_to(MANIFESTS).parts
 )
 INSTALLS = ["base", "overlays/gvisor", "overlays/namespace-scoped"]
 EXAMPLES = sorted((MANIFESTS / "examples").glob("*.yaml"))
@@ -1118,3 +1120,35 @@ def test_kubectl_get_o_wide_shows_reason_image_pod_and_pool() -> None:
         "Pod": ".status.podName",
         "Pool": ".spec.poolRef.name",
     }
+
+
+GITOPS = MANIFESTS / "examples" / "gitops"
+
+
+def test_the_gitops_examples_sync_what_the_repository_has() -> None:
+    """Argo CD Applications and Flux Kustomizations point at directories that exist and
+    build; the sessions folder holds valid KernelSessions that suspend when idle (not
+    delete: auto-sync would make them again); the CRDs go apart, never pruned."""
+    root = MANIFESTS.parent
+    paths = {}
+    for doc in (GITOPS / "argocd").glob("*.yaml"):
+        (app,) = yaml.safe_load_all(doc.read_text())
+        assert app["kind"] == "Application", doc
+        paths[app["metadata"]["name"]] = app["spec"]["source"]["path"]
+        assert "ServerSideApply=true" in app["spec"]["syncPolicy"]["syncOptions"], doc
+    for doc in (GITOPS / "flux").glob("*.yaml"):
+        for obj in yaml.safe_load_all(doc.read_text()):
+            if obj["kind"] == "Kustomization":
+                paths[obj["metadata"]["name"]] = obj["spec"]["path"].removeprefix("./")
+                assert obj["spec"]["wait"] is True, doc
+    assert set(paths.values()) == {"crds", "manifests/base", "manifests/examples/gitops/sessions"}
+    for path in paths.values():
+        assert kustomize(root / path), path
+    sessions = kustomize(GITOPS / "sessions")
+    for body in sessions:
+        (session,) = kernelsession.parse_documents(yaml.safe_dump(body))
+        assert session["spec"]["idleAction"] == "Suspend", body["metadata"]["name"]
+    for crd in kustomize(root / "crds"):
+        notes = crd["metadata"]["annotations"]
+        assert notes["argocd.argoproj.io/sync-options"] == "Prune=false,Delete=false"
+        assert notes["kustomize.toolkit.fluxcd.io/prune"] == "disabled"
