@@ -62,6 +62,7 @@ from mcp_forge.control.poolplan import (
     plan,
     pool_labels,
 )
+from mcp_forge.control.poolplan import conditions as pool_conditions
 from mcp_forge.control.poolplan import trouble as pool_trouble
 from mcp_forge.control.render import (
     KERNEL_LABELS,
@@ -395,23 +396,14 @@ class PoolKeeper:
             ok, (reason, message) = False, error or ("InvalidSpec", "")
         else:
             ok, reason, message = pool.condition(todo.ready, claimed)
-        stalled = error is not None or pool is None or (trouble is not None and trouble.stalled)
-        if trouble is not None and not ok:
-            said = f"{trouble.count} kernels failed in a row, the last: {trouble.reason}"
-            reason, message = trouble.reason, f"{said}: {trouble.message}"[:1000]
-        now, conditions = stamp(), old.get("conditions")
-        status["conditions"] = [
-            st.condition(conditions, "Ready", ok, reason, message, generation=generation, now=now),
-            st.condition(
-                conditions,
-                "Stalled",
-                stalled,
-                reason if stalled else "NotStalled",
-                message if stalled else "not stuck",
-                generation=generation,
-                now=now,
-            ),
-        ]
+        status["conditions"] = pool_conditions(
+            old.get("conditions"),
+            (ok, reason, message),
+            trouble=trouble,
+            broken=pool is None,  # an invalid spec: it will not fix itself
+            generation=generation,
+            now=stamp(),
+        )
         patch = {k: v for k, v in status.items() if old.get(k) != v}
         if patch:
             self.kube.patch(KIND, meta["namespace"], meta["name"], {"status": patch}, status=True)

@@ -205,3 +205,34 @@ def trouble(
     last = mine[-1]
     count = (old.count if old is not None else 0) + len(mine)
     return Trouble(count, last.reason or "Failed", last.message, now, template)
+
+
+def conditions(
+    old: Any,
+    ready: tuple[bool, str, str],
+    *,
+    trouble: Trouble | None,
+    broken: bool = False,
+    generation: int,
+    now: str,
+) -> list[dict[str, Any]]:
+    """A pool's Ready and Stalled conditions, on a cluster and locally alike: `ready` as
+    the pool says it (filled, at its maximum, filling); in trouble and not ready, the
+    trouble's reason; Stalled once the trouble is, or when `broken` (an invalid spec)."""
+    ok, reason, message = ready
+    if trouble is not None and not ok:
+        said = f"{trouble.count} kernels failed in a row, the last: {trouble.reason}"
+        reason, message = trouble.reason, f"{said}: {trouble.message}"[:1000]
+    stalled = broken or (trouble is not None and trouble.stalled)
+    return [
+        st.condition(old, "Ready", ok, reason, message, generation=generation, now=now),
+        st.condition(
+            old,
+            "Stalled",
+            stalled,
+            reason if stalled else "NotStalled",
+            message if stalled else "not stuck",
+            generation=generation,
+            now=now,
+        ),
+    ]

@@ -41,7 +41,9 @@ from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.kernelsessionpool import KernelSessionPool
-from mcp_forge.control.poolplan import Member, plan
+from mcp_forge.control.poolplan import Member, Trouble, plan
+from mcp_forge.control.poolplan import conditions as pool_conditions
+from mcp_forge.control.poolplan import trouble as pool_trouble
 from mcp_forge.errors import ForgeError, SecretError, SessionNotFound, SessionNotReady
 
 if TYPE_CHECKING:
@@ -81,6 +83,7 @@ class Pools:
         self.runtime = runtime
         self.store = runtime.store
         self.wanted = asyncio.Event()  # a claim took a kernel: the keeper refills
+        self.backoff = runtime.settings.pool_backoff  # after a failed kernel, doubling
 
     # ---- the resource ------------------------------------------------------------------
 
@@ -179,6 +182,8 @@ class Pools:
             ready=phase == st.READY,
             failed=phase in st.STUCK,
             deleting=False,
+            reason=str(member.status.get("reason") or ""),
+            message=str(member.status.get("message") or ""),
         )
 
     async def _delete_member(self, pool: KernelSessionPool, member: KernelSession) -> int:
@@ -216,8 +221,9 @@ class Pools:
                 claimed = self._claimed(pool)
                 # The plan a cluster's pool follows: kernels of an older template go as new
                 # ones answer (or sooner, to stay within maxSize), extras go, the newest first.
+                seen = [self._member(pool, m, i) for i, m in enumerate(members)]
                 todo = plan(
-                    [self._member(pool, m, i) for i, m in enumerate(members)],
+                    seen,
                     size=pool.wanted(claimed),
                     max_starting=pool.max_starting,
                     template=pool.template_hash,
@@ -226,7 +232,14 @@ class Pools:
                 gone = {m.name for m in todo.delete}
                 drop = [m for m in members if m.name in gone]
                 start = todo.start
-                self._write_status(pool, starting=start)
+                # As on a cluster: failed kernels in a row back the pool off, then stall it.
+                now = time.time()
+                old = Trouble.from_status((pool.body.get("status") or {}).get("failures"))
+                failing = [m for m in todo.delete if m.failed]
+                trouble = pool_trouble(old, seen, failing, template=pool.template_hash, now=now)
+                if trouble is not None:
+                    start = min(start, 0 if now < trouble.next_start(self.backoff) else 1)
+                self._write_status(pool, starting=start, trouble=trouble)
                 if not drop and not start:
                     return
                 for member in failed:
@@ -310,7 +323,12 @@ class Pools:
         )
 
     def _write_status(
-        self, pool: KernelSessionPool, *, starting: int = 0, error: str | None = None
+        self,
+        pool: KernelSessionPool,
+        *,
+        starting: int = 0,
+        error: str | None = None,
+        trouble: Trouble | None = None,
     ) -> None:
         """Count the pool's kernels into its status (`starting`: about to be started)."""
         bodies = self.store.list(pool.namespace)
@@ -332,21 +350,19 @@ class Pools:
             "ready": ready,
             "starting": starting,
         }
+        if error is None:  # an error leaves the failures counted as they were
+            patch["failures"] = trouble.as_status() if trouble is not None else None
         old = (pool.body.get("status") or {}).get("conditions")
         ok, reason, message = (
             (False, "KernelStartFailed", error[:1000]) if error else pool.condition(ready, claimed)
         )
-        patch["conditions"] = [
-            st.condition(
-                old,
-                "Ready",
-                ok,
-                reason,
-                message,
-                generation=int(pool.body["metadata"].get("generation", 1)),
-                now=st.stamp(),
-            )
-        ]
+        patch["conditions"] = pool_conditions(
+            old,
+            (ok, reason, message),
+            trouble=trouble,
+            generation=int(pool.body["metadata"].get("generation", 1)),
+            now=st.stamp(),
+        )
         self.store.patch_pool_status(pool.namespace, pool.name, patch)
 
     # ---- claims -------------------------------------------------------------------------
