@@ -77,6 +77,9 @@ class Settings:
     task_after: float = 5.0
     task_heartbeat: float = 10.0  # a running task's sign of life; 3 missed: its gateway is gone
     operator_resync: float = 60.0  # every session is reconciled at least this often
+    # A session Pending, Starting or Restarting this long without being Ready is Stalled
+    # (it still tries; kstatus reads it as Failed); 0: never.
+    progress_deadline: float = 600.0
     pool_backoff: float = 10.0  # after a pool's kernel failed; doubling, at most 5 minutes
     # Code mode.
     bridge_call_timeout: float = 60.0  # one upstream tool call made by kernel code

@@ -262,6 +262,26 @@ async def test_a_session_no_operator_has_seen_reads_as_in_progress(kube: Kube, n
     assert kstatus(got) == ["InProgress"]
 
 
+async def test_a_session_no_node_can_hold_stalls_at_its_progress_deadline(
+    kube: Kube, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cpu 64 on a 2-core node: Starting, Unschedulable; past the progress deadline (2 s
+    here) Stalled with the scheduler's reason, so kstatus (Flux) says Failed."""
+    monkeypatch.setenv("MCPFORGE_PROGRESS_DEADLINE", "2")
+    async with running_operator(kube):
+        await create(kube, ns, "huge", resources={"cpu": "64", "memory": "128Mi"})
+        obj = await eventually(
+            kube, KS, ns, "huge", lambda o: condition(o, "Stalled").get("status") == "True",
+            timeout=60, what="Stalled",
+        )  # fmt: skip
+    assert obj is not None
+    assert obj["status"]["phase"] == "Starting", obj["status"]  # still trying
+    assert condition(obj, "Stalled")["reason"] == "Unschedulable", condition(obj, "Stalled")
+    assert condition(obj, "Reconciling")["status"] == "False"
+    assert "not Ready after 2s" in obj["status"]["message"], obj["status"]["message"]
+    assert kstatus(obj) == ["Failed"]
+
+
 async def test_operating_mode_suspended_and_back(kube: Kube, ns: str, operator: Any) -> None:
     await create(kube, ns, "mode")
     first = await ready(kube, ns, "mode")

@@ -589,3 +589,34 @@ def test_a_death_is_recorded_once_per_kernel_records_without_an_id_included(
     status = {"phase": phase, "lastTermination": last}
     followed = follow(session(), Kernel("k1", seen, 2.0), status, now=T0, local=True)
     assert (followed.died is None) is want
+
+
+def test_a_session_in_progress_past_its_deadline_is_stalled_and_kstatus_says_failed() -> None:
+    """As a Deployment past progressDeadlineSeconds: still trying, but Stalled (not
+    Reconciling), so Flux's wait ends Failed instead of waiting for ever."""
+    pending = Observation(st.PENDING, "Unschedulable", "0/1 nodes: Insufficient cpu")
+    first = shown({}, pending, generation=1, now=T0, deadline=60.0)
+    assert kstatus(session_with(st.PENDING, first["conditions"], generation=1, observed=1)) == [
+        "InProgress"
+    ]
+    soon = shown(first, pending, generation=1, now=T0 + 59, deadline=60.0)
+    assert kstatus(session_with(st.PENDING, soon["conditions"], generation=1, observed=1)) == [
+        "InProgress"
+    ]
+    late = shown(soon, pending, generation=1, now=T0 + 61, deadline=60.0)
+    by_type = {c["type"]: c for c in late["conditions"]}
+    assert (by_type["Reconciling"]["status"], by_type["Stalled"]["status"]) == ("False", "True")
+    assert by_type["Stalled"]["reason"] == "Unschedulable"
+    assert late["message"].startswith("not Ready after 60s: 0/1 nodes"), late["message"]
+    assert kstatus(session_with(st.PENDING, late["conditions"], generation=1, observed=1)) == [
+        "Failed"
+    ]
+    # Ready at last: the stall is over.
+    ready = shown(late, Observation(st.READY, "KernelReady", "ok"), generation=1, now=T0 + 70,
+                  deadline=60.0)  # fmt: skip
+    assert kstatus(session_with(st.READY, ready["conditions"], generation=1, observed=1)) == [
+        "Current"
+    ]
+    # No deadline: in progress for ever, as before.
+    never = shown(soon, pending, generation=1, now=T0 + 10_000, deadline=0.0)
+    assert {c["type"]: c["status"] for c in never["conditions"]}["Stalled"] == "False"

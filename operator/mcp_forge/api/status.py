@@ -161,10 +161,15 @@ def conditions(
     message: str,
     *,
     pending: tuple[str, str] | None = None,
+    overdue: bool = False,
     generation: int,
     now: str,
 ) -> list[dict[str, Any]]:
     """Ready, UpdatePending, Reconciling and Stalled for a session in `phase`.
+
+    `overdue`: in progress past its progress deadline (it still tries): Stalled, not
+    Reconciling, so that kstatus reads it as Failed, as a Deployment past its
+    progressDeadlineSeconds.
 
     `pending` is the (reason, message) of a spec change not yet on the kernel's pod.
     A Suspended session has no Ready condition: it has no kernel on purpose, which is
@@ -172,7 +177,7 @@ def conditions(
     to come; without one it reads Reconciling and Stalled (both False): Current.
     `kubectl wait --for=condition=Ready` waits on, as it should, until it resumes.
     """
-    busy, stuck = phase in IN_PROGRESS, phase in STUCK
+    busy, stuck = phase in IN_PROGRESS and not overdue, phase in STUCK or overdue
 
     def one(type_: str, value: bool, why: str, text: str) -> dict[str, Any]:
         return condition(old, type_, value, why, text, generation=generation, now=now)
@@ -199,3 +204,11 @@ def conditions(
 
 
 _OWN = frozenset({"Ready", "UpdatePending", "Reconciling", "Stalled"})
+
+
+def since_true(conditions: Sequence[Mapping[str, Any]] | None, type_: str) -> float | None:
+    """Since when condition `type_` is True (None: it is not)."""
+    for c in conditions or []:
+        if c.get("type") == type_ and c.get("status") == "True":
+            return parse_time(c.get("lastTransitionTime"))
+    return None

@@ -362,20 +362,30 @@ def shown(
     generation: int,
     now: float,
     pending: tuple[str, str] | None = None,
+    deadline: float = 0.0,
 ) -> dict[str, Any]:
     """The status fields that show `seen`: phase, reason, message, observedGeneration
-    and the four conditions (api/status.py), as both realizers write them."""
+    and the four conditions (api/status.py), as both realizers write them. In progress
+    longer than `deadline` seconds (0: no deadline) without being Ready, it is Stalled
+    (it still tries), saying how long."""
+    message, overdue = seen.message, False
+    since = st.since_true(old.get("conditions"), "Reconciling")
+    if deadline > 0 and seen.phase in st.IN_PROGRESS and since is not None:
+        overdue = now - since > deadline
+        if overdue:
+            message = f"not Ready after {deadline:g}s: {seen.message}"
     return {
         "phase": seen.phase,
         "reason": seen.reason,
-        "message": seen.message[:2000],
+        "message": message[:2000],
         "observedGeneration": generation,
         "conditions": st.conditions(
             old.get("conditions"),
             seen.phase,
             seen.reason,
-            seen.message,
+            message,
             pending=pending,
+            overdue=overdue,
             generation=generation,
             now=stamp(now),
         ),

@@ -99,6 +99,7 @@ class Pass:
     pending: tuple[str, str] | None = None
     claim: PodClaim | None = None
     notes: list[str] = field(default_factory=list)
+    deadline: float = 0.0  # in progress this long: Stalled (settings.progress_deadline)
 
     @property
     def fresh(self) -> bool:
@@ -196,6 +197,7 @@ def begin(
         due=list(verdict.due),
         kernel_gen=int((old.get("connection") or {}).get("generation") or 0),
         pod=pod,
+        deadline=r.settings.progress_deadline,
     )
 
 
@@ -296,7 +298,12 @@ def fill_status(p: Pass) -> None:
     status = p.status
     pod_name = pod["metadata"]["name"] if pod is not None else None
     meta = pod["metadata"] if pod is not None else {}
-    status.update(shown(old, seen, generation=p.generation, now=p.now, pending=p.pending))
+    deadline = p.deadline
+    status.update(
+        shown(old, seen, generation=p.generation, now=p.now, pending=p.pending, deadline=deadline)
+    )
+    if deadline > 0 and seen.phase in st.IN_PROGRESS:  # looked at again when it passes
+        p.due.append((st.since_true(old.get("conditions"), "Reconciling") or p.now) + deadline)
     status.update(
         serviceName=child_name(session),
         podName=pod_name,
