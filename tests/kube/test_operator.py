@@ -120,7 +120,7 @@ async def test_an_oom_killed_kernel_is_named_and_recreated_with_its_key(
     assert obj["status"]["restarts"] == 1
     # What `kubectl describe` shows: made, Ready, and the OOM kill with its limit.
     told = await events_of(kube, ns, "beta", {"Starting", "Ready", "OOMKilled"})
-    oom = next(e for e in told if e["reason"] == "OOMKilled")
+    oom = next(e for e in told if e["reason"] == "OOMKilled" and e["type"] == "Warning")
     assert oom["type"] == "Warning" and "limit 128Mi" in oom["message"], oom
     assert oom["involvedObject"]["uid"] == obj["metadata"]["uid"]
     assert {e["source"]["component"] for e in told} == {"mcp-forge-operator"}
@@ -295,7 +295,7 @@ async def test_operating_mode_suspended_and_back(kube: Kube, ns: str, operator: 
 
 
 async def test_max_lifetime_expires_the_session(kube: Kube, ns: str, operator: Any) -> None:
-    await create(kube, ns, "mortal", maxLifetime="5s")
+    await create(kube, ns, "mortal", maxLifetime="10s")
     obj = await ready(kube, ns, "mortal")
     assert obj["status"]["expiresAt"]
     expired = await eventually(kube, KS, ns, "mortal", lambda o: phase(o) == "Expired", timeout=30)

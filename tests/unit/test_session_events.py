@@ -27,6 +27,10 @@ WARM = {"type": "WarmStart", "status": "True", "message": "claimed kernel p-1 of
         ({"phase": st.READY}, {"phase": st.RESTARTING, "reason": "OOMKilled",
                                "message": OOM["message"], "lastTermination": OOM},
          [(WARNING, "OOMKilled", OOM["message"])]),  # the death says why it restarts
+        ({"phase": st.READY}, {"phase": st.RESTARTING, "reason": st.RESTART_REQUESTED,
+                               "message": "asked"}, [(NORMAL, st.RESTART_REQUESTED, "asked")]),
+        ({"phase": st.READY}, {"phase": st.RESTARTING, "reason": "Error", "message": "exit 1"},
+         [(WARNING, "Error", "exit 1")]),  # its death recorded apart
         ({"phase": st.RESTARTING, "reason": "Error"},
          {"phase": st.RESTARTING, "reason": st.CRASH_LOOP_BACKOFF, "message": "back off 20s"},
          [(WARNING, st.CRASH_LOOP_BACKOFF, "back off 20s")]),

@@ -63,7 +63,8 @@ def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
     elif phase == st.READY:
         found.append((NORMAL, "Ready", message or "the kernel answered"))
     elif phase == st.RESTARTING and not death:  # a death says why itself
-        kind = WARNING if reason == st.CRASH_LOOP_BACKOFF else NORMAL
+        asked = reason in (st.RESTART_REQUESTED, st.UPDATING)  # else a death's, a back-off's
+        kind = NORMAL if asked else WARNING
         found.append((kind, reason or "Restarting", message or "a new kernel is coming"))
     elif phase == st.SUSPENDED:
         found.append((NORMAL, "Suspended", message or reason))
