@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import random
 import secrets
 import threading
 import time
@@ -154,7 +155,9 @@ class Tally:
 
     def _write(self, key: tuple[str, str, str], add: Counter[str]) -> None:
         namespace, name, uid = key
-        for _ in range(COUNT_ATTEMPTS):
+        for attempt in range(COUNT_ATTEMPTS):
+            if attempt:  # writers that collided go again apart, not in the same step
+                time.sleep(random.uniform(0, 0.01 * 2**attempt))
             body = self.kube.get(KIND, namespace, name)
             if body is None or body["metadata"].get("uid") != uid:
                 return  # that pool is gone: nothing left to count on
