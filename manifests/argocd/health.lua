@@ -1,8 +1,9 @@
 -- Argo CD health of a KernelSession (mcpforge.dev/v1alpha1), in Lua 5.1 as Argo CD
 -- runs it. A status written for an older generation says nothing about the current
 -- spec, so it is Progressing (as kstatus, and so Flux, reads it too). Then:
--- Degraded when the phase is Failed or Expired, Suspended when it is Suspended,
--- Healthy when the Ready condition is True, and Progressing otherwise.
+-- Degraded when the phase is Failed or Expired, or it is Stalled (no progress past its
+-- deadline), Suspended when it is Suspended, Healthy when the Ready condition is True,
+-- and Progressing otherwise.
 local hs = {status = "Progressing", message = "Waiting for the operator"}
 local status = obj.status
 if status == nil then
@@ -14,11 +15,13 @@ if status.observedGeneration == nil or status.observedGeneration ~= generation t
   return hs
 end
 
-local ready = nil
+local ready, stalled = nil, nil
 if status.conditions ~= nil then
   for _, condition in ipairs(status.conditions) do
     if condition.type == "Ready" then
       ready = condition
+    elseif condition.type == "Stalled" then
+      stalled = condition
     end
   end
 end
@@ -34,7 +37,8 @@ local function message(default)
 end
 
 local phase = status.phase
-if phase == "Failed" or phase == "Expired" then
+if phase == "Failed" or phase == "Expired"
+    or (stalled ~= nil and stalled.status == "True") then
   hs.status = "Degraded"
   hs.message = message("KernelSession " .. phase)
   return hs

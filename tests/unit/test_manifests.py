@@ -982,6 +982,17 @@ HEALTH_CASES = {
         _session_status(observedGeneration=3, phase="Expired", message="maxLifetime 8h passed"),
         "Degraded",
     ),
+    "no progress past its deadline": (
+        _session_status(
+            observedGeneration=3,
+            phase="Starting",
+            conditions=[
+                *_ready("False", "not Ready after 600s: 0/1 nodes are available"),
+                {"type": "Stalled", "status": "True", "reason": "Unschedulable"},
+            ],
+        ),
+        "Degraded",
+    ),
 }
 
 
