@@ -90,6 +90,7 @@ async def test_create_makes_every_child_owned_and_ready_follows_the_pod(
     assert running is not None
     assert status["observedGeneration"] == obj["metadata"]["generation"]
     assert status["podIP"] == running["status"]["podIP"] and status["phase"] == "Ready"
+    assert status["nodeName"] == running["spec"]["nodeName"]  # kubectl get ks -o wide
     assert status["connection"]["host"] == f"ks-alpha.{ns}.svc"
     assert status["connection"]["secretName"] == "ks-alpha-conn"
     assert status["connection"]["generation"] == 1

@@ -1121,7 +1121,7 @@ def test_kubectl_explain_has_a_description_for_every_field(crd: str) -> None:
     assert missing == [], missing
 
 
-def test_kubectl_get_o_wide_shows_reason_image_pod_and_pool() -> None:
+def test_kubectl_get_o_wide_shows_reason_image_pod_pool_and_node() -> None:
     doc = yaml.safe_load((MANIFESTS.parent / "crds" / "kernelsession.yaml").read_text())
     columns = doc["spec"]["versions"][0]["additionalPrinterColumns"]
     wide = {c["name"]: c["jsonPath"] for c in columns if c.get("priority") == 1}
@@ -1130,6 +1130,7 @@ def test_kubectl_get_o_wide_shows_reason_image_pod_and_pool() -> None:
         "Image": ".spec.image",
         "Pod": ".status.podName",
         "Pool": ".spec.poolRef.name",
+        "Node": ".status.nodeName",
     }
 
 

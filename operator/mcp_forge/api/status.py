@@ -70,6 +70,7 @@ class Status(TypedDict, total=False):
     kernelId: str | None
     podName: str | None
     podIP: str | None
+    nodeName: str | None  # the operator's: the node the kernel's pod runs on
     serviceName: str
     templateHash: str | None
     startedAt: str | None

@@ -308,6 +308,7 @@ def fill_status(p: Pass) -> None:
         serviceName=child_name(session),
         podName=pod_name,
         podIP=seen.pod_ip,
+        nodeName=(pod.get("spec") or {}).get("nodeName") if pod is not None else None,
         kernelId=meta.get("uid") if pod is not None else None,
         templateHash=(meta.get("annotations") or {}).get(TEMPLATE_HASH) if pod else None,
         expiresAt=stamp(p.expires) if p.expires is not None else None,
