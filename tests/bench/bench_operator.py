@@ -227,7 +227,16 @@ async def warm_kernels(kube: Kube, ns: str, runs: int) -> tuple[list[float], lis
     await asyncio.to_thread(kube.create, pool)
 
     def full(o: dict[str, Any] | None) -> bool:
-        return ((o or {}).get("status") or {}).get("ready") == 2
+        """Two ready kernels in the pool: as its status says, and as its pods are (the
+        status may still show a kernel the last claim took)."""
+        if ((o or {}).get("status") or {}).get("ready") != 2:
+            return False
+        pods = kube.list("Pod", ns, labels={"mcpforge.dev/pool": "bench"}).get("items") or []
+        return len(pods) == 2 and all(
+            any(c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (p.get("status") or {}).get("conditions") or [])
+            for p in pods
+        )  # fmt: skip
 
     to_ready, to_answer = [], []
     for _ in range(runs):
@@ -281,6 +290,30 @@ async def many(kube: Kube, ns: str, count: int) -> float:
     return time.perf_counter() - t
 
 
+async def settled(kube: Kube, ns: str, count: int) -> None:
+    """The operator's last writes for the `count` sessions `many` made are in: kopf's
+    annotation on each, and each one's Suspended Event (written in a thread of its own)."""
+
+    def handled(o: dict[str, Any] | None) -> bool:
+        notes = ((o or {}).get("metadata") or {}).get("annotations") or {}
+        return "mcpforge.dev/last-handled-configuration" in notes
+
+    for i in range(count):
+        await eventually(kube, KS, ns, f"m-{i:04d}", handled, timeout=300)
+    deadline = time.monotonic() + 300
+    while True:
+        listed = await asyncio.to_thread(kube.list, "Event", ns)
+        told = {
+            e["involvedObject"]["name"]
+            for e in listed.get("items") or []
+            if e.get("reason") == "Suspended"
+        }
+        if sum(1 for n in told if n.startswith("m-")) >= count:
+            return
+        assert time.monotonic() < deadline, f"{len(told)} of {count} Suspended Events"
+        await asyncio.sleep(0.2)  # Events are not watched here: looked at again shortly
+
+
 async def main(runs: int, sessions: int) -> None:
     bare = []
     for _ in range(runs):
@@ -307,6 +340,7 @@ async def main(runs: int, sessions: int) -> None:
                 before = rss(proc.pid)
                 took = await many(kube, ns, sessions)
                 after = rss(proc.pid)
+                await settled(kube, ns, sessions)
                 burst = audit.since()
                 await asyncio.sleep(QUIET)  # the measurement: a minute with nothing to do
                 quiet = audit.since()

@@ -190,6 +190,10 @@ async def test_kubectl_apply_k_serves_agents_through_the_gateway_service(
         test_cluster, "-n", SESSIONS, "wait", "--for=condition=Ready", "kernelsession/scratch",
         f"--timeout={DEADLINE}",
     )  # fmt: skip
+    # Ready when its kernel answered the operator itself: the installed NetworkPolicies
+    # let the operator reach the kernel's shell port (control/answers.py).
+    said = json.loads(kubectl(test_cluster, "-n", SESSIONS, "get", "ks", "scratch", "-o", "json"))
+    assert said["status"]["message"] == "the kernel answered the operator", said["status"]
 
     http = httpx2.AsyncClient(
         headers={"Authorization": f"Bearer {installed}"}, timeout=httpx2.Timeout(30, read=120)

@@ -37,6 +37,12 @@ from .harness import (
 )
 
 
+def pod_ready(pod: dict[str, Any] | None) -> bool:
+    """The kubelet says the pod is Ready (its kernel passed the startupProbe)."""
+    conditions = ((pod or {}).get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 async def create(kube: Kube, ns: str, name: str, **spec: Any) -> dict[str, Any]:
     return await asyncio.to_thread(kube.create, session_body(name, ns, **spec))
 
@@ -95,6 +101,11 @@ async def test_create_makes_every_child_owned_and_ready_follows_the_pod(
     assert status["connection"]["secretName"] == "ks-alpha-conn"
     assert status["connection"]["generation"] == 1
     assert status["kernelId"] == pod["metadata"]["uid"]
+    # Ready as soon as the kernel answered the operator's own kernel_info, not at the
+    # kubelet's next startup probe (control/answers.py); the Service reaches the pod
+    # from its start, so a gateway dialing it need not wait for the kubelet either.
+    assert status["message"] == "the kernel answered the operator", status
+    assert service["spec"]["publishNotReadyAddresses"] is True
     secret = await asyncio.to_thread(kube.get, "Secret", ns, "ks-alpha-conn")
     assert secret is not None
     assert key_in(secret) not in json.dumps(obj), "the key must never be in the status"
@@ -497,6 +508,9 @@ async def test_a_steady_cluster_gets_no_writes_from_the_operator_in_ten_quiet_re
             network={"egress": "None"},
         )
         await ready(kube, ns, "steady")
+        # The session is Ready when its kernel answered the operator, which may be
+        # before the kubelet's startupProbe passes: the kubelet's own writes come first.
+        await eventually(kube, "Pod", ns, "ks-steady", pod_ready, what="the kubelet's Ready")
         writes: list[str] = []
         deadline = time.monotonic() + QUIET
         kinds = ["KernelSession", "Pod", "Secret", "Service", "NetworkPolicy", "Lease"]

@@ -82,3 +82,21 @@ def test_an_image_that_cannot_be_pulled_fails_the_session() -> None:
 def test_a_kernel_being_created_is_starting() -> None:
     seen = observe(session(), pod({"waiting": {"reason": "ContainerCreating"}}, phase="Pending"))
     assert (seen.phase, seen.ready) == ("Starting", False)
+
+
+def test_a_kernel_that_answered_the_operator_is_ready_before_its_startup_probe() -> None:
+    """control/answers.py: the operator's own kernel_info, answered, is Ready at once,
+    whatever the kubelet has written so far (still creating, running not started)."""
+    for state in ({"running": {"startedAt": "T1"}}, {"waiting": {"reason": "ContainerCreating"}}):
+        seen = observe(session(), pod(state, started=False), answered="T2")
+        assert (seen.phase, seen.started_at, seen.pod_ip) == ("Ready", "T2", "10.1.2.3")
+        assert seen.message == "the kernel answered the operator"
+    # The kubelet's own Ready reads apart, so a test can tell which came first.
+    probed = observe(session(), pod({"running": {"startedAt": "T1"}}))
+    assert probed.message == "the kernel answered its startup probe"
+
+
+def test_an_answer_does_not_outlive_the_kernel() -> None:
+    died = pod({"terminated": {"exitCode": 1}}, phase="Failed")
+    seen = observe(session(), died, answered="T2")
+    assert seen.phase == "Restarting" and seen.termination is not None

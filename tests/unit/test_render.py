@@ -113,17 +113,20 @@ def test_the_network_policy_admits_only_the_gateway_and_no_egress_by_default() -
     policy = by_kind(render_kubernetes(session(), CONN))["NetworkPolicy"]["spec"]
     assert policy["policyTypes"] == ["Ingress", "Egress"]
     assert policy["egress"] == []
-    (rule,) = policy["ingress"]
-    assert rule["from"] == [
-        {
-            "podSelector": {
-                "matchLabels": {
-                    "app.kubernetes.io/name": "mcp-forge",
-                    "app.kubernetes.io/component": "gateway",
-                }
-            }
-        }
-    ]
+    gateway, operator = policy["ingress"]
+
+    def pods(component: str) -> list[dict[str, Any]]:
+        labels = {"app.kubernetes.io/name": "mcp-forge", "app.kubernetes.io/component": component}
+        return [{"podSelector": {"matchLabels": labels}}]
+
+    assert gateway["from"] == pods("gateway")
+    assert len(gateway["ports"]) == 6  # the five ZMQ ports and the bridge's
+    # The operator asks a starting kernel whether it answers: the shell port, no other.
+    assert operator == {"from": pods("operator"), "ports": [{"port": 5555, "protocol": "TCP"}]}
+    elsewhere = render_kubernetes(session(), CONN, gateway_namespace="mcp-forge-system")
+    where = {"matchLabels": {"kubernetes.io/metadata.name": "mcp-forge-system"}}
+    rules = by_kind(elsewhere)["NetworkPolicy"]["spec"]["ingress"]
+    assert [r["from"][0]["namespaceSelector"] for r in rules] == [where, where]
     allowed = by_kind(render_kubernetes(session(network={"egress": "All"}), CONN))["NetworkPolicy"]
     assert allowed["spec"]["egress"] == [{}]
 

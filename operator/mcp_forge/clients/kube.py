@@ -226,10 +226,17 @@ class Kube:
         labels: dict[str, str] | None = None,
         fields: dict[str, str] | None = None,
         metadata_only: bool = False,
+        cached: bool = False,
     ) -> dict[str, Any]:
         """The list object (items and metadata.resourceVersion); with `metadata_only`,
-        each item's metadata alone (a PartialObjectMetadataList: no data, no spec)."""
-        query = []
+        each item's metadata alone (a PartialObjectMetadataList: no data, no spec).
+
+        `cached`: as the API server's watch cache has it now (resourceVersion 0), which
+        may be a few milliseconds behind. Else the list is consistent, and the API server
+        holds it until its cache has caught up with etcd: up to 100 ms while nothing of
+        that kind changes (measured: 65-97 ms for a namespace's pods). For callers whose
+        writes are guarded by resourceVersion, or that a later reconcile corrects."""
+        query = [("resourceVersion", "0")] if cached else []
         if labels:
             query.append(("labelSelector", ",".join(f"{k}={v}" for k, v in labels.items())))
         if fields:

@@ -12,6 +12,7 @@ is logged and dropped: it never holds a reconcile up.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -83,19 +84,33 @@ def _warm(status: Mapping[str, Any]) -> str | None:
 
 
 class Recorder:
+    """Writes Events in a thread of its own, in the order they were recorded, as
+    client-go's broadcaster does: a reconcile never waits on them."""
+
     def __init__(self, kube: Kube) -> None:
         self.kube = kube
         self.instance = os.environ.get("HOSTNAME", "") or "mcp-forge-operator"
         self._counts: OrderedDict[str, int] = OrderedDict()  # by Event name
         self._tokens: dict[str, tuple[float, float]] = {}  # by object uid: (tokens, at)
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "mcp-forge-events")
 
     def record(self, obj: Mapping[str, Any], found: list[Change]) -> None:
-        """Write the Events `found` for `obj` (blocking: run it in a thread)."""
+        """Write the Events `found` for `obj`, after those recorded before; returns at once."""
+        if found:
+            self._writer.submit(self._write, dict(obj), list(found))
+
+    def close(self) -> None:
+        """Write what was recorded (bounded by the API's timeouts), then stop."""
+        self._writer.shutdown(wait=True)
+
+    def _write(self, obj: Mapping[str, Any], found: list[Change]) -> None:
         for type_, reason, message in found:
             try:
                 self._one(obj, type_, reason, message[:MESSAGE_MAX])
             except ApiError as exc:
                 log.warning("event %s on %s not written: %s", reason, obj["metadata"]["name"], exc)
+            except Exception:  # a thread of its own: nobody else would hear of it
+                log.exception("event %s on %s not written", reason, obj["metadata"]["name"])
 
     def _allowed(self, uid: str) -> bool:
         now = time.monotonic()

@@ -82,6 +82,7 @@ async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     if memo.get("reconciler") is not None:
+        await memo.reconciler.answers.close()
         memo.reconciler.close()
 
 
@@ -118,10 +119,14 @@ async def session_event(
 @kopf.on.event("", "v1", "pods", labels={**CHILD_LABELS, LABEL_COMPONENT: "kernel"})
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels=CHILD_LABELS)
 async def child_event(
-    *, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
+    *, labels: Mapping[str, str], namespace: str | None, body: Any, memo: Any, **_: Any
 ) -> None:
-    """A kernel pod or an activity Lease changed: look at its session now."""
-    _reconciler(memo).poke(namespace or "default", labels[LABEL_SESSION])
+    """A kernel pod or an activity Lease changed: look at its session now; a starting
+    kernel is asked whether it answers (control/answers.py)."""
+    reconciler = _reconciler(memo)
+    reconciler.poke(namespace or "default", labels[LABEL_SESSION])
+    if body.get("kind") == "Pod":
+        reconciler.answers.consider(body)
 
 
 @kopf.on.resume(GROUP, VERSION, ksp.PLURAL)

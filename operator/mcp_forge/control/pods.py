@@ -31,6 +31,10 @@ STUCK = frozenset(
 )
 
 
+ANSWERED = "the kernel answered the operator"
+PROBED = "the kernel answered its startup probe"
+
+
 @dataclass(frozen=True)
 class Observation:
     phase: str  # Pending, Starting, Ready, Restarting, Failed
@@ -59,8 +63,12 @@ def _kernel_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
     return {}
 
 
-def observe(session: KernelSession, pod: Mapping[str, Any] | None) -> Observation:
-    """The session as its kernel Pod shows it (None: there is no Pod)."""
+def observe(
+    session: KernelSession, pod: Mapping[str, Any] | None, answered: str | None = None
+) -> Observation:
+    """The session as its kernel Pod shows it (None: there is no Pod). `answered`: when
+    the pod's kernel answered the operator's own kernel_info (control/answers.py), which
+    is Ready before the kubelet's startupProbe says so."""
     if pod is None:
         return Observation(st.PENDING, "PodMissing", "the kernel's pod does not exist yet")
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
@@ -68,6 +76,8 @@ def observe(session: KernelSession, pod: Mapping[str, Any] | None) -> Observatio
     status = pod.get("status") or {}
     pod_ip = status.get("podIP") if isinstance(status.get("podIP"), str) else None
     state = _kernel_status(pod).get("state") or {}
+    if answered is not None and "terminated" not in state and status.get("phase") != "Failed":
+        return Observation(st.READY, st.KERNEL_READY, ANSWERED, None, answered, pod_ip)
     if "running" in state:
         # Ready (its startupProbe passed, and the kubelet has said so in full): not merely
         # started, which the kubelet writes one status update earlier.
@@ -85,7 +95,7 @@ def observe(session: KernelSession, pod: Mapping[str, Any] | None) -> Observatio
             None,
         )
         started = answered or (state.get("running") or {}).get("startedAt")
-        return Observation(st.READY, st.KERNEL_READY, "the kernel answered", None, started, pod_ip)
+        return Observation(st.READY, st.KERNEL_READY, PROBED, None, started, pod_ip)
     if "terminated" in state:
         ended = state.get("terminated") or {}
         code = ended.get("exitCode")

@@ -417,9 +417,14 @@ class PoolKeeper:
         """The pool and its kernels, as a claim reads them."""
         return Seen(self.kube.get(KIND, namespace, name), self.members(namespace, name))
 
-    def members(self, namespace: str, name: str) -> list[dict[str, Any]]:
-        """The pool's kernel pods, claimed or not, ready or not."""
-        return self.kube.list("Pod", namespace, labels={ksp.LABEL_POOL: name}).get("items") or []
+    def members(self, namespace: str, name: str, *, cached: bool = True) -> list[dict[str, Any]]:
+        """The pool's kernel pods, claimed or not, ready or not, as a claim reads them:
+        first from the API server's cache, at once (a pod claimed meanwhile, shown as it
+        was, is refused to the claim by its resourceVersion; one ready since, not shown
+        so, is found by the claim's second, consistent read)."""
+        labels = {ksp.LABEL_POOL: name}
+        listed = self.kube.list("Pod", namespace, labels=labels, cached=cached)
+        return listed.get("items") or []
 
     def claim(
         self, session: KernelSession, template_hash: str, seen: Seen | None = None
@@ -451,26 +456,34 @@ class PoolKeeper:
             secret_env(self.kube, session)
         except SecretError as exc:  # no miss: the pool could have served it
             return PodClaim(None, ksp.CLAIM_FAILED, f"{exc}: started cold")
+        for fresh in (False, True):
+            if fresh:  # the cache had none to take: it may be behind, so read the pods afresh
+                seen = Seen(body, self.members(ns, name, cached=False))
+            for pod in self._ready(pool, seen.pods, session):
+                taken = self._take(pool, pod, session, template_hash)
+                if taken is not None:
+                    self.tally.add(pool, "claims")
+                    why = f"claimed kernel {taken['metadata']['name']} of pool {name}"
+                    return PodClaim(taken, ksp.CLAIMED, why)
+        self.tally.add(pool, "misses")
+        return PodClaim(
+            None, ksp.POOL_EXHAUSTED, f"pool {name!r} had no ready kernel: started cold"
+        )
+
+    @staticmethod
+    def _ready(
+        pool: KernelSessionPool, pods: list[dict[str, Any]], session: KernelSession
+    ) -> list[dict[str, Any]]:
+        """The pool's ready kernels of its current template, oldest first."""
         ready = [
             p
-            for p in seen.pods
+            for p in pods
             if (p["metadata"].get("labels") or {}).get(ksp.LABEL_TEMPLATE) == pool.template_hash
             and any(r.get("uid") == pool.uid for r in p["metadata"].get("ownerReferences") or [])
             and not p["metadata"].get("deletionTimestamp")
             and observe(session, p).ready
         ]
-        ready.sort(key=lambda p: str(p["metadata"].get("creationTimestamp")))
-        for pod in ready:
-            taken = self._take(pool, pod, session, template_hash)
-            if taken is not None:
-                self.tally.add(pool, "claims")
-                return PodClaim(
-                    taken, ksp.CLAIMED, f"claimed kernel {taken['metadata']['name']} of pool {name}"
-                )
-        self.tally.add(pool, "misses")
-        return PodClaim(
-            None, ksp.POOL_EXHAUSTED, f"pool {name!r} had no ready kernel: started cold"
-        )
+        return sorted(ready, key=lambda p: str(p["metadata"].get("creationTimestamp")))
 
     def _take(
         self, pool: KernelSessionPool, pod: dict[str, Any], session: KernelSession, hash_: str

@@ -103,7 +103,13 @@ class Pass:
 
     @property
     def fresh(self) -> bool:
-        return not self.old  # its first reconcile, most likely: no child made yet
+        return unseen(self.old)  # its first reconcile, most likely: no child made yet
+
+
+def unseen(status: dict[str, Any]) -> bool:
+    """No operator has written this status: it is empty, or only what the CRD defaults
+    (`observedGeneration: 0`). Such a session's children most likely do not exist yet."""
+    return not status.get("phase") and not status.get("observedGeneration")
 
 
 def host_of(session: KernelSession) -> str:
@@ -166,7 +172,7 @@ def begin(
 ) -> Pass | None:
     """Read the children and decide whether the session stops; None if it was deleted."""
     spec = session.spec
-    found = r._children(session, old, fresh=not old)
+    found = r._children(session, old, fresh=unseen(old))
     pod = found.pod
     created = parse_time(body["metadata"].get("creationTimestamp")) or now
     act, restart = activity(found.lease, created, now)
@@ -244,7 +250,7 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
             metrics.KERNEL_RESTARTS.labels(reason=reason).inc()
         p.kernel_gen += 1
         p.status["startedAt"] = None
-    p.seen = observe(session, pod)
+    p.seen = observe(session, pod, r.answers.of(ns, session.name, pod["metadata"].get("uid")))
     p.due.append(p.now + STARTING_RECHECK)
 
 
@@ -258,7 +264,7 @@ def follow_kernel(r: Reconciler, p: Pass) -> None:
     uid = pod["metadata"].get("uid")
     if uid != old.get("kernelId"):  # made by a reconcile whose status write was lost
         p.kernel_gen += 1
-    seen = observe(session, pod)
+    seen = observe(session, pod, r.answers.of(session.namespace, session.name, uid))
     hashes = (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH)
     kernel = Kernel(
         uid,

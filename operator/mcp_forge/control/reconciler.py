@@ -33,6 +33,7 @@ from mcp_forge.clients.kube import (
 )
 from mcp_forge.control import events
 from mcp_forge.control import workspace as ws
+from mcp_forge.control.answers import Answers
 from mcp_forge.control.baseline import Baseline
 from mcp_forge.control.poolkeeper import PoolKeeper, Seen
 from mcp_forge.control.realize import Children, Outcome, host_of, realize
@@ -78,6 +79,7 @@ class Reconciler:
         self.pools = PoolKeeper(kube, settings, self.baseline)
         self._locks: dict[Key, asyncio.Lock] = {}
         self.schedule = Scheduler(self._one, settings.operator_resync)
+        self.answers = Answers(kube, self.poke)
         self._calls = concurrent.futures.ThreadPoolExecutor(CALLS, "mcp-forge-api")
         # Workspace claims the API server refused to grow: (namespace, name) -> (size
         # asked, when, the condition said), so a refusal is asked again only now and then.
@@ -90,6 +92,8 @@ class Reconciler:
         # concurrent.futures.wait, and the operator hung at its stop.
         self._calls.shutdown(wait=False)
         self.pools.tally.close()  # pending claim and miss counts written before the client goes
+        self.events.close()  # and the Events recorded
+        self.pools.events.close()
         self.kube.close()
 
     # ---- scheduling ----------------------------------------------------------------------
@@ -103,6 +107,7 @@ class Reconciler:
         self._locks.pop((kind, namespace, name), None)
         if kind == KS:
             self._refused.pop((namespace, name), None)
+            self.answers.forget(namespace, name)
 
     async def run(self) -> None:
         """Reconcile sessions as they fall due; every session at least every resync."""
@@ -239,17 +244,22 @@ class Reconciler:
         concurrent.futures.wait(futures)
         return [f.result() for f in futures]
 
-    def _kernel_pod(self, session: KernelSession, old: dict[str, Any]) -> dict[str, Any] | None:
+    def _kernel_pod(
+        self, session: KernelSession, old: dict[str, Any], *, cached: bool = False
+    ) -> dict[str, Any] | None:
         """The session's kernel pod: its own (ks-<name>), or the one it claimed from a pool.
 
         Found by the session's label and owner, so a claim whose status write was lost is
         found as well. Another live one (which no reconcile makes) is deleted: a session
-        never holds two kernels.
+        never holds two kernels. `cached` (a session no operator has seen yet): from the
+        API server's cache, at once; a pod there is one a reconcile made before its
+        status write was lost, a retry's backoff ago, long since in the cache.
         """
         listed = self.kube.list(
             "Pod",
             session.namespace,
             labels={LABEL_SESSION: session.name, LABEL_COMPONENT: "kernel"},
+            cached=cached,
         )
         mine: list[dict[str, Any]] = [
             p for p in listed.get("items") or [] if self._owned(p, session) is not None
@@ -313,7 +323,7 @@ class Reconciler:
             spec_of(policy),
             lambda: self._ensure(render_lease(session), session, likely_new=fresh),
             secret,
-            lambda: self._kernel_pod(session, old),
+            lambda: self._kernel_pod(session, old, cached=fresh),
             lambda: self.kube.get(POOL, ns, pool) if pool else None,
             lambda: self.pools.members(ns, pool) if pool else [],
             lambda: self._workspace(session, old, fresh=fresh),

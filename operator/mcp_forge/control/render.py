@@ -42,6 +42,7 @@ LABEL_NAMESPACE = "mcpforge.dev/namespace"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 TEMPLATE_HASH = "mcpforge.dev/template-hash"
 GATEWAY_SELECTOR = {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "gateway"}
+OPERATOR_SELECTOR = {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "operator"}
 # The project's seccomp profile (docs/seccomp.md): Podman's default less namespaces,
 # keyrings, mounts and tracing. Local mode plays pods with this directory as
 # --seccomp-profile-root; on clusters it is installed on each node and named by the
@@ -333,6 +334,10 @@ def _service(session: KernelSession) -> dict[str, Any]:
         "metadata": _metadata(session, child_name(session)),
         "spec": {
             "type": "ClusterIP",
+            # The session is Ready when its kernel answers (control/answers.py), which may
+            # be before the kubelet's startupProbe passes: the pod is reachable from its
+            # start. One kernel pod at most carries the session's label at a time.
+            "publishNotReadyAddresses": True,
             "selector": {LABEL_SESSION: session.name, LABEL_COMPONENT: "kernel"},
             "ports": [
                 {"name": p, "port": n, "targetPort": n, "protocol": "TCP"}
@@ -344,12 +349,15 @@ def _service(session: KernelSession) -> dict[str, Any]:
 
 def _network_policy(session: KernelSession, gateway_namespace: str | None) -> dict[str, Any]:
     """In: gateway pods only (of `gateway_namespace`, else the session's), to the kernel's
-    and the bridge's ports. Out: nothing, unless spec.network.egress is All."""
+    and the bridge's ports; and the operator (which runs there too) to the shell port,
+    to ask a starting kernel whether it answers (control/answers.py). Out: nothing,
+    unless spec.network.egress is All."""
     gateways: dict[str, Any] = {"podSelector": {"matchLabels": dict(GATEWAY_SELECTOR)}}
+    operators: dict[str, Any] = {"podSelector": {"matchLabels": dict(OPERATOR_SELECTOR)}}
     if gateway_namespace is not None:
-        gateways["namespaceSelector"] = {
-            "matchLabels": {"kubernetes.io/metadata.name": gateway_namespace}
-        }
+        where = {"matchLabels": {"kubernetes.io/metadata.name": gateway_namespace}}
+        gateways["namespaceSelector"] = where
+        operators["namespaceSelector"] = dict(where)
     egress: list[dict[str, Any]] = [{}] if session.spec.egress == "All" else []
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -366,7 +374,8 @@ def _network_policy(session: KernelSession, gateway_namespace: str | None) -> di
                     "ports": [
                         {"port": n, "protocol": "TCP"} for n in [*PORTS.values(), BRIDGE_PORT]
                     ],
-                }
+                },
+                {"from": [operators], "ports": [{"port": PORTS["shell"], "protocol": "TCP"}]},
             ],
             "egress": egress,
         },

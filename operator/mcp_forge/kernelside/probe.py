@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import json
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -23,6 +24,7 @@ import zmq
 CONNECTION_FILE = "/etc/mcp-forge/connection.json"
 TIMEOUT_MS = 2000
 REPLY_MAX = 1 << 20  # a kernel_info_reply is a few hundred bytes
+RECONNECT_MS = 20  # connection refused (the kernel not listening yet): tried again this soon
 
 
 def _sign(key: bytes, parts: list[bytes]) -> bytes:
@@ -50,6 +52,7 @@ def answers(info: dict[str, Any], host: str = "127.0.0.1", timeout_ms: int = TIM
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)  # a kernel binding its port now
         if info.get("curve_publickey"):
             public = str(info["curve_publickey"]).encode("ascii")
             sock.setsockopt(zmq.CURVE_SERVERKEY, public)
@@ -57,7 +60,8 @@ def answers(info: dict[str, Any], host: str = "127.0.0.1", timeout_ms: int = TIM
             sock.setsockopt(zmq.CURVE_SECRETKEY, str(info["curve_secretkey"]).encode("ascii"))
         sock.connect(f"tcp://{host}:{int(info['shell_port'])}")
         sock.send_multipart([b"<IDS|MSG>", _sign(key, parts), *parts])
-        while sock.poll(timeout_ms):
+        deadline = time.monotonic() + timeout_ms / 1000
+        while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000)):
             frames = sock.recv_multipart()
             if b"<IDS|MSG>" not in frames:
                 continue

@@ -1,0 +1,143 @@
+"""Ready as soon as the kernel answers: the operator asks a starting kernel itself.
+
+The kubelet runs the kernel container's startupProbe once a second at most, so a kernel
+that answers 0.5 s after its start was shown Ready a second later, and only after the
+kubelet's next status write. So the operator asks too: told of a kernel pod of a session
+that has an IP and has not been seen to answer, it sends one signed kernel_info_request
+to the kernel's shell port at that IP (Curve with the Secret's keys, as the gateway
+connects; the kernelside probe program, run here) and waits for the reply, which comes
+as soon as the kernel serves its socket. The answer's time is then the session's Ready
+(control/pods.py `observe`), and the session is looked at at once.
+
+The startupProbe stays: it still kills a kernel that never answers, and a restarted
+operator, which remembers no answer, reads the kubelet's Ready. A kernel the operator
+cannot reach (a NetworkPolicy of someone else's) is Ready when the kubelet says so, as
+before. Bounded: PROBES kernels asked at a time (others wait for the kubelet), each for
+PATIENCE seconds; a reply is at most 1 MiB and must be signed with the session's key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mcp_forge.api import status as st
+from mcp_forge.clients.kube import Kube, connection_file_of
+from mcp_forge.control.render import CONTAINER, LABEL_SESSION
+from mcp_forge.kernelside import probe
+
+log = logging.getLogger(__name__)
+
+PROBES = 16  # kernels asked at once
+PATIENCE = 30.0  # seconds a kernel is asked for; the startupProbe allows more
+ASK_MS = 2000  # one request's wait: then it is sent again (a kernel may miss the first)
+
+Key = tuple[str, str]  # (namespace, session)
+
+
+def _kernel(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if isinstance(status, Mapping) and status.get("name") == CONTAINER:
+            return status
+    return {}
+
+
+def askable(pod: Mapping[str, Any]) -> bool:
+    """A kernel pod whose kernel may be starting: it has an IP, the kubelet has not said
+    it answered, it has not ended, and it is not being deleted."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    kernel = _kernel(pod)
+    return (
+        isinstance(status.get("podIP"), str)
+        and not meta.get("deletionTimestamp")
+        and status.get("phase") in (None, "Pending", "Running")
+        and not kernel.get("ready")
+        and "terminated" not in (kernel.get("state") or {})
+    )
+
+
+def _secret_of(pod: Mapping[str, Any]) -> str | None:
+    for volume in (pod.get("spec") or {}).get("volumes") or []:
+        if volume.get("name") == "conf":
+            name = (volume.get("secret") or {}).get("secretName")
+            return name if isinstance(name, str) else None
+    return None
+
+
+class Answers:
+    """Kernels seen to answer, by session: (pod uid, when). Lives in the event loop;
+    `of` may be read from the reconcile threads."""
+
+    def __init__(self, kube: Kube, poke: Callable[[str, str], None]) -> None:
+        self.kube = kube
+        self.poke = poke
+        self._answered: dict[Key, tuple[str, str]] = {}
+        self._asking: dict[Key, tuple[str, asyncio.Task[None]]] = {}
+        self._slots = asyncio.Semaphore(PROBES)
+
+    def of(self, namespace: str, name: str, uid: str | None) -> str | None:
+        """When the kernel of pod `uid` answered the operator, if it has."""
+        seen = self._answered.get((namespace, name))
+        return seen[1] if seen is not None and uid is not None and seen[0] == uid else None
+
+    def consider(self, pod: Mapping[str, Any]) -> None:
+        """A session's kernel pod changed: ask its kernel, if it is starting and not asked."""
+        meta = pod.get("metadata") or {}
+        namespace, uid = meta.get("namespace"), meta.get("uid")
+        name = (meta.get("labels") or {}).get(LABEL_SESSION)
+        if not (namespace and uid and name) or not askable(pod):
+            return
+        key = (namespace, name)
+        if self.of(namespace, name, uid) is not None:
+            return
+        asking = self._asking.get(key)
+        if asking is not None and asking[0] == uid:
+            return
+        secret = _secret_of(pod)
+        if secret is None:
+            return
+        if asking is not None:  # an earlier kernel of the session: no longer of interest
+            asking[1].cancel()
+        host = str((pod.get("status") or {})["podIP"])
+        task = asyncio.create_task(self._ask(key, uid, host, secret), name=f"ask {name}")
+        self._asking[key] = (uid, task)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The session is gone."""
+        self._answered.pop((namespace, name), None)
+        asking = self._asking.pop((namespace, name), None)
+        if asking is not None:
+            asking[1].cancel()
+
+    async def close(self) -> None:
+        tasks = [task for _, task in self._asking.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _ask(self, key: Key, uid: str, host: str, secret: str) -> None:
+        namespace, name = key
+        try:
+            async with self._slots:
+                body = await asyncio.to_thread(self.kube.get, "Secret", namespace, secret)
+                info = connection_file_of(body)
+                if info is None:
+                    return
+                deadline = time.monotonic() + PATIENCE
+                while time.monotonic() < deadline:
+                    if await asyncio.to_thread(probe.answers, info, host, ASK_MS):
+                        self._answered[key] = (uid, st.stamp())
+                        self.poke(namespace, name)
+                        return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a Secret unreadable, a malformed file: the kubelet's way
+            log.info("kernel of %s/%s not asked: %s", namespace, name, exc)
+        finally:
+            with contextlib.suppress(KeyError):
+                if self._asking[key][0] == uid:
+                    del self._asking[key]
