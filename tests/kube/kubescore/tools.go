@@ -1,0 +1,5 @@
+//go:build tools
+
+package tools
+
+import _ "github.com/zegl/kube-score/cmd/kube-score"
