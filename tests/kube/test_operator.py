@@ -20,6 +20,7 @@ import yaml
 
 from kstatus import kstatus
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART, Kube
+from mcp_forge.control.render import BASELINE_POLICY
 
 from .conftest import CRD_PATH, KubeAPI, install_crd
 from .harness import (
@@ -527,3 +528,21 @@ async def test_a_steady_cluster_gets_no_writes_from_the_operator_in_ten_quiet_re
 
         await asyncio.gather(*(asyncio.to_thread(watch, k) for k in kinds))
     assert writes == [], f"{len(writes)} writes in {QUIET:.0f} quiet seconds: {writes}"
+
+
+async def test_a_namespace_s_baseline_policy_goes_with_its_last_kernel(
+    kube: Kube, ns: str, operator: Any
+) -> None:
+    """Nothing of ours is left behind in a namespace (nor after an uninstall): once its
+    last session is deleted and its kernel pod is gone, so is the NetworkPolicy that kept
+    its kernels closed (control/baseline.py `release`)."""
+    await create(kube, ns, "last", resources={"memory": "256Mi"})
+    await ready(kube, ns, "last")
+    policy = await asyncio.to_thread(kube.get, "NetworkPolicy", ns, BASELINE_POLICY)
+    assert policy is not None, "a namespace with kernels is closed by default"
+    await asyncio.to_thread(kube.delete, KS, ns, "last")
+    await eventually(kube, "Pod", ns, "ks-last", lambda p: p is None, timeout=60, what="pod gone")
+    await eventually(
+        kube, "NetworkPolicy", ns, BASELINE_POLICY, lambda o: o is None, timeout=30,
+        what="the baseline policy removed",
+    )  # fmt: skip

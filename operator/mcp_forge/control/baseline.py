@@ -3,7 +3,9 @@
 The operator makes it (render.render_baseline_policy) before a namespace's first session
 or pool kernel needs it, looks again before each pool kernel is started or claimed (a
 read, side by side with the claim's other reads) and otherwise once per RECHECK: someone
-may delete or change it. A write happens only when it is missing or was changed.
+may delete or change it. A write happens only when it is missing or was changed. It
+goes when nothing of ours is left in the namespace to keep closed (`release`), so an
+uninstall leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import threading
 import time
 from typing import Any
 
+from mcp_forge.api import kernelsession as ks
+from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
-from mcp_forge.control.render import render_baseline_policy
+from mcp_forge.control.render import BASELINE_POLICY, LABEL_COMPONENT, render_baseline_policy
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,23 @@ class Baseline:
             self.kube.patch("NetworkPolicy", namespace, name, patch)
         with self._lock:
             self._seen[namespace] = time.monotonic()
+
+    def release(self, namespace: str) -> bool:
+        """Delete the namespace's policy if nothing of ours is left there: no session, no
+        pool, no kernel pod (a terminating one counts: it goes with its own event). A
+        session or pool made meanwhile makes it again, and a claim always looks first.
+        True if it was deleted now."""
+        kernels = {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "kernel"}
+        for kind, labels in ((ks.KIND, None), (ksp.KIND, None), ("Pod", kernels)):
+            if self.kube.list(kind, namespace, labels=labels, metadata_only=True).get("items"):
+                return False
+        with self._lock:
+            self._seen.pop(namespace, None)
+        gone = self.kube.delete("NetworkPolicy", namespace, BASELINE_POLICY)
+        if gone:
+            log.info("namespace %s: no kernels left; NetworkPolicy %s removed", namespace,
+                     BASELINE_POLICY)  # fmt: skip
+        return gone
 
 
 def _changed(current: dict[str, Any], want: dict[str, Any]) -> bool:

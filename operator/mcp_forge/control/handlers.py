@@ -53,6 +53,15 @@ POOL = ksp.KIND
 # ---- kopf ------------------------------------------------------------------------------
 
 
+async def _release(reconciler: Reconciler, namespace: str) -> None:
+    """Something of ours went from `namespace`: its baseline policy goes too if nothing is
+    left (control/baseline.py). A failure is only logged: the next deletion tries again."""
+    try:
+        await asyncio.to_thread(reconciler.baseline.release, namespace)
+    except ApiError as exc:
+        log.warning("namespace %s: baseline policy not looked at: %s", namespace, exc)
+
+
 def _reconciler(memo: Any) -> Reconciler:
     reconciler: Reconciler = memo.reconciler
     return reconciler
@@ -109,6 +118,7 @@ async def session_event(
         return
     reconciler, ns = _reconciler(memo), namespace or "default"
     reconciler.forget(ns, name)
+    await _release(reconciler, ns)
     # A session that claimed a kernel counted against its pool's maxSize until now,
     # whichever pod ran it (a replaced one carries no claimed-from label to be heard).
     pool = ((body.get("spec") or {}).get("poolRef") or {}).get("name")
@@ -119,7 +129,13 @@ async def session_event(
 @kopf.on.event("", "v1", "pods", labels={**CHILD_LABELS, LABEL_COMPONENT: "kernel"})
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels=CHILD_LABELS)
 async def child_event(
-    *, labels: Mapping[str, str], namespace: str | None, body: Any, memo: Any, **_: Any
+    *,
+    type: str,
+    labels: Mapping[str, str],
+    namespace: str | None,
+    body: Any,
+    memo: Any,
+    **_: Any,
 ) -> None:
     """A kernel pod or an activity Lease changed: look at its session now; a starting
     kernel is asked whether it answers (control/answers.py)."""
@@ -127,6 +143,8 @@ async def child_event(
     reconciler.poke(namespace or "default", labels[LABEL_SESSION])
     if body.get("kind") == "Pod":
         reconciler.answers.consider(body)
+        if type == "DELETED":
+            await _release(reconciler, namespace or "default")
 
 
 @kopf.on.resume(GROUP, VERSION, ksp.PLURAL)
@@ -141,6 +159,7 @@ async def reconcile_pool(*, name: str, namespace: str | None, memo: Any, **_: An
 async def pool_event(*, type: str, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
     if type == "DELETED":
         _reconciler(memo).forget(namespace or "default", name, kind=POOL)
+        await _release(_reconciler(memo), namespace or "default")
 
 
 @kopf.on.event(
@@ -159,3 +178,5 @@ async def pool_kernel_event(
         pool = labels.get(LABEL_CLAIMED_FROM)
     if pool is not None:
         _reconciler(memo).poke(namespace or "default", pool, kind=POOL)
+    if type == "DELETED" and ksp.LABEL_POOL in labels:
+        await _release(_reconciler(memo), namespace or "default")
