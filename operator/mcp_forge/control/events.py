@@ -91,7 +91,7 @@ class Recorder:
         self.kube = kube
         self.instance = os.environ.get("HOSTNAME", "") or "mcp-forge-operator"
         self._counts: OrderedDict[str, int] = OrderedDict()  # by Event name
-        self._tokens: dict[str, tuple[float, float]] = {}  # by object uid: (tokens, at)
+        self._tokens: dict[str, tuple[float, float]] = {}  # by "uid/type": (tokens, at)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "mcp-forge-events")
 
     def record(self, obj: Mapping[str, Any], found: list[Change]) -> None:
@@ -127,7 +127,7 @@ class Recorder:
     def _one(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         meta = obj["metadata"]
         uid = str(meta.get("uid") or "")
-        if not self._allowed(uid):
+        if not self._allowed(f"{uid}/{type_}"):  # a busy pool's Normal ones spare its Warnings
             return
         digest = hashlib.sha256(f"{uid}\0{type_}\0{reason}\0{message}".encode()).hexdigest()
         name = f"{meta['name']}.{digest[:16]}"

@@ -240,14 +240,15 @@ class PoolKeeper:
             self._delete_member(pool, member)
         self.baseline.ensure(namespace, look=True)  # its kernels are claimed: see there
         self._ensure_policy(pool)
-        error = None
+        error, started = None, []
         for _ in range(todo.start):
             try:
-                self._start_member(pool)
+                started.append(self._start_member(pool))
             except ApiError as exc:
                 error = ("KernelStartFailed", str(exc))
                 log.warning("pool %s/%s could not start a kernel: %s", namespace, name, exc)
                 break
+        self.events.record(body, [(events.NORMAL, "Started", f"kernel {n} made") for n in started])
         self._write_status(body, pool, todo, claimed, error=error, trouble=trouble)
         self.tally.flush(namespace, name)
         if trouble is not None and now < trouble.next_start(backoff):
@@ -332,9 +333,9 @@ class PoolKeeper:
             seccomp_profile=self.settings.seccomp_profile or None,
         )
 
-    def _start_member(self, pool: KernelSessionPool) -> None:
+    def _start_member(self, pool: KernelSessionPool) -> str:
         """A new kernel for the pool: its Secret (owned by the pool until the Pod exists,
-        then by the Pod), then its Pod."""
+        then by the Pod), then its Pod; the Pod's name."""
         pod_name = member_pod_name(pool.name, secrets.token_hex(4))
         secret, _service, _policy, pod = self._render(pool, pod_name)
         owner = _owner(KIND, pool.name, pool.uid)
@@ -350,6 +351,7 @@ class PoolKeeper:
         made = self.kube.create(pod)
         self._give_secret(pool.namespace, connection_secret_of(pod_name), made)
         log.info("pool %s/%s: started kernel %s", pool.namespace, pool.name, pod_name)
+        return pod_name
 
     def _ensure_policy(self, pool: KernelSessionPool) -> None:
         """The pool's kernels admit what a session's kernel admits: the gateways only."""
@@ -410,6 +412,11 @@ class PoolKeeper:
         patch = {k: v for k, v in status.items() if old.get(k) != v}
         if patch:
             self.kube.patch(KIND, meta["namespace"], meta["name"], {"status": patch}, status=True)
+        was: dict[str, Any] = next(
+            (c for c in old.get("conditions") or [] if c.get("type") == "Ready"), {}
+        )
+        if ok and was.get("status") != "True":  # filled (again): what `describe` shows
+            self.events.record(body, [(events.NORMAL, "Filled", message)])
 
     # ---- claims --------------------------------------------------------------------------
 
