@@ -249,11 +249,16 @@ async def test_idle_delete_culls_and_activity_postpones_it(
 
 
 async def test_idle_suspend_keeps_the_session_and_activity_resumes_it(
-    kube: Kube, ns: str, operator: Any
+    kube: Kube, kube_api: KubeAPI, ns: str, operator: Any
 ) -> None:
     await create(kube, ns, "nap", idleTimeout="2s", idleAction="Suspend")
     first = await ready(kube, ns, "nap")
-    obj = await eventually(kube, KS, ns, "nap", lambda o: phase(o) == "Suspended", timeout=30)
+    # As a user waits for it (manifests/README.md's table: a phase, not a condition).
+    await asyncio.to_thread(
+        kube_api.kubectl, "wait", "--for=jsonpath={.status.phase}=Suspended", "ks/nap",
+        "--timeout=30s",
+    )  # fmt: skip
+    obj = await asyncio.to_thread(kube.get, KS, ns, "nap")
     assert obj is not None and obj["status"]["reason"] == "Idle"
     assert condition(obj, "Ready") == {}, "no kernel on purpose: no Ready (kstatus: Current)"
     assert kstatus(obj) == ["Current"]
@@ -276,17 +281,18 @@ async def test_a_session_no_operator_has_seen_reads_as_in_progress(kube: Kube, n
 
 
 async def test_a_session_no_node_can_hold_stalls_at_its_progress_deadline(
-    kube: Kube, ns: str, monkeypatch: pytest.MonkeyPatch
+    kube: Kube, kube_api: KubeAPI, ns: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """cpu 64 on a 2-core node: Starting, Unschedulable; past the progress deadline (2 s
-    here) Stalled with the scheduler's reason, so kstatus (Flux) says Failed."""
+    here) Stalled with the scheduler's reason, so kstatus (Flux) says Failed, and
+    `kubectl wait --for=condition=Stalled` returns."""
     monkeypatch.setenv("MCPFORGE_PROGRESS_DEADLINE", "2")
     async with running_operator(kube):
         await create(kube, ns, "huge", resources={"cpu": "64", "memory": "128Mi"})
-        obj = await eventually(
-            kube, KS, ns, "huge", lambda o: condition(o, "Stalled").get("status") == "True",
-            timeout=60, what="Stalled",
-        )  # fmt: skip
+        await asyncio.to_thread(
+            kube_api.kubectl, "wait", "--for=condition=Stalled", "ks/huge", "--timeout=60s"
+        )
+        obj = await asyncio.to_thread(kube.get, KS, ns, "huge")
     assert obj is not None
     assert obj["status"]["phase"] == "Starting", obj["status"]  # still trying
     assert condition(obj, "Stalled")["reason"] == "Unschedulable", condition(obj, "Stalled")

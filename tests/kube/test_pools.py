@@ -118,6 +118,8 @@ async def test_a_pool_fills_with_kernels_each_with_its_own_key_and_a_claim_moves
     await asyncio.to_thread(kube.create, pool_body("warm", ns, 2, images["minimal"]))
     pool = await filled(kube, ns, "warm", 2)
     assert condition(pool, "Ready")["status"] == "True"
+    # `kubectl wait` reads the same condition (returns at once: it holds already).
+    kube_api.kubectl("wait", "--for=condition=Ready", "ksp/warm", "--timeout=10s")
     pods = await members(kube, ns, "warm")
     assert len(pods) == 2 and all(pod_ready(p) for p in pods)
     # What `kubectl describe ksp` shows of an ordinary life: each kernel made, then filled.
