@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from mcp_forge.control.answers import askable
+from mcp_forge.control.answers import _made_by_a_session, askable
 from mcp_forge.control.realize import unseen
 
 
@@ -45,3 +45,13 @@ def test_a_status_only_the_crd_defaulted_is_unseen() -> None:
     assert unseen({}) and unseen({"observedGeneration": 0})
     assert not unseen({"observedGeneration": 1, "phase": "Starting"})
     assert not unseen({"observedGeneration": 0, "phase": "Failed"})
+
+
+def test_only_a_pod_a_session_controls_is_asked() -> None:
+    """Labels anyone who may make pods can write; an owner reference to a KernelSession
+    as controller is the operator's (or a claim's) doing."""
+    owned = {"kind": "KernelSession", "name": "a", "uid": "u", "controller": True}
+    assert _made_by_a_session(pod(metadata={"name": "ks-a", "ownerReferences": [owned]}))
+    assert not _made_by_a_session(pod())
+    pooled = dict(owned, kind="KernelSessionPool")
+    assert not _made_by_a_session(pod(metadata={"name": "ks-a", "ownerReferences": [pooled]}))

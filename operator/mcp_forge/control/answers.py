@@ -13,12 +13,15 @@ The startupProbe stays: it still kills a kernel that never answers, and a restar
 operator, which remembers no answer, reads the kubelet's Ready. A kernel the operator
 cannot reach (a NetworkPolicy of someone else's) is Ready when the kubelet says so, as
 before. Bounded: PROBES kernels asked at a time (others wait for the kubelet), each for
-PATIENCE seconds; a reply is at most 1 MiB and must be signed with the session's key.
+PATIENCE seconds, in threads of its own; a reply is at most 64 KiB, 8 queued, and must be
+signed with the session's key. Only pods a KernelSession controls are asked, with the
+Secret named after the pod.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -26,8 +29,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mcp_forge.api import status as st
+from mcp_forge.api.kernelsession import KIND as KS_KIND
 from mcp_forge.clients.kube import Kube, connection_file_of
-from mcp_forge.control.render import CONTAINER, LABEL_SESSION
+from mcp_forge.control.render import CONTAINER, LABEL_SESSION, connection_secret_of
 from mcp_forge.kernelside import probe
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,13 @@ def askable(pod: Mapping[str, Any]) -> bool:
     )
 
 
+def _made_by_a_session(pod: Mapping[str, Any]) -> bool:
+    """A pod a KernelSession controls (the operator made or claimed it), not one that
+    only carries the labels."""
+    refs = (pod.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("kind") == KS_KIND and r.get("controller") for r in refs)
+
+
 def _secret_of(pod: Mapping[str, Any]) -> str | None:
     for volume in (pod.get("spec") or {}).get("volumes") or []:
         if volume.get("name") == "conf":
@@ -78,6 +89,9 @@ class Answers:
         self._answered: dict[Key, tuple[str, str]] = {}
         self._asking: dict[Key, tuple[str, asyncio.Task[None]]] = {}
         self._slots = asyncio.Semaphore(PROBES)
+        # Its own threads: a probe waits up to ASK_MS, which must not hold up reconciles
+        # in the loop's default executor; a cancelled ask's thread still counts here.
+        self._threads = concurrent.futures.ThreadPoolExecutor(PROBES, "mcp-forge-ask")
 
     def of(self, namespace: str, name: str, uid: str | None) -> str | None:
         """When the kernel of pod `uid` answered the operator, if it has."""
@@ -89,17 +103,21 @@ class Answers:
         meta = pod.get("metadata") or {}
         namespace, uid = meta.get("namespace"), meta.get("uid")
         name = (meta.get("labels") or {}).get(LABEL_SESSION)
-        if not (namespace and uid and name) or not askable(pod):
+        if not (namespace and uid and name):
             return
         key = (namespace, name)
+        asking = self._asking.get(key)
+        if not askable(pod) or not _made_by_a_session(pod):
+            if asking is not None and asking[0] == uid:  # ready, ended or going: no more
+                asking[1].cancel()
+            return
         if self.of(namespace, name, uid) is not None:
             return
-        asking = self._asking.get(key)
         if asking is not None and asking[0] == uid:
             return
         secret = _secret_of(pod)
-        if secret is None:
-            return
+        if secret != connection_secret_of(str(meta.get("name") or "")):
+            return  # the key of this pod only, never a Secret a pod names at will
         if asking is not None:  # an earlier kernel of the session: no longer of interest
             asking[1].cancel()
         host = str((pod.get("status") or {})["podIP"])
@@ -118,18 +136,22 @@ class Answers:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._threads.shutdown(wait=False)
 
     async def _ask(self, key: Key, uid: str, host: str, secret: str) -> None:
         namespace, name = key
         try:
             async with self._slots:
-                body = await asyncio.to_thread(self.kube.get, "Secret", namespace, secret)
+                loop = asyncio.get_running_loop()
+                get = self.kube.get
+                body = await loop.run_in_executor(self._threads, get, "Secret", namespace, secret)
                 info = connection_file_of(body)
                 if info is None:
                     return
                 deadline = time.monotonic() + PATIENCE
                 while time.monotonic() < deadline:
-                    if await asyncio.to_thread(probe.answers, info, host, ASK_MS):
+                    asked = loop.run_in_executor(self._threads, probe.answers, info, host, ASK_MS)
+                    if await asked:
                         self._answered[key] = (uid, st.stamp())
                         self.poke(namespace, name)
                         return

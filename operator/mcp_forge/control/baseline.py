@@ -79,9 +79,9 @@ class Baseline:
         for kind, labels in ((ks.KIND, None), (ksp.KIND, None), ("Pod", kernels)):
             if self.kube.list(kind, namespace, labels=labels, metadata_only=True).get("items"):
                 return False
-        with self._lock:
-            self._seen.pop(namespace, None)
         gone = self.kube.delete("NetworkPolicy", namespace, BASELINE_POLICY)
+        with self._lock:  # after the delete: an ensure meanwhile must look again
+            self._seen.pop(namespace, None)
         if gone:
             log.info("namespace %s: no kernels left; NetworkPolicy %s removed", namespace,
                      BASELINE_POLICY)  # fmt: skip

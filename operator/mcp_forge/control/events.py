@@ -97,7 +97,11 @@ class Recorder:
     def record(self, obj: Mapping[str, Any], found: list[Change]) -> None:
         """Write the Events `found` for `obj`, after those recorded before; returns at once."""
         if found:
-            self._writer.submit(self._write, dict(obj), list(found))
+            try:
+                self._writer.submit(self._write, dict(obj), list(found))
+            except RuntimeError:  # closed: the operator is stopping
+                log.info("event %s on %s not written: stopping", found[0][1],
+                         obj["metadata"]["name"])  # fmt: skip
 
     def close(self) -> None:
         """Write what was recorded (bounded by the API's timeouts), then stop."""

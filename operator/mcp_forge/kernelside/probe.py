@@ -23,7 +23,8 @@ import zmq
 
 CONNECTION_FILE = "/etc/mcp-forge/connection.json"
 TIMEOUT_MS = 2000
-REPLY_MAX = 1 << 20  # a kernel_info_reply is a few hundred bytes
+REPLY_MAX = 64 << 10  # a kernel_info_reply is a few KiB
+QUEUED = 8  # messages held unread: a kernel's flood is dropped, not buffered
 RECONNECT_MS = 20  # connection refused (the kernel not listening yet): tried again this soon
 
 
@@ -52,6 +53,7 @@ def answers(info: dict[str, Any], host: str = "127.0.0.1", timeout_ms: int = TIM
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX)
+        sock.setsockopt(zmq.RCVHWM, QUEUED)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)  # a kernel binding its port now
         if info.get("curve_publickey"):
             public = str(info["curve_publickey"]).encode("ascii")
