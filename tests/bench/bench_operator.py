@@ -54,7 +54,7 @@ from kube.conftest import (  # noqa: E402
     install_crds,
     make_namespace,
 )
-from kube.harness import KS, condition, eventually, kernel, session_body  # noqa: E402
+from kube.harness import KS, _next_event, condition, eventually, kernel, session_body  # noqa: E402
 from mcp_forge.clients.kube import Kube  # noqa: E402
 
 OPERATOR = str(Path(sys.executable).parent / "mcp-forge")
@@ -310,8 +310,10 @@ async def settled(kube: Kube, ns: str, count: int) -> None:
         }
         if sum(1 for n in told if n.startswith("m-")) >= count:
             return
-        assert time.monotonic() < deadline, f"{len(told)} of {count} Suspended Events"
-        await asyncio.sleep(0.2)  # Events are not watched here: looked at again shortly
+        left = deadline - time.monotonic()
+        assert left > 0, f"{len(told)} of {count} Suspended Events"
+        rv = str(listed["metadata"].get("resourceVersion") or "0")
+        await asyncio.to_thread(_next_event, kube, "Event", ns, None, rv, min(left, 2.0))
 
 
 async def main(runs: int, sessions: int) -> None:

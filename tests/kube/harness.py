@@ -270,6 +270,12 @@ async def kernel_dies(kube: Kube, namespace: str, name: str, code: str) -> dict[
     return pod
 
 
+def pod_ready(pod: dict[str, Any] | None) -> bool:
+    """The kubelet says the pod is Ready (its kernel passed the startupProbe)."""
+    conditions = ((pod or {}).get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 def terminated(pod: dict[str, Any] | None) -> bool:
     statuses = ((pod or {}).get("status") or {}).get("containerStatuses") or []
     return any("terminated" in (c.get("state") or {}) for c in statuses)

@@ -32,16 +32,11 @@ from .harness import (
     kernel_dies,
     key_in,
     phase,
+    pod_ready,
     ready,
     running_operator,
     session_body,
 )
-
-
-def pod_ready(pod: dict[str, Any] | None) -> bool:
-    """The kubelet says the pod is Ready (its kernel passed the startupProbe)."""
-    conditions = ((pod or {}).get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 async def create(kube: Kube, ns: str, name: str, **spec: Any) -> dict[str, Any]:

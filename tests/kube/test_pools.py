@@ -35,6 +35,7 @@ from .harness import (
     kernel,
     key_in,
     phase,
+    pod_ready,
     pool_body,
     ready,
     run_in_kernel,
@@ -49,10 +50,6 @@ FILL = 120.0  # a pool of two to ready, on a busy 2-core machine
 async def members(kube: Kube, ns: str, pool: str) -> list[dict[str, Any]]:
     listed = await asyncio.to_thread(kube.list, "Pod", ns, labels={ksp.LABEL_POOL: pool})
     return [p for p in listed.get("items") or [] if not p["metadata"].get("deletionTimestamp")]
-
-
-def pod_ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("ready") for c in (pod.get("status") or {}).get("containerStatuses") or [])
 
 
 async def filled(

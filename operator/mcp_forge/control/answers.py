@@ -31,7 +31,8 @@ from typing import Any
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KIND as KS_KIND
 from mcp_forge.clients.kube import Kube, connection_file_of
-from mcp_forge.control.render import CONTAINER, LABEL_SESSION, connection_secret_of
+from mcp_forge.control.pods import kernel_status
+from mcp_forge.control.render import LABEL_SESSION, connection_secret_of
 from mcp_forge.kernelside import probe
 
 log = logging.getLogger(__name__)
@@ -43,18 +44,11 @@ ASK_MS = 2000  # one request's wait: then it is sent again (a kernel may miss th
 Key = tuple[str, str]  # (namespace, session)
 
 
-def _kernel(pod: Mapping[str, Any]) -> Mapping[str, Any]:
-    for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        if isinstance(status, Mapping) and status.get("name") == CONTAINER:
-            return status
-    return {}
-
-
 def askable(pod: Mapping[str, Any]) -> bool:
     """A kernel pod whose kernel may be starting: it has an IP, the kubelet has not said
     it answered, it has not ended, and it is not being deleted."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    kernel = _kernel(pod)
+    kernel = kernel_status(pod)
     return (
         isinstance(status.get("podIP"), str)
         and not meta.get("deletionTimestamp")

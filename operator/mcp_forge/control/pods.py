@@ -56,7 +56,8 @@ def dead(session: KernelSession, term: Termination, pod_ip: str | None = None) -
     return Observation(phase, term.reason, term.message, term, None, pod_ip)
 
 
-def _kernel_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+def kernel_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The kernel container's status as the kubelet reports it ({} if none yet)."""
     for status in (pod.get("status") or {}).get("containerStatuses") or []:
         if isinstance(status, Mapping) and status.get("name") == CONTAINER:
             return status
@@ -75,13 +76,13 @@ def observe(
         return Observation(st.RESTARTING, "PodTerminating", "the kernel's pod is being deleted")
     status = pod.get("status") or {}
     pod_ip = status.get("podIP") if isinstance(status.get("podIP"), str) else None
-    state = _kernel_status(pod).get("state") or {}
+    state = kernel_status(pod).get("state") or {}
     if answered is not None and "terminated" not in state and status.get("phase") != "Failed":
         return Observation(st.READY, st.KERNEL_READY, ANSWERED, None, answered, pod_ip)
     if "running" in state:
         # Ready (its startupProbe passed, and the kubelet has said so in full): not merely
         # started, which the kubelet writes one status update earlier.
-        if not _kernel_status(pod).get("ready"):
+        if not kernel_status(pod).get("ready"):
             why = "the kernel runs; it has not answered yet"
             return Observation(st.STARTING, "KernelStarting", why, None, None, pod_ip)
         # startedAt is when the kernel answered (idleness counts from it): the pod's
