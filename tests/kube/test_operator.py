@@ -20,7 +20,7 @@ import yaml
 
 from kstatus import kstatus
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART, Kube
-from mcp_forge.control.render import BASELINE_POLICY
+from mcp_forge.control.render import BASELINE_POLICY, connection_secret_in
 
 from .conftest import CRD_PATH, KubeAPI, install_crd
 from .harness import (
@@ -77,7 +77,7 @@ async def test_create_makes_every_child_owned_and_ready_follows_the_pod(
         assert owner["uid"] == uid and owner["kind"] == KS and owner["controller"] is True
     container = pod["spec"]["containers"][0]
     assert container["resources"]["limits"]["memory"] == "256Mi"
-    assert pod["spec"]["volumes"][0]["secret"]["secretName"] == "ks-alpha-conn"
+    assert connection_secret_in(pod) == "ks-alpha-conn"  # a secretKeyRef: no volume
     service = await asyncio.to_thread(kube.get, "Service", ns, "ks-alpha")
     assert service is not None
     ports = sorted(p["port"] for p in service["spec"]["ports"])

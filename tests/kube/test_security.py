@@ -2,6 +2,9 @@
 
 * PodSecurity admission enforces "restricted" in each test's namespace: the kernel pod the
   operator renders is admitted there, and a pod that breaks the profile is refused.
+* An ephemeral session's kernel pod has no volume (docs/security.md): its root is not
+  read-only, yet the kernel writes nowhere a mounted /workspace and /tmp did not let it,
+  and its connection is in neither the pod object nor its environment.
 * kube-router enforces NetworkPolicies: a pod that is not a gateway cannot reach a kernel's
   ports, a gateway pod can; a kernel reaches nothing (not even a listener this test runs in
   a pod next to it) unless its session says `network.egress: All`; a kernel pod that no
@@ -32,6 +35,7 @@ from .harness import (
     connect_code,
     eventually,
     kernel,
+    key_in,
     probe_pod,
     run_in_kernel,
     running_operator,
@@ -212,3 +216,90 @@ async def test_a_kernel_reaches_nothing_unless_egress_is_all(
     assert out.startswith(expected), f"egress {egress}: {out}"
     # Whatever the policy, the kernel has no default route: nothing beyond the cluster.
     assert all(line.split()[1] != "00000000" for line in routes.splitlines()[1:] if line)
+
+
+# Run in the kernel: every path of the root filesystem its uid may write, outside the
+# places it owns; what became of the connection; and the writes it must not make.
+WRITABLE_WALK = """
+import json, os
+# Its workspace, the image's sandbox user's home, and Debian's sticky 1777 directories.
+OWN = ("/workspace", "/home/sandbox", "/tmp", "/var/tmp", "/run/lock", "/dev/shm")
+writable = []
+for root, dirs, files in os.walk("/"):
+    if root == "/":
+        dirs[:] = [d for d in dirs if d not in ("proc", "sys", "dev")]
+    if root.startswith(OWN):
+        dirs[:] = []
+        continue
+    for name in dirs + files:
+        path = os.path.join(root, name)
+        if path.startswith(OWN) or os.path.islink(path):
+            continue
+        if os.access(path, os.W_OK):
+            writable.append(path)
+refused = {}
+for attempt in ("/usr/lib/os-release", "/etc/passwd", "/opt/kernel/bin/python-planted"):
+    try:
+        open(attempt, "a").close()
+        refused[attempt] = False
+    except OSError:
+        refused[attempt] = True
+try:
+    os.makedirs("/etc/mcp-forge/ipython")
+    refused["/etc/mcp-forge/ipython"] = False
+except OSError:
+    refused["/etc/mcp-forge/ipython"] = True
+conn = "/tmp/.mcp-forge/connection.json"
+print(json.dumps({
+    "writable": writable,
+    "refused": refused,
+    "env": sorted(k for k in os.environ if "CONNECTION" in k),
+    "file": oct(os.stat(conn).st_mode & 0o777),
+    "dir": oct(os.stat(os.path.dirname(conn)).st_mode & 0o777),
+    "owner": os.stat(conn).st_uid,
+}))
+"""
+
+
+async def test_an_ephemeral_kernel_writes_only_its_own_places_and_its_key_is_nowhere_shown(
+    kube_api: KubeAPI, kube: Kube, operator: Any
+) -> None:
+    ns = kube_api.namespace
+    await ready_session(kube, ns, "layer")
+    pod = await asyncio.to_thread(kube.get, "Pod", ns, "ks-layer")
+    secret = await asyncio.to_thread(kube.get, "Secret", ns, "ks-layer-conn")
+    assert pod is not None and secret is not None
+    assert not pod["spec"].get("volumes"), pod["spec"].get("volumes")
+    (container,) = pod["spec"]["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is False
+    assert key_in(secret) not in json.dumps(pod)  # a secretKeyRef, never the value
+    async with kernel(kube, ns, "layer") as conn:
+        found = json.loads(await run_in_kernel(conn, WRITABLE_WALK, 120))
+    assert found["writable"] == [], found["writable"][:20]
+    assert all(found["refused"].values()), found["refused"]
+    assert found["env"] == []  # the launcher took it out of the kernel's environment
+    assert (found["file"], found["dir"], found["owner"]) == ("0o400", "0o700", 1000)
+
+
+async def test_a_kernel_past_its_writable_layers_bound_is_evicted_and_the_session_says_so(
+    kube_api: KubeAPI, kube: Kube, operator: Any
+) -> None:
+    """The bound of an ephemeral pod's workspace and /tmp is its ephemeral-storage limit
+    (64Mi + 256Mi here), which the kubelet enforces by eviction, as it did an emptyDir's
+    sizeLimit; each file stays under RLIMIT_FSIZE (64Mi)."""
+    ns = kube_api.namespace
+    await ready_session(kube, ns, "fill", workspace={"size": "64Mi"})
+    fill = (
+        "import os\nfor i in range(6):\n    open(f'/workspace/f{i}', 'wb').write(bytes(60 << 20))\n"
+    )
+    async with kernel(kube, ns, "fill") as conn:
+        await run_in_kernel(conn, fill, 60)
+
+    def evicted(obj: dict[str, Any] | None) -> bool:
+        ended = ((obj or {}).get("status") or {}).get("lastTermination") or {}
+        return ended.get("reason") == "Evicted"
+
+    obj = await eventually(kube, KS, ns, "fill", evicted, timeout=START, what="evicted")
+    assert obj is not None
+    message = obj["status"]["lastTermination"]["message"]
+    assert "evicted" in message and "ephemeral local storage" in message, message

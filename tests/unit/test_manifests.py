@@ -773,7 +773,7 @@ VIOLATIONS = {
     "host network": (_break("hostNetwork", True), "hostNetwork"),
     "host PID": (_break("hostPID", True), "hostPID"),
     "hostPath": (
-        _break("volumes.0", {"name": "conf", "hostPath": {"path": "/etc"}}),
+        _break("volumes", [{"name": "host", "hostPath": {"path": "/etc"}}]),
         "hostPath",
     ),
     "hostPort": (_break("containers.0.ports.0.hostPort", 5555), "hostPort"),

@@ -54,6 +54,23 @@ def test_an_oom_kill_is_named_with_the_memory_limit() -> None:
     assert "limit 512Mi" in seen.message
 
 
+def test_an_eviction_is_named_with_the_kubelets_words_not_as_a_signal() -> None:
+    why = "Pod ephemeral local storage usage exceeds the total limit of containers 335544320. "
+    seen = observe(
+        session(),
+        pod(
+            {"terminated": {"exitCode": 143, "reason": "Error"}},
+            "Failed",
+            reason="Evicted",
+            message=why,
+        ),
+    )
+    assert seen.phase == "Restarting"
+    assert seen.termination is not None and seen.termination.reason == "Evicted"
+    assert seen.termination.message == f"the kernel's pod was evicted: {why.strip()}"
+    assert "SIGTERM" not in seen.message
+
+
 @pytest.mark.parametrize(
     ("code", "words"), [(139, "SIGSEGV"), (1, "exited with code 1"), (0, "exited")]
 )

@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from mcp_forge import kernelside
 from mcp_forge.api import kernelsession, kernelsessionpool
 from mcp_forge.api.connection import PORTS, ConnectionInfo
 from mcp_forge.control.poolplan import pool_labels
@@ -18,11 +19,14 @@ from mcp_forge.control.render import (
     SECCOMP_PROFILE,
     SECCOMP_PROFILE_ROOT,
     HostPaths,
+    connection_secret_in,
+    give_connection_secret,
     render_baseline_policy,
     render_kubernetes,
     render_podman,
     render_workspace_claim,
 )
+from mcp_forge.kernelside import launch
 
 K8S_VERSION = "1.33"
 
@@ -82,20 +86,61 @@ def test_the_pod_carries_the_restricted_security_profile(target: str) -> None:
     assert c["name"] == "kernel"
     sc = c["securityContext"]
     assert sc["runAsUser"] == 1000
-    assert sc["readOnlyRootFilesystem"] is True
     assert sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"]}
-    assert c["resources"]["limits"] == {"memory": "512Mi", "cpu": "500m"}
-    mounts = {m["mountPath"] for m in c["volumeMounts"]}
-    assert {"/workspace", "/tmp", "/etc/mcp-forge"} <= mounts
-    conf = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/mcp-forge")
-    assert conf["readOnly"] is True
     assert "args" not in c  # the command replaces the image's entrypoint (tini)
     assert c["command"][:3] == ["prlimit", f"--fsize={2**30}", "--"]  # the default 1Gi
     assert c["command"][3:5] == ["python", "-P"]  # -P: /workspace is not on sys.path
+
+
+def test_a_local_pod_reads_its_connection_from_a_read_only_mount() -> None:
+    s = session(resources={"memory": "512Mi", "cpu": "500m"})
+    c = by_kind(render_podman(s, PATHS))["Pod"]["spec"]["containers"][0]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["resources"]["limits"] == {"memory": "512Mi", "cpu": "500m"}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert {"/workspace", "/tmp", "/etc/mcp-forge", "/run/mcp-forge"} <= set(mounts)
+    assert mounts["/etc/mcp-forge"]["readOnly"] is True
     # ipykernel's launcher, minus writing the connection file (a read-only mount)
     assert c["command"][-2:] == ["-f", "/etc/mcp-forge/connection.json"]
     assert "write_connection_file = lambda" in c["command"][-3]
+
+
+def test_an_ephemeral_cluster_pod_has_no_volume_and_takes_its_connection_from_the_secret() -> None:
+    """Each volume costs a cold start the kubelet's 300 ms mount poll (kernelside/launch.py):
+    the workspace and /tmp are the writable layer, bounded by ephemeral-storage."""
+    s = session(resources={"memory": "512Mi", "cpu": "500m"})
+    objs = by_kind(render_kubernetes(s, CONN))
+    spec = objs["Pod"]["spec"]
+    assert "volumes" not in spec
+    c = spec["containers"][0]
+    assert "volumeMounts" not in c
+    assert c["securityContext"]["readOnlyRootFilesystem"] is False
+    bound = str(2**30 + (256 << 20))  # the workspace's 1Gi and /tmp's 256Mi
+    assert c["resources"]["limits"] == {
+        "memory": "512Mi",
+        "cpu": "500m",
+        "ephemeral-storage": bound,
+    }
+    assert c["resources"]["requests"] == c["resources"]["limits"]
+    (ref,) = [e for e in c["env"] if e["name"] == launch.ENV]
+    assert ref["valueFrom"]["secretKeyRef"] == {"name": "ks-demo-conn", "key": "connection.json"}
+    assert objs["Secret"]["metadata"]["name"] == "ks-demo-conn"
+    assert c["command"][-2:] == ["-c", kernelside.source("launch")]
+    assert connection_secret_in(objs["Pod"]) == "ks-demo-conn"
+    give_connection_secret(objs["Pod"], "ksp-a-1234-conn")
+    assert connection_secret_in(objs["Pod"]) == "ksp-a-1234-conn"
+
+
+def test_a_cluster_pod_with_volumes_keeps_a_read_only_root_and_no_secret_volume() -> None:
+    objs = by_kind(render_kubernetes(session(sharedGroup="team"), CONN))
+    spec = objs["Pod"]["spec"]
+    assert {v["name"] for v in spec["volumes"]} == {"workspace", "tmp", "shared"}
+    c = spec["containers"][0]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "ephemeral-storage" not in c["resources"]["limits"]
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/workspace", "/tmp", "/shared"}
+    assert connection_secret_in(objs["Pod"]) == "ks-demo-conn"
 
 
 def test_the_service_exposes_the_fixed_ports_and_the_secret_holds_the_key() -> None:
@@ -269,15 +314,18 @@ def test_everything_else_the_podman_default_allows_unconditionally_stays_allowed
 
 def test_pods_run_the_kernel_alone_and_ipython_in_a_directory_it_cannot_make() -> None:
     """One container (local restarts play a new pod, so nothing has to keep the old one
-    up); IPYTHONDIR lies below the read-only connection mount, so IPython takes a new
-    temporary directory at every start and a planted startup file never runs again."""
+    up); IPYTHONDIR lies below /etc (root's) and, locally, the read-only connection mount,
+    so IPython takes a new temporary directory at every start and a planted startup file
+    never runs again."""
     local = render_podman(session(), PATHS)[0]
     cluster = by_kind(render_kubernetes(session(), CONN))["Pod"]
     for pod in (local, cluster):
         (kernel,) = pod["spec"]["containers"]
-        env = {e["name"]: e["value"] for e in kernel["env"]}
-        conf = [m for m in kernel["volumeMounts"] if env["IPYTHONDIR"].startswith(m["mountPath"])]
-        assert [m["readOnly"] for m in conf] == [True], kernel["volumeMounts"]
+        env = {e["name"]: e.get("value") for e in kernel["env"]}
+        assert env["IPYTHONDIR"].startswith("/etc/")
+        mounts = kernel.get("volumeMounts", [])
+        conf = [m for m in mounts if env["IPYTHONDIR"].startswith(m["mountPath"])]
+        assert [m["readOnly"] for m in conf] == ([True] if pod is local else []), mounts
 
 
 def test_a_secret_env_var_is_a_secret_key_ref_on_a_cluster_and_absent_from_a_local_pod() -> None:

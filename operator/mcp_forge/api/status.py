@@ -99,13 +99,14 @@ def parse_time(text: Any) -> float | None:
 
 
 OOM_KILLED = "OOMKilled"  # a Termination's reason when the kernel ran out of memory
+EVICTED = "Evicted"  # the kubelet evicted the kernel's pod (past its ephemeral storage)
 
 
 @dataclass(frozen=True)
 class Termination:
     """Why a kernel stopped."""
 
-    reason: str  # "OOMKilled", "Error", "Completed", "PodMissing"
+    reason: str  # "OOMKilled", "Evicted", "Error", "Completed", "PodMissing"
     exit_code: int | None
     message: str
 

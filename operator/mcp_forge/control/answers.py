@@ -32,7 +32,7 @@ from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KIND as KS_KIND
 from mcp_forge.clients.kube import Kube, connection_file_of
 from mcp_forge.control.pods import kernel_status
-from mcp_forge.control.render import LABEL_SESSION, connection_secret_of
+from mcp_forge.control.render import LABEL_SESSION, connection_secret_in, connection_secret_of
 from mcp_forge.kernelside import probe
 
 log = logging.getLogger(__name__)
@@ -63,14 +63,6 @@ def _made_by_a_session(pod: Mapping[str, Any]) -> bool:
     only carries the labels."""
     refs = (pod.get("metadata") or {}).get("ownerReferences") or []
     return any(r.get("kind") == KS_KIND and r.get("controller") for r in refs)
-
-
-def _secret_of(pod: Mapping[str, Any]) -> str | None:
-    for volume in (pod.get("spec") or {}).get("volumes") or []:
-        if volume.get("name") == "conf":
-            name = (volume.get("secret") or {}).get("secretName")
-            return name if isinstance(name, str) else None
-    return None
 
 
 class Answers:
@@ -109,7 +101,7 @@ class Answers:
             return
         if asking is not None and asking[0] == uid:
             return
-        secret = _secret_of(pod)
+        secret = connection_secret_in(pod)
         if secret != connection_secret_of(str(meta.get("name") or "")):
             return  # the key of this pod only, never a Secret a pod names at will
         if asking is not None:  # an earlier kernel of the session: no longer of interest

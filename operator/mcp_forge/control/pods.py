@@ -105,6 +105,9 @@ def observe(
             oom=ended.get("reason") == "OOMKilled",
             memory_limit=session.spec.memory,
         )
+        if status.get("reason") == st.EVICTED:  # the kubelet's words: which limit, how much
+            why = str(status.get("message") or "").strip()[:500] or "no reason given"
+            term = Termination(st.EVICTED, term.exit_code, f"the kernel's pod was evicted: {why}")
         return dead(session, term, pod_ip)
     waiting = state.get("waiting") or {}
     reason = str(waiting.get("reason") or status.get("reason") or "ContainerCreating")

@@ -72,6 +72,7 @@ from mcp_forge.control.render import (
     LABEL_SESSION,
     TEMPLATE_HASH,
     connection_secret_of,
+    give_connection_secret,
     render_kubernetes,
 )
 from mcp_forge.errors import ApiError, InvalidSession, SecretError
@@ -344,9 +345,7 @@ class PoolKeeper:
             name=connection_secret_of(pod_name), labels=labels, ownerReferences=[owner]
         )
         pod["metadata"].update(name=pod_name, labels=labels, ownerReferences=[owner])
-        for volume in pod["spec"]["volumes"]:
-            if "secret" in volume:
-                volume["secret"]["secretName"] = connection_secret_of(pod_name)
+        give_connection_secret(pod, connection_secret_of(pod_name))
         self.kube.create(secret)
         made = self.kube.create(pod)
         self._give_secret(pool.namespace, connection_secret_of(pod_name), made)

@@ -311,13 +311,16 @@ class Reconciler:
 
             return made
 
-        def secret() -> dict[str, Any] | None:
-            if fresh:
-                return None
-            return self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
-
         # Its first kernel, most likely a claim: the pool is read along with the rest.
         pool = session.spec.pool if fresh else None
+
+        def secret() -> dict[str, Any] | None:
+            if fresh and pool:  # a claimed kernel's Secret comes with its pod
+                return None
+            if fresh:  # made now, beside the rest, so that the pod can follow at once
+                return self._ensure(self._render(session, None)[0], session, likely_new=True)
+            return self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
+
         got = self._at_once(
             spec_of(service),
             spec_of(policy),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +30,7 @@ from mcp_forge.api.connection import (
     ConnectionInfo,
 )
 from mcp_forge.api.kernelsession import API_VERSION, KIND, KernelSession, parse_quantity
+from mcp_forge.kernelside import launch
 from mcp_forge.sandbox import KERNEL_CMD, KERNEL_UID, WORKSPACE
 
 Target = Literal["kubernetes", "podman"]
@@ -36,6 +38,16 @@ TARGETS: tuple[Target, ...] = ("kubernetes", "podman")
 
 CONTAINER = "kernel"
 SHARED = "/shared"
+CONNECTION_KEY = "connection.json"  # the connection Secret's one key
+TMP_SIZE = "256Mi"  # a cluster pod's /tmp: a memory emptyDir, or in its writable layer
+TMP_BYTES = 256 << 20
+MOUNTS = {  # where each volume a pod may have is mounted, in this order
+    "conf": CONF_DIR_IN_POD,  # local mode only: the connection file, read-only
+    "workspace": WORKSPACE,
+    "tmp": "/tmp",
+    "run": RUN_DIR_IN_POD,  # local mode only: the kernel's Unix sockets
+    "shared": SHARED,
+}
 MANAGED_BY = "mcp-forge"
 LABEL_SESSION = "mcpforge.dev/session"
 LABEL_NAMESPACE = "mcpforge.dev/namespace"
@@ -57,9 +69,10 @@ STARTUP_SECONDS = 120
 # profile only from this (deprecated in Kubernetes) annotation: "localhost/<file>".
 SECCOMP_ANNOTATION = f"container.seccomp.security.alpha.kubernetes.io/{CONTAINER}"
 RUNTIME_DEFAULT: dict[str, str] = {"type": "RuntimeDefault"}
-# Below the read-only connection mount, so it never exists and cannot be made: IPython
-# then works in a new temporary directory at every start, and a startup file planted in
-# the last one (in /tmp, which outlives a kernel restart) never runs in the next kernel.
+# Below /etc (root's; locally the read-only connection mount), so it never exists and
+# cannot be made: IPython then works in a new temporary directory at every start, and a
+# startup file planted in the last one (in /tmp, which outlives a kernel restart) never
+# runs in the next kernel.
 IPYTHON_DIR = f"{CONF_DIR_IN_POD}/ipython"
 
 
@@ -89,6 +102,32 @@ def connection_secret_of(pod_name: str) -> str:
 
 def secret_name(session: KernelSession) -> str:
     return connection_secret_of(child_name(session))
+
+
+def _connection_ref(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The secretKeyRef of a cluster kernel pod's connection (launch.ENV), if it has one."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") != CONTAINER:
+            continue
+        for env in container.get("env") or []:
+            if env.get("name") == launch.ENV:
+                ref = (env.get("valueFrom") or {}).get("secretKeyRef")
+                return ref if isinstance(ref, dict) else None
+    return None
+
+
+def connection_secret_in(pod: Mapping[str, Any]) -> str | None:
+    """The Secret a cluster kernel pod takes its connection from."""
+    name = (_connection_ref(pod) or {}).get("name")
+    return name if isinstance(name, str) else None
+
+
+def give_connection_secret(pod: dict[str, Any], secret: str) -> None:
+    """Make a rendered cluster pod take its connection from `secret` (a pool's kernel)."""
+    ref = _connection_ref(pod)
+    if ref is None:
+        raise ValueError("not a cluster kernel pod: no connection to take from a Secret")
+    ref["name"] = secret
 
 
 def workspace_claim_name(session: KernelSession) -> str:
@@ -151,6 +190,27 @@ def kernel_command(session: KernelSession) -> list[str]:
     return ["prlimit", f"--fsize={size}", "--", *KERNEL_CMD]
 
 
+def _cluster_kernel_command(session: KernelSession) -> list[str]:
+    """kernel_command on a cluster: the connection comes from the Secret in the
+    environment, and kernelside/launch.py writes it to the pod's own /tmp."""
+    return [*kernel_command(session)[:3], "python", "-P", "-c", kernelside.source("launch")]
+
+
+def _volume_less(session: KernelSession) -> bool:
+    """A cluster pod of an ephemeral session without a sharedGroup has no volume (each
+    one costs its cold start 300 ms in the kubelet: kernelside/launch.py): its workspace
+    and /tmp are the container's writable layer, bounded by its ephemeral-storage limit
+    as the workspace's emptyDir was by its sizeLimit, and they end with the pod as an
+    emptyDir does (restartPolicy Never)."""
+    return not session.spec.persistent and not session.spec.shared_group
+
+
+def _ephemeral_storage(session: KernelSession) -> str:
+    """The writable layer's bound when it holds the workspace and /tmp: both sizes."""
+    size = parse_quantity(session.spec.workspace_size, field="spec.workspace.size")
+    return str(size + TMP_BYTES)
+
+
 def startup_probe() -> dict[str, Any]:
     """The kernel container's startupProbe on a cluster: does the kernel answer?"""
     return {
@@ -161,7 +221,12 @@ def startup_probe() -> dict[str, Any]:
     }
 
 
-def _container(session: KernelSession, target: Target, seccomp: dict[str, str]) -> dict[str, Any]:
+def _container(
+    session: KernelSession,
+    target: Target,
+    volumes: list[dict[str, Any]],
+    seccomp: dict[str, str],
+) -> dict[str, Any]:
     spec = session.spec
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": WORKSPACE},
@@ -170,6 +235,9 @@ def _container(session: KernelSession, target: Target, seccomp: dict[str, str]) 
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
         {"name": "MCPFORGE_SESSION", "value": session.name},
     ]
+    if target == "kubernetes":  # kernelside/launch.py: the pod has no Secret volume
+        ref = {"name": secret_name(session), "key": CONNECTION_KEY}
+        env.append({"name": launch.ENV, "valueFrom": {"secretKeyRef": ref}})
     for e in spec.env:
         if e.secret is None:
             env.append({"name": e.name, "value": e.value})
@@ -178,21 +246,23 @@ def _container(session: KernelSession, target: Target, seccomp: dict[str, str]) 
             env.append({"name": e.name, "valueFrom": {"secretKeyRef": ref}})
         # podman: a pod's env shows in `podman inspect`; local mode gives the kernel these
         # over its own channel at every start, before the session is Ready
-    mounts = [
-        {"name": "conf", "mountPath": CONF_DIR_IN_POD, "readOnly": True},
-        {"name": "workspace", "mountPath": WORKSPACE},
-        {"name": "tmp", "mountPath": "/tmp"},
+    named = {v["name"] for v in volumes}
+    mounts: list[dict[str, Any]] = [
+        {"name": name, "mountPath": path, **({"readOnly": True} if name == "conf" else {})}
+        for name, path in MOUNTS.items()
+        if name in named
     ]
-    if target == "podman":
-        mounts.append({"name": "run", "mountPath": RUN_DIR_IN_POD})
-    if spec.shared_group:
-        mounts.append({"name": "shared", "mountPath": SHARED})
     limits = {"memory": spec.memory, "cpu": _cpu(session)}
+    if not volumes:  # the writable layer holds the workspace and /tmp
+        limits["ephemeral-storage"] = _ephemeral_storage(session)
+    command = kernel_command(session)
+    if target == "kubernetes":
+        command = _cluster_kernel_command(session)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": kernel_command(session),
+        "command": command,
         "workingDir": WORKSPACE,
         "env": env,
         "resources": {"limits": dict(limits), "requests": dict(limits)},
@@ -200,14 +270,18 @@ def _container(session: KernelSession, target: Target, seccomp: dict[str, str]) 
             "runAsUser": KERNEL_UID,
             "runAsGroup": KERNEL_UID,
             "runAsNonRoot": True,
-            "readOnlyRootFilesystem": True,
+            # Without volumes the image's files stay the image's by their modes (root's,
+            # 0755/0644): the kernel's uid writes only where it could with /workspace and
+            # /tmp mounted (docs/security.md, tests/adversarial/test_cluster_pod.py).
+            "readOnlyRootFilesystem": bool(volumes),
             "allowPrivilegeEscalation": False,
             "privileged": False,
             "capabilities": {"drop": ["ALL"]},
             "seccompProfile": dict(seccomp),
         },
-        "volumeMounts": mounts,
     }
+    if mounts:
+        container["volumeMounts"] = mounts
     if target == "kubernetes":
         container["startupProbe"] = startup_probe()
         container["ports"] = [
@@ -237,9 +311,10 @@ def _pod(
             "fsGroup": KERNEL_UID,
             "seccompProfile": dict(seccomp),
         },
-        "containers": [_container(session, target, seccomp)],
-        "volumes": volumes,
+        "containers": [_container(session, target, volumes, seccomp)],
     }
+    if volumes:
+        pod_spec["volumes"] = volumes
     if target == "kubernetes":
         meta = _metadata(session, child_name(session))
         pod_spec["hostname"] = "kernel"
@@ -312,7 +387,7 @@ def render_kubernetes(
         "kind": "Secret",
         "metadata": _metadata(session, secret_name(session)),
         "type": "Opaque",
-        "stringData": {"connection.json": connection.to_file()},
+        "stringData": {CONNECTION_KEY: connection.to_file()},
     }
     seccomp = (
         {"type": "Localhost", "localhostProfile": seccomp_profile}
@@ -383,18 +458,13 @@ def _network_policy(session: KernelSession, gateway_namespace: str | None) -> di
 
 
 def _kubernetes_volumes(session: KernelSession) -> list[dict[str, Any]]:
-    """The connection file from the Secret, the workspace (a claim if persistent), a
-    memory /tmp, and /shared for a sharedGroup."""
+    """None for an ephemeral session without a sharedGroup (_volume_less); else the
+    workspace (a claim if persistent), a memory /tmp, and /shared for a sharedGroup. The
+    connection never is a volume: it comes in the environment (kernelside/launch.py)."""
     spec = session.spec
+    if _volume_less(session):
+        return []
     volumes: list[dict[str, Any]] = [
-        {
-            "name": "conf",
-            "secret": {
-                "secretName": secret_name(session),
-                "defaultMode": 0o440,
-                "items": [{"key": "connection.json", "path": "connection.json"}],
-            },
-        },
         (
             {
                 "name": "workspace",
@@ -403,7 +473,7 @@ def _kubernetes_volumes(session: KernelSession) -> list[dict[str, Any]]:
             if spec.persistent
             else {"name": "workspace", "emptyDir": {"sizeLimit": spec.workspace_size}}
         ),
-        {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}},
+        {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": TMP_SIZE}},
     ]
     if spec.shared_group:
         volumes.append(

@@ -6,7 +6,8 @@ until it exits 0: it sends a signed kernel_info_request on the kernel's shell ch
 signed with the session's key, comes back within TIMEOUT. Until then the pod is not
 started, and the operator shows the session Starting; so on a cluster as locally, Ready
 means the kernel answered. Needs only the standard library and pyzmq, which the kernel
-image has for ipykernel; reads nothing but the connection file the kernel itself reads.
+image has for ipykernel; reads nothing but the connection the kernel itself reads (the
+variable the kubelet sets from the session's Secret, see launch.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import sys
 import time
 import uuid
@@ -21,7 +23,10 @@ from typing import Any
 
 import zmq
 
-CONNECTION_FILE = "/etc/mcp-forge/connection.json"
+# The connection the kubelet sets from the session's Secret (launch.ENV: this program
+# runs alone and imports nothing of ours); the kernel's launcher removes it from its own
+# environment only, and the kubelet gives every exec the container's.
+CONNECTION_ENV = "MCPFORGE_CONNECTION"
 TIMEOUT_MS = 2000
 REPLY_MAX = 64 << 10  # a kernel_info_reply is a few KiB
 QUEUED = 8  # messages held unread: a kernel's flood is dropped, not buffered
@@ -80,8 +85,7 @@ def answers(info: dict[str, Any], host: str = "127.0.0.1", timeout_ms: int = TIM
 
 
 def main() -> int:
-    with open(CONNECTION_FILE, encoding="utf-8") as f:
-        return 0 if answers(json.load(f)) else 1
+    return 0 if answers(json.loads(os.environ[CONNECTION_ENV])) else 1
 
 
 if __name__ == "__main__":

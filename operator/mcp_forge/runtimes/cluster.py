@@ -28,7 +28,6 @@ from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.connection import (
     BRIDGE_PORT,
-    CONNECTION_FILE_IN_POD,
     Address,
     ConnectionInfo,
     connection_from_file,
@@ -53,6 +52,7 @@ from mcp_forge.errors import (
     SessionNotReady,
 )
 from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.kernelside import launch
 from mcp_forge.runtimes import spec_packages
 from mcp_forge.settings import Settings
 
@@ -426,7 +426,7 @@ class KubernetesRuntime:
         address = Address("tcp", host=info.host, port=BRIDGE_PORT, tls=info.bridge)
         if info.bridge is None:
             return ("tcp", "0.0.0.0", BRIDGE_PORT), address
-        return ("tls", "0.0.0.0", BRIDGE_PORT, CONNECTION_FILE_IN_POD), address
+        return ("tls", "0.0.0.0", BRIDGE_PORT, launch.FILE), address
 
     async def kernel_setup(self, session: KernelSession) -> str | None:
         """A kernel claimed from a pool runs as the pool started it: the operator moved

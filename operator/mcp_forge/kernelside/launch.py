@@ -1,0 +1,50 @@
+"""The kernel's launcher on a cluster: its connection file comes in the environment.
+
+A cluster's kernel pod has no Secret volume: every volume costs a cold start 300 ms in
+the kubelet (its volume manager polls mounts at that interval before it starts a pod's
+containers), and a pod of an ephemeral session has no volume at all. The kubelet puts
+the session Secret's `connection.json` in ENV (a secretKeyRef: the pod object holds the
+reference, never the value); this program takes it out of the environment (so `%env`
+and subprocesses never see it), writes it to FILE, readable by the kernel's uid only,
+and starts ipykernel on it, as sandbox.KERNEL_LAUNCH does with a mounted file. The
+startup probe (probe.py) reads the same variable, which the kubelet gives every exec.
+
+Run as `python -P -c <source>`: the standard library and ipykernel only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ENV = "MCPFORGE_CONNECTION"
+FILE = "/tmp/.mcp-forge/connection.json"  # a pod's own /tmp, made at its start
+
+
+def write_connection(text: str, path: str = FILE) -> None:
+    """Write `text` to a new file at `path`, mode 0400, in a directory of mode 0700.
+
+    Never over something already there (O_EXCL, no link followed): the pod's /tmp is new,
+    so anything at `path` was planted, and the kernel does not start on it.
+    """
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def main() -> None:
+    text = os.environ.pop(ENV, None)
+    if not text:
+        sys.exit(f"mcp-forge: {ENV} is not set: the pod has no connection file to start on")
+    write_connection(text)
+    from ipykernel.kernelapp import IPKernelApp
+
+    # As sandbox.KERNEL_LAUNCH: every port is fixed and the file is the Secret's, so
+    # ipykernel never rewrites it (7.4 does whenever it holds Curve keys).
+    IPKernelApp.write_connection_file = lambda self, **kw: None  # type: ignore[method-assign]
+    IPKernelApp.launch_instance(argv=["-f", FILE])
+
+
+if __name__ == "__main__":
+    main()
