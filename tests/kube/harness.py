@@ -117,7 +117,8 @@ async def eventually(
     timeout: float = 15.0,
     what: str = "",
 ) -> dict[str, Any] | None:
-    """The object once `check(object or None)` holds; woken by each watch event on it."""
+    """The object once `check(object or None)` holds: read, then checked at each watch
+    event on it as the event brings it (read again only when a watch ends)."""
     deadline = time.monotonic() + timeout
     while True:
         obj = await asyncio.to_thread(kube.get, kind, namespace, name)
@@ -134,7 +135,33 @@ async def eventually(
             rv = str(listed["metadata"].get("resourceVersion") or "0")
             if any(i["metadata"]["name"] == name for i in listed.get("items") or []):
                 continue  # it appeared between the get and the list
-        await asyncio.to_thread(_next_event, kube, kind, namespace, name, rv, min(left, 2.0))
+        met = await asyncio.to_thread(
+            _watch_for, kube, kind, namespace, name, rv, min(left, 10.0), check
+        )
+        if met:
+            return met[0]
+
+
+def _watch_for(
+    kube: Kube,
+    kind: str,
+    namespace: str,
+    name: str,
+    rv: str,
+    timeout: float,
+    check: Callable[[dict[str, Any] | None], bool],
+) -> tuple[dict[str, Any] | None] | None:
+    """(the object) as the first watch event for which `check` holds brings it; None if
+    the watch ended first."""
+    try:
+        for event in kube.watch(kind, namespace, resource_version=rv, name=name, timeout=timeout):
+            obj = None if event.type == "DELETED" else event.object
+            if check(obj):
+                return (obj,)
+    except ApiError as exc:
+        if exc.status != 410:  # Gone: too old to replay from (a CRD replaced): read again
+            raise
+    return None
 
 
 async def events_of(
