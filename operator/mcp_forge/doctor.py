@@ -15,7 +15,7 @@ from mcp_forge import confine
 from mcp_forge.api import kernelsession
 from mcp_forge.clients import podman
 from mcp_forge.errors import ForgeError
-from mcp_forge.runtimes.local import volumes
+from mcp_forge.runtimes.local import criu, volumes
 from mcp_forge.runtimes.local.orphans import STORE_LABEL
 from mcp_forge.runtimes.local.userns import SIZE, USERNS_USER, subordinate_ranges
 
@@ -82,6 +82,12 @@ async def run_checks(say: Say) -> bool:
         f"host-side work on untrusted data runs confined ({detail})",
         "apt-get install -y bubblewrap util-linux" if not confined else "",
     )
+    snapshots, detail = await criu.probe()
+    if snapshots:
+        result(True, f"live snapshots: {detail}")
+    else:  # nothing needs it yet: a note until suspend keeps memory (issue 27)
+        say(f"note live snapshots need CRIU 4 for runc: {detail}")
+        say(f"     fix: {criu.FIX}")
     dmesg = await _dmesg_readable()
     say(
         "ok   the kernel log is readable: OOM kills are named as such"
