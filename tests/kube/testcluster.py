@@ -663,6 +663,7 @@ def up() -> Path:
         )
     bins = build()
     ip = node_ip()
+    share_netns_dir()
     ROOT.mkdir(parents=True, exist_ok=True)
     os.chmod(ROOT, 0o700)
     old = ROOT / "node-ip"
@@ -1024,6 +1025,23 @@ def import_images(bins: Path, images: list[str]) -> None:
         if image not in ctr(bins, "images", "ls", "-q").stdout.split():
             raise ClusterError(f"{image} is not in the node's containerd after import")
         marker.write_text(image_id)
+
+
+def share_netns_dir() -> None:
+    """Make /run/netns a shared mount of itself before the CNI plugins mount pods' network
+    namespaces in it, as `ip netns` and Podman do when they first need it. Otherwise the
+    first of them to run later (a local session's pod) bind-mounts /run/netns over itself,
+    hiding the cluster's namespaces from `down`: their mounts can no longer be reached by
+    path, and `down` fails on them (seen here: a Podman pod played after `up`)."""
+    netns = Path("/run/netns")
+    netns.mkdir(parents=True, exist_ok=True)
+    mounted = any(
+        line.split()[4] == str(netns)
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+    )
+    if not mounted:
+        run("mount", "--bind", str(netns), str(netns))
+    run("mount", "--make-rshared", str(netns))
 
 
 def status() -> bool:
