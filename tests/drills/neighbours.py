@@ -71,6 +71,14 @@ So the gateway moves into a cgroup of its own that outweighs the pods
 is +96 ms (30 s), +95/+123 ms (short form): its kernel is a pod among the noisy pods
 (a 10 ms sleeper in a cgroup under libpod_parent with twice a noisy pod's weight: p99
 24 ms, max 81 ms), not yet within 50 ms.
+
+December 4 (quiet host, seven 30 s runs): execute_code 1+1 +68 to +82 ms, list_sessions
++9 to +24 ms. One run each: 10 ms CFS periods for every pod, no change; the noisy pods'
+cpu.shares forced to 64, +60 ms, and to 2, +47 ms; a kernel weighing 1/64 of its request
+while a call of more than a heartbeat runs, no change (the noisy kernels that use the CPU,
+3-5.6 s each in 40 s, run short calls: exports' cells, code mode); Podman's parent of pods
+at the gateway's weight, worse (+89 ms). ipykernel itself costs 3.4-3.6 ms of CPU per
+`1+1` in our pod, 4.1 ms bare on this host.
 """
 
 from __future__ import annotations
