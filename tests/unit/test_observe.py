@@ -86,6 +86,18 @@ def test_restart_policy_never_makes_a_death_final() -> None:
     assert seen.phase == "Failed"
 
 
+def test_the_kubelets_secret_cache_timing_out_is_a_start_not_a_failure() -> None:
+    """The kubelet waits a second for a new Secret reflector and tries again 10 s later: a
+    busy node's transient error, not the session's fault (a missing key still fails it)."""
+    why = "failed to sync secret cache: timed out waiting for the condition"
+    waiting = {"waiting": {"reason": "CreateContainerConfigError", "message": why}}
+    seen = observe(session(), pod(waiting, phase="Pending"))
+    assert seen.phase == "Starting" and seen.message == why
+    missing = "couldn't find key token in Secret team/api"
+    waiting = {"waiting": {"reason": "CreateContainerConfigError", "message": missing}}
+    assert observe(session(), pod(waiting, phase="Pending")).phase == "Failed"
+
+
 def test_an_image_that_cannot_be_pulled_fails_the_session() -> None:
     waiting = {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}
     seen = observe(session(), pod(waiting, phase="Pending"))

@@ -64,6 +64,15 @@ def kernel_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
     return {}
 
 
+def _transient(message: str) -> bool:
+    """A kubelet error that passes by itself: its Secret and ConfigMap caches wait at most a
+    second for a new reflector to sync ("failed to sync secret cache: timed out waiting for
+    the condition", kubelet's watch_based_manager.go) and the pod worker tries again about
+    10 s later. A busy node shows it for an env var from a Secret, which every cluster
+    kernel has (its connection). The session stays Starting, under its progress deadline."""
+    return message.startswith("failed to sync ") and " cache" in message
+
+
 def observe(
     session: KernelSession, pod: Mapping[str, Any] | None, answered: str | None = None
 ) -> Observation:
@@ -112,7 +121,7 @@ def observe(
     waiting = state.get("waiting") or {}
     reason = str(waiting.get("reason") or status.get("reason") or "ContainerCreating")
     message = str(waiting.get("message") or status.get("message") or "the kernel is starting")
-    if reason in STUCK:
+    if reason in STUCK and not _transient(message):
         return Observation(st.FAILED, reason, message[:1000], None, None, pod_ip)
     if status.get("phase") == "Failed":
         return Observation(st.FAILED, reason, message[:1000], None, None, pod_ip)
