@@ -186,14 +186,19 @@ def kernel_command(session: KernelSession) -> list[str]:
     prlimit (util-linux) sets RLIMIT_FSIZE to the workspace size, soft and hard, then
     execs the kernel: no file it writes can outgrow the workspace.
     """
+    return [*_file_size_limit(session), *KERNEL_CMD]
+
+
+def _file_size_limit(session: KernelSession) -> list[str]:
+    """prlimit's prefix: RLIMIT_FSIZE at the workspace size, soft and hard."""
     size = parse_quantity(session.spec.workspace_size, field="spec.workspace.size")
-    return ["prlimit", f"--fsize={size}", "--", *KERNEL_CMD]
+    return ["prlimit", f"--fsize={size}", "--"]
 
 
 def _cluster_kernel_command(session: KernelSession) -> list[str]:
     """kernel_command on a cluster: the connection comes from the Secret in the
     environment, and kernelside/launch.py writes it to the pod's own /tmp."""
-    return [*kernel_command(session)[:3], "python", "-P", "-c", kernelside.source("launch")]
+    return [*_file_size_limit(session), "python", "-P", "-c", kernelside.source("launch")]
 
 
 def _volume_less(session: KernelSession) -> bool:
@@ -272,7 +277,7 @@ def _container(
             "runAsNonRoot": True,
             # Without volumes the image's files stay the image's by their modes (root's,
             # 0755/0644): the kernel's uid writes only where it could with /workspace and
-            # /tmp mounted (docs/security.md, tests/adversarial/test_cluster_pod.py).
+            # /tmp mounted (docs/security.md, tests/kube/test_security.py).
             "readOnlyRootFilesystem": bool(volumes),
             "allowPrivilegeEscalation": False,
             "privileged": False,
