@@ -126,7 +126,10 @@ async def eventually(
             return obj
         left = deadline - time.monotonic()
         if left <= 0:
-            raise AssertionError(f"{kind} {namespace}/{name}: {what or 'condition'} not met; {obj}")
+            said = f"{kind} {namespace}/{name}: {what or 'condition'} not met; {obj}"
+            if ((obj or {}).get("status") or {}).get("reason") == "Unschedulable":
+                said += "\n" + await asyncio.to_thread(_node_holders)
+            raise AssertionError(said)
         rv = "0"
         if obj is not None:
             rv = str(obj["metadata"]["resourceVersion"])
@@ -140,6 +143,26 @@ async def eventually(
         )
         if met:
             return met[0]
+
+
+def _node_holders() -> str:
+    """What holds the node's CPU: every pod not yet ended, with its requests (an
+    Unschedulable session is most often one that a test's leftovers crowd out)."""
+    import kubernetes
+
+    ended = "status.phase!=Succeeded,status.phase!=Failed"
+    api = kubernetes.client.CoreV1Api()
+    got: Any = api.list_pod_for_all_namespaces(field_selector=ended, _preload_content=False)
+    lines = []
+    for p in json.loads(got.data)["items"]:  # raw: the models' every field is Optional
+        meta, asked = p["metadata"], [c.get("resources", {}) for c in p["spec"]["containers"]]
+        cpu = sum(
+            kubernetes.utils.parse_quantity(r.get("requests", {}).get("cpu", "0")) for r in asked
+        )
+        gone = " (deleted)" if meta.get("deletionTimestamp") else ""
+        phase = p["status"].get("phase")
+        lines.append(f"  {meta['namespace']}/{meta['name']} {phase}{gone} {cpu * 1000:.0f}m")
+    return "pods on the node:\n" + "\n".join(lines)
 
 
 def _watch_for(

@@ -532,7 +532,12 @@ async def test_spec_packages_are_installed_by_the_gateway_in_a_cluster_kernel(
                 "namespace": ns,
                 "annotations": {"mcpforge.dev/clients": "agent"},
             },
-            "spec": {"image": images["minimal"], "packages": packages},
+            # Small: both on the 2-CPU node beside what earlier tests' namespaces still hold.
+            "spec": {
+                "image": images["minimal"],
+                "packages": packages,
+                "resources": {"cpu": "250m"},
+            },
         }
 
     async with (
