@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,10 @@ async def test_the_criu_setup_builds_is_found_first_and_checks_out() -> None:
     ok, detail = await criu.probe()
     assert ok, detail
     assert "CRIU 4.2.1" in detail and "looks good" in detail
+    version = await asyncio.to_thread(
+        subprocess.run, [str(BUILT), "--version"], capture_output=True, text=True
+    )
+    assert criu.PATCHED in version.stdout, version.stdout  # restore-into-userns.patch
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="criu check needs root")

@@ -3,8 +3,9 @@
 Live snapshots (issue 27) checkpoint a kernel's container with `podman container
 checkpoint`, which runs runc, which runs the `criu` found on its PATH. Debian 12's criu
 (3.17) fails on our kernels, and 4.1 cannot dump a kernel on Linux 6.18; images/criu/build
-installs 4.2.1 as /usr/local/sbin/criu, ahead of Debian's on root's PATH. `probe` runs the
-one runc would find.
+installs 4.2.1 as /usr/local/sbin/criu, ahead of Debian's on root's PATH, with our patch
+that restores a kernel into its pod's user namespace (images/criu/restore-into-userns.patch;
+its `criu --version` says so in its GitID). `probe` runs the one runc would find.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import re
 import shutil
 
+PATCHED = "mcp-forge.restore-into-userns"  # in `criu --version`'s GitID
 MINIMUM = (4, 2)  # 3.17 fails `criu check` on 6.x; 4.1 asks INET sockets for SO_PASSCRED
 FIX = "bash images/criu/build --check  (CRIU 4.2.1 from Debian's source archive, cached)"
 CHECK_DEADLINE = 60.0
@@ -51,6 +53,11 @@ async def probe() -> tuple[bool, str]:
     shown = ".".join(map(str, version))
     if version < MINIMUM:
         return False, f"{path} is CRIU {shown}; live snapshots need 4.2 or later"
+    if PATCHED not in out:
+        return False, (
+            f"{path} is CRIU {shown} without our patch: it cannot restore a kernel into its "
+            "pod's user namespace"
+        )
     code, out = await _run(path, "check")
     if code != 0 or "Looks good" not in out:
         return False, f"{path} (CRIU {shown}): criu check: {out.strip()[-300:] or f'exit {code}'}"
