@@ -1,0 +1,250 @@
+"""Live snapshots of a local kernel (issue 27): its container checkpointed by CRIU, through
+Podman, into an archive the session owns; restored from it into a pod of the session's.
+
+`take` checkpoints a kernel's container into an archive (`podman container checkpoint
+--export`): its memory, threads, open files and sockets, and what it wrote outside its
+volumes. `bring_back` restores an archive into a live pod as a new container of it
+(`podman container restore --import --pod`), in that pod's user namespace: CRIU 4.2.1 as
+images/criu/build patches it (restore-into-userns.patch) makes the restored task inside
+that namespace, as the container's was made. The pod must be alive: a kube-played pod
+stops with its last container, so the kernel's pod keeps a second one while the kernel
+sleeps.
+
+An archive names the pod it came from: its infra container (whose namespaces the kernel
+joined), the user namespace by that infra's PID, and the uid and gid maps. Podman 4.3.1
+moves a restored container's network, IPC and UTS namespaces to the new pod but not its
+user namespace, so an archive for another pod (a fork; the session's pod played again) is
+`retarget`ed first: those names rewritten for the target, and the CRIU images given to the
+target namespace's root, who opens them while restoring. Nothing in the archive is
+unpacked or run: the images (the kernel's memory, untrusted) are copied as they are,
+under a size bound; only Podman's own two small JSON files are read.
+
+Uncompressed (`--compress=none`): a retarget streams the archive once, and a restore does
+not wait for a decompression; CRIU leaves out the pages the kernel never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import json
+import os
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mcp_forge.clients import podman
+from mcp_forge.errors import ForgeError
+
+CONFIG = "config.dump"  # Podman's container config (its namespaces by container id)
+SPEC = "spec.dump"  # the OCI spec (namespace paths, id maps)
+DUMP_LIMIT = 4_000_000  # either JSON file: a few KB in practice
+CHECKPOINT_DIR = "checkpoint"  # CRIU's images
+PROC_NS = {"network": "net", "mount": "mnt"}  # the OCI spec's names -> /proc/PID/ns/
+
+
+class SnapshotError(ForgeError):
+    """A snapshot could not be taken, read or restored; says which and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A live pod to restore into: its ids, its infra's PID (the user namespace to join
+    is /proc/PID/ns/user) and the host ids its namespace maps 0 to, over `size` ids."""
+
+    pod_id: str
+    infra_id: str
+    infra_pid: int
+    uid: int
+    gid: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    archive: Path
+    size: int  # bytes
+    seconds: float
+
+
+async def take(
+    container: str, archive: Path, *, leave_running: bool = False, timeout: float = 300.0
+) -> Taken:
+    """Checkpoint `container` into `archive` (replaced). Without `leave_running` the
+    container stops, and its memory is freed."""
+    started = time.monotonic()
+    part = archive.with_name(archive.name + ".part")
+    part.unlink(missing_ok=True)
+    args = ["container", "checkpoint", f"--export={part}", "--compress=none"]
+    if leave_running:
+        args.append("--leave-running")
+    try:
+        await podman.run(*args, container, timeout=timeout)
+    except ForgeError as exc:
+        part.unlink(missing_ok=True)
+        raise SnapshotError(f"could not checkpoint the kernel: {exc}") from exc
+    return Taken(archive, _settle(part, archive), time.monotonic() - started)
+
+
+def _settle(part: Path, archive: Path) -> int:
+    """The finished archive in its place, root's alone; its size."""
+    os.chmod(part, 0o600)
+    part.replace(archive)
+    return archive.stat().st_size
+
+
+async def target_of(pod: str, idmap: dict[str, int]) -> Target:
+    """The live pod `pod` (name or id) as a Target, with the session's id map."""
+    found = await podman.run_json("pod", "inspect", pod)
+    found = found[0] if isinstance(found, list) else found
+    infra = str(found.get("InfraContainerID") or "")
+    if not infra:
+        raise SnapshotError(f"pod {pod} has no infra container to restore into")
+    state = await podman.run_json("container", "inspect", infra)
+    pid = int((state[0] if isinstance(state, list) else state)["State"]["Pid"] or 0)
+    if pid <= 0:
+        raise SnapshotError(f"pod {pod} is not running: nothing to restore into")
+    return Target(str(found["Id"]), infra, pid, idmap["uid"], idmap["gid"], idmap["size"])
+
+
+async def restore(archive: Path, to: Target, name: str, *, limit: int) -> float:
+    """Restore `archive` into the pod `to` as container `name` (which must not exist),
+    through a retargeted copy beside it (removed after); the seconds it took."""
+    started = time.monotonic()
+    copy = archive.with_name(f"{archive.name}.{to.pod_id[:12]}")
+    try:
+        await retarget(archive, copy, to, limit=limit)
+        await bring_back(copy, to, name)
+    finally:
+        copy.unlink(missing_ok=True)
+    return time.monotonic() - started
+
+
+async def bring_back(archive: Path, to: Target, name: str, *, timeout: float = 300.0) -> float:
+    """Restore `archive`, retargeted for the pod `to`, into it as container `name` (which
+    must not exist); the seconds it took."""
+    started = time.monotonic()
+    args = ["container", "restore", f"--import={archive}", f"--pod={to.pod_id}", f"--name={name}"]
+    try:
+        await podman.run(*args, timeout=timeout)
+    except ForgeError as exc:
+        raise SnapshotError(f"could not restore the kernel: {exc}") from exc
+    return time.monotonic() - started
+
+
+async def retarget(src: Path, dst: Path, to: Target, *, limit: int) -> None:
+    """Write `dst`: the archive `src` made to restore into the pod `to` (see the module's
+    text). At most `limit` bytes of archive are read."""
+    await asyncio.to_thread(_retarget, src, dst, to, limit)
+
+
+def _retarget(src: Path, dst: Path, to: Target, limit: int) -> None:
+    if src.stat().st_size > limit:
+        raise SnapshotError(f"the snapshot is {src.stat().st_size} bytes, over its {limit} limit")
+    with tarfile.open(src, "r:") as tar:
+        members = tar.getmembers()
+        for member in members:  # all of it checked before anything is written
+            _check(member)
+        config, spec = _dumps(tar, members)
+        rewritten = {CONFIG: _for_config(config, to), SPEC: _for_spec(spec, config, to)}
+        part = dst.with_name(dst.name + ".part")
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:") as out:
+                for member in members:
+                    _copy(tar, out, member, rewritten, to)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+    part.replace(dst)
+
+
+def _check(member: tarfile.TarInfo) -> None:
+    """Only files and folders, named inside the archive: no link, device or FIFO."""
+    name = _name(member)
+    if not (member.isfile() or member.isdir()):
+        raise SnapshotError(f"the snapshot holds {name[:100]!r}, neither a file nor a folder")
+
+
+def _dumps(
+    tar: tarfile.TarFile, members: list[tarfile.TarInfo]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    for member in members:
+        name = _name(member)
+        if name not in (CONFIG, SPEC):
+            continue
+        if not member.isfile() or member.size > DUMP_LIMIT:
+            raise SnapshotError(
+                f"the snapshot's {name} is not a file of at most {DUMP_LIMIT} bytes"
+            )
+        data = tar.extractfile(member)
+        assert data is not None
+        try:
+            found[name] = json.loads(data.read())
+        except ValueError as exc:
+            raise SnapshotError(f"the snapshot's {name} is not JSON: {exc}") from None
+    missing = [n for n in (CONFIG, SPEC) if not isinstance(found.get(n), dict)]
+    if missing:
+        raise SnapshotError(f"not a Podman checkpoint: no {' or '.join(missing)} in it")
+    return found[CONFIG], found[SPEC]
+
+
+def _name(member: tarfile.TarInfo) -> str:
+    """A member's name without "./"; one that could reach outside the archive is refused."""
+    name = member.name.removeprefix("./")
+    parts = Path(name).parts
+    if name.startswith("/") or ".." in parts:
+        raise SnapshotError(f"the snapshot holds an entry named {member.name[:100]!r}")
+    return name
+
+
+def _for_config(config: dict[str, Any], to: Target) -> bytes:
+    """config.dump for `to`: the old infra's id and the old pod's, wherever they are
+    (namespace owners, the shm path), and the id maps."""
+    infra = str(config.get("userNsCtr") or config.get("netNsCtr") or "")
+    pod = str(config.get("pod") or "")
+    if not infra or not pod:
+        raise SnapshotError("the snapshot is not of a pod's container: it names no infra")
+    text = json.dumps(config).replace(infra, to.infra_id).replace(pod, to.pod_id)
+    new = json.loads(text)
+    maps = new.get("idMappingsOptions") or {}
+    for key, host in (("UIDMap", to.uid), ("GIDMap", to.gid)):
+        maps[key] = [{"container_id": 0, "host_id": host, "size": to.size}]
+    for key in ("AdditionalUIDMappings", "AdditionalGIDMappings"):
+        maps.pop(key, None)
+    return json.dumps(new).encode()
+
+
+def _for_spec(spec: dict[str, Any], config: dict[str, Any], to: Target) -> bytes:
+    """spec.dump for `to`: namespaces by the target infra's PID, the target's id maps."""
+    linux = spec.get("linux") or {}
+    for ns in linux.get("namespaces") or []:
+        if ns.get("path"):
+            kind = PROC_NS.get(ns["type"], ns["type"])
+            ns["path"] = f"/proc/{to.infra_pid}/ns/{kind}"
+    linux["uidMappings"] = [{"containerID": 0, "hostID": to.uid, "size": to.size}]
+    linux["gidMappings"] = [{"containerID": 0, "hostID": to.gid, "size": to.size}]
+    infra, pod = str(config.get("userNsCtr") or ""), str(config.get("pod") or "")
+    return json.dumps(spec).replace(infra, to.infra_id).replace(pod, to.pod_id).encode()
+
+
+def _copy(
+    tar: tarfile.TarFile,
+    out: tarfile.TarFile,
+    member: tarfile.TarInfo,
+    rewritten: dict[str, bytes],
+    to: Target,
+) -> None:
+    name = _name(member)
+    if name in rewritten:
+        data = rewritten[name]
+        new = tarfile.TarInfo(member.name)
+        new.size, new.mode, new.mtime = len(data), member.mode, member.mtime
+        out.addfile(new, io.BytesIO(data))
+        return
+    if name == CHECKPOINT_DIR or name.startswith(CHECKPOINT_DIR + "/"):
+        member.uid, member.gid = to.uid, to.gid  # CRIU opens them as the namespace's root
+    out.addfile(member, tar.extractfile(member) if member.isfile() else None)
