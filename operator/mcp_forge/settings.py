@@ -95,6 +95,9 @@ class Settings:
     packages_cache_max: int = 1_000_000_000  # bytes of pip's cache kept after an install
     packages_installs_max: int = 4  # installs in flight in one gateway
     packages_client_installs_max: int = 2  # installs in flight for one client
+    # Live snapshots (local mode): a suspended kernel keeps its memory in an archive.
+    snapshots: bool = True  # false: a suspended session's kernel starts afresh (as before)
+    snapshot_max: int = 20_000_000_000  # bytes of one session's snapshot; past it, none
 
     @classmethod
     def from_env(cls) -> Settings:

@@ -76,12 +76,16 @@ async def test_a_shaped_archive_is_refused_and_nothing_is_written(
     src = archive(tmp_path / "in.tar", extra, **dumps)
     dst = tmp_path / "out" / "copy.tar"
     dst.parent.mkdir()
-    before = listing(tmp_path)
+    before, content = listing(tmp_path), src.read_bytes()
     with pytest.raises(snapshots.SnapshotError) as refused:
         await snapshots.retarget(src, dst, TO, limit=1 << 20)
     assert str(refused.value), case
     assert list(dst.parent.iterdir()) == [], f"{case}: {list(dst.parent.iterdir())}"
     assert listing(tmp_path) == before
+    # Retargeted in place (a resume's archive): refused the same, the archive unchanged.
+    with pytest.raises(snapshots.SnapshotError):
+        snapshots.retarget_in_place(src, TO, 1 << 20)
+    assert src.read_bytes() == content, case
 
 
 async def test_an_archive_over_its_limit_is_refused_before_it_is_read(tmp_path: Path) -> None:
@@ -107,3 +111,42 @@ async def test_a_plain_archive_is_retargeted_and_its_images_given_to_the_namespa
     assert spec["linux"]["uidMappings"] == [{"containerID": 0, "hostID": TO.uid, "size": 65536}]
     assert config["pod"] == TO.pod_id and config["userNsCtr"] == TO.infra_id
     assert oct(dst.stat().st_mode)[-3:] == "600"
+
+
+def test_in_place_the_dumps_are_rewritten_padded_and_the_images_folder_opened(
+    tmp_path: Path,
+) -> None:
+    """A resume's archive is retargeted in itself: same size, still a valid archive."""
+    src = tmp_path / "in.tar"
+    ids = {"container_id": 0, "host_id": TO.uid, "size": TO.size}  # a resume: the same map
+    config = {**CONFIG, "idMappingsOptions": {"UIDMap": [ids], "GIDMap": [ids]}}
+    mapped = [{"containerID": 0, "hostID": TO.uid, "size": TO.size}]
+    spec = {"linux": {**SPEC["linux"], "uidMappings": mapped, "gidMappings": mapped}}  # type: ignore[dict-item]
+    with tarfile.open(src, "w:") as tar:  # as Podman writes them: compact JSON
+        add(tar, "config.dump", json.dumps(config, separators=(",", ":")).encode())
+        add(tar, "spec.dump", json.dumps(spec, separators=(",", ":")).encode())
+        add(tar, "checkpoint", type=tarfile.DIRTYPE, mode=0o600)
+        add(tar, "checkpoint/core-1.img", b"\0" * 100, mode=0o644)
+        add(tar, "checkpoint/descriptors.json", b"[]", mode=0o600)  # runc's: read as root
+    size = src.stat().st_size
+    assert snapshots.retarget_in_place(src, TO, 1 << 20)
+    assert src.stat().st_size == size
+    with tarfile.open(src) as tar:  # the checksums hold: tarfile reads every header
+        assert tar.getmember("checkpoint").mode == 0o755
+        image = tar.getmember("checkpoint/core-1.img")
+        assert (image.uid, image.mode) == (0, 0o644)  # root's, readable by the namespace
+        got = json.loads(tar.extractfile("config.dump").read())  # type: ignore[union-attr]
+        spec = json.loads(tar.extractfile("spec.dump").read())  # type: ignore[union-attr]
+    assert got["pod"] == TO.pod_id and got["userNsCtr"] == TO.infra_id
+    assert spec["linux"]["namespaces"][0]["path"] == "/proc/1/ns/user"
+
+
+def test_in_place_gives_way_to_a_copy_when_an_image_is_not_readable(tmp_path: Path) -> None:
+    src = tmp_path / "in.tar"
+    with tarfile.open(src, "w:") as tar:
+        add(tar, "config.dump", json.dumps(CONFIG, separators=(",", ":")).encode())
+        add(tar, "spec.dump", json.dumps(SPEC, separators=(",", ":")).encode())
+        add(tar, "checkpoint/pages-1.img", b"\0" * 100, mode=0o600)
+    content = src.read_bytes()
+    assert not snapshots.retarget_in_place(src, TO, 1 << 20)
+    assert src.read_bytes() == content

@@ -181,6 +181,24 @@ async def test_a_restart_injects_the_module_again(make_session, coder: Gateway) 
     assert out == {"x": False, "sum": 3}
 
 
+async def test_code_mode_goes_on_after_a_suspend_with_memory(
+    runtime: Any, make_session, coder: Gateway
+) -> None:
+    """Suspended with its memory (naps.py), the gateway's bridge to the kernel is closed
+    first (CRIU cannot take it along) and made again at the next call."""
+    name = await make_session(
+        mcpServers=[{"name": "edge"}], idleTimeout="60s", idleAction="Suspend"
+    )
+    assert (
+        await coder.execute(name, "import mcp_tools\nx = mcp_tools.edge.add(a=40)['sum']")
+    ).status == "ok"
+    runtime.store.patch_status("default", name, {"lastActivity": "2000-01-01T00:00:00Z"})
+    assert await runtime.cull_idle() == [name]
+    assert "its memory is kept" in str((await runtime.get(name)).status["message"])
+    out = await value(coder, name, "_out = {'x': x, 'sum': mcp_tools.edge.add(a=1)['sum']}")
+    assert out == {"x": 42, "sum": 3}
+
+
 async def test_a_code_mode_kernel_still_has_no_network(make_session, coder: Gateway) -> None:
     name = await make_session(mcpServers=[{"name": "edge"}])
     out = await value(

@@ -340,10 +340,36 @@ async def test_idle_suspend_keeps_the_session_and_a_use_resumes_it(
     assert await supervise_once(runtime) == [], "a suspended session is left alone"
     assert not await pod_exists(runtime, name), "housekeeping does not resume it"
     assert (await runtime.get(name)).status["phase"] == "Suspended"
-    # Used again: a new kernel (variables gone), the workspace kept.
+    # Used again: the kernel as it was, its memory restored (naps.py), the workspace kept.
+    assert session.status["snapshot"]["size"] > 0, session.status
     result = await gateway.execute(name, "print('x' in dir(), open('kept.txt').read())")
-    assert (result.status, result.stdout) == ("ok", "False kept\n")
-    assert (await runtime.get(name)).status["phase"] == "Ready"
+    assert (result.status, result.stdout) == ("ok", "True kept\n")
+    resumed = (await runtime.get(name)).status
+    assert resumed["phase"] == "Ready" and resumed["lastRestore"]["outcome"] == "Restored"
+    assert resumed.get("snapshot") is None, resumed
+
+
+async def test_without_snapshots_an_idle_suspend_loses_the_variables_and_says_so(
+    runtime, settings, make_session
+) -> None:
+    """MCPFORGE_SNAPSHOTS=false: a suspended kernel starts afresh when used again."""
+    from mcp_forge.gateway.core import Gateway
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
+
+    plain = LocalRuntime(dataclasses.replace(settings, snapshots=False))
+    gateway = Gateway(plain, plain.settings)
+    try:
+        name = await make_session(idleTimeout="60s", idleAction="Suspend")
+        assert (await gateway.execute(name, "x = 1")).status == "ok"
+        plain.store.patch_status("default", name, {"lastActivity": "2000-01-01T00:00:00Z"})
+        assert await plain.cull_idle() == [name]
+        session = await plain.get(name)
+        assert (session.status["phase"], session.status["reason"]) == ("Suspended", "Idle")
+        assert "variables lost: live snapshots are off" in str(session.status["message"])
+        result = await gateway.execute(name, "print('x' in dir())")
+        assert (result.status, result.stdout) == ("ok", "False\n")
+    finally:
+        await gateway.close()
 
 
 async def test_operating_mode_suspended_removes_the_pod_until_running_again(

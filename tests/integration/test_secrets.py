@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -25,6 +26,7 @@ from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.errors import SecretError, SessionNotFound
 from mcp_forge.gateway.core import Gateway
+from mcp_forge.runtimes.local.runtime import LocalRuntime
 
 pytestmark = pytest.mark.podman
 
@@ -155,7 +157,8 @@ async def test_a_cold_session_gets_its_secret_at_every_start_and_nowhere_else(
     assert crashed.status["kernelId"] != restarted.status["kernelId"]
     assert await seen(gateway, session.name) == [value, "plain", 2]
 
-    # Suspended and resumed: a new kernel again, given the value before it is Ready.
+    # Suspended and resumed: the same kernel, its memory restored (naps.py), the value in
+    # it still; the snapshot that held it is gone once restored.
     suspended = session_body(images["minimal"], env=env(secret_name), operatingMode="Suspended")
     suspended["metadata"]["name"] = session.name
     await runtime.apply(suspended)
@@ -163,6 +166,16 @@ async def test_a_cold_session_gets_its_secret_at_every_start_and_nowhere_else(
     suspended["spec"]["operatingMode"] = "Running"
     resumed = (await runtime.apply(suspended)).session
     assert resumed.status["phase"] == st.READY
+    assert resumed.status["kernelId"] == crashed.status["kernelId"]
+    assert await seen(gateway, session.name) == [value, "plain", 3]
+    assert not runtime._snapshot(resumed).exists()
+    await assert_nowhere_but_the_kernel(runtime, session.name, value, caplog.text)
+
+    # Without live snapshots, resumed is a new kernel, given the value before it is Ready.
+    plain = LocalRuntime(dataclasses.replace(runtime.settings, snapshots=False))
+    await plain.apply(suspended | {"spec": {**suspended["spec"], "operatingMode": "Suspended"}})
+    resumed = (await plain.apply(suspended)).session
+    assert resumed.status["kernelId"] != crashed.status["kernelId"]
     assert await seen(gateway, session.name) == [value, "plain", 2]
     await assert_nowhere_but_the_kernel(runtime, session.name, value, caplog.text)
 

@@ -40,7 +40,7 @@ async def _look(gateway: Any, name: str) -> list[Any]:
     return found
 
 
-async def test_files_outlive_a_suspension_an_update_and_an_oom_and_variables_do_not(
+async def test_files_outlive_a_suspension_an_update_and_an_oom_and_variables_only_the_first(
     runtime: Any, gateway: Any, make_session: Any
 ) -> None:
     name = await make_session(
@@ -55,14 +55,16 @@ async def test_files_outlive_a_suspension_an_update_and_an_oom_and_variables_do_
         assert kernel and kernel != before, "a new kernel answers"
         assert await _look(gateway, name) == [False, sorted(tags)], "variables lost, files kept"
 
-    # Suspended by its spec (as `mcp-forge apply` does), then running again.
+    # Suspended by its spec (as `mcp-forge apply` does), then running again: the same
+    # kernel, its memory restored (naps.py), and the files.
     tags.append("suspend")
     await _write(gateway, name, "suspend")
     before = (await runtime.get(name)).status["kernelId"]
     await runtime.apply({**body, "spec": {**body["spec"], "operatingMode": "Suspended"}})
     assert (await runtime.get(name)).status["phase"] == "Suspended"
     await runtime.apply(body)
-    await replaced(before)
+    assert (await runtime.get(name)).status["kernelId"] == before
+    assert await _look(gateway, name) == [True, sorted(tags)], "variables and files kept"
 
     # A spec change that needs a new pod.
     tags.append("update")

@@ -79,6 +79,11 @@ class Status(TypedDict, total=False):
     expiresAt: str | None
     restarts: int
     lastTermination: LastTermination
+    # Live snapshots (local mode so far): the one a suspended kernel is kept in (size in
+    # bytes, takenAt, seconds), and how the last restore went (outcome Restored, Failed or
+    # Discarded; at; seconds or message).
+    snapshot: dict[str, Any] | None
+    lastRestore: dict[str, Any] | None
 
 
 def stamp(t: float | None = None) -> str:

@@ -1,4 +1,4 @@
-"""A session's kernel: exec, interrupt, restart, export."""
+"""A session's kernel: exec, interrupt, restart, suspend, resume, export."""
 
 from __future__ import annotations
 
@@ -78,6 +78,38 @@ def restart(name: str, namespace: str) -> None:
     """Restart a session's kernel: variables are cleared, workspace files kept."""
     run(on_gateway(lambda gw: gw.restart(name, namespace=namespace)))
     click.echo(f"kernelsession/{name} restarted")
+
+
+@main.command()
+@click.argument("name")
+@click.option("-n", "--namespace", default="default")
+def suspend(name: str, namespace: str) -> None:
+    """Suspend a session now, with its kernel's memory; it resumes when used again."""
+    session = run(local().nap(name, namespace))
+    taken = session.status.get("snapshot") or {}
+    kept = f"{taken['size'] / 1e6:.0f} MB kept" if taken else str(session.status.get("message"))
+    click.echo(f"kernelsession/{name} suspended ({kept})")
+
+
+@main.command()
+@click.argument("name")
+@click.option("-n", "--namespace", default="default")
+def resume(name: str, namespace: str) -> None:
+    """Resume a session suspended for idleness or by `suspend` (its memory restored)."""
+    runtime = local()
+    session = run(runtime.get(name, namespace))
+    if session.status.get("phase") != "Suspended" or session.status.get("reason") != "Idle":
+        click.echo(
+            f"error: kernelsession/{name} is {session.status.get('phase')} "
+            f"({session.status.get('reason')}); only an idle or `suspend`ed one resumes "
+            "(operatingMode Suspended: apply Running)",
+            err=True,
+        )
+        sys.exit(1)
+    session = run(runtime.refresh(session))
+    click.echo(
+        f"kernelsession/{name} {session.status.get('phase')}: {session.status.get('message')}"
+    )
 
 
 @main.command()

@@ -70,6 +70,9 @@ class Connections:
         self._handles: dict[tuple[str, str, str], Handle] = {}
         self._setup = KernelSetup(self.runtime, self.settings, self.upstreams)
         self._preparing: set[asyncio.Task[None]] = set()
+        releasers = getattr(runtime, "releasers", None)  # local mode: told before a checkpoint
+        if isinstance(releasers, list):
+            releasers.append(self.release)
 
     def _handle(self, session: KernelSession) -> Handle:
         key = (session.namespace, session.name, session.uid)
@@ -93,7 +96,17 @@ class Connections:
             self._drop(self._handles.pop(key))
             self.upstreams.end("/".join(key))
 
+    async def release(self, session: KernelSession) -> None:
+        """The session's kernel is about to be checkpointed (local mode's suspend with
+        memory): every connection to it closed, so that no socket outside its pod leads
+        to it. The next call connects again, to the kernel as restored."""
+        for key in [k for k in self._handles if k[:2] == (session.namespace, session.name)]:
+            self._drop(self._handles[key])
+
     async def close(self) -> None:
+        releasers = getattr(self.runtime, "releasers", None)
+        if isinstance(releasers, list) and self.release in releasers:
+            releasers.remove(self.release)
         for task in self._preparing:
             task.cancel()
         await asyncio.gather(*self._preparing, return_exceptions=True)

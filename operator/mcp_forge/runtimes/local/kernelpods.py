@@ -258,7 +258,9 @@ class KernelPods:
             raise
         await self._started(session, wait=wait)
 
-    async def _play(self, session: KernelSession, idmap: dict[str, int]) -> None:
+    async def _play(
+        self, session: KernelSession, idmap: dict[str, int], manifest: str = "pod.yaml"
+    ) -> None:
         """`podman kube play` of the session's pod.yaml, its lock held.
 
         A play that finds its kernel container's name taken by a storage-only container
@@ -273,7 +275,7 @@ class KernelPods:
             "--network=none",
             f"--seccomp-profile-root={SECCOMP_PROFILE_ROOT}",
             userns_flag(idmap),
-            str(self._dir(session) / "pod.yaml"),
+            str(self._dir(session) / manifest),
         )
         try:
             await podman.run(*args, timeout=self.settings.podman_timeout)
@@ -303,6 +305,14 @@ class KernelPods:
         return idmap
 
     async def _started(self, session: KernelSession, *, wait: bool) -> None:
+        await self._adopt(session)
+        self._patch(session, kernelId=str(uuid.uuid4()), startedAt=stamp())
+        if wait:
+            await self.wait_ready(session)
+
+    async def _adopt(self, session: KernelSession) -> None:
+        """Take on the kernel container just started (or restored): its limits and
+        cgroup noted, and a new connection generation, so that gateways connect anew."""
         info = await self.containers.inspect(self.container_name(session))
         if info is not None:
             self.containers.limit_pids(session, info)
@@ -317,8 +327,6 @@ class KernelPods:
         generation = max(generation, int((stored.get("connection") or {}).get("generation", 0)))
         self._patch(
             session,
-            kernelId=str(uuid.uuid4()),
-            startedAt=stamp(),
             lastActivity=stamp(),
             connection={
                 "transport": "ipc",
@@ -327,8 +335,6 @@ class KernelPods:
                 "generation": generation + 1,
             },
         )
-        if wait:
-            await self.wait_ready(session)
 
     async def wait_ready(self, session: KernelSession) -> None:
         """Wait for a kernel_info reply, then seal run/; fail fast if the kernel exits."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from mcp_forge.control.pods import Observation, dead
 from mcp_forge.errors import ForgeError, SessionNotFound, SessionNotReady
 from mcp_forge.runtimes.local import volumes
 from mcp_forge.runtimes.local.containers import lifetime
-from mcp_forge.runtimes.local.kernelpods import KernelPods
+from mcp_forge.runtimes.local.naps import Naps
 
 if TYPE_CHECKING:
     from mcp_forge.runtimes.local.pools import Pools
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 BUSY_LEASE = 30.0
 
 
-class Lifecycle(KernelPods):
+class Lifecycle(Naps):
     """Deaths, restarts and stops of local sessions. The session's lock, reading and
     deleting it are LocalRuntime's, declared here for the type checker."""
 
@@ -79,7 +80,7 @@ class Lifecycle(KernelPods):
     async def _refresh_locked(self, session: KernelSession, *, restart: bool) -> KernelSession:
         phase = session.status.get("phase")
         if phase == st.SUSPENDED and session.status.get("reason") == st.IDLE and restart:
-            await self._realize(session, wait=True)  # used again: it resumes
+            await self._wake(session, wait=True)  # used again: it resumes
             return await self.get(session.name, session.namespace)
         if phase not in (st.READY, st.STARTING, st.RESTARTING):
             return session
@@ -219,17 +220,54 @@ class Lifecycle(KernelPods):
             culled.append(session.name)
         return culled
 
+    async def nap(self, name: str, namespace: str = "default") -> KernelSession:
+        """Suspend a Ready session now, with its memory (`mcp-forge suspend`); used
+        again it resumes, as after idleness. If its memory cannot be kept the kernel is
+        left running and ForgeError says why (unless the checkpoint had already stopped
+        it: then it is suspended without, and says so)."""
+        session = await self.get(name, namespace)
+        async with self._locked(session):
+            session = await self.get(name, namespace)
+            phase = session.status.get("phase")
+            if phase != st.READY:
+                raise SessionNotReady(f"session {name!r} is {phase}: only a Ready kernel naps")
+            asked = "suspended by `mcp-forge suspend`; used again, it resumes"
+            why = await self._nap(session)
+            if not why:
+                stop = Stop(st.SUSPENDED, st.IDLE, f"{asked}; its memory is kept")
+                self._stopped(session, stop, kernelId=session.status.get("kernelId"))
+            elif await self.termination(session) is not None:
+                await self._stop_locked(session, Stop(st.SUSPENDED, st.IDLE, asked))
+            else:
+                raise ForgeError(f"session {name!r} was not suspended: {why}")
+        return await self.get(name, namespace)
+
     async def _stop(self, session: KernelSession, stop: Stop) -> None:
         async with self._locked(session):
             await self._stop_locked(session, stop)
 
     async def _stop_locked(self, session: KernelSession, stop: Stop) -> None:
-        """No kernel, the session kept: Suspended or Expired. Variables are lost."""
+        """No kernel, the session kept: Suspended or Expired. A kernel suspended keeps
+        its memory in a snapshot where it can (naps.py); otherwise its variables are lost."""
+        kernel = session.status.get("kernelId")
+        why_not = ""
+        if stop.phase == st.SUSPENDED and session.status.get("phase") == st.READY:
+            why_not = await self._nap(session) or ""
+            if not why_not:
+                said = dataclasses.replace(stop, message=f"{stop.message}; its memory is kept")
+                self._stopped(session, said, kernelId=kernel)
+                return
         await self._remove_pod(session)
         if self.host_paths(session).tmp:  # /tmp is memory: a stopped session holds none
             await volumes.unmount(Path(str(self.host_paths(session).tmp)))
+        if why_not:
+            stop = dataclasses.replace(stop, message=f"{stop.message}; variables lost: {why_not}")
+        self._stopped(session, stop)
+
+    def _stopped(self, session: KernelSession, stop: Stop, **fields: object) -> None:
         with contextlib.suppress(SessionNotFound):
             body = self.store.get(session.namespace, session.name)
             generation = int(body["metadata"].get("generation", 1))
-            fields = stopped(body.get("status") or {}, stop, generation=generation, now=time.time())
-            self.store.patch_status(session.namespace, session.name, fields)
+            now = time.time()
+            patch = stopped(body.get("status") or {}, stop, generation=generation, now=now)
+            self.store.patch_status(session.namespace, session.name, {**patch, **fields})

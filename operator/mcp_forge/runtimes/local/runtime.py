@@ -121,6 +121,7 @@ class LocalRuntime(Lifecycle):
         self.pools = Pools(self)
         self.secrets = Secrets(self.store)
         self._playing = asyncio.Lock()  # one `podman kube play` at a time (see _realize)
+        self.releasers = []  # gateways of this process, told before a checkpoint (naps.py)
 
     # ---- paths and locks -----------------------------------------------------------------
 
@@ -291,13 +292,12 @@ class LocalRuntime(Lifecycle):
             phase = session.status.get("phase")
             if session.spec.operating_mode == "Suspended":
                 await self._stop_locked(session, USER_SUSPENDED)
-            elif (
-                needs_pod
-                or phase == st.EXPIRED  # a longer maxLifetime, or a changed spec: a new start
-                or (phase == st.SUSPENDED and session.status.get("reason") != st.IDLE)
-            ):
+            elif needs_pod or phase == st.EXPIRED:  # a longer maxLifetime, or a changed spec
+                await self._forget_snapshot(session, "its pod's spec changed")
                 await self._remove_pod(session)
                 await self._realize(session, wait=wait)
+            elif phase == st.SUSPENDED and session.status.get("reason") != st.IDLE:
+                await self._wake(session, wait=wait)
             else:
                 self._patch(session, observedGeneration=current["metadata"]["generation"])
         return await self.get(session.name, session.namespace), "configured"

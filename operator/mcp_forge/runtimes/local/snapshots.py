@@ -30,13 +30,14 @@ import dataclasses
 import io
 import json
 import os
+import re
 import tarfile
 import time
 from pathlib import Path
 from typing import Any
 
 from mcp_forge.clients import podman
-from mcp_forge.errors import ForgeError
+from mcp_forge.errors import ForgeError, PodmanError
 
 CONFIG = "config.dump"  # Podman's container config (its namespaces by container id)
 SPEC = "spec.dump"  # the OCI spec (namespace paths, id maps)
@@ -82,9 +83,10 @@ async def take(
         args.append("--leave-running")
     try:
         await podman.run(*args, container, timeout=timeout)
-    except ForgeError as exc:
+    except PodmanError as exc:
         part.unlink(missing_ok=True)
-        raise SnapshotError(f"could not checkpoint the kernel: {exc}") from exc
+        said = await asyncio.to_thread(criu_errors, exc.stderr)
+        raise SnapshotError(f"could not checkpoint the kernel: {said or exc}") from exc
     return Taken(archive, _settle(part, archive), time.monotonic() - started)
 
 
@@ -109,10 +111,16 @@ async def target_of(pod: str, idmap: dict[str, int]) -> Target:
     return Target(str(found["Id"]), infra, pid, idmap["uid"], idmap["gid"], idmap["size"])
 
 
-async def restore(archive: Path, to: Target, name: str, *, limit: int) -> float:
-    """Restore `archive` into the pod `to` as container `name` (which must not exist),
-    through a retargeted copy beside it (removed after); the seconds it took."""
+async def restore(
+    archive: Path, to: Target, name: str, *, limit: int, consume: bool = False
+) -> float:
+    """Restore `archive` into the pod `to` as container `name` (which must not exist);
+    the seconds it took. Retargeted in place when `consume` allows it (the archive is
+    not wanted after: a resume) and it can be, else through a copy beside it."""
     started = time.monotonic()
+    if consume and await asyncio.to_thread(retarget_in_place, archive, to, limit):
+        await bring_back(archive, to, name)
+        return time.monotonic() - started
     copy = archive.with_name(f"{archive.name}.{to.pod_id[:12]}")
     try:
         await retarget(archive, copy, to, limit=limit)
@@ -122,6 +130,61 @@ async def restore(archive: Path, to: Target, name: str, *, limit: int) -> float:
     return time.monotonic() - started
 
 
+def retarget_in_place(archive: Path, to: Target, limit: int) -> bool:
+    """`retarget`'s work done in the archive itself, when that can be: Podman's two files
+    rewritten no longer than they were (then padded with blanks, which JSON allows), and
+    CRIU's images left root's but their folder opened (0755) to the target namespace's
+    root, who reads them (they are 0644; runc reads its own files there as root). False,
+    and the archive as it was, when the rewrite would be longer or an image is not
+    readable so; True once done."""
+    try:
+        return _in_place(archive, to, limit)
+    except (tarfile.TarError, EOFError) as exc:
+        raise SnapshotError(f"the snapshot is damaged: {exc}") from None
+
+
+def _in_place(archive: Path, to: Target, limit: int) -> bool:
+    if archive.stat().st_size > limit:
+        raise SnapshotError(
+            f"the snapshot is {archive.stat().st_size} bytes, over its {limit} limit"
+        )
+    with tarfile.open(archive, "r:") as tar:
+        members = tar.getmembers()
+        for member in members:
+            _check(member)
+        config, spec = _dumps(tar, members)
+    new = {CONFIG: _for_config(config, to), SPEC: _for_spec(spec, config, to)}
+    writes: list[tuple[int, bytes]] = []
+    for member in members:
+        name = _name(member)
+        if name in new:
+            if len(new[name]) > member.size:
+                return False
+            writes.append((member.offset_data, new[name].ljust(member.size)))
+        elif name == CHECKPOINT_DIR and member.isdir():
+            writes.append(_opened(archive, member))
+        elif name.endswith(".img") and member.isfile() and not member.mode & 0o004:
+            return False  # an image CRIU reads in the namespace (runc's files it reads as root)
+    fd = os.open(archive, os.O_RDWR | os.O_NOFOLLOW)
+    with os.fdopen(fd, "r+b") as f:
+        for offset, data in writes:
+            f.seek(offset)
+            f.write(data)
+    return True
+
+
+def _opened(archive: Path, folder: tarfile.TarInfo) -> tuple[int, bytes]:
+    """The images' folder's header block, its mode made 0755 (and its checksum redone)."""
+    at = folder.offset_data - tarfile.BLOCKSIZE  # the ustar block, after any PAX block
+    with open(archive, "rb") as f:
+        f.seek(at)
+        block = bytearray(f.read(tarfile.BLOCKSIZE))
+    block[100:108] = b"%07o\0" % (folder.mode | 0o755)
+    block[148:156] = b" " * 8  # the checksum counts its own field as blanks
+    block[148:156] = b"%06o\0 " % sum(block)
+    return at, bytes(block)
+
+
 async def bring_back(archive: Path, to: Target, name: str, *, timeout: float = 300.0) -> float:
     """Restore `archive`, retargeted for the pod `to`, into it as container `name` (which
     must not exist); the seconds it took."""
@@ -129,9 +192,23 @@ async def bring_back(archive: Path, to: Target, name: str, *, timeout: float = 3
     args = ["container", "restore", f"--import={archive}", f"--pod={to.pod_id}", f"--name={name}"]
     try:
         await podman.run(*args, timeout=timeout)
-    except ForgeError as exc:
-        raise SnapshotError(f"could not restore the kernel: {exc}") from exc
+    except PodmanError as exc:
+        said = await asyncio.to_thread(criu_errors, exc.stderr)
+        raise SnapshotError(f"could not restore the kernel: {said or exc}") from exc
     return time.monotonic() - started
+
+
+def criu_errors(stderr: str, most: int = 4) -> str:
+    """CRIU's own error lines, from the log Podman names in `stderr` ("" if none)."""
+    found = re.search(r"log file: (/\S+\.log)", stderr)
+    if found is None:
+        return ""
+    try:
+        with open(found.group(1), errors="replace") as log:
+            lines = [line.strip() for line in log if "Error (" in line]
+    except OSError:
+        return ""
+    return "; ".join(lines[-most:])[-800:]
 
 
 async def retarget(src: Path, dst: Path, to: Target, *, limit: int) -> None:
@@ -141,6 +218,13 @@ async def retarget(src: Path, dst: Path, to: Target, *, limit: int) -> None:
 
 
 def _retarget(src: Path, dst: Path, to: Target, limit: int) -> None:
+    try:
+        _rewrite(src, dst, to, limit)
+    except (tarfile.TarError, EOFError) as exc:
+        raise SnapshotError(f"the snapshot is damaged: {exc}") from None
+
+
+def _rewrite(src: Path, dst: Path, to: Target, limit: int) -> None:
     if src.stat().st_size > limit:
         raise SnapshotError(f"the snapshot is {src.stat().st_size} bytes, over its {limit} limit")
     with tarfile.open(src, "r:") as tar:
@@ -215,7 +299,7 @@ def _for_config(config: dict[str, Any], to: Target) -> bytes:
         maps[key] = [{"container_id": 0, "host_id": host, "size": to.size}]
     for key in ("AdditionalUIDMappings", "AdditionalGIDMappings"):
         maps.pop(key, None)
-    return json.dumps(new).encode()
+    return _compact(new)
 
 
 def _for_spec(spec: dict[str, Any], config: dict[str, Any], to: Target) -> bytes:
@@ -228,7 +312,14 @@ def _for_spec(spec: dict[str, Any], config: dict[str, Any], to: Target) -> bytes
     linux["uidMappings"] = [{"containerID": 0, "hostID": to.uid, "size": to.size}]
     linux["gidMappings"] = [{"containerID": 0, "hostID": to.gid, "size": to.size}]
     infra, pod = str(config.get("userNsCtr") or ""), str(config.get("pod") or "")
-    return json.dumps(spec).replace(infra, to.infra_id).replace(pod, to.pod_id).encode()
+    return _compact(
+        json.loads(json.dumps(spec).replace(infra, to.infra_id).replace(pod, to.pod_id))
+    )
+
+
+def _compact(obj: Any) -> bytes:
+    """JSON as Go writes it (no blanks), so that a rewrite is no longer than Podman's."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _copy(

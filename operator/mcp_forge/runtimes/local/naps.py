@@ -1,0 +1,234 @@
+"""A local session suspended with its memory, and resumed with it (issue 27; `Naps`, a
+part of LocalRuntime).
+
+Suspending (idleAction Suspend, operatingMode Suspended) a Ready kernel: the gateways of
+this process let go of it (CRIU cannot take along a Unix socket whose other end is outside
+the pod, and the Jupyter channels are such sockets), its container is checkpointed into
+the session's directory (snapshots.py: root's, 0600, where no pod mounts), and its pod is
+removed: no process of the session is left. Its workspace stays, and so does its /tmp, a
+tmpfs the kernel's open files may be in (memory, bounded by its size).
+
+Resuming (used again; operatingMode Running): the session's pod is made again, its infra
+alone (`podman pod create` with the namespaces, user namespace and labels `kube play`
+gives it: a played pod would need a container of its own beside the kernel, and that
+container's PID could be one the kernel's threads need), the archive is restored into it
+(in the session's own user namespace), and the kernel must answer kernel_info. Whatever
+fails on the way, the session starts afresh and says that its variables were lost, and
+why; the snapshot is gone either way, so a broken one is never tried twice. A session
+keeps one snapshot, the newest, and loses it with itself (its directory goes on delete),
+or when its pod's spec changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import yaml
+
+from mcp_forge.api import status as st
+from mcp_forge.api.connection import BRIDGE_SOCKET, ConnectionInfo
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.status import stamp
+from mcp_forge.clients import podman
+from mcp_forge.control.render import podman_pod_name
+from mcp_forge.errors import ForgeError, SessionNotReady
+from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.runtimes.local import criu, orphans, snapshots
+from mcp_forge.runtimes.local.kernelpods import KernelPods, unsealed, userns_flag
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT = "snapshot.tar"
+# CRIU's words for a socket whose peer is outside the container: a gateway's connection
+# that is still closing (ZMQ closes its sockets in its own thread). Tried again meanwhile.
+EXTERNAL_SOCKET = re.compile(r"Unix socket \d+ not found|External socket")
+CLOSING = (0.1, 0.3, 0.6, 1.0, 2.0)
+TEMPORARY = re.compile(
+    r"\.b\d+"
+)  # the bridge socket's name as first bound  # seconds between the tries
+
+Release = Callable[[KernelSession], Awaitable[None]]
+
+
+class Naps(KernelPods):
+    """Suspend with memory, resume from it (see the module's text)."""
+
+    # Gateways in this process, each told to close its connections to a kernel that
+    # is about to be checkpointed (Gateway adds its own).
+    releasers: list[Release]
+    _criu: tuple[bool, str] | None = None
+
+    async def criu_usable(self) -> tuple[bool, str]:
+        """(whether snapshots can be taken here, why not): asked of CRIU once."""
+        if not self.settings.snapshots:
+            return False, "live snapshots are off (MCPFORGE_SNAPSHOTS=false)"
+        if self._criu is None:
+            self._criu = await criu.probe()
+        return self._criu
+
+    def _snapshot(self, session: KernelSession) -> Path:
+        return self._dir(session) / SNAPSHOT
+
+    async def _nap(self, session: KernelSession) -> str | None:
+        """Checkpoint the kernel with its memory and remove its pod; None once done. Else
+        why not: the kernel is left as it was, or, if it was checkpointed and the
+        snapshot could not be kept, stopped with its memory lost (the caller goes on as
+        for a suspend without memory, which says so)."""
+        usable, why = await self.criu_usable()
+        if not usable:
+            return why
+        for release in self.releasers:
+            await release(session)
+        archive = self._snapshot(session)
+        try:
+            taken = await self._checkpoint(self.container_name(session), archive)
+        except snapshots.SnapshotError as exc:
+            log.warning("session %s: %s", session.name, exc)
+            return str(exc)
+        if taken.size > self.settings.snapshot_max:
+            archive.unlink(missing_ok=True)
+            return (
+                f"its snapshot was {taken.size} bytes, over the {self.settings.snapshot_max} kept"
+            )
+        await self._remove_pod(session)
+        self._patch(
+            session,
+            snapshot={"size": taken.size, "takenAt": stamp(), "seconds": round(taken.seconds, 3)},
+        )
+        log.info(
+            "session %s: suspended with its memory (%d bytes in %.2f s)",
+            session.name,
+            taken.size,
+            taken.seconds,
+        )
+        return None
+
+    async def _checkpoint(self, container: str, archive: Path) -> snapshots.Taken:
+        """`snapshots.take`, tried again while a gateway's connection is still closing."""
+        for pause in (*CLOSING, None):
+            try:
+                return await snapshots.take(container, archive)
+            except snapshots.SnapshotError as exc:
+                if not EXTERNAL_SOCKET.search(str(exc)):
+                    raise
+                if pause is None:
+                    raise snapshots.SnapshotError(
+                        "a connection from outside its pod to the kernel stayed open (a "
+                        "gateway of another process?): CRIU cannot take it along"
+                    ) from exc
+            await asyncio.sleep(pause)
+        raise AssertionError("unreachable")
+
+    async def _forget_snapshot(self, session: KernelSession, why: str) -> None:
+        """Drop the session's snapshot, if it has one (a kernel of another spec is due)."""
+        archive = self._snapshot(session)
+        if await asyncio.to_thread(archive.exists):
+            await asyncio.to_thread(archive.unlink, True)
+            gone = {"outcome": "Discarded", "at": stamp(), "message": why}
+            self._patch(session, snapshot=None, lastRestore=gone)
+
+    async def _wake(self, session: KernelSession, *, wait: bool) -> None:
+        """The session's kernel again: from its snapshot if it has one, else, or if that
+        fails, a new one that says its variables were lost."""
+        archive = self._snapshot(session)
+        lost = ""
+        if await asyncio.to_thread(archive.exists):
+            started = time.monotonic()
+            try:
+                await self._restore(session, archive)
+            except (ForgeError, OSError) as exc:
+                lost = f"its snapshot could not be restored ({str(exc)[:500]})"
+                log.warning("session %s: %s; starting afresh", session.name, lost)
+                await self._remove_pod(session)
+            else:
+                seconds = round(time.monotonic() - started, 3)
+                self._patch(
+                    session,
+                    snapshot=None,
+                    lastRestore={"outcome": "Restored", "at": stamp(), "seconds": seconds},
+                )
+                self.mark_ready(session, "the kernel was restored with its memory")
+                return
+            finally:
+                await asyncio.to_thread(archive.unlink, True)
+        await self._realize(session, wait=wait)
+        if lost:
+            failed = {"outcome": "Failed", "at": stamp(), "message": lost}
+            self._patch(session, snapshot=None, lastRestore=failed)
+            if wait:
+                self.mark_ready(session, f"a new kernel: its variables were lost: {lost}")
+
+    async def _restore(self, session: KernelSession, archive: Path) -> None:
+        idmap = self.idmap(session)
+        if idmap is None:
+            raise snapshots.SnapshotError("the session has no user namespace to restore into")
+        key = self.store.key(session.namespace, session.name)
+        info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
+        paths = self._prepare_dirs(session, info)  # a fresh run/ for the sockets it binds
+        await self._mount(session)
+        pod = podman_pod_name(session.namespace, session.name)
+        self._patch(
+            session,
+            phase=st.STARTING,
+            reason="Resuming",
+            message="restoring its memory",
+            podName=pod,
+        )
+        labels = pod_labels(
+            orphans.manifest(session, paths, orphans.store_tag(self.settings.state_dir))
+        )
+        async with self._playing:  # Podman's storage locks, as a play takes them
+            await podman.run(
+                "pod", "create", f"--name={pod}", "--share=uts,pid,ipc,net", userns_flag(idmap),
+                "--network=none", "--exit-policy=stop", *(f"--label={k}={v}" for k, v in labels),
+                timeout=self.settings.podman_timeout,
+            )  # fmt: skip
+            await podman.run("pod", "start", pod, timeout=self.settings.podman_timeout)
+        to = await snapshots.target_of(pod, idmap)
+        await snapshots.restore(
+            archive,
+            to,
+            self.container_name(session),
+            limit=self.settings.snapshot_max,
+            consume=True,  # it goes after the restore, whatever happens
+        )
+        await asyncio.to_thread(name_the_bridge, Path(paths.run) / "bridge")
+        self._seal(session)
+        problem = unsealed(Path(paths.run), self.kernel_ids(session)[0])
+        if problem:
+            raise snapshots.SnapshotError(f"the restored kernel's sockets are not right: {problem}")
+        await self._adopt(session)
+        conn = KernelConnection(info, max_frame=1_000_000, max_message=1_000_000)
+        try:
+            await conn.wait_ready(self.settings.kernel_ready_timeout)
+        except (TimeoutError, ForgeError) as exc:
+            raise SessionNotReady(f"the restored kernel did not answer: {exc}") from None
+        finally:
+            conn.close()
+
+
+def name_the_bridge(folder: Path) -> None:
+    """Code mode's bridge socket at its name again. The kernel binds it under a temporary
+    name and renames it (kernelside/mcp_channel.py); CRIU binds it again under the name
+    it was bound to. So the one socket named so in the new folder (made for the restore:
+    nothing else is in it) takes the name the gateway dials."""
+    try:
+        bound = [p for p in folder.iterdir() if TEMPORARY.fullmatch(p.name)]
+    except FileNotFoundError:
+        return  # no code mode: no bridge
+    if len(bound) == 1 and stat.S_ISSOCK(bound[0].lstat().st_mode):
+        bound[0].rename(folder / BRIDGE_SOCKET)
+
+
+def pod_labels(manifest: str) -> list[tuple[str, str]]:
+    """The labels of the session's pod, as its manifest gives them to `kube play`."""
+    for doc in yaml.safe_load_all(manifest):
+        if doc.get("kind") == "Pod":
+            return sorted((doc["metadata"].get("labels") or {}).items())
+    return []

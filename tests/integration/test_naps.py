@@ -1,0 +1,190 @@
+"""Local sessions suspended with their memory and resumed with it (runtimes/local/naps.py):
+real kernels, real pods, the CRIU that images/criu/build makes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mcp_forge.clients import podman
+
+pytestmark = [pytest.mark.podman, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
+
+CLI = [str(Path(sys.executable).parent / "mcp-forge")]
+STATE = """
+import numpy as np, pandas as pd, threading, time
+big = np.arange(25_000_000, dtype=np.float64)          # 200 MB
+frame = pd.DataFrame({"a": range(1000), "b": [str(i) for i in range(1000)]})
+def make_adder(k):
+    return lambda v: v + k
+add5 = make_adder(5)
+note = open("/tmp/note.txt", "w+")
+note.write("kept open")
+note.flush()
+ticks = []
+def tick():
+    while True:
+        ticks.append(1)
+        time.sleep(0.01)
+worker = threading.Thread(target=tick, daemon=True)
+worker.start()
+"""
+SEEN = """
+import json
+note.seek(0)
+n = len(ticks)
+time.sleep(0.05)
+print(json.dumps({
+    "sum": float(big.sum()), "rows": len(frame), "b999": frame.b[999], "add": add5(1),
+    "note": note.read(), "alive": worker.is_alive(), "ticking": len(ticks) > n,
+}))
+"""
+EXPECTED = {
+    "sum": float(sum(range(25_000_000))),
+    "rows": 1000,
+    "b999": "999",
+    "add": 6,
+    "note": "kept open",
+    "alive": True,
+    "ticking": True,
+}
+
+
+def spec(images: dict[str, str], mode: str) -> dict[str, Any]:
+    return {
+        "image": images["default"],
+        "resources": {"memory": "1Gi", "cpu": "1"},
+        "operatingMode": mode,
+    }
+
+
+async def seen(gateway: Any, name: str) -> dict[str, Any]:
+    result = await gateway.execute(name, SEEN)
+    assert result.status == "ok", (result.error, result.stderr)
+    return dict(json.loads(result.stdout))
+
+
+async def suspend(runtime: Any, images: dict[str, str], name: str) -> dict[str, Any]:
+    body = {"apiVersion": "mcpforge.dev/v1alpha1", "kind": "KernelSession"}
+    await runtime.apply({**body, "metadata": {"name": name}, "spec": spec(images, "Suspended")})
+    status = dict((await runtime.get(name)).status)
+    assert (status["phase"], status["reason"]) == ("Suspended", "UserRequested"), status
+    return status
+
+
+async def resume(runtime: Any, images: dict[str, str], name: str) -> dict[str, Any]:
+    body = {"apiVersion": "mcpforge.dev/v1alpha1", "kind": "KernelSession"}
+    await runtime.apply({**body, "metadata": {"name": name}, "spec": spec(images, "Running")})
+    return dict((await runtime.get(name)).status)
+
+
+def damage(archive: Path) -> None:
+    """Overwrite CRIU's record of the kernel's main task (core-<pid>.img) in the archive."""
+    with tarfile.open(archive) as tar:
+        core = next(m for m in tar.getmembers() if Path(m.name).name.startswith("core-"))
+    with open(archive, "r+b") as f:
+        f.seek(core.offset_data)
+        f.write(b"\xff" * core.size)
+
+
+async def pod_exists(runtime: Any, name: str) -> bool:
+    session = await runtime.get(name)
+    done = await podman.run("pod", "exists", runtime.pod_name(session), check=False)
+    return done.returncode == 0
+
+
+async def test_variables_of_every_kind_survive_ten_suspends_and_resumes(
+    runtime: Any, gateway: Any, make_session: Any, images: dict[str, str]
+) -> None:
+    name = await make_session("default", resources={"memory": "1Gi", "cpu": "1"})
+    assert (await gateway.execute(name, STATE)).status == "ok"
+    kernel = (await runtime.get(name)).status["kernelId"]
+    for cycle in range(10):
+        status = await suspend(runtime, images, name)
+        assert "its memory is kept" in status["message"], status
+        assert status["snapshot"]["size"] > 200_000_000, status["snapshot"]
+        assert not await pod_exists(runtime, name), "a suspended session has no pod"
+        status = await resume(runtime, images, name)
+        assert status["phase"] == "Ready", status
+        assert status["lastRestore"]["outcome"] == "Restored", status
+        assert status["kernelId"] == kernel, "the same kernel, not a new one"
+        assert await seen(gateway, name) == EXPECTED, f"cycle {cycle + 1}"
+
+
+async def test_a_damaged_snapshot_gives_a_fresh_kernel_that_says_its_variables_were_lost(
+    runtime: Any, gateway: Any, make_session: Any, images: dict[str, str]
+) -> None:
+    name = await make_session("default", resources={"memory": "1Gi", "cpu": "1"})
+    assert (await gateway.execute(name, "x = 42")).status == "ok"
+    await suspend(runtime, images, name)
+    archive = runtime._snapshot(await runtime.get(name))
+    damage(archive)
+
+    status = await resume(runtime, images, name)
+    assert status["phase"] == "Ready", status
+    assert status["lastRestore"]["outcome"] == "Failed", status
+    assert "its variables were lost" in status["message"], status["message"]
+    assert "could not restore the kernel" in status["lastRestore"]["message"], status
+    result = await gateway.execute(name, "print('x' in dir())")
+    assert (result.status, result.stdout) == ("ok", "False\n")
+    assert not archive.exists(), "a snapshot that failed is not tried again"
+
+
+async def test_a_snapshot_is_roots_outside_every_mount_of_the_pod_and_goes_with_its_session(
+    runtime: Any, gateway: Any, make_session: Any, images: dict[str, str]
+) -> None:
+    """The kernel cannot reach its own snapshot (docs/security.md): the archive is a file
+    of root's, 0600, in no directory the pod mounts, and it is deleted with the session."""
+    name = await make_session("default", resources={"memory": "1Gi", "cpu": "1"})
+    session = await runtime.get(name)
+    found = await podman.run_json("container", "inspect", runtime.container_name(session))
+    sources = [Path(m["Source"]) for m in found[0]["Mounts"]]
+    # What the kernel can do to what it can reach: links named as the archive, everywhere.
+    plant = (
+        "import os\n"
+        "for d in ('/workspace', '/tmp', '/workspace/..'):\n"
+        "    try: os.symlink('/etc/passwd', os.path.join(d, 'snapshot.tar'))\n"
+        "    except OSError: pass\n"
+    )
+    assert (await gateway.execute(name, plant)).status == "ok"
+    await suspend(runtime, images, name)
+    archive = runtime._snapshot(session)
+    held = archive.lstat()
+    assert (held.st_uid, oct(held.st_mode)) == (0, "0o100600"), held
+    assert not any(archive.is_relative_to(s) for s in sources), (archive, sources)
+    await runtime.delete(name)
+    assert not archive.exists() and not archive.parent.exists()
+
+
+async def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(
+        subprocess.run, [*CLI, *args], env=env, capture_output=True, text=True
+    )
+
+
+async def test_mcp_forge_suspend_keeps_the_memory_and_the_next_use_or_resume_brings_it_back(
+    runtime: Any, make_session: Any, cli_env: dict[str, str]
+) -> None:
+    """The CLI, a process of its own (no gateway holds the kernel): `suspend` now, used
+    again by `exec` it resumes; `suspend` and `resume` again."""
+    name = await make_session()
+    assert (await cli("exec", name, "-c", "x = 6 * 7", env=cli_env)).returncode == 0
+    done = await cli("suspend", name, env=cli_env)
+    assert done.returncode == 0 and "MB kept" in done.stdout, (done.stdout, done.stderr)
+    status = (await runtime.get(name)).status
+    assert (status["phase"], status["reason"]) == ("Suspended", "Idle"), status
+    again = await cli("exec", name, "-c", "print(x)", env=cli_env)
+    assert (again.returncode, again.stdout) == (0, "42\n"), again.stderr
+    assert (await cli("suspend", name, env=cli_env)).returncode == 0
+    woke = await cli("resume", name, env=cli_env)
+    assert woke.returncode == 0 and "restored with its memory" in woke.stdout, woke.stdout
+    refused = await cli("resume", name, env=cli_env)  # Ready: nothing to resume
+    assert refused.returncode == 1 and "only an idle" in refused.stderr, refused.stderr
