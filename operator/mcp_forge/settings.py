@@ -98,6 +98,7 @@ class Settings:
     # Live snapshots (local mode): a suspended kernel keeps its memory in an archive.
     snapshots: bool = True  # false: a suspended session's kernel starts afresh (as before)
     snapshot_max: int = 20_000_000_000  # bytes of one session's snapshot; past it, none
+    snapshot_max_age: float = 604_800.0  # seconds a suspended kernel's memory is kept; 0: always
 
     @classmethod
     def from_env(cls) -> Settings:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from mcp_forge.clients import podman
+from mcp_forge.runtimes.local.supervisor import supervise_once
 
 pytestmark = [pytest.mark.podman, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
 
@@ -188,3 +189,23 @@ async def test_mcp_forge_suspend_keeps_the_memory_and_the_next_use_or_resume_bri
     assert woke.returncode == 0 and "restored with its memory" in woke.stdout, woke.stdout
     refused = await cli("resume", name, env=cli_env)  # Ready: nothing to resume
     assert refused.returncode == 1 and "only an idle" in refused.stderr, refused.stderr
+
+
+async def test_a_snapshot_kept_past_its_age_is_dropped_and_the_session_says_so(
+    runtime: Any, gateway: Any, make_session: Any, images: dict[str, str]
+) -> None:
+    name = await make_session()
+    assert (await gateway.execute(name, "x = 1")).status == "ok"
+    await runtime.nap(name)
+    session = await runtime.get(name)
+    archive = runtime._snapshot(session)
+    old = {**session.status["snapshot"], "takenAt": "2000-01-01T00:00:00Z"}
+    runtime.store.patch_status("default", name, {"snapshot": old})
+    assert await supervise_once(runtime) == []  # nothing culled; the snapshot dropped
+    status = (await runtime.get(name)).status
+    assert not archive.exists() and status.get("snapshot") is None, status
+    assert status["lastRestore"]["outcome"] == "Discarded", status
+    assert "its memory was dropped: kept longer than 604800s" in str(status["message"])
+    assert (status["phase"], status["reason"]) == ("Suspended", "Idle")
+    result = await gateway.execute(name, "print('x' in dir())")  # used again: a new kernel
+    assert (result.status, result.stdout) == ("ok", "False\n")

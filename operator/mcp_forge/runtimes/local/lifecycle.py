@@ -242,6 +242,27 @@ class Lifecycle(Naps):
                 raise ForgeError(f"session {name!r} was not suspended: {why}")
         return await self.get(name, namespace)
 
+    async def drop_old_snapshots(self) -> builtins.list[str]:
+        """Drop the snapshots kept longer than snapshot_max_age (0: never): their sessions
+        stay suspended, and say that their kernels' memory is gone. Their names."""
+        age = self.settings.snapshot_max_age
+        dropped = []
+        for session in await self.list() if age > 0 else []:
+            taken = parse_time((session.status.get("snapshot") or {}).get("takenAt"))
+            if taken is None or time.time() - taken < age:
+                continue
+            why = f"kept longer than {age:.0f}s (MCPFORGE_SNAPSHOT_MAX_AGE)"
+            said = str(session.status.get("message") or "").split("; its memory is kept")[0]
+            try:
+                async with self._locked(session):
+                    await self._forget_snapshot(session, why)
+                    self._patch(session, message=f"{said}; its memory was dropped: {why}")
+            except ForgeError as exc:  # deleted meanwhile, say: the next pass sees
+                log.warning("could not drop the snapshot of %s: %s", session.name, exc)
+                continue
+            dropped.append(session.name)
+        return dropped
+
     async def _stop(self, session: KernelSession, stop: Stop) -> None:
         async with self._locked(session):
             await self._stop_locked(session, stop)

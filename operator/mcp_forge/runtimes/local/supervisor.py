@@ -28,7 +28,8 @@ Refreshed = Callable[[KernelSession], None]
 
 
 async def supervise_once(runtime: LocalRuntime) -> list[str]:
-    """One pass: refresh every session that needs it, then cull the idle ones.
+    """One pass: refresh every session that needs it, drop snapshots kept too long, then
+    cull the idle ones.
 
     Pods no session owns, and storage-only kernel containers of sessions' pods, are
     removed (orphans.py). Returns the names culled. An error about one session is
@@ -37,6 +38,7 @@ async def supervise_once(runtime: LocalRuntime) -> list[str]:
     await refresh_stale(runtime)
     await remove_orphans(runtime)
     await remove_storage_only(runtime)
+    await runtime.drop_old_snapshots()
     return await runtime.cull_idle()
 
 
