@@ -48,10 +48,8 @@ SNAPSHOT = "snapshot.tar"
 # CRIU's words for a socket whose peer is outside the container: a gateway's connection
 # that is still closing (ZMQ closes its sockets in its own thread). Tried again meanwhile.
 EXTERNAL_SOCKET = re.compile(r"Unix socket \d+ not found|External socket")
-CLOSING = (0.1, 0.3, 0.6, 1.0, 2.0)
-TEMPORARY = re.compile(
-    r"\.b\d+"
-)  # the bridge socket's name as first bound  # seconds between the tries
+CLOSING = (0.1, 0.3, 0.6, 1.0, 2.0)  # seconds between the tries
+TEMPORARY = re.compile(r"\.b\d+")  # the bridge socket's name as the kernel first binds it
 
 Release = Callable[[KernelSession], Awaitable[None]]
 
@@ -92,7 +90,7 @@ class Naps(KernelPods):
             log.warning("session %s: %s", session.name, exc)
             return str(exc)
         if taken.size > self.settings.snapshot_max:
-            archive.unlink(missing_ok=True)
+            await asyncio.to_thread(archive.unlink, True)
             return (
                 f"its snapshot was {taken.size} bytes, over the {self.settings.snapshot_max} kept"
             )
