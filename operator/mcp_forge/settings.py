@@ -99,6 +99,10 @@ class Settings:
     snapshots: bool = True  # false: a suspended session's kernel starts afresh (as before)
     snapshot_max: int = 20_000_000_000  # bytes of one session's snapshot; past it, none
     snapshot_max_age: float = 604_800.0  # seconds a suspended kernel's memory is kept; 0: always
+    # A suspended kernel's pod stays, its infra and a sleeping keeper (a few MB), and the
+    # kernel is restored in place, its images read where CRIU wrote them; false: the pod
+    # goes too, the snapshot is an archive in the session's directory (slower to resume).
+    snapshot_in_pod: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:

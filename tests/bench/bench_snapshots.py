@@ -2,6 +2,7 @@
 saves, in one run.
 
     sudo .venv/bin/python tests/bench/bench_snapshots.py [--sizes 50,500,2000] [--runs 3]
+        [--archive]   (MCPFORGE_SNAPSHOT_IN_POD=false: the pod goes, the snapshot an archive)
 
 For kernels holding about 50 MB, 500 MB and 2 GB of resident memory (a numpy array of
 that many bytes, filled), medians of:
@@ -9,15 +10,16 @@ that many bytes, filled), medians of:
     pod gone; the snapshot's size;
   * resume: operatingMode Running applied, until the restored kernel answers a call
     that reads the array;
-next to the baseline: a cold start (the session applied anew, until its kernel answers)
-plus re-running the cell that built the state, timed the same way. The machines are
-shared and noisy: compare ratios, not absolute numbers.
+next to the baselines: a cold start alone (a new session, until its kernel answers a
+call), and a cold start plus re-running the cell that built the state, timed the same
+way. The machines are shared and noisy: compare ratios, not absolute numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -65,7 +67,7 @@ async def run_cell(gateway: Gateway, name: str, code: str) -> None:
 
 async def one_size(rt: LocalRuntime, gateway: Gateway, megabytes: int, runs: int) -> dict[str, Any]:
     build = BUILD.format(n=megabytes * 1_000_000)
-    out: dict[str, list[float]] = {"suspend": [], "resume": [], "size": [], "cold": []}
+    out: dict[str, list[float]] = {k: [] for k in ("suspend", "resume", "size", "new", "cold")}
     name = f"b{uuid.uuid4().hex[:8]}"
     await rt.apply(body(name, megabytes))
     try:
@@ -87,17 +89,18 @@ async def one_size(rt: LocalRuntime, gateway: Gateway, megabytes: int, runs: int
                 raise RuntimeError(f"{name}: not restored: {restored}")
     finally:
         await rt.delete(name)
-    for _ in range(runs):  # the baseline: a new kernel, and the cell that built the state
-        cold = f"c{uuid.uuid4().hex[:8]}"
+    for _ in range(runs):  # the baselines: a new kernel alone, and with the cell again
+        for key, cell in (("new", "1"), ("cold", build + READ)):
+            cold = f"c{uuid.uuid4().hex[:8]}"
 
-        async def start(cold: str = cold) -> None:
-            await rt.apply(body(cold, megabytes))
-            await run_cell(gateway, cold, build + READ)
+            async def start(cold: str = cold, cell: str = cell) -> None:
+                await rt.apply(body(cold, megabytes))
+                await run_cell(gateway, cold, cell)
 
-        try:
-            out["cold"].append(await timed(start()))
-        finally:
-            await rt.delete(cold)
+            try:
+                out[key].append(await timed(start()))
+            finally:
+                await rt.delete(cold)
     return {k: statistics.median(v) for k, v in out.items()}
 
 
@@ -105,25 +108,30 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="50,500,2000", help="resident MB of each kernel")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--archive", action="store_true", help="snapshots out of the pod")
     args = parser.parse_args()
     state = Path(tempfile.mkdtemp(prefix="mcpforge-bench-", dir="/tmp"))
-    rt = LocalRuntime(Settings(state_dir=state, kernel_ready_timeout=120))
+    settings = Settings(state_dir=state, kernel_ready_timeout=120)
+    rt = LocalRuntime(dataclasses.replace(settings, snapshot_in_pod=not args.archive))
     gateway = Gateway(rt, rt.settings)
+    print("snapshots", "as archives (the pod goes)" if args.archive else "kept in the pod")
     print(
-        f"{'kernel':>8} {'snapshot':>9} {'suspend':>8} {'resume':>8} {'cold+cell':>10} {'ratio':>6}"
+        f"{'kernel':>8} {'snapshot':>9} {'suspend':>8} {'resume':>8} {'new':>6} "
+        f"{'new+cell':>9} {'ratio':>6}"
     )
     try:
         for mb in (int(x) for x in args.sizes.split(",")):
             m = await one_size(rt, gateway, mb, args.runs)
             print(
                 f"{mb:>6}MB {m['size']:>7.0f}MB {m['suspend']:>7.2f}s {m['resume']:>7.2f}s "
-                f"{m['cold']:>9.2f}s {m['resume'] / m['cold']:>6.2f}",
+                f"{m['new']:>5.2f}s {m['cold']:>8.2f}s {m['resume'] / m['cold']:>6.2f}",
                 flush=True,
             )
     finally:
         await gateway.close()
-    print("resume: applied Running until a call reads the state; ratio: resume / (cold start")
-    print("plus the cell that built the state), medians of", args.runs)
+    print("resume: applied Running until a call reads the state; new: a new session until")
+    print("it runs `1`; new+cell: until it has built the state again; ratio: resume /")
+    print("new+cell; medians of", args.runs)
 
 
 if __name__ == "__main__":

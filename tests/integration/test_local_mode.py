@@ -325,6 +325,16 @@ async def pod_exists(runtime, name: str) -> bool:
     return done.returncode == 0
 
 
+async def kernel_running(runtime, name: str) -> bool:
+    """Whether the session's kernel process runs (suspended, its memory is free: none)."""
+    session = await runtime.get(name)
+    found = await podman.run(
+        "container", "inspect", "--format", "{{.State.Running}}", runtime.container_name(session),
+        check=False,
+    )  # fmt: skip
+    return found.returncode == 0 and found.stdout.decode().strip() == "true"
+
+
 async def test_idle_suspend_keeps_the_session_and_a_use_resumes_it(
     runtime, gateway, make_session
 ) -> None:
@@ -336,9 +346,9 @@ async def test_idle_suspend_keeps_the_session_and_a_use_resumes_it(
     assert await supervise_once(runtime) == [name]
     session = await runtime.get(name)
     assert (session.status["phase"], session.status["reason"]) == ("Suspended", "Idle")
-    assert not await pod_exists(runtime, name)
+    assert not await kernel_running(runtime, name)
     assert await supervise_once(runtime) == [], "a suspended session is left alone"
-    assert not await pod_exists(runtime, name), "housekeeping does not resume it"
+    assert not await kernel_running(runtime, name), "housekeeping does not resume it"
     assert (await runtime.get(name)).status["phase"] == "Suspended"
     # Used again: the kernel as it was, its memory restored (naps.py), the workspace kept.
     assert session.status["snapshot"]["size"] > 0, session.status
@@ -372,7 +382,7 @@ async def test_without_snapshots_an_idle_suspend_loses_the_variables_and_says_so
         await gateway.close()
 
 
-async def test_operating_mode_suspended_removes_the_pod_until_running_again(
+async def test_operating_mode_suspended_stops_the_kernel_until_running_again(
     runtime, gateway, make_session, images
 ) -> None:
     name = await make_session()
@@ -389,7 +399,7 @@ async def test_operating_mode_suspended_removes_the_pod_until_running_again(
     await runtime.apply(body)
     session = await runtime.get(name)
     assert (session.status["phase"], session.status["reason"]) == ("Suspended", "UserRequested")
-    assert not await pod_exists(runtime, name)
+    assert not await kernel_running(runtime, name)
     with pytest.raises(SessionNotReady, match="Suspended"):
         await gateway.execute(name, "1")
     body["spec"]["operatingMode"] = "Running"

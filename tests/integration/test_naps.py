@@ -4,17 +4,21 @@ real kernels, real pods, the CRIU that images/criu/build makes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tarfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mcp_forge.clients import podman
+from mcp_forge.gateway.core import Gateway
+from mcp_forge.runtimes.local import snapshots
 from mcp_forge.runtimes.local.supervisor import supervise_once
 
 pytestmark = [pytest.mark.podman, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
@@ -96,10 +100,37 @@ def damage(archive: Path) -> None:
         f.write(b"\xff" * core.size)
 
 
+def damage_images(folder: Path) -> None:
+    """The same, in the images CRIU left in the kernel's container (kept in its pod)."""
+    core = next(folder.glob("core-*.img"))
+    core.write_bytes(b"\xff" * core.stat().st_size)
+
+
 async def pod_exists(runtime: Any, name: str) -> bool:
     session = await runtime.get(name)
     done = await podman.run("pod", "exists", runtime.pod_name(session), check=False)
     return done.returncode == 0
+
+
+async def kernel_state(runtime: Any, name: str) -> str:
+    """The kernel container's state ("exited" while suspended in its pod), or "gone"."""
+    session = await runtime.get(name)
+    found = await podman.run(
+        "container", "inspect", "--format", "{{.State.Status}}", runtime.container_name(session),
+        check=False,
+    )  # fmt: skip
+    return found.stdout.decode().strip() if found.returncode == 0 else "gone"
+
+
+@pytest.fixture(params=[True, False], ids=["in-pod", "archive"])
+async def mode(request: pytest.FixtureRequest, runtime: Any, settings: Any) -> AsyncIterator[Any]:
+    """(runtime, gateway) of either way to keep a snapshot (snapshot_in_pod), one store."""
+    if request.param:
+        yield runtime
+        return
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
+
+    yield LocalRuntime(dataclasses.replace(settings, snapshot_in_pod=False))
 
 
 async def test_variables_of_every_kind_survive_ten_suspends_and_resumes(
@@ -112,7 +143,8 @@ async def test_variables_of_every_kind_survive_ten_suspends_and_resumes(
         status = await suspend(runtime, images, name)
         assert "its memory is kept" in status["message"], status
         assert status["snapshot"]["size"] > 200_000_000, status["snapshot"]
-        assert not await pod_exists(runtime, name), "a suspended session has no pod"
+        assert status["snapshot"]["inPod"] is True, status["snapshot"]
+        assert await kernel_state(runtime, name) == "exited", "its memory is free"
         status = await resume(runtime, images, name)
         assert status["phase"] == "Ready", status
         assert status["lastRestore"]["outcome"] == "Restored", status
@@ -121,13 +153,30 @@ async def test_variables_of_every_kind_survive_ten_suspends_and_resumes(
 
 
 async def test_a_damaged_snapshot_gives_a_fresh_kernel_that_says_its_variables_were_lost(
+    mode: Any, make_session: Any, images: dict[str, str]
+) -> None:
+    runtime, gateway = mode, Gateway(mode, mode.settings)
+    try:
+        await damaged_snapshot_case(runtime, gateway, make_session, images)
+    finally:
+        await gateway.close()
+
+
+async def damaged_snapshot_case(
     runtime: Any, gateway: Any, make_session: Any, images: dict[str, str]
 ) -> None:
     name = await make_session("default", resources={"memory": "1Gi", "cpu": "1"})
     assert (await gateway.execute(name, "x = 42")).status == "ok"
-    await suspend(runtime, images, name)
-    archive = runtime._snapshot(await runtime.get(name))
-    damage(archive)
+    status = await suspend(runtime, images, name)
+    session = await runtime.get(name)
+    archive = runtime._snapshot(session)
+    if status["snapshot"]["inPod"]:
+        damage_images(await snapshots.images_of(runtime.container_name(session)))
+    else:
+        assert not await pod_exists(runtime, name), "no pod: its snapshot is an archive"
+        held = archive.lstat()
+        assert (held.st_uid, oct(held.st_mode)) == (0, "0o100600"), held
+        damage(archive)
 
     status = await resume(runtime, images, name)
     assert status["phase"] == "Ready", status
@@ -142,8 +191,8 @@ async def test_a_damaged_snapshot_gives_a_fresh_kernel_that_says_its_variables_w
 async def test_a_snapshot_is_roots_outside_every_mount_of_the_pod_and_goes_with_its_session(
     runtime: Any, gateway: Any, make_session: Any, images: dict[str, str]
 ) -> None:
-    """The kernel cannot reach its own snapshot (docs/security.md): the archive is a file
-    of root's, 0600, in no directory the pod mounts, and it is deleted with the session."""
+    """The kernel cannot reach its own snapshot (docs/security.md): CRIU's images are
+    root's, in a folder of root's (0600) that no pod mounts, gone with the session."""
     name = await make_session("default", resources={"memory": "1Gi", "cpu": "1"})
     session = await runtime.get(name)
     found = await podman.run_json("container", "inspect", runtime.container_name(session))
@@ -157,12 +206,13 @@ async def test_a_snapshot_is_roots_outside_every_mount_of_the_pod_and_goes_with_
     )
     assert (await gateway.execute(name, plant)).status == "ok"
     await suspend(runtime, images, name)
-    archive = runtime._snapshot(session)
-    held = archive.lstat()
-    assert (held.st_uid, oct(held.st_mode)) == (0, "0o100600"), held
-    assert not any(archive.is_relative_to(s) for s in sources), (archive, sources)
+    images_at = await snapshots.images_of(runtime.container_name(session))
+    held = images_at.lstat()  # CRIU's, in the kernel container's Podman directory
+    assert (held.st_uid, oct(held.st_mode & 0o777)) == (0, "0o600"), held  # as Podman makes it
+    assert all(p.lstat().st_uid == 0 for p in images_at.iterdir())
+    assert not any(images_at.is_relative_to(s) for s in sources), (images_at, sources)
     await runtime.delete(name)
-    assert not archive.exists() and not archive.parent.exists()
+    assert not images_at.exists() and not runtime._snapshot(session).parent.exists()
 
 
 async def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -198,12 +248,12 @@ async def test_a_snapshot_kept_past_its_age_is_dropped_and_the_session_says_so(
     assert (await gateway.execute(name, "x = 1")).status == "ok"
     await runtime.nap(name)
     session = await runtime.get(name)
-    archive = runtime._snapshot(session)
+    assert await pod_exists(runtime, name) and await kernel_state(runtime, name) == "exited"
     old = {**session.status["snapshot"], "takenAt": "2000-01-01T00:00:00Z"}
     runtime.store.patch_status("default", name, {"snapshot": old})
     assert await supervise_once(runtime) == []  # nothing culled; the snapshot dropped
     status = (await runtime.get(name)).status
-    assert not archive.exists() and status.get("snapshot") is None, status
+    assert not await pod_exists(runtime, name) and status.get("snapshot") is None, status
     assert status["lastRestore"]["outcome"] == "Discarded", status
     assert "its memory was dropped: kept longer than 604800s" in str(status["message"])
     assert (status["phase"], status["reason"]) == ("Suspended", "Idle")

@@ -235,7 +235,7 @@ class Lifecycle(Naps):
             why = await self._nap(session)
             if not why:
                 stop = Stop(st.SUSPENDED, st.IDLE, f"{asked}; its memory is kept")
-                self._stopped(session, stop, kernelId=session.status.get("kernelId"))
+                self._napped(session, stop, session.status.get("kernelId"))
             elif await self.termination(session) is not None:
                 await self._stop_locked(session, Stop(st.SUSPENDED, st.IDLE, asked))
             else:
@@ -276,7 +276,7 @@ class Lifecycle(Naps):
             why_not = await self._nap(session) or ""
             if not why_not:
                 said = dataclasses.replace(stop, message=f"{stop.message}; its memory is kept")
-                self._stopped(session, said, kernelId=kernel)
+                self._napped(session, said, kernel)
                 return
         await self._remove_pod(session)
         if self.host_paths(session).tmp:  # /tmp is memory: a stopped session holds none
@@ -284,6 +284,11 @@ class Lifecycle(Naps):
         if why_not:
             stop = dataclasses.replace(stop, message=f"{stop.message}; variables lost: {why_not}")
         self._stopped(session, stop)
+
+    def _napped(self, session: KernelSession, stop: Stop, kernel: object) -> None:
+        """Suspended with its memory: the same kernel, and its pod if it is kept there."""
+        kept = {"podName": self.pod_name(session)} if self._kept_in_pod(session) else {}
+        self._stopped(session, stop, kernelId=kernel, **kept)
 
     def _stopped(self, session: KernelSession, stop: Stop, **fields: object) -> None:
         with contextlib.suppress(SessionNotFound):

@@ -39,12 +39,14 @@ from mcp_forge.clients import podman
 from mcp_forge.control.render import podman_pod_name
 from mcp_forge.errors import ForgeError, SessionNotReady
 from mcp_forge.jupyter.client import KernelConnection
-from mcp_forge.runtimes.local import criu, orphans, snapshots
+from mcp_forge.runtimes.local import criu, orphans, snapshots, volumes
 from mcp_forge.runtimes.local.kernelpods import KernelPods, unsealed, userns_flag
+from mcp_forge.sandbox import KERNEL_UID
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT = "snapshot.tar"
+KEEPER = "keeper"  # the container that holds a suspended kernel's pod up
 # CRIU's words for a socket whose peer is outside the container: a gateway's connection
 # that is still closing (ZMQ closes its sockets in its own thread). Tried again meanwhile.
 EXTERNAL_SOCKET = re.compile(r"Unix socket \d+ not found|External socket")
@@ -74,44 +76,68 @@ class Naps(KernelPods):
         return self._dir(session) / SNAPSHOT
 
     async def _nap(self, session: KernelSession) -> str | None:
-        """Checkpoint the kernel with its memory and remove its pod; None once done. Else
-        why not: the kernel is left as it was, or, if it was checkpointed and the
-        snapshot could not be kept, stopped with its memory lost (the caller goes on as
-        for a suspend without memory, which says so)."""
+        """Checkpoint the kernel with its memory; None once done. Else why not: the
+        kernel is left as it was, or, if it was checkpointed and the snapshot could not
+        be kept, stopped with its memory lost (the caller goes on as for a suspend
+        without memory, which says so, and removes the pod)."""
         usable, why = await self.criu_usable()
         if not usable:
             return why
         for release in self.releasers:
             await release(session)
-        archive = self._snapshot(session)
+        in_pod = self.settings.snapshot_in_pod
         try:
-            taken = await self._checkpoint(self.container_name(session), archive)
-        except snapshots.SnapshotError as exc:
+            taken = await (self._keep(session) if in_pod else self._export(session))
+        except ForgeError as exc:  # the keeper, the checkpoint: the kernel runs on
             log.warning("session %s: %s", session.name, exc)
             return str(exc)
         if taken.size > self.settings.snapshot_max:
-            await asyncio.to_thread(archive.unlink, True)
-            return (
-                f"its snapshot was {taken.size} bytes, over the {self.settings.snapshot_max} kept"
-            )
-        await self._remove_pod(session)
+            await asyncio.to_thread(self._snapshot(session).unlink, True)
+            limit = self.settings.snapshot_max
+            return f"its snapshot was {taken.size} bytes, over the {limit} kept"
+        seconds = round(taken.seconds, 3)
         self._patch(
             session,
-            snapshot={"size": taken.size, "takenAt": stamp(), "seconds": round(taken.seconds, 3)},
+            snapshot={"size": taken.size, "takenAt": stamp(), "seconds": seconds, "inPod": in_pod},
         )
-        log.info(
-            "session %s: suspended with its memory (%d bytes in %.2f s)",
-            session.name,
-            taken.size,
-            taken.seconds,
-        )
+        log.info("session %s: suspended with its memory (%d bytes)", session.name, taken.size)
         return None
 
-    async def _checkpoint(self, container: str, archive: Path) -> snapshots.Taken:
-        """`snapshots.take`, tried again while a gateway's connection is still closing."""
+    async def _keep(self, session: KernelSession) -> snapshots.Taken:
+        """In its pod: a keeper holds the pod up (a played pod stops with its last
+        container; it takes a PID no thread of the live kernel holds), and the kernel
+        is checkpointed in place."""
+        pod = self.pod_name(session)
+        keeper = f"{pod}-{KEEPER}"
+        user = f"{KERNEL_UID}:{KERNEL_UID}"
+        image = session.spec.image
+        await podman.run(
+            "run", "-d", "--replace", f"--pod={pod}", f"--name={keeper}", f"--user={user}",
+            "--read-only", "--cap-drop=all", "--security-opt=no-new-privileges",
+            "--memory=32m", "--pids-limit=8", image, "sleep", "infinity",
+            timeout=self.settings.podman_timeout,
+        )  # fmt: skip
+        try:
+            return await self._checkpoint(lambda: snapshots.keep(self.container_name(session)))
+        except BaseException:
+            await podman.run("rm", "-f", "-t", "0", keeper, check=False)
+            raise
+
+    async def _export(self, session: KernelSession) -> snapshots.Taken:
+        """Out of its pod: the kernel checkpointed into an archive in the session's
+        directory, and its pod removed."""
+        archive = self._snapshot(session)
+        taken = await self._checkpoint(
+            lambda: snapshots.take(self.container_name(session), archive)
+        )
+        await self._remove_pod(session)
+        return taken
+
+    async def _checkpoint(self, take: Callable[[], Awaitable[snapshots.Taken]]) -> snapshots.Taken:
+        """`take`, tried again while a gateway's connection is still closing."""
         for pause in (*CLOSING, None):
             try:
-                return await snapshots.take(container, archive)
+                return await take()
             except snapshots.SnapshotError as exc:
                 if not EXTERNAL_SOCKET.search(str(exc)):
                     raise
@@ -124,22 +150,37 @@ class Naps(KernelPods):
         raise AssertionError("unreachable")
 
     async def _forget_snapshot(self, session: KernelSession, why: str) -> None:
-        """Drop the session's snapshot, if it has one (a kernel of another spec is due)."""
+        """Drop the session's snapshot, if it has one (a kernel of another spec is due,
+        or it was kept too long): with its pod if it is kept there, and its /tmp."""
         archive = self._snapshot(session)
-        if await asyncio.to_thread(archive.exists):
+        held = self._kept_in_pod(session)
+        if held or await asyncio.to_thread(archive.exists):
             await asyncio.to_thread(archive.unlink, True)
+            if held:
+                await self._remove_pod(session)
+                if self.host_paths(session).tmp:
+                    await volumes.unmount(Path(str(self.host_paths(session).tmp)))
             gone = {"outcome": "Discarded", "at": stamp(), "message": why}
             self._patch(session, snapshot=None, lastRestore=gone)
+
+    def _kept_in_pod(self, session: KernelSession) -> bool:
+        """Whether the session's snapshot is its kernel's container, kept in its pod."""
+        status = self.store.get(session.namespace, session.name).get("status") or {}
+        return bool((status.get("snapshot") or {}).get("inPod"))
 
     async def _wake(self, session: KernelSession, *, wait: bool) -> None:
         """The session's kernel again: from its snapshot if it has one, else, or if that
         fails, a new one that says its variables were lost."""
         archive = self._snapshot(session)
         lost = ""
-        if await asyncio.to_thread(archive.exists):
+        in_pod = self._kept_in_pod(session)
+        if in_pod or await asyncio.to_thread(archive.exists):
             started = time.monotonic()
             try:
-                await self._restore(session, archive)
+                if in_pod:
+                    await self._restore_kept(session)
+                else:
+                    await self._restore(session, archive)
             except (ForgeError, OSError) as exc:
                 lost = f"its snapshot could not be restored ({str(exc)[:500]})"
                 log.warning("session %s: %s; starting afresh", session.name, lost)
@@ -196,9 +237,27 @@ class Naps(KernelPods):
             limit=self.settings.snapshot_max,
             consume=True,  # it goes after the restore, whatever happens
         )
-        await asyncio.to_thread(name_the_bridge, Path(paths.run) / "bridge")
+        await self._answering(session, info)
+
+    async def _restore_kept(self, session: KernelSession) -> None:
+        """The kernel restored in place, in its pod (kept alive by the keeper)."""
+        key = self.store.key(session.namespace, session.name)
+        info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
+        self._prepare_dirs(session, info)  # a fresh run/ for the sockets it binds
+        await self._mount(session)
+        self._patch(session, phase=st.STARTING, reason="Resuming", message="restoring its memory")
+        await snapshots.restore_kept(self.container_name(session))
+        await self._answering(session, info)
+        keeper = f"{self.pod_name(session)}-{KEEPER}"
+        await podman.run("rm", "-f", "-t", "0", keeper, check=False)
+
+    async def _answering(self, session: KernelSession, info: ConnectionInfo) -> None:
+        """A restored kernel's run/ checked and sealed, its container taken on, and its
+        answer to kernel_info waited for."""
+        run = Path(info.host).parent
+        await asyncio.to_thread(name_the_bridge, run / "bridge")
         self._seal(session)
-        problem = unsealed(Path(paths.run), self.kernel_ids(session)[0])
+        problem = unsealed(run, self.kernel_ids(session)[0])
         if problem:
             raise snapshots.SnapshotError(f"the restored kernel's sockets are not right: {problem}")
         await self._adopt(session)

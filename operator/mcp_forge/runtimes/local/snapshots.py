@@ -90,6 +90,57 @@ async def take(
     return Taken(archive, _settle(part, archive), time.monotonic() - started)
 
 
+async def keep(container: str, *, timeout: float = 300.0) -> Taken:
+    """Checkpoint `container` in place (`--keep`): CRIU's images stay in its Podman
+    directory (`<StaticDir>/checkpoint`: Taken.archive), the container stops and its
+    memory is freed. `restore_kept` brings it back, in its pod, which must be alive."""
+    started = time.monotonic()
+    try:
+        await podman.run("container", "checkpoint", "--keep", container, timeout=timeout)
+    except PodmanError as exc:
+        said = await asyncio.to_thread(criu_errors, exc.stderr)
+        raise SnapshotError(f"could not checkpoint the kernel: {said or exc}") from exc
+    folder = await images_of(container)
+    return Taken(folder, await asyncio.to_thread(_size_of, folder), time.monotonic() - started)
+
+
+async def restore_kept(container: str, *, timeout: float = 300.0) -> float:
+    """Restore `container` from the images `keep` left; the seconds it took. The images'
+    folder is opened (0755) to the pod's namespace root, who reads them (they are 0644)."""
+    started = time.monotonic()
+    folder = await images_of(container)
+    await asyncio.to_thread(_open_to_namespace, folder)
+    try:
+        await podman.run("container", "restore", "--keep", container, timeout=timeout)
+    except PodmanError as exc:
+        said = await asyncio.to_thread(criu_errors, exc.stderr)
+        raise SnapshotError(f"could not restore the kernel: {said or exc}") from exc
+    return time.monotonic() - started
+
+
+async def images_of(container: str) -> Path:
+    """Where Podman keeps a container's checkpoint images."""
+    found = await podman.run_json("container", "inspect", container)
+    static = str((found[0] if isinstance(found, list) else found).get("StaticDir") or "")
+    if not static:
+        raise SnapshotError(f"container {container} has no directory of Podman's")
+    return Path(static) / CHECKPOINT_DIR
+
+
+def _open_to_namespace(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        if os.fstat(fd).st_uid != 0:
+            raise SnapshotError(f"{folder} is not root's: its images are not restored")
+        os.fchmod(fd, 0o755)
+    finally:
+        os.close(fd)
+
+
+def _size_of(folder: Path) -> int:
+    return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(folder) if e.is_file())
+
+
 def _settle(part: Path, archive: Path) -> int:
     """The finished archive in its place, root's alone; its size."""
     os.chmod(part, 0o600)
