@@ -86,9 +86,13 @@ def command(
     network: bool = False,
     limits: Limits = Limits(),
     what: str = "this",
+    readable: Sequence[Path] = (),
+    user: tuple[int, int] = (UID, UID),
 ) -> list[str]:
     """`argv` wrapped as the module docstring says, to run in `cwd` (one of `writable`
-    or below it; the sandbox's / if None). ConfinementUnavailable if it cannot be."""
+    or below it; the sandbox's / if None), with `readable` bound read-only, as `user`
+    (uid, gid: "nobody" unless a kernel's own ids are the ones its files need).
+    ConfinementUnavailable if it cannot be."""
     why = available()
     if why:
         raise ConfinementUnavailable(
@@ -99,7 +103,7 @@ def command(
         outer += [_tool("nice"), "-n", str(NICE)]
     if not needed():
         return [*outer, *argv]
-    return [*outer, *_bwrap(writable, cwd, network), *_setpriv(), *argv]
+    return [*outer, *_bwrap(writable, cwd, network, readable), *_setpriv(*user), *argv]
 
 
 async def probe() -> tuple[bool, str]:
@@ -147,14 +151,16 @@ def _prlimit(limits: Limits) -> list[str]:
     return [*args, "--"]
 
 
-def _setpriv() -> list[str]:
+def _setpriv(uid: int = UID, gid: int = UID) -> list[str]:
     return [
-        _tool("setpriv"), f"--reuid={UID}", f"--regid={UID}", "--clear-groups", "--no-new-privs",
+        _tool("setpriv"), f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--no-new-privs",
         "--inh-caps=-all", "--bounding-set=-all", "--",
     ]  # fmt: skip
 
 
-def _bwrap(writable: Sequence[Path], cwd: Path | None, network: bool) -> list[str]:
+def _bwrap(
+    writable: Sequence[Path], cwd: Path | None, network: bool, readable: Sequence[Path] = ()
+) -> list[str]:
     args = [
         _tool("bwrap"), "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc",
         "--unshare-uts", "--unshare-cgroup-try", "--ro-bind", "/usr", "/usr",
@@ -172,6 +178,7 @@ def _bwrap(writable: Sequence[Path], cwd: Path | None, network: bool) -> list[st
     if network:
         etc = (Path("/etc") / name for name in ETC_NETWORK)
         binds += [(p.resolve(), p, "--ro-bind") for p in etc if p.exists()]
+    binds += [(p, p, "--ro-bind") for p in readable]
     binds += [(p, p, "--bind") for p in writable]
     made: set[Path] = {Path("/"), Path("/tmp"), Path("/usr")}
     bound: list[Path] = []

@@ -9,6 +9,7 @@ from mcp_forge import __version__
 
 KERNEL_UID = 1000  # the kernel's uid and gid inside its pod (the image's `sandbox` user)
 WORKSPACE = "/workspace"  # the session's workspace, the kernel's home and working directory
+SESSION_VARIABLE = "MCPFORGE_SESSION"  # the kernel's environment names its session
 IMAGE_REPOSITORY = "localhost/mcp-forge-kernel"
 
 # ipykernel_launcher, except that the connection file is never written: it is a

@@ -25,7 +25,7 @@ from mcp_forge.api import kernelsession as ks
 from mcp_forge.api import secret
 from mcp_forge.errors import InvalidSession
 from mcp_forge.kernelside import compiled, run_silently
-from mcp_forge.sandbox import WORKSPACE
+from mcp_forge.sandbox import SESSION_VARIABLE, WORKSPACE
 
 KIND = "KernelSessionPool"
 PLURAL = "kernelsessionpools"
@@ -237,7 +237,7 @@ def claim_env(
                 f"no value was resolved for {e.name} (Secret {e.secret[0]!r})", field="spec.env"
             )
         env[e.name] = values[e.name] if e.secret is not None else e.value
-    env["MCPFORGE_SESSION"] = session.name
+    env[SESSION_VARIABLE] = session.name
     if kernel:
         env[CLAIM_MARK] = kernel
     return env

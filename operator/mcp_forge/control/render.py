@@ -31,7 +31,7 @@ from mcp_forge.api.connection import (
 )
 from mcp_forge.api.kernelsession import API_VERSION, KIND, KernelSession, parse_quantity
 from mcp_forge.kernelside import launch
-from mcp_forge.sandbox import KERNEL_CMD, KERNEL_UID, WORKSPACE
+from mcp_forge.sandbox import KERNEL_CMD, KERNEL_UID, SESSION_VARIABLE, WORKSPACE
 
 Target = Literal["kubernetes", "podman"]
 TARGETS: tuple[Target, ...] = ("kubernetes", "podman")
@@ -238,7 +238,7 @@ def _container(
         {"name": "IPYTHONDIR", "value": IPYTHON_DIR},
         {"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"},
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
-        {"name": "MCPFORGE_SESSION", "value": session.name},
+        {"name": SESSION_VARIABLE, "value": session.name},
     ]
     if target == "kubernetes":  # kernelside/launch.py: the pod has no Secret volume
         ref = {"name": secret_name(session), "key": CONNECTION_KEY}

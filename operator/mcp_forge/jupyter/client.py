@@ -152,6 +152,14 @@ class KernelConnection:
         self.kernel_info: dict[str, Any] = {}
         self.kernel_session: Any = None  # header.session of the kernel process we reached
 
+    def rekey(self, key: str) -> None:
+        """Sign and verify with `key` from now on. A forked kernel is told its new key
+        in a request signed with the old one and signs its reply with the new one
+        (runtimes/local/forks.py): rekeyed after the send, before the reply is read."""
+        check_key(key)
+        self.session.key = key.encode()
+        self._signer = hmac.new(key.encode(), digestmod=hashlib.sha256)
+
     def url(self, channel: str) -> str:
         """Where this connection's sockets connect for `channel`: its relay."""
         return self._relays[channel].url

@@ -22,12 +22,14 @@ or when its pod's spec changes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import stat
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -54,6 +56,7 @@ CLOSING = (0.1, 0.3, 0.6, 1.0, 2.0)  # seconds between the tries
 TEMPORARY = re.compile(r"\.b\d+")  # the bridge socket's name as the kernel first binds it
 
 Release = Callable[[KernelSession], Awaitable[None]]
+Become = Callable[[ConnectionInfo], Awaitable[None]]  # makes a restored kernel a fork
 
 
 class Naps(KernelPods):
@@ -175,27 +178,40 @@ class Naps(KernelPods):
         lost = ""
         in_pod = self._kept_in_pod(session)
         if in_pod or await asyncio.to_thread(archive.exists):
-            started = time.monotonic()
             try:
-                if in_pod:
-                    await self._restore_kept(session)
-                else:
-                    await self._restore(session, archive)
-            except (ForgeError, OSError) as exc:
-                lost = f"its snapshot could not be restored ({str(exc)[:500]})"
-                log.warning("session %s: %s; starting afresh", session.name, lost)
-                await self._remove_pod(session)
-            else:
-                seconds = round(time.monotonic() - started, 3)
-                self._patch(
+                lost = await self._try_restore(
                     session,
-                    snapshot=None,
-                    lastRestore={"outcome": "Restored", "at": stamp(), "seconds": seconds},
+                    self._restore_kept(session) if in_pod else self._restore(session, archive),
+                    "the kernel was restored with its memory",
                 )
-                self.mark_ready(session, "the kernel was restored with its memory")
-                return
             finally:
                 await asyncio.to_thread(archive.unlink, True)
+            if not lost:
+                return
+        await self._cold_instead(session, lost, wait=wait)
+
+    async def _try_restore(
+        self, session: KernelSession, restore: Awaitable[None], said: str, **status: Any
+    ) -> str:
+        """Await `restore`: "" once the kernel answers from its snapshot (the session
+        Ready, saying `said`, with `status` fields); else why not, its pod removed."""
+        started = time.monotonic()
+        try:
+            await restore
+        except (ForgeError, OSError) as exc:
+            lost = f"its snapshot could not be restored ({str(exc)[:500]})"
+            log.warning("session %s: %s; starting afresh", session.name, lost)
+            await self._remove_pod(session)
+            return lost
+        seconds = round(time.monotonic() - started, 3)
+        restored = {"outcome": "Restored", "at": stamp(), "seconds": seconds}
+        self._patch(session, snapshot=None, lastRestore=restored, **status)
+        self.mark_ready(session, said)
+        return ""
+
+    async def _cold_instead(self, session: KernelSession, lost: str, *, wait: bool) -> None:
+        """A new kernel for the session, which says why its variables were lost (`lost`,
+        if it had a snapshot)."""
         await self._realize(session, wait=wait)
         if lost:
             failed = {"outcome": "Failed", "at": stamp(), "message": lost}
@@ -203,7 +219,21 @@ class Naps(KernelPods):
             if wait:
                 self.mark_ready(session, f"a new kernel: its variables were lost: {lost}")
 
-    async def _restore(self, session: KernelSession, archive: Path) -> None:
+    async def _restore(
+        self,
+        session: KernelSession,
+        archive: Path,
+        *,
+        consume: bool = True,
+        become: Become | None = None,
+        moved_from: Path | None = None,
+        reason: str = "Resuming",
+    ) -> None:
+        """`archive` restored into a new pod of the session, in its user namespace. With
+        `consume` the archive may be changed (it is not wanted after). A fork's comes
+        from the session whose directory is `moved_from` (its mounts are made this
+        one's), and `become` is run on the restored kernel before it must answer with
+        the session's key."""
         idmap = self.idmap(session)
         if idmap is None:
             raise snapshots.SnapshotError("the session has no user namespace to restore into")
@@ -213,11 +243,7 @@ class Naps(KernelPods):
         await self._mount(session)
         pod = podman_pod_name(session.namespace, session.name)
         self._patch(
-            session,
-            phase=st.STARTING,
-            reason="Resuming",
-            message="restoring its memory",
-            podName=pod,
+            session, phase=st.STARTING, reason=reason, message="restoring its memory", podName=pod
         )
         labels = pod_labels(
             orphans.manifest(session, paths, orphans.store_tag(self.settings.state_dir))
@@ -230,14 +256,16 @@ class Naps(KernelPods):
             )  # fmt: skip
             await podman.run("pod", "start", pod, timeout=self.settings.podman_timeout)
         to = await snapshots.target_of(pod, idmap)
+        if moved_from is not None:  # a fork: its own files, not its parent's
+            to = dataclasses.replace(to, moved=(str(moved_from), str(self._dir(session))))
         await snapshots.restore(
             archive,
             to,
             self.container_name(session),
             limit=self.settings.snapshot_max,
-            consume=True,  # it goes after the restore, whatever happens
+            consume=consume,  # then it goes after the restore, whatever happens
         )
-        await self._answering(session, info)
+        await self._answering(session, info, become)
 
     async def _restore_kept(self, session: KernelSession) -> None:
         """The kernel restored in place, in its pod (kept alive by the keeper)."""
@@ -251,9 +279,11 @@ class Naps(KernelPods):
         keeper = f"{self.pod_name(session)}-{KEEPER}"
         await podman.run("rm", "-f", "-t", "0", keeper, check=False)
 
-    async def _answering(self, session: KernelSession, info: ConnectionInfo) -> None:
-        """A restored kernel's run/ checked and sealed, its container taken on, and its
-        answer to kernel_info waited for."""
+    async def _answering(
+        self, session: KernelSession, info: ConnectionInfo, become: Become | None = None
+    ) -> None:
+        """A restored kernel's run/ checked and sealed, its container taken on, made
+        the session's (`become`, a fork's), and its answer to kernel_info waited for."""
         run = Path(info.host).parent
         await asyncio.to_thread(name_the_bridge, run / "bridge")
         self._seal(session)
@@ -261,6 +291,8 @@ class Naps(KernelPods):
         if problem:
             raise snapshots.SnapshotError(f"the restored kernel's sockets are not right: {problem}")
         await self._adopt(session)
+        if become is not None:
+            await become(info)
         conn = KernelConnection(info, max_frame=1_000_000, max_message=1_000_000)
         try:
             await conn.wait_ready(self.settings.kernel_ready_timeout)

@@ -68,8 +68,8 @@ from mcp_forge.errors import (
 from mcp_forge.image.kernel import missing_image_message
 from mcp_forge.runtimes.local import locks, volumes
 from mcp_forge.runtimes.local.containers import Containers
+from mcp_forge.runtimes.local.forks import Forks
 from mcp_forge.runtimes.local.kernelpods import unsealed
-from mcp_forge.runtimes.local.lifecycle import Lifecycle
 from mcp_forge.runtimes.local.pools import Pools
 from mcp_forge.runtimes.local.secrets import Secrets
 from mcp_forge.runtimes.local.store import Store
@@ -110,7 +110,7 @@ def _state_dir(path: Path) -> None:
             ) from None
 
 
-class LocalRuntime(Lifecycle):
+class LocalRuntime(Forks):
     """The local realization of KernelSessions (see the module docstring)."""
 
     def __init__(self, settings: Settings | None = None) -> None:

@@ -61,6 +61,8 @@ class Target:
     uid: int
     gid: int
     size: int
+    # (the source session's directory, the target's): a fork's mounts are its own files
+    moved: tuple[str, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +352,7 @@ def _for_config(config: dict[str, Any], to: Target) -> bytes:
         maps[key] = [{"container_id": 0, "host_id": host, "size": to.size}]
     for key in ("AdditionalUIDMappings", "AdditionalGIDMappings"):
         maps.pop(key, None)
+    _move_mounts((new.get("spec") or {}).get("mounts") or [], to)
     return _compact(new)
 
 
@@ -363,9 +366,20 @@ def _for_spec(spec: dict[str, Any], config: dict[str, Any], to: Target) -> bytes
     linux["uidMappings"] = [{"containerID": 0, "hostID": to.uid, "size": to.size}]
     linux["gidMappings"] = [{"containerID": 0, "hostID": to.gid, "size": to.size}]
     infra, pod = str(config.get("userNsCtr") or ""), str(config.get("pod") or "")
-    return _compact(
-        json.loads(json.dumps(spec).replace(infra, to.infra_id).replace(pod, to.pod_id))
-    )
+    new = json.loads(json.dumps(spec).replace(infra, to.infra_id).replace(pod, to.pod_id))
+    _move_mounts(new.get("mounts") or [], to)
+    return _compact(new)
+
+
+def _move_mounts(mounts: list[dict[str, Any]], to: Target) -> None:
+    """Mounts of the source session's files (below its directory) made the target's."""
+    if to.moved is None:
+        return
+    old, new = to.moved
+    for mount in mounts:
+        source = str(mount.get("source") or "")
+        if source == old or source.startswith(old + "/"):
+            mount["source"] = new + source[len(old) :]
 
 
 def _compact(obj: Any) -> bytes:

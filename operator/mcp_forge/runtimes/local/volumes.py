@@ -81,7 +81,9 @@ def _unescape(field: str) -> str:
     )
 
 
-async def _run(*args: str, ok: tuple[int, ...] = (0,)) -> str:
+async def run_tool(*args: str, ok: tuple[int, ...] = (0,), timeout: float = MOUNT_TIMEOUT) -> str:
+    """Run a host tool of ours (mount, mkfs, cp...) within `timeout`; its stdout.
+    VolumeError naming it if it fails."""
     try:
         proc = await asyncio.create_subprocess_exec(
             *args,
@@ -92,7 +94,7 @@ async def _run(*args: str, ok: tuple[int, ...] = (0,)) -> str:
     except OSError as exc:
         raise VolumeError(f"{args[0]} could not run: {exc}") from None
     try:
-        async with asyncio.timeout(MOUNT_TIMEOUT):
+        async with asyncio.timeout(timeout):
             out, err = await proc.communicate()
     except BaseException:
         if proc.returncode is None:
@@ -131,17 +133,17 @@ async def ensure_workspace(image: Path, target: Path, size: int, uid: int, gid: 
         log.warning("%s has files but its volume is not mounted: leaving it as it is", target)
         return
     if plan == "mount" and _to_grow(image, size):
-        held = (await _run("losetup", "-j", str(image))).partition(":")[0].strip()
+        held = (await run_tool("losetup", "-j", str(image))).partition(":")[0].strip()
         if held:
             # Still mounted in another mount namespace (a process that outlived its pod):
             # never checked or resized in use, and mounted from the same device (one
             # filesystem, not a second copy of it); grown at a later start.
             log.warning("the workspace %s is still in use: it grows at its next start", image)
             _growing(image).touch()
-            await _run("mount", "-o", MOUNT_OPTIONS, held, str(target))
+            await run_tool("mount", "-o", MOUNT_OPTIONS, held, str(target))
             return
         await _grow(image, size)
-    await _run("mount", "-o", f"loop,{MOUNT_OPTIONS}", str(image), str(target))
+    await run_tool("mount", "-o", f"loop,{MOUNT_OPTIONS}", str(image), str(target))
     _drop_lost_found(target)
 
 
@@ -177,8 +179,8 @@ async def _grow(image: Path, size: int) -> None:
         log.info("growing the workspace %s from %d to %d bytes", image, current, size)
         await asyncio.to_thread(os.truncate, image, size)  # sparse: costs nothing until written
     # resize2fs wants a checked filesystem; e2fsck's 1 is "errors corrected".
-    await _run("e2fsck", "-f", "-p", str(image), ok=(0, 1))
-    await _run("resize2fs", str(image))
+    await run_tool("e2fsck", "-f", "-p", str(image), ok=(0, 1))
+    await run_tool("resize2fs", str(image))
     growing.unlink()
 
 
@@ -211,7 +213,7 @@ def _drop_lost_found(target: Path) -> None:
 async def _make_image(image: Path, size: int, uid: int, gid: int) -> None:
     partial = image.with_name(image.name + ".new")
     try:
-        await _run(
+        await run_tool(
             "mkfs.ext4",
             "-q",
             "-F",
@@ -233,7 +235,7 @@ async def _migrate(image: Path, target: Path, uid: int, gid: int) -> bool:
     """Move a plain workspace's files into the new volume; False if they do not fit."""
     staging = target.with_name(target.name + ".migrating")
     os.makedirs(staging, exist_ok=True)
-    await _run("mount", "-o", f"loop,{MOUNT_OPTIONS}", str(image), str(staging))
+    await run_tool("mount", "-o", f"loop,{MOUNT_OPTIONS}", str(image), str(staging))
     try:
         await asyncio.to_thread(_copy_tree, target, staging, uid, gid)
     except OSError as exc:
@@ -243,10 +245,10 @@ async def _migrate(image: Path, target: Path, uid: int, gid: int) -> bool:
             target,
             exc,
         )
-        await _run("umount", str(staging))
+        await run_tool("umount", str(staging))
         os.rmdir(staging)
         return False
-    await _run("umount", str(staging))
+    await run_tool("umount", str(staging))
     os.rmdir(staging)
     # Copied and on disk (umount wrote it all back): the plain directory can go.
     await asyncio.to_thread(_empty, target)
@@ -291,7 +293,7 @@ async def ensure_tmp(target: Path, uid: int, gid: int) -> None:
     options = (
         f"size={TMP_SIZE},nr_inodes={TMP_INODES},mode=1770,uid={uid},gid={gid},{MOUNT_OPTIONS}"
     )
-    await _run("mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target))
+    await run_tool("mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target))
 
 
 def give(target: Path, uid: int, gid: int) -> None:
@@ -318,9 +320,9 @@ async def unmount(target: Path) -> None:
         if not mounted(target):
             return
         try:
-            await _run("umount", str(target))
+            await run_tool("umount", str(target))
         except VolumeError:
             # Busy (a process that outlived its pod): detach now, freed when it lets go.
-            await _run("umount", "-l", str(target))
+            await run_tool("umount", "-l", str(target))
     if mounted(target):
         raise VolumeError(f"{target} is still mounted after {UNMOUNT_LAYERS} unmounts")

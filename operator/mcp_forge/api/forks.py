@@ -1,0 +1,77 @@
+"""A fork: new sessions made from a live session's snapshot, each answering with its
+parent's variables (issue 27). Pure: the new sessions' bodies, their names, and the
+silent program that makes a restored kernel the new session's.
+
+A fork's spec is its parent's, but for what is the new session's own: it claims no pool
+kernel (it has one), it runs (operatingMode Running), and its env is the one asked for
+the fork, or else the parent's spec's (Secrets are read anew for the fork). Its metadata
+names the parent (FORKED_FROM); ownership annotations are the caller's to give.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mcp_forge.api import kernelsession
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.kernelsessionpool import CLAIM_MARK
+from mcp_forge.errors import InvalidRequest
+from mcp_forge.kernelside import compiled, run_silently
+
+FORKED_FROM = "mcpforge.dev/forked-from"  # annotation: the parent's name
+FORK_MAX = 10  # new sessions of one fork
+
+
+def check_count(count: Any) -> int:
+    """The number of forks asked for, 1 to FORK_MAX (InvalidRequest naming it else)."""
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= FORK_MAX:
+        raise InvalidRequest(f"count must be a whole number from 1 to {FORK_MAX}, got {count!r}")
+    return count
+
+
+def names(parent: str, count: int) -> list[str]:
+    """Names for `count` forks of `parent`: its name (cut to fit) and a random tag."""
+    stem = parent[: kernelsession.NAME_MAX - 11].rstrip("-")
+    return [f"{stem}-fork-{secrets.token_hex(3)}" for _ in range(count)]
+
+
+def body(
+    parent: KernelSession,
+    name: str,
+    *,
+    annotations: Mapping[str, str],
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The validated KernelSession of one fork of `parent` (see the module's text)."""
+    spec = copy.deepcopy(parent.body["spec"])
+    spec.pop("poolRef", None)
+    spec["operatingMode"] = "Running"
+    if env is not None:
+        spec["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    meta = parent.body["metadata"]
+    return kernelsession.validate(
+        {
+            "apiVersion": kernelsession.API_VERSION,
+            "kind": kernelsession.KIND,
+            "metadata": {
+                "name": name,
+                "namespace": parent.namespace,
+                "labels": dict(meta.get("labels") or {}),
+                "annotations": {**annotations, FORKED_FROM: parent.name},
+            },
+            "spec": spec,
+        }
+    )
+
+
+def program(key: str, parent: KernelSession, env: Mapping[str, str]) -> str:
+    """Silent code making a kernel restored from `parent`'s snapshot the fork's: the
+    parent's session variables (and claim mark) out of its environment, `env` (the
+    fork's, Secrets' values included) in, and `key` its signing key (kernelside/fork.py).
+    Values are literals made by repr, which round-trips every str exactly."""
+    drop: Sequence[str] = sorted({v.name for v in parent.spec.env} | {CLAIM_MARK})
+    given = {"KEY": repr(key), "DROP": repr(list(drop)), "ENV": repr(dict(env))}
+    return run_silently(compiled("fork"), {"get_ipython": "get_ipython", **given})

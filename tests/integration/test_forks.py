@@ -1,0 +1,136 @@
+"""Forks of a local session (runtimes/local/forks.py): new sessions made from a live
+kernel's snapshot, each with its parent's variables and files, its own key, user
+namespace and environment. Real kernels, real pods, the CRIU images/criu/build makes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mcp_forge.api import forks
+from mcp_forge.api.connection import ConnectionInfo
+from mcp_forge.clients import podman
+from mcp_forge.errors import SessionNotFound, SessionNotReady
+from mcp_forge.jupyter.client import KernelConnection
+
+pytestmark = [pytest.mark.podman, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
+
+STATE = """
+import numpy as np, os, threading, time
+big = np.arange(5_000_000, dtype=np.float64)          # 40 MB
+def make_adder(k):
+    return lambda v: v + k
+add5 = make_adder(5)
+os.makedirs("/workspace/data", exist_ok=True)
+with open("/workspace/data/rows.csv", "w") as f:
+    f.write("a,b\\n1,2\\n")
+log = open("/workspace/log.txt", "a+")
+log.write("parent\\n"); log.flush()
+scratch = open("/tmp/scratch.txt", "w+")
+scratch.write("in tmp"); scratch.flush()
+ticks = []
+def tick():
+    while True:
+        ticks.append(1)
+        time.sleep(0.01)
+worker = threading.Thread(target=tick, daemon=True)
+worker.start()
+"""
+SEEN = """
+import json, os
+scratch.seek(0)
+n = len(ticks)
+time.sleep(0.05)
+print(json.dumps({
+    "sum": float(big.sum()), "add": add5(1), "rows": open("/workspace/data/rows.csv").read(),
+    "scratch": scratch.read(), "ticking": len(ticks) > n, "who": who,
+    "token": os.environ.get("TOKEN"), "mode": os.environ.get("MODE"),
+    "session": os.environ.get("MCPFORGE_SESSION"),
+}))
+"""
+
+
+def fork_bodies(parent: Any, count: int, env: dict[str, str] | None = None) -> list[Any]:
+    return [
+        forks.body(parent, name, annotations={}, env=env)
+        for name in forks.names(parent.name, count)
+    ]
+
+
+async def seen(gateway: Any, name: str) -> dict[str, Any]:
+    result = await gateway.execute(name, SEEN)
+    assert result.status == "ok", (result.error, result.stderr)
+    return dict(json.loads(result.stdout))
+
+
+async def kernel_process(runtime: Any, session: Any) -> tuple[int, int]:
+    """(inode of the kernel's user namespace, its host uid)."""
+    found = await podman.run_json("container", "inspect", runtime.container_name(session))
+    pid = found[0]["State"]["Pid"]
+    return os.stat(f"/proc/{pid}/ns/user").st_ino, os.stat(f"/proc/{pid}").st_uid
+
+
+async def test_a_fork_of_three_answers_with_the_parents_values_then_each_goes_its_own_way(
+    runtime: Any, gateway: Any, make_session: Any
+) -> None:
+    env = [{"name": "TOKEN", "value": "parents"}, {"name": "MODE", "value": "a"}]
+    parent = await make_session("default", resources={"memory": "1Gi", "cpu": "1"}, env=env)
+    assert (await gateway.execute(parent, STATE + "who = 'parent'")).status == "ok"
+    before = await seen(gateway, parent)
+
+    session = await runtime.get(parent)
+    made = await runtime.fork(parent, "default", fork_bodies(session, 3, env={"MODE": "b"}))
+    try:
+        assert len(made) == 3
+        for child in made:
+            status = child.status
+            assert status["phase"] == "Ready", status
+            assert status["lastRestore"]["outcome"] == "Restored", status
+            assert child.body["metadata"]["annotations"][forks.FORKED_FROM] == parent
+            got = await seen(gateway, child.name)
+            # The parent's memory and files; the fork's own environment.
+            assert got == {**before, "token": None, "mode": "b", "session": child.name}, got
+            assert not (await gateway.execute(child.name, "1")).stderr, "history works on"
+        # Each goes its own way: a variable set in one is in no other, nor in the parent.
+        for i, child in enumerate(made):
+            assert (await gateway.execute(child.name, f"who = 'fork {i}'")).status == "ok"
+            log = "log.write('fork'); log.flush(); print(open('/workspace/log.txt').read(), end='')"
+            done = await gateway.execute(child.name, log)
+            assert done.stdout == "parent\nfork", done.stdout
+        for i, child in enumerate(made):
+            assert (await seen(gateway, child.name))["who"] == f"fork {i}"
+        assert (await seen(gateway, parent)) == before
+        done = await gateway.execute(parent, "print(open('/workspace/log.txt').read(), end='')")
+        assert done.stdout == "parent\n", "a fork's files are its own"
+
+        # Its own user namespace and key: the parent's key gets no answer from a fork.
+        spaces = {await kernel_process(runtime, await runtime.get(n)) for n in [parent]}
+        for child in made:
+            spaces.add(await kernel_process(runtime, child))
+            keys = {runtime.store.key("default", n) for n in (parent, child.name)}
+            assert len(keys) == 2
+            info = ConnectionInfo(
+                "ipc",
+                runtime.host_paths(child).run + "/kernel",
+                runtime.store.key("default", parent),
+            )
+            conn = KernelConnection(info, max_frame=100_000, max_message=100_000)
+            try:
+                with pytest.raises(SessionNotReady):
+                    await conn.wait_ready(3)
+            finally:
+                conn.close()
+        assert len({ino for ino, _ in spaces}) == 4, spaces
+        assert len({uid for _, uid in spaces}) == 4, spaces
+    finally:
+        for child in made:
+            await runtime.delete(child.name)
+    for child in made:
+        with pytest.raises(SessionNotFound):
+            await runtime.get(child.name)
+        assert not await asyncio.to_thread(Path(runtime._dir(child)).exists)
