@@ -30,9 +30,9 @@ INSTALL = (
 )
 RUN_DEADLINE = 120.0  # one Inspector run: the gateway's start, a kernel's, and the cleanup
 TOOLS = {
-    "create_session", "list_sessions", "close_session", "execute_code", "interrupt_kernel",
-    "restart_kernel", "list_variables", "inspect_variable", "read_file", "write_file",
-    "list_files", "list_kernel_tools", "export_notebook", "install_packages",
+    "create_session", "list_sessions", "close_session", "fork_session", "execute_code",
+    "interrupt_kernel", "restart_kernel", "list_variables", "inspect_variable", "read_file",
+    "write_file", "list_files", "list_kernel_tools", "export_notebook", "install_packages",
 }  # fmt: skip
 
 

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.podman
 
 GATEWAY = str(Path(sys.executable).parent / "mcp-forge")
 TOOLS = {
-    "create_session", "list_sessions", "close_session", "execute_code", "interrupt_kernel",
-    "restart_kernel", "list_variables", "inspect_variable", "read_file", "write_file",
-    "list_files", "list_kernel_tools", "export_notebook", "install_packages",
+    "create_session", "list_sessions", "close_session", "fork_session", "execute_code",
+    "interrupt_kernel", "restart_kernel", "list_variables", "inspect_variable", "read_file",
+    "write_file", "list_files", "list_kernel_tools", "export_notebook", "install_packages",
 }  # fmt: skip
 
 

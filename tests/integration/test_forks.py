@@ -5,8 +5,11 @@ namespace and environment. Real kernels, real pods, the CRIU images/criu/build m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from mcp_forge.clients import podman
 from mcp_forge.errors import SessionNotFound, SessionNotReady
 from mcp_forge.jupyter.client import KernelConnection
 
+CLI = [str(Path(sys.executable).parent / "mcp-forge")]
 pytestmark = [pytest.mark.podman, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
 
 STATE = """
@@ -134,3 +138,37 @@ async def test_a_fork_of_three_answers_with_the_parents_values_then_each_goes_it
         with pytest.raises(SessionNotFound):
             await runtime.get(child.name)
         assert not await asyncio.to_thread(Path(runtime._dir(child)).exists)
+
+
+async def test_mcp_forge_fork_copies_a_session_and_refuses_what_it_cannot(
+    runtime: Any, make_session: Any, cli_env: dict[str, str]
+) -> None:
+    """The CLI, a process of its own: `fork --name` makes the copies named, each with the
+    variables; a name taken, or a session that is not Ready, is refused with nothing made."""
+    name = await make_session()
+    assert (await cli("exec", name, "-c", "x = 6 * 7", env=cli_env)).returncode == 0
+    copies = [f"{name}-a", f"{name}-b"]
+    try:
+        done = await cli("fork", name, "--name", copies[0], "--name", copies[1], env=cli_env)
+        assert done.returncode == 0, done.stderr
+        assert all(f"kernelsession/{c} forked from {name}" in done.stdout for c in copies)
+        for copy in copies:
+            seen = await cli("exec", copy, "-c", "print(x)", env=cli_env)
+            assert (seen.returncode, seen.stdout) == (0, "42\n"), seen.stderr
+        before = {s.name for s in await runtime.list()}
+        taken = await cli("fork", name, "--name", copies[0], env=cli_env)
+        assert taken.returncode != 0 and "exists already" in taken.stderr, taken.stderr
+        assert (await cli("suspend", name, env=cli_env)).returncode == 0
+        asleep = await cli("fork", name, env=cli_env)
+        assert asleep.returncode != 0 and "only a Ready one forks" in asleep.stderr, asleep.stderr
+        assert {s.name for s in await runtime.list()} == before, "nothing made"
+    finally:
+        for copy in copies:
+            with contextlib.suppress(SessionNotFound):
+                await runtime.delete(copy)
+
+
+async def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(
+        subprocess.run, [*CLI, *args], env=env, capture_output=True, text=True
+    )

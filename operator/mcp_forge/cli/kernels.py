@@ -1,4 +1,4 @@
-"""A session's kernel: exec, interrupt, restart, suspend, resume, export."""
+"""A session's kernel: exec, interrupt, restart, suspend, resume, fork, export."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import Any
 
 import click
 
+from mcp_forge.api import forks
 from mcp_forge.cli.common import local, main, on_gateway, run
+from mcp_forge.gateway.sessions import CREATED_BY, DEFAULT
 
 
 @main.command("exec")
@@ -110,6 +112,49 @@ def resume(name: str, namespace: str) -> None:
     click.echo(
         f"kernelsession/{name} {session.status.get('phase')}: {session.status.get('message')}"
     )
+
+
+@main.command()
+@click.argument("name")
+@click.option("-n", "--namespace", default="default")
+@click.option(
+    "--count", type=click.IntRange(1, forks.FORK_MAX), default=None, help="How many copies (1)."
+)
+@click.option(
+    "--name", "names", multiple=True, help="A copy's name, once per copy (else NAME-fork-XXXXXX)."
+)
+def fork(name: str, namespace: str, count: int | None, names: tuple[str, ...]) -> None:
+    """Copy a Ready session: each copy is a session of its own that starts with its
+    kernel's memory (variables, imports, open files) and its files, then goes its own way."""
+    if names and count is not None and count != len(names):
+        raise click.UsageError(f"--count {count} but {len(names)} --name given")
+    runtime = local()
+    parent = run(runtime.get(name, namespace))
+    kept = {
+        k: v
+        for k, v in (parent.body["metadata"].get("annotations") or {}).items()
+        if k not in (CREATED_BY, DEFAULT)  # a copy is no gateway's, and no default session
+    }
+    wanted = list(names) or forks.names(name, count or 1)
+    made = run(
+        runtime.fork(name, namespace, [forks.body(parent, n, annotations=kept) for n in wanted])
+    )
+    failed = False
+    for child in made:
+        status = child.status
+        restore = status.get("lastRestore") or {}
+        if restore.get("outcome") == "Restored":
+            seconds = restore.get("seconds")
+            click.echo(f"kernelsession/{child.name} forked from {name} ({seconds} s)")
+        else:
+            failed = True
+            click.echo(
+                f"error: kernelsession/{child.name} is {status.get('phase')}, not a copy: "
+                f"{status.get('message')}",
+                err=True,
+            )
+    if failed:
+        sys.exit(1)
 
 
 @main.command()

@@ -425,6 +425,19 @@ class Gateway(Connections, WorkspaceCalls):
         finally:
             handle.lock.release()
 
+    @contextlib.asynccontextmanager
+    async def held(self, name: str, *, namespace: str = "default") -> AsyncIterator[KernelSession]:
+        """The session Ready (resumed if it slept), its queue held (code it runs is
+        waited for, as by restart) and this gateway's connection to it closed, for a
+        call that checkpoints its kernel (a fork); the next call connects again."""
+        session = await self._session(name, namespace)
+        handle = self._handle(session)
+        async with self._turn(handle, session):
+            if session.status.get("phase") != st.READY:
+                session = await self.runtime.refresh(session)
+            self._drop(handle)
+            yield session
+
     async def restart(self, name: str, *, namespace: str = "default") -> None:
         """A fresh interpreter: variables are cleared, workspace files kept."""
         session = await self._session(name, namespace)

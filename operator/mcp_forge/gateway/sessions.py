@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mcp_forge.api import kernelsession, quota
+from mcp_forge.api import forks, kernelsession, quota
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
@@ -209,6 +209,52 @@ class SessionService:
         finally:
             # Made, or failed: either way the place is the session's or free again.
             await asyncio.shield(self._release(claim))
+
+    async def fork(
+        self,
+        client: Client,
+        parent: KernelSession,
+        count: int,
+        env: dict[str, str] | None = None,
+    ) -> builtins.list[KernelSession]:
+        """`count` new sessions of `client`'s from the live session `parent` (which it
+        may use; the caller holds its queue): each with its memory and files, its own
+        key and user namespace, and `env` for the parent's session variables (the
+        parent's spec's if None). Each takes a place of the client's quota, reserved
+        first: none is made if they do not all fit. Forks that ended Failed are
+        deleted, and returned as they ended (their status says why)."""
+        forks.check_count(count)
+        annotations = {OWNER: client.owner, CREATED_BY: self.gateway_id}
+        bodies = [
+            forks.body(parent, f"s-{secrets.token_hex(6)}", annotations=annotations, env=env)
+            for _ in range(count)
+        ]
+        seats = [
+            quota.Seat(
+                self.namespace,
+                client.owner,
+                body["metadata"]["name"],
+                self.settings.sessions_per_client_max,
+                owns=lambda b: (b["metadata"].get("annotations") or {}).get(OWNER) == client.owner,
+            )
+            for body in bodies
+        ]
+        reserved: builtins.list[quota.Seat] = []
+        try:
+            for seat in seats:
+                try:
+                    await self.runtime.reserve(seat)
+                except InvalidRequest as exc:
+                    raise InvalidRequest(f"{count} copies do not fit your quota: {exc}") from None
+                reserved.append(seat)
+            made = await self.runtime.fork(parent.name, parent.namespace, bodies)
+        finally:
+            for seat in reserved:
+                await asyncio.shield(self._release(seat))
+        for child in made:
+            if child.status.get("phase") == st.FAILED:
+                await self._delete_quietly(child)
+        return made
 
     def _body(self, client: Client, request: SessionRequest, *, default: bool) -> dict[str, Any]:
         """The KernelSession a client's request asks for, validated (nothing stored yet)."""

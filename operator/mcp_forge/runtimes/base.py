@@ -48,6 +48,14 @@ class SessionCatalog(Protocol):
         """Bytes of memory each running kernel uses now, by session name."""
         ...
 
+    async def fork(
+        self, name: str, namespace: str, bodies: builtins.list[dict[str, Any]]
+    ) -> builtins.list[KernelSession]:
+        """Make a session of each body (api/forks.body) from the Ready session `name`'s
+        memory and files (a live snapshot of its kernel); the new sessions as they
+        ended. ForgeError, and no new session, if no snapshot could be taken."""
+        ...
+
     async def reserve(self, claim: Seat) -> None:
         """Reserve a place for a session before creating it, atomically across gateway
         replicas (api/quota.py); InvalidRequest if the owner holds its limit of sessions

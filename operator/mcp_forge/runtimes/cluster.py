@@ -45,6 +45,7 @@ from mcp_forge.clients.kube import (
 from mcp_forge.control.render import child_name, secret_name
 from mcp_forge.errors import (
     ApiError,
+    InvalidRequest,
     InvalidSession,
     KernelProtocolError,
     SecretError,
@@ -186,6 +187,15 @@ class KubernetesRuntime:
                     self.kube.delete, KIND, meta["namespace"], meta["name"], uid=uid
                 )
             raise
+
+    async def fork(
+        self, name: str, namespace: str, bodies: builtins.list[dict[str, Any]]
+    ) -> builtins.list[KernelSession]:
+        """Not on a cluster yet (issue 27: the kubelet's checkpoint API): said plainly."""
+        raise InvalidRequest(
+            f"session {name!r} cannot be forked: forks are made by local gateways only for "
+            "now (on a cluster, live snapshots are not built yet)"
+        )
 
     async def delete(self, name: str, namespace: str = "default") -> None:
         """Delete it; the API server's garbage collector removes the pod and the rest."""

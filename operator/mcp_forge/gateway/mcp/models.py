@@ -35,6 +35,19 @@ class Closed(BaseModel):
     closed: bool
 
 
+class ForkedSession(BaseModel):
+    session_id: str
+    phase: str
+    # restored: it answers with the parent's variables; else a new kernel (message: why)
+    restored: bool
+    message: str
+
+
+class Forked(BaseModel):
+    session_id: str  # the parent
+    forks: list[ForkedSession]
+
+
 class ExecuteOutput(BaseModel):
     session_id: str
     status: Literal["ok", "error", "timeout", "interrupted", "died"]

@@ -2,8 +2,8 @@
 each tool's name and hints in the order the methods are defined; SessionTools.register adds
 them to the server in that order, each through `_tool_errors`, which turns our errors
 (ForgeError) into tool errors and counts and times each call. SessionTools holds what every
-tool needs (who is calling, which session a call names) and the tools that create, list and
-close sessions; Tools (tools.py) extends it with the tools that use a session. tools.py
+tool needs (who is calling, which session a call names) and the tools that create, list,
+close and fork sessions; Tools (tools.py) extends it with the tools that use a session. tools.py
 imports this module before it defines its own tools, so the session tools are listed first."""
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ from mcp_types import ToolAnnotations
 from pydantic import Field, WithJsonSchema
 
 from mcp_forge import metrics
+from mcp_forge.api import forks
+from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.errors import ForgeError, InvalidSession
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.gateway.mcp.content import session_info
 from mcp_forge.gateway.mcp.http import CLIENT_HEADER
-from mcp_forge.gateway.mcp.models import Closed, SessionInfo, SessionList
+from mcp_forge.gateway.mcp.models import Closed, Forked, ForkedSession, SessionInfo, SessionList
 from mcp_forge.gateway.sessions import Client, SessionRequest, SessionService, stdio_client
 
 ToolFn = TypeVar("ToolFn", bound=Callable[..., Awaitable[Any]])
@@ -290,3 +292,50 @@ class SessionTools:
         closed = await self.service.close(self._client_of(ctx), session_id)
         self.gateway.ended(closed.namespace, closed.name)  # its upstream processes go now
         return Closed(session_id=session_id, closed=True)
+
+    @tool(_hints(read_only=False, destructive=False, idempotent=False))
+    async def fork_session(
+        self,
+        ctx: Context,
+        session_id: str,
+        count: Annotated[
+            int,
+            Field(description=f"How many copies, 1 to {forks.FORK_MAX}.", ge=1, le=forks.FORK_MAX),
+        ] = 1,
+        env: Annotated[
+            dict[str, str] | None,
+            Field(
+                description=(
+                    "Environment variables for the copies, in place of the ones this session "
+                    "was created with; omit to keep those."
+                )
+            ),
+        ] = None,
+    ) -> Forked:
+        """Copy a live session: each copy starts with its variables, imports, open files and
+        /workspace and /tmp files (a snapshot of its kernel's memory), then goes its own way,
+        to try several approaches from one state. Code running in the session is waited for.
+
+        Returns the copies' session_ids; restored false means a copy could not be made
+        from the snapshot and started with a fresh kernel (message says why). Each copy is
+        a session of yours (it counts against your quota) with its own kernel and key;
+        values the code copied from the original's environment stay in its variables."""
+        client = self._client_of(ctx)
+        parent = await self.service.resolve(client, session_id)
+        async with self.gateway.held(parent.name, namespace=parent.namespace) as parent:
+            made = await self.service.fork(client, parent, count, env)
+        for child in made:
+            if child.status.get("phase") == st.READY:
+                self.gateway.prepare(child)  # its first call finds it connected
+        return Forked(
+            session_id=parent.name,
+            forks=[
+                ForkedSession(
+                    session_id=child.name,
+                    phase=str(child.status.get("phase")),
+                    restored=(child.status.get("lastRestore") or {}).get("outcome") == "Restored",
+                    message=str(child.status.get("message") or ""),
+                )
+                for child in made
+            ],
+        )
