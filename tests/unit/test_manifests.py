@@ -29,6 +29,7 @@ import yaml
 from kstatus import kstatus
 from mcp_forge.api import kernelsession
 from mcp_forge.api.connection import BRIDGE_PORT, PORTS, ConnectionInfo
+from mcp_forge.api.status import Status
 from mcp_forge.cli import main as cli
 from mcp_forge.control.render import GATEWAY_SELECTOR, labels, render_kubernetes
 from mcp_forge.errors import InvalidSession
@@ -1121,7 +1122,7 @@ def test_kubectl_explain_has_a_description_for_every_field(crd: str) -> None:
     assert missing == [], missing
 
 
-def test_kubectl_get_o_wide_shows_reason_image_pod_pool_and_node() -> None:
+def test_kubectl_get_o_wide_shows_reason_image_pod_pool_node_and_snapshot() -> None:
     doc = yaml.safe_load((MANIFESTS.parent / "crds" / "kernelsession.yaml").read_text())
     columns = doc["spec"]["versions"][0]["additionalPrinterColumns"]
     wide = {c["name"]: c["jsonPath"] for c in columns if c.get("priority") == 1}
@@ -1131,6 +1132,24 @@ def test_kubectl_get_o_wide_shows_reason_image_pod_pool_and_node() -> None:
         "Pod": ".status.podName",
         "Pool": ".spec.poolRef.name",
         "Node": ".status.nodeName",
+        "Snapshot": ".status.snapshot.takenAt",
+        "Restore": ".status.lastRestore.outcome",
+    }
+
+
+def test_every_status_field_is_in_the_crd_so_the_api_server_keeps_it() -> None:
+    """The API server prunes what the schema does not name: each field of Status (and of
+    its snapshot and lastRestore) is in the CRD's status schema."""
+    doc = yaml.safe_load((MANIFESTS.parent / "crds" / "kernelsession.yaml").read_text())
+    schema = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert set(Status.__annotations__) <= set(schema["properties"])
+    snapshot = schema["properties"]["snapshot"]["properties"]
+    assert set(snapshot) == {"size", "takenAt", "seconds", "inPod"}
+    assert set(schema["properties"]["lastRestore"]["properties"]) == {
+        "outcome",
+        "at",
+        "seconds",
+        "message",
     }
 
 
