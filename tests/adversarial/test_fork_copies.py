@@ -70,7 +70,7 @@ async def test_links_fifos_and_unreadable_files_planted_before_a_fork_are_copied
     assert planted.status == "ok", (planted.error, planted.stderr)
     parent = await runtime.get(name)
     body = forks.body(parent, forks.names(name, 1)[0], annotations={})
-    async with asyncio.timeout(120):  # a copy that opened a FIFO would never end
+    async with asyncio.timeout(300):  # a copy that opened a FIFO would never end
         (child,) = await runtime.fork(name, "default", [body])
     try:
         assert child.status["lastRestore"]["outcome"] == "Restored", child.status

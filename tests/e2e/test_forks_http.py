@@ -95,3 +95,30 @@ async def test_a_client_cannot_fork_or_use_another_clients_session_or_copy(
         assert copy_id not in session_ids(await bob.call_tool("list_sessions", {}))
         for closing in (sid, copy_id):
             assert not (await alice.call_tool("close_session", {"session_id": closing})).is_error
+
+
+async def test_a_declared_session_a_client_may_use_is_not_forked_for_it(
+    gateway: HttpGateway, state_dir: Path
+) -> None:
+    """A declared session's spec is the operator's (resources, shared group, lifetime):
+    alice, granted its use, may not turn it into sessions of her own."""
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
+    from mcp_forge.settings import Settings
+
+    runtime = LocalRuntime(Settings(state_dir=state_dir))
+    name = f"declared-{os.getpid()}"
+    await runtime.apply(
+        {
+            "apiVersion": "mcpforge.dev/v1alpha1",
+            "kind": "KernelSession",
+            "metadata": {"name": name, "annotations": {"mcpforge.dev/clients": "alice"}},
+            "spec": {"image": "localhost/mcp-forge-kernel:0.1.0-minimal"},
+        }
+    )
+    try:
+        async with connect(gateway, "alice") as alice:
+            assert await printed(alice, name, "print('usable')") == "usable\n"
+            refused = await alice.call_tool("fork_session", {"session_id": name})
+            assert refused.is_error and "only sessions you created" in text(refused), text(refused)
+    finally:
+        await runtime.delete(name)

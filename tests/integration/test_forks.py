@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,8 +19,9 @@ import pytest
 from mcp_forge.api import forks
 from mcp_forge.api.connection import ConnectionInfo
 from mcp_forge.clients import podman
-from mcp_forge.errors import SessionNotFound, SessionNotReady
+from mcp_forge.errors import ForgeError, SessionNotFound, SessionNotReady
 from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.runtimes.local import forkfiles
 
 CLI = [str(Path(sys.executable).parent / "mcp-forge")]
 pytestmark = [pytest.mark.podman, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
@@ -172,3 +174,51 @@ async def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
     return await asyncio.to_thread(
         subprocess.run, [*CLI, *args], env=env, capture_output=True, text=True
     )
+
+
+async def test_a_fork_that_fails_leaves_no_session_archive_or_paused_kernel(
+    runtime: Any, gateway: Any, make_session: Any, settings: Any
+) -> None:
+    """The checkpoint is over MCPFORGE_SNAPSHOT_MAX: the fork fails saying so, and the
+    sessions it had made, its archive and its hold on the parent are gone."""
+    from mcp_forge.runtimes.local.runtime import LocalRuntime
+
+    small = LocalRuntime(dataclasses.replace(settings, snapshot_max=1))
+    small.releasers = runtime.releasers  # the gateway's, told to let go of the kernel
+    name = await make_session()
+    assert (await gateway.execute(name, "x = 1")).status == "ok"
+    before = {s.name for s in await runtime.list()}
+    parent = await runtime.get(name)
+    with pytest.raises(ForgeError, match="over the 1 a snapshot may take"):
+        await small.fork(name, "default", fork_bodies(parent, 2))
+    assert {s.name for s in await runtime.list()} == before
+    assert not await asyncio.to_thread(lambda: list((settings.state_dir / "forks").glob("*")))
+    done = await gateway.execute(name, "open('/workspace/after', 'w').write('x'); print(x)")
+    assert (done.status, done.stdout) == ("ok", "1\n"), "the parent runs on, its files writable"
+
+
+async def test_what_a_dead_process_left_mid_fork_is_let_go_by_the_next_pass(
+    runtime: Any, gateway: Any, make_session: Any
+) -> None:
+    """A process died with the parent's kernel paused and its workspace frozen, and a
+    copy still Pending: the supervisor's pass lets the kernel go, thaws the workspace and
+    removes the copy."""
+    name = await make_session()
+    parent = await runtime.get(name)
+    folder = runtime._dir(parent)
+    workspace = Path(runtime.host_paths(parent).workspace)
+    await podman.run("pause", runtime.container_name(parent))
+    await forkfiles.run_tool("fsfreeze", "--freeze", str(workspace))
+    gone = json.dumps({"pid": 2**22 + 1, "container": runtime.container_name(parent)})
+    await asyncio.to_thread((folder / forkfiles.MARK).write_text, gone)
+    (body,) = fork_bodies(parent, 1)
+    child = runtime._new_row(body)
+    old = {**child.body["metadata"], "creationTimestamp": "2000-01-01T00:00:00Z"}
+    runtime.store.replace({**runtime.store.get("default", child.name), "metadata": old})
+
+    assert await runtime.clean_forks() == [child.name]
+    with pytest.raises(SessionNotFound):
+        await runtime.get(child.name)
+    assert not await asyncio.to_thread((folder / forkfiles.MARK).exists)
+    done = await gateway.execute(name, "open('/workspace/thawed', 'w').write('x'); print('ok')")
+    assert (done.status, done.stdout) == ("ok", "ok\n")

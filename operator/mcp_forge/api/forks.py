@@ -3,9 +3,10 @@ parent's variables (issue 27). Pure: the new sessions' bodies, their names, and 
 silent program that makes a restored kernel the new session's.
 
 A fork's spec is its parent's, but for what is the new session's own: it claims no pool
-kernel (it has one), it runs (operatingMode Running), and its env is the one asked for
-the fork, or else the parent's spec's (Secrets are read anew for the fork). Its metadata
-names the parent (FORKED_FROM); ownership annotations are the caller's to give.
+kernel (it has one), it runs (operatingMode Running), its workspace goes with it
+(reclaimPolicy Delete), and its env is the one asked for the fork, or else the parent's
+spec's (Secrets are read anew for the fork). Its metadata names the parent
+(FORKED_FROM) and keeps the user's labels, not ours; annotations are the caller's.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def check_count(count: Any) -> int:
 
 def names(parent: str, count: int) -> list[str]:
     """Names for `count` forks of `parent`: its name (cut to fit) and a random tag."""
-    stem = parent[: kernelsession.NAME_MAX - 11].rstrip("-")
+    stem = parent[: kernelsession.NAME_MAX - 12].rstrip("-")
     return [f"{stem}-fork-{secrets.token_hex(3)}" for _ in range(count)]
 
 
@@ -49,6 +50,9 @@ def body(
     spec = copy.deepcopy(parent.body["spec"])
     spec.pop("poolRef", None)
     spec["operatingMode"] = "Running"
+    # The copy's workspace is its own: never kept after it (a Retain'd one would wait
+    # under a name no later session takes).
+    spec.setdefault("workspace", {})["reclaimPolicy"] = "Delete"
     if env is not None:
         spec["env"] = [{"name": k, "value": v} for k, v in env.items()]
     meta = parent.body["metadata"]
@@ -59,7 +63,12 @@ def body(
             "metadata": {
                 "name": name,
                 "namespace": parent.namespace,
-                "labels": dict(meta.get("labels") or {}),
+                # The user's labels; ours (a pool's kernel, say) say what the copy is not.
+                "labels": {
+                    k: v
+                    for k, v in (meta.get("labels") or {}).items()
+                    if not k.startswith(f"{kernelsession.GROUP}/")
+                },
                 "annotations": {**annotations, FORKED_FROM: parent.name},
             },
             "spec": spec,

@@ -13,7 +13,7 @@ import click
 
 from mcp_forge.api import forks
 from mcp_forge.cli.common import local, main, on_gateway, run
-from mcp_forge.gateway.sessions import CREATED_BY, DEFAULT
+from mcp_forge.gateway.sessions import CLIENTS, OWNER
 
 
 @main.command("exec")
@@ -114,6 +114,9 @@ def resume(name: str, namespace: str) -> None:
     )
 
 
+SHARED = (OWNER, CLIENTS)  # the annotations a copy keeps
+
+
 @main.command()
 @click.argument("name")
 @click.option("-n", "--namespace", default="default")
@@ -130,10 +133,8 @@ def fork(name: str, namespace: str, count: int | None, names: tuple[str, ...]) -
         raise click.UsageError(f"--count {count} but {len(names)} --name given")
     runtime = local()
     parent = run(runtime.get(name, namespace))
-    kept = {
-        k: v
-        for k, v in (parent.body["metadata"].get("annotations") or {}).items()
-        if k not in (CREATED_BY, DEFAULT)  # a copy is no gateway's, and no default session
+    kept = {  # whose it is and who may use it; a copy is no gateway's, no default session
+        k: v for k, v in (parent.body["metadata"].get("annotations") or {}).items() if k in SHARED
     }
     wanted = list(names) or forks.names(name, count or 1)
     made = run(

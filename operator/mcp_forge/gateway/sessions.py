@@ -218,12 +218,19 @@ class SessionService:
         env: dict[str, str] | None = None,
     ) -> builtins.list[KernelSession]:
         """`count` new sessions of `client`'s from the live session `parent` (which it
-        may use; the caller holds its queue): each with its memory and files, its own
+        created; the caller holds its queue): each with its memory and files, its own
         key and user namespace, and `env` for the parent's session variables (the
         parent's spec's if None). Each takes a place of the client's quota, reserved
         first: none is made if they do not all fit. Forks that ended Failed are
         deleted, and returned as they ended (their status says why)."""
         forks.check_count(count)
+        if not self.owns(client, parent):
+            # A declared session's spec is an operator's (its resources, shared group,
+            # lifetime): a client's copies would be sessions it could not have created.
+            raise InvalidRequest(
+                f"session {parent.name!r} was declared outside the gateway; only sessions "
+                "you created can be forked"
+            )
         annotations = {OWNER: client.owner, CREATED_BY: self.gateway_id}
         bodies = [
             forks.body(parent, f"s-{secrets.token_hex(6)}", annotations=annotations, env=env)

@@ -317,9 +317,11 @@ class SessionTools:
         to try several approaches from one state. Code running in the session is waited for.
 
         Returns the copies' session_ids; restored false means a copy could not be made
-        from the snapshot and started with a fresh kernel (message says why). Each copy is
-        a session of yours (it counts against your quota) with its own kernel and key;
-        values the code copied from the original's environment stay in its variables."""
+        from the snapshot and started with a fresh kernel (message says why), and phase
+        Failed one that could not start at all (it is deleted). Only sessions you created
+        can be forked. Each copy is a session of yours (it counts against your quota) with
+        its own kernel and key; values the code copied from the original's environment
+        stay in its variables."""
         client = self._client_of(ctx)
         parent = await self.service.resolve(client, session_id)
         async with self.gateway.held(parent.name, namespace=parent.namespace) as parent:

@@ -20,29 +20,99 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from mcp_forge import confine
+from mcp_forge.clients import podman
 from mcp_forge.runtimes.local.volumes import TMP_SIZE, VolumeError, run_tool
 
 log = logging.getLogger(__name__)
 
 COPY_TIMEOUT = 300.0  # one workspace image, or one /tmp
+MARK = "forking"  # in a session's folder while a fork of it has its kernel paused
 TAR_LIMITS = confine.Limits(memory=512 * 2**20, cpu_seconds=120, file_size=TMP_SIZE)
+
+
+@contextlib.asynccontextmanager
+async def paused(container: str, folder: Path) -> AsyncIterator[None]:
+    """The kernel `container` paused while the body runs (its files stay as its memory
+    was taken), and running again after, whatever happens. A mark in the session's
+    `folder` names this process, so that a pass of another (`release_left`) lets the
+    kernel go, and thaws its workspace, if this one dies meanwhile."""
+    mark = folder / MARK
+    text = json.dumps({"pid": os.getpid(), "container": container})
+    await asyncio.to_thread(mark.write_text, text)
+    try:
+        await podman.run("pause", container)
+        try:
+            yield
+        finally:
+            await asyncio.shield(podman.run("unpause", container, check=False))
+    finally:
+        await asyncio.to_thread(mark.unlink, True)
 
 
 @contextlib.asynccontextmanager
 async def frozen(mount: Path) -> AsyncIterator[None]:
     """The filesystem mounted at `mount` frozen (written out, its writers held) while
-    the body runs; thawed after, whatever happens."""
-    await run_tool("fsfreeze", "--freeze", str(mount))
+    the body runs; thawed after, whatever happens (a freeze cut short included)."""
     try:
+        await run_tool("fsfreeze", "--freeze", str(mount))
         yield
     finally:
-        await asyncio.shield(run_tool("fsfreeze", "--unfreeze", str(mount)))
+        await asyncio.shield(thaw(mount))
+
+
+async def thaw(mount: Path) -> None:
+    """Thaw the filesystem at `mount` if it is frozen (one that is not: nothing)."""
+    try:
+        await run_tool("fsfreeze", "--unfreeze", str(mount))
+    except VolumeError as exc:
+        if "Invalid argument" not in str(exc):  # not frozen
+            log.warning("could not thaw %s: %s", mount, exc)
+
+
+async def release_left(sessions: Path, stale: float) -> None:
+    """Kernels a fork of a dead process left paused, and their workspaces frozen: let
+    go (the marks of `paused` below `sessions` whose process is gone, or older than
+    `stale` seconds)."""
+    for mark in await asyncio.to_thread(lambda: list(sessions.glob(f"*/{MARK}"))):
+        try:
+            found = json.loads(await asyncio.to_thread(mark.read_text))
+            age = time.time() - (await asyncio.to_thread(mark.stat)).st_mtime
+        except (OSError, ValueError):
+            continue
+        if _alive(int(found.get("pid", 0))) and age < stale:
+            continue  # a fork under way
+        log.warning("a fork of a process that is gone left %s paused: letting it go", mark.parent)
+        await thaw(mark.parent / "workspace")
+        await podman.run("unpause", str(found.get("container", "")), check=False)
+        await asyncio.to_thread(mark.unlink, True)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def drop_older(folder: Path, cutoff: float) -> None:
+    """Remove the files in `folder` last changed before `cutoff` (a time)."""
+    for path in folder.glob("*") if folder.is_dir() else []:
+        with contextlib.suppress(OSError):
+            if path.lstat().st_mtime < cutoff:
+                path.unlink()
 
 
 async def copy_image(image: Path, to: Path) -> None:
@@ -64,7 +134,7 @@ async def copy_tmp(
     """Copy the files of the /tmp mounted at `src` (the kernel of host ids `src_ids`)
     into the one mounted at `dst` (the kernel of `dst_ids`), as the module's text says."""
     reader = confine.command(
-        ["tar", "--one-file-system", "-C", str(src), "-cf", "-", "."],
+        ["tar", "--one-file-system", "--sparse", "-C", str(src), "-cf", "-", "."],
         readable=[src], user=src_ids, limits=TAR_LIMITS, what="copying a kernel's /tmp",
     )  # fmt: skip
     writer = confine.command(

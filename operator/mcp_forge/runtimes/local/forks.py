@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,15 +33,19 @@ from mcp_forge.api import forks
 from mcp_forge.api import status as st
 from mcp_forge.api.connection import ConnectionInfo, new_key
 from mcp_forge.api.kernelsession import KernelSession, load
-from mcp_forge.api.status import stamp
+from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.errors import ForgeError, InvalidSession, SessionNotFound, SessionNotReady
 from mcp_forge.jupyter.client import KernelConnection
-from mcp_forge.runtimes.local import forkfiles, snapshots
+from mcp_forge.runtimes.local import forkfiles, snapshots, volumes
 from mcp_forge.runtimes.local.kernelpods import TELL_TIMEOUT
 from mcp_forge.runtimes.local.lifecycle import Lifecycle
 from mcp_forge.sandbox import SESSION_VARIABLE
 
 log = logging.getLogger(__name__)
+
+
+FORKS = "forks"  # under the state directory: the archives of forks under way
+STALE = 3600.0  # seconds after which what a fork left is another process's debris
 
 
 class Forks(Lifecycle):
@@ -50,37 +56,39 @@ class Forks(Lifecycle):
 
         async def delete_locked(self, session: KernelSession) -> None: ...
 
+        def locked_if_free(
+            self, session: KernelSession
+        ) -> contextlib.AbstractAsyncContextManager[bool]: ...
+
     async def fork(
         self, name: str, namespace: str, bodies: list[dict[str, Any]]
     ) -> list[KernelSession]:
         """Make a session of each body (api/forks.body: validated, new names) from the
         Ready session `name`'s memory and files; the new sessions, as they ended (Ready,
         restored or started afresh; Failed if even that failed). ForgeError, and no new
-        session, if the parent's kernel could not be checkpointed."""
+        session, if the parent's kernel could not be checkpointed or its files copied."""
         usable, why = await self.criu_usable()
         if not usable:
             raise ForgeError(f"session {name!r} cannot be forked here: {why}")
+        self._check_names(namespace, [b["metadata"]["name"] for b in bodies])
         parent = await self.get(name, namespace)
-        for body in bodies:
-            taken = body["metadata"]["name"]
-            with contextlib.suppress(SessionNotFound):
-                self.store.get(namespace, taken)
-                raise InvalidSession(
-                    f"a session named {taken!r} exists already", field="metadata.name"
-                )
-        archive = self._dir(parent) / f"fork-{uuid.uuid4().hex[:12]}.tar"
+        archive = await asyncio.to_thread(self._fork_archive)
         children: list[KernelSession] = []
         try:
-            async with self._locked(parent):
-                parent = await self.get(name, namespace)
-                phase = parent.status.get("phase")
-                if phase != st.READY:
-                    raise SessionNotReady(f"session {name!r} is {phase}: only a Ready one forks")
-                children = [self._new_row(body) for body in bodies]
-                await self._take_for_forks(parent, archive)
-                await self._copy_files(parent, children)
-            for i, child in enumerate(children):
-                async with self._locked(child):
+            async with contextlib.AsyncExitStack() as held:
+                async with self._locked(parent):
+                    parent = await self.get(name, namespace)
+                    phase = parent.status.get("phase")
+                    if phase != st.READY:
+                        raise SessionNotReady(
+                            f"session {name!r} is {phase}: only a Ready one forks"
+                        )
+                    for body in bodies:  # each new session locked from its first moment
+                        children.append(self._new_row(body))
+                        await held.enter_async_context(self._locked(children[-1]))
+                    await self._take_for_forks(parent, archive)
+                    await self._copy_files(parent, children, archive)
+                for i, child in enumerate(children):
                     await self._restore_fork(parent, child, archive, last=i == len(children) - 1)
         except BaseException:
             await asyncio.shield(self._unmake(children))
@@ -88,6 +96,23 @@ class Forks(Lifecycle):
         finally:
             await asyncio.to_thread(archive.unlink, True)
         return [await self.get(c.name, c.namespace) for c in children]
+
+    def _check_names(self, namespace: str, names: list[str]) -> None:
+        if len(set(names)) != len(names):
+            raise InvalidSession("two copies may not have one name", field="metadata.name")
+        for taken in names:
+            with contextlib.suppress(SessionNotFound):
+                self.store.get(namespace, taken)
+                raise InvalidSession(
+                    f"a session named {taken!r} exists already", field="metadata.name"
+                )
+
+    def _fork_archive(self) -> Path:
+        """Where a fork's archive is kept while it is under way: a folder of root's (0700)
+        of its own, not the parent's (whose deletion meanwhile must not take it)."""
+        folder = self.settings.state_dir / FORKS
+        folder.mkdir(mode=0o700, exist_ok=True)
+        return folder / f"{uuid.uuid4().hex}.tar"
 
     def _new_row(self, body: dict[str, Any]) -> KernelSession:
         body["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=stamp(), generation=1)
@@ -122,30 +147,69 @@ class Forks(Lifecycle):
                 "a snapshot may take (MCPFORGE_SNAPSHOT_MAX)"
             )
 
-    async def _copy_files(self, parent: KernelSession, children: list[KernelSession]) -> None:
-        """Each fork's directory, user namespace, workspace image (copied while the
-        parent's is frozen) and /tmp (copied after: forkfiles.py), mounted."""
+    async def _copy_files(
+        self, parent: KernelSession, children: list[KernelSession], archive: Path
+    ) -> None:
+        """Each fork's directory, user namespace, workspace and /tmp, mounted: copied
+        while the parent's kernel is paused (just after its memory was taken), its
+        workspace's filesystem frozen only for the first copy of its image (the others
+        are copied from that one); see forkfiles.py."""
         workspace = Path(self.host_paths(parent).workspace)
         image = workspace.with_name("workspace.img")
-        if not await asyncio.to_thread(image.is_file):
+        if volumes.mounted(workspace) != "ext4" or not await asyncio.to_thread(image.is_file):
             raise ForgeError(f"session {parent.name!r}'s workspace is not a volume of its own")
+        await asyncio.to_thread(self._room_for, parent, len(children), image, archive)
         for child in children:
             self._claim_idmap(child)
             key = self.store.key(child.namespace, child.name)
             run = self.host_paths(child).run
             self._prepare_dirs(child, ConnectionInfo("ipc", run + "/kernel", key))
-        async with forkfiles.frozen(workspace):
+        images = [Path(self.host_paths(c).workspace).with_name("workspace.img") for c in children]
+        tmp = Path(str(self.host_paths(parent).tmp))
+        async with forkfiles.paused(self.container_name(parent), self._dir(parent)):
+            async with forkfiles.frozen(workspace):
+                await forkfiles.copy_image(image, images[0])
+            for to in images[1:]:
+                await forkfiles.copy_image(images[0], to)
             for child in children:
-                to = Path(self.host_paths(child).workspace).with_name("workspace.img")
-                await forkfiles.copy_image(image, to)
-        tmp = self.host_paths(parent).tmp
-        for child in children:
-            await self._mount(child)  # the copy given to the fork's kernel (volumes.give)
-            child_tmp = self.host_paths(child).tmp
-            if tmp and child_tmp:
+                await self._mount(child)  # the copy given to the fork's kernel (volumes.give)
+                to_tmp = Path(str(self.host_paths(child).tmp))
                 await forkfiles.copy_tmp(
-                    Path(tmp), self.kernel_ids(parent), Path(child_tmp), self.kernel_ids(child)
+                    tmp, self.kernel_ids(parent), to_tmp, self.kernel_ids(child)
                 )
+
+    def _room_for(self, parent: KernelSession, count: int, image: Path, archive: Path) -> None:
+        """ForgeError, naming the sizes, unless the state directory's disk has room for
+        `count` copies of the workspace image and one more of the archive (a retarget)."""
+        need = count * image.stat().st_blocks * 512 + archive.stat().st_size
+        disk = os.statvfs(self.settings.state_dir)
+        free = disk.f_bavail * disk.f_frsize
+        if need > free:
+            raise ForgeError(
+                f"{count} copies of session {parent.name!r} need {need} bytes on the state "
+                f"directory's disk ({self.settings.state_dir}); {free} are free"
+            )
+
+    async def clean_forks(self) -> list[str]:
+        """What a process that died while forking left (the supervisor's pass): a kernel
+        left paused or a workspace left frozen, new sessions still Pending, archives.
+        Only what has stayed so past STALE, and only a session whose lock is free. The
+        names of the sessions deleted."""
+        await forkfiles.release_left(self.settings.state_dir / "k", STALE)
+        cutoff = time.time() - STALE
+        await asyncio.to_thread(forkfiles.drop_older, self.settings.state_dir / FORKS, cutoff)
+        gone = []
+        for session in await self.list():
+            made = parse_time(session.body["metadata"].get("creationTimestamp"))
+            forked = forks.FORKED_FROM in (session.body["metadata"].get("annotations") or {})
+            if not forked or session.status.get("phase") != st.PENDING or (made or 0) > cutoff:
+                continue
+            async with self.locked_if_free(session) as free:
+                if free:
+                    log.warning("removing %s: a fork left unmade", session.name)
+                    await self.delete_locked(session)
+                    gone.append(session.name)
+        return gone
 
     async def _restore_fork(
         self, parent: KernelSession, child: KernelSession, archive: Path, *, last: bool
@@ -198,5 +262,7 @@ class Forks(Lifecycle):
             conn.close()
         if reply is None:
             raise SessionNotReady(f"the forked kernel did not take its key in {TELL_TIMEOUT:.0f}s")
-        if reply["content"].get("status") != "ok":
-            raise SessionNotReady("the forked kernel refused its key and environment")
+        content = reply["content"]
+        if content.get("status") != "ok":
+            said = f"{content.get('ename', '')}: {content.get('evalue', '')}"[:300]
+            raise SessionNotReady(f"the forked kernel refused its key and environment ({said})")

@@ -28,8 +28,8 @@ Refreshed = Callable[[KernelSession], None]
 
 
 async def supervise_once(runtime: LocalRuntime) -> list[str]:
-    """One pass: refresh every session that needs it, drop snapshots kept too long, then
-    cull the idle ones.
+    """One pass: refresh every session that needs it, drop snapshots kept too long,
+    clean what a dead process's fork left, then cull the idle ones.
 
     Pods no session owns, and storage-only kernel containers of sessions' pods, are
     removed (orphans.py). Returns the names culled. An error about one session is
@@ -39,6 +39,10 @@ async def supervise_once(runtime: LocalRuntime) -> list[str]:
     await remove_orphans(runtime)
     await remove_storage_only(runtime)
     await runtime.drop_old_snapshots()
+    try:
+        await runtime.clean_forks()
+    except ForgeError as exc:
+        log.warning("cleaning what forks left: %s", exc)
     return await runtime.cull_idle()
 
 
