@@ -176,11 +176,36 @@ async def restore(
         return time.monotonic() - started
     copy = archive.with_name(f"{archive.name}.{to.pod_id[:12]}")
     try:
-        await retarget(archive, copy, to, limit=limit)
+        await _copy_retargeted(archive, copy, to, limit=limit)
         await bring_back(copy, to, name)
     finally:
         copy.unlink(missing_ok=True)
     return time.monotonic() - started
+
+
+async def _copy_retargeted(archive: Path, copy: Path, to: Target, *, limit: int) -> None:
+    """`copy`: `archive` retargeted for `to`. Copied by the kernel (copy_file_range) and
+    retargeted in itself where that can be (half the time of a rewrite through tarfile);
+    rewritten (`retarget`) where it cannot."""
+    copied = await asyncio.to_thread(_copy_file, archive, copy, limit)
+    if copied and await asyncio.to_thread(retarget_in_place, copy, to, limit):
+        return
+    await retarget(archive, copy, to, limit=limit)
+
+
+def _copy_file(src: Path, dst: Path, limit: int) -> bool:
+    """`src` copied to a new `dst` (root's, 0600); False, and no `dst`, over `limit`."""
+    if src.stat().st_size > limit:
+        return False
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
+        left = os.fstat(f.fileno()).st_size
+        while left > 0:
+            copied = os.copy_file_range(f.fileno(), out.fileno(), min(left, 1 << 30))
+            if copied == 0:
+                break
+            left -= copied
+    return True
 
 
 def retarget_in_place(archive: Path, to: Target, limit: int) -> bool:
