@@ -13,7 +13,6 @@ import click
 
 from mcp_forge.api import forks
 from mcp_forge.cli.common import local, main, on_gateway, run
-from mcp_forge.gateway.sessions import CLIENTS, OWNER
 
 
 @main.command("exec")
@@ -114,9 +113,6 @@ def resume(name: str, namespace: str) -> None:
     )
 
 
-SHARED = (OWNER, CLIENTS)  # the annotations a copy keeps
-
-
 @main.command()
 @click.argument("name")
 @click.option("-n", "--namespace", default="default")
@@ -129,12 +125,16 @@ SHARED = (OWNER, CLIENTS)  # the annotations a copy keeps
 def fork(name: str, namespace: str, count: int | None, names: tuple[str, ...]) -> None:
     """Copy a Ready session: each copy is a session of its own that starts with its
     kernel's memory (variables, imports, open files) and its files, then goes its own way."""
+    from mcp_forge.gateway.sessions import CLIENTS, OWNER  # not at import: the operator's CLI
+
     if names and count is not None and count != len(names):
         raise click.UsageError(f"--count {count} but {len(names)} --name given")
     runtime = local()
     parent = run(runtime.get(name, namespace))
     kept = {  # whose it is and who may use it; a copy is no gateway's, no default session
-        k: v for k, v in (parent.body["metadata"].get("annotations") or {}).items() if k in SHARED
+        k: v
+        for k, v in (parent.body["metadata"].get("annotations") or {}).items()
+        if k in (OWNER, CLIENTS)
     }
     wanted = list(names) or forks.names(name, count or 1)
     made = run(
