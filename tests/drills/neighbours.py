@@ -79,6 +79,19 @@ while a call of more than a heartbeat runs, no change (the noisy kernels that us
 3-5.6 s each in 40 s, run short calls: exports' cells, code mode); Podman's parent of pods
 at the gateway's weight, worse (+89 ms). ipykernel itself costs 3.4-3.6 ms of CPU per
 `1+1` in our pod, 4.1 ms bare on this host.
+
+December 4, later (timestamps of each message, taken in the gateway, in the kernel's
+guard and by the quiet client, clocks of one host): of a slow call's 110-200 ms, the
+kernel holds 80-180 ms, its main thread using 0.3-2.4 ms of CPU between two of its
+steps that are 10-65 ms apart, and the gateway's side (HTTP in and out, its loop, the
+reads) 10-25 ms: the kernel waits for a core. Over 15 s of noise the pods together got
+0.75 of a core, the gateway's cgroup 0.66, the root cgroup 0.33 (the notebook workers,
+the upstream servers, pip: each weighing as much there as all the pods). One run each:
+a 0.1 ms EEVDF slice for the quiet kernel's threads (custom slices are this kernel's,
+6.18), +106 ms; 0.2 ms for every kernel's, +99 ms. The gateway's helpers in a cgroup of
+their own at cpu.shares 256: pods 0.98 of a core, the quiet median 23-30 ms instead of
+33-46, p99 +54, +88, +89 ms in three runs (at 1024 +100; at 64 +60), and the code-mode
+noise made half as many calls (its upstream servers are helpers): not kept.
 """
 
 from __future__ import annotations
