@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_manifests import INSTALLS, build
+from manifests_support import INSTALLS, build
 
 HERE = Path(__file__).parents[1] / "kube" / "kubescore"
 ACCEPTED = yaml.safe_load((HERE / "accepted.yaml").read_text())

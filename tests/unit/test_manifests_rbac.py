@@ -1,0 +1,134 @@
+"""The RBAC of every install, read as the API server grants it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from manifests_support import (
+    CLUSTER,
+    GATEWAY_SA,
+    INSTALLS,
+    OPERATOR_SA,
+    SESSIONS,
+    SYSTEM,
+    build,
+    find,
+    key,
+)
+
+# ---- RBAC, read as the API server grants it --------------------------------------------------
+
+
+Grant = tuple[str, str, str, str]  # scope (a namespace or CLUSTER), apiGroup, resource, verb
+
+
+def grants(objs: list[dict[str, Any]], subject: tuple[str, str]) -> set[Grant]:
+    """What a ServiceAccount may do: every rule of every role bound to it, with its scope."""
+    roles = {
+        (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]): o for o in objs
+    }
+    out: set[Grant] = set()
+    for binding in objs:
+        if binding["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        bound = {
+            (s.get("namespace", ""), s["name"])
+            for s in binding["subjects"]
+            if s["kind"] == "ServiceAccount"
+        }
+        if subject not in bound:
+            continue
+        ref = binding["roleRef"]
+        namespace = binding["metadata"].get("namespace", "")
+        role = roles[(ref["kind"], namespace if ref["kind"] == "Role" else "", ref["name"])]
+        scope = CLUSTER if binding["kind"] == "ClusterRoleBinding" else namespace
+        for rule in role["rules"]:
+            assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+            for group in rule["apiGroups"]:
+                for res in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        out.add((scope, group, res, verb))
+    return out
+
+
+def expand(scope: str, table: dict[tuple[str, str], str]) -> set[Grant]:
+    return {
+        (scope, group, res, verb) for (group, res), verbs in table.items() for verb in verbs.split()
+    }
+
+
+OPERATOR_RULES = {
+    # delete: a session idle past its idleTimeout with idleAction Delete is deleted.
+    ("mcpforge.dev", "kernelsessions"): "get list watch patch delete",
+    ("mcpforge.dev", "kernelsessions/status"): "get patch",
+    # Pools: filled and counted (status); kopf's own annotations are patches.
+    ("mcpforge.dev", "kernelsessionpools"): "get list watch patch",
+    ("mcpforge.dev", "kernelsessionpools/status"): "get patch",
+    ("", "pods"): "get list watch create patch delete",
+    ("", "services"): "get list watch create patch delete",
+    ("", "secrets"): "get list create patch delete",  # never watched
+    ("networking.k8s.io", "networkpolicies"): "get list watch create patch delete",
+    ("coordination.k8s.io", "leases"): "get list watch create patch delete",
+    # A persistent workspace's claim: made, its owner set per reclaimPolicy; deleted by the
+    # garbage collector with its session, never by the operator.
+    ("", "persistentvolumeclaims"): "get create patch",
+    ("", "events"): "create patch",
+}
+OPERATOR_SCANNING = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"): "list watch",
+    ("", "namespaces"): "list watch",
+}
+GATEWAY_RULES = {
+    ("mcpforge.dev", "kernelsessions"): "get list watch create delete",
+    ("mcpforge.dev", "kernelsessions/status"): "get",
+    # Without --pool it picks, per new session, a pool that serves it.
+    ("mcpforge.dev", "kernelsessionpools"): "list",
+    ("", "secrets"): "get",
+    # delete: a client's quota Lease once it holds no reservation.
+    ("coordination.k8s.io", "leases"): "get create patch delete",
+}
+
+
+def test_no_rule_uses_a_wildcard() -> None:
+    for name in INSTALLS:
+        for obj in build(name):
+            for rule in obj.get("rules", []) if obj["kind"] in ("Role", "ClusterRole") else []:
+                for field in ("apiGroups", "resources", "verbs"):
+                    assert "*" not in rule[field], (key(obj), rule)
+
+
+# Its clients' tasks (gateway/mcp/tasks_kube.py): a Secret per task, in its own namespace.
+GATEWAY_TASK_RULES = {("", "secrets"): "get list create patch delete"}
+
+
+@pytest.mark.parametrize("name", INSTALLS)
+def test_the_gateway_reads_kernel_secrets_and_keeps_tasks_in_its_own_namespace_only(
+    name: str,
+) -> None:
+    granted = grants(build(name), GATEWAY_SA)
+    assert granted == expand(SESSIONS, GATEWAY_RULES) | expand(SYSTEM, GATEWAY_TASK_RULES)
+    secrets = {(scope, verb) for scope, _, res, verb in granted if res == "secrets"}
+    assert {verb for scope, verb in secrets if scope == SESSIONS} == {"get"}, "kernels' keys"
+    assert not any(scope == CLUSTER for scope, *_ in granted)
+    assert not any(res.startswith("pods") for _, _, res, _ in granted), "no pods, no exec"
+
+
+def test_the_cluster_wide_operator_has_exactly_its_rules_everywhere() -> None:
+    for name in ("base", "overlays/gvisor"):
+        granted = grants(build(name), OPERATOR_SA)
+        assert granted == expand(CLUSTER, OPERATOR_RULES | OPERATOR_SCANNING)
+
+
+def test_the_namespace_scoped_operator_has_no_cluster_wide_grant() -> None:
+    granted = grants(build("overlays/namespace-scoped"), OPERATOR_SA)
+    assert granted == expand(SESSIONS, OPERATOR_RULES)
+
+
+def test_users_get_kernel_sessions_through_the_built_in_roles() -> None:
+    objs = build("base")
+    edit = find(objs, "ClusterRole", "mcp-forge-kernelsession-edit")["metadata"]["labels"]
+    view = find(objs, "ClusterRole", "mcp-forge-kernelsession-view")["metadata"]["labels"]
+    assert edit["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert edit["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert view["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
