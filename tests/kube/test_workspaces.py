@@ -19,6 +19,7 @@ from mcp_forge.clients.kube import Kube
 from mcp_forge.control.workspace import WORKSPACE_SIZED as SIZED
 from mcp_forge.errors import ApiError
 
+from .cluster_common import PROVISIONER
 from .harness import (
     KS,
     condition,
@@ -29,7 +30,6 @@ from .harness import (
     run_in_kernel,
     session_body,
 )
-from .testcluster import PROVISIONER
 
 CLAIM = "PersistentVolumeClaim"
 LOOK = (
