@@ -1,0 +1,338 @@
+"""Egress by name (issue 28): a session's allowed destinations, and the verdicts on them.
+
+What the egress proxy asks, in one place and without I/O: is this CONNECT (host, port)
+allowed, and by which rule; is this plain HTTP request (method, path) allowed; may the
+address the proxy resolved a name to be dialled; do a tunnel's CONNECT host and its TLS
+SNI agree. Every refusal says which rule or which check refused it, in words a person
+reading a 403 in a kernel understands. The proxy itself (not built yet) resolves names,
+dials and relays; this module only decides.
+
+A rule names a host exactly (`api.example.com`) or a suffix (`*.example.com`: any name
+with at least one more label, never `example.com` itself), the ports it may be reached on
+(443 unless said), and optionally the methods and path prefixes a request may use. A rule
+with methods or paths can only be held where the proxy reads the request: plain HTTP,
+or a tunnel it terminates (a destination with a secret added on the way out); a tunnel it
+cannot read is refused rather than let through unchecked.
+
+Names are compared in their ASCII form (IDNA), lowercased, without a trailing dot. An IP
+literal is never a destination: rules name hosts, and a request for an address is
+refused. An address a name resolves to is refused when it is not globally routable
+(loopback, private, link-local and so the cloud metadata address, shared, multicast,
+reserved; an IPv4 address carried in IPv6, mapped, NAT64, 6to4 or Teredo, is judged as
+itself) or is in the cluster's own
+ranges, unless the rule that allowed the name lists a range holding it (`addresses`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mcp_forge.errors import InvalidSession
+
+RULES_MAX = 64  # rules per session: a list to read, not a database
+HOST_MAX = 253
+PATHS_MAX = 16
+PATH_MAX = 1024
+ADDRESSES_MAX = 16
+DEFAULT_PORTS = (443,)
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+# Segments a server may normalize away or decode into one: a prefix check is blind to them.
+_AMBIGUOUS_PATH = re.compile(r"(^|/)\.\.?(/|$)|%2e|%2f|%5c|\\", re.IGNORECASE)
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052's well-known prefix
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One allowed destination; `number` is its place in the list, from 1 (for messages)."""
+
+    number: int
+    host: str  # normalized; "*.suffix" for a wildcard
+    ports: tuple[int, ...] = DEFAULT_PORTS
+    methods: tuple[str, ...] = ()  # empty: any
+    paths: tuple[str, ...] = ()  # prefixes; empty: any
+    addresses: tuple[Network, ...] = ()  # non-global ranges this host may resolve into
+
+    @property
+    def reads_requests(self) -> bool:
+        """Whether the rule is about requests (methods, paths), not only names and ports."""
+        return bool(self.methods or self.paths)
+
+    def label(self) -> str:
+        return f"rule {self.number} ({self.host})"
+
+    def matches(self, host: str, port: int) -> bool:
+        if port not in self.ports:
+            return False
+        if self.host.startswith("*."):
+            return host.endswith(self.host[1:]) and len(host) > len(self.host) - 1
+        return host == self.host
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The answer: allowed or not, the rule that decided (if one did), and why, in words."""
+
+    allowed: bool
+    reason: str
+    rule: Rule | None = None
+    inspect: bool = False  # allowed only if the proxy reads the requests (see Rule)
+
+
+# ---- names -------------------------------------------------------------------------------
+
+
+def ip_literal(host: str) -> Address | None:
+    """The address `host` spells (with or without IPv6 brackets), or None for a name."""
+    text = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+
+
+def normalize_host(host: str) -> str:
+    """`host` as rules and requests are compared: ASCII (IDNA), lowercase, no trailing dot.
+    ValueError says what is wrong with it (an IP literal, a bad label, its length)."""
+    if ip_literal(host) is not None:
+        raise ValueError("an IP address, not a host name")
+    name = host.strip().rstrip(".").lower()
+    if not name.isascii():
+        try:
+            name = name.encode("idna").decode("ascii")
+        except UnicodeError as exc:
+            raise ValueError(f"not a valid international host name ({exc})") from None
+    if not name or len(name) > HOST_MAX:
+        raise ValueError(f"a host name is 1 to {HOST_MAX} characters")
+    bad = [label for label in name.split(".") if not _LABEL.match(label)]
+    if bad:
+        raise ValueError(
+            f"label {bad[0][:63]!r} is not 1 to 63 letters, digits and '-' (neither first nor last)"
+        )
+    return name
+
+
+def _pattern(host: Any, field: str) -> str:
+    if not isinstance(host, str) or not host:
+        raise InvalidSession("a host name, or '*.' and a domain, is required", field=field)
+    wildcard = host.startswith("*.")
+    try:
+        name = normalize_host(host[2:] if wildcard else host)
+    except ValueError as exc:
+        raise InvalidSession(f"{host[:HOST_MAX]!r}: {exc}", field=field) from None
+    if wildcard and "." not in name:
+        raise InvalidSession(
+            f"{host!r} is too broad: a wildcard needs a domain of two labels or more "
+            "(*.example.com)",
+            field=field,
+        )
+    return f"*.{name}" if wildcard else name
+
+
+# ---- rules -------------------------------------------------------------------------------
+
+
+def parse_rules(raw: Any, field: str = "spec.network.allow") -> tuple[Rule, ...]:
+    """The rules of a spec's allow list; InvalidSession names the first bad field."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise InvalidSession("a list of destinations is required", field=field)
+    if len(raw) > RULES_MAX:
+        raise InvalidSession(f"at most {RULES_MAX} destinations", field=field)
+    return tuple(_rule(item, i, f"{field}[{i}]") for i, item in enumerate(raw))
+
+
+def _rule(item: Any, i: int, field: str) -> Rule:
+    if not isinstance(item, Mapping):
+        raise InvalidSession("a destination is an object with a host", field=field)
+    unknown = set(item) - {"host", "ports", "methods", "paths", "addresses"}
+    if unknown:
+        raise InvalidSession(f"unknown field {sorted(unknown)[0]!r}", field=field)
+    return Rule(
+        number=i + 1,
+        host=_pattern(item.get("host"), f"{field}.host"),
+        ports=_ports(item.get("ports"), f"{field}.ports"),
+        methods=_methods(item.get("methods"), f"{field}.methods"),
+        paths=_paths(item.get("paths"), f"{field}.paths"),
+        addresses=_addresses(item.get("addresses"), f"{field}.addresses"),
+    )
+
+
+def _ports(raw: Any, field: str) -> tuple[int, ...]:
+    if raw is None:
+        return DEFAULT_PORTS
+    if not isinstance(raw, list) or not raw:
+        raise InvalidSession("a non-empty list of ports is required", field=field)
+    for p in raw:
+        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535:
+            raise InvalidSession(f"{p!r} is not a port (1 to 65535)", field=field)
+    return tuple(sorted(set(raw)))
+
+
+def _methods(raw: Any, field: str) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        raise InvalidSession("a non-empty list of HTTP methods is required", field=field)
+    for m in raw:
+        if m not in METHODS:
+            raise InvalidSession(f"{m!r} is not one of {', '.join(METHODS)}", field=field)
+    return tuple(sorted(set(raw)))
+
+
+def _paths(raw: Any, field: str) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw or len(raw) > PATHS_MAX:
+        raise InvalidSession(f"a list of 1 to {PATHS_MAX} path prefixes is required", field=field)
+    for p in raw:
+        if not isinstance(p, str) or not p.startswith("/") or len(p) > PATH_MAX:
+            raise InvalidSession(f"{p!r} is not a path prefix starting with '/'", field=field)
+        if _AMBIGUOUS_PATH.search(p) or "?" in p or "#" in p:
+            raise InvalidSession(
+                f"{p!r}: a prefix holds no '.' or '..' segment, encoded '.', '/' or '\\', "
+                "query or fragment",
+                field=field,
+            )
+    return tuple(raw)
+
+
+def _addresses(raw: Any, field: str) -> tuple[Network, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw or len(raw) > ADDRESSES_MAX:
+        raise InvalidSession(
+            f"a list of 1 to {ADDRESSES_MAX} address ranges is required", field=field
+        )
+    nets = []
+    for r in raw:
+        try:
+            nets.append(ipaddress.ip_network(r, strict=True))
+        except (TypeError, ValueError) as exc:
+            raise InvalidSession(f"{r!r} is not an address range ({exc})", field=field) from None
+    return tuple(nets)
+
+
+# ---- verdicts ----------------------------------------------------------------------------
+
+
+def check_connect(rules: Sequence[Rule], host: str, port: int) -> Verdict:
+    """May a tunnel (CONNECT host:port) be opened? `inspect` when only rules about
+    requests allow it: the proxy must read them, or refuse."""
+    try:
+        name = normalize_host(host)
+    except ValueError as exc:
+        return Verdict(False, f"refused: {host[:HOST_MAX]!r}: {exc}")
+    matching = [r for r in rules if r.matches(name, port)]
+    if not matching:
+        return Verdict(False, f"refused: no rule allows {name} on port {port}")
+    whole = next((r for r in matching if not r.reads_requests), None)
+    if whole is not None:
+        return Verdict(True, f"allowed by {whole.label()}", whole)
+    first = matching[0]
+    return Verdict(True, f"allowed by {first.label()} if its requests are read", first, True)
+
+
+def check_request(rules: Sequence[Rule], host: str, port: int, method: str, path: str) -> Verdict:
+    """May a request the proxy reads (plain HTTP, or inside a tunnel it terminates) go?"""
+    tunnel = check_connect(rules, host, port)
+    if not tunnel.allowed:
+        return tunnel
+    name = normalize_host(host)
+    target = path.split("?", 1)[0].split("#", 1)[0]
+    refusals = []
+    for rule in (r for r in rules if r.matches(name, port)):
+        why = _refuses(rule, method, target)
+        if why is None:
+            return Verdict(True, f"allowed by {rule.label()}", rule)
+        refusals.append(f"{rule.label()}: {why}")
+    return Verdict(False, "refused: " + "; ".join(refusals))
+
+
+def _refuses(rule: Rule, method: str, path: str) -> str | None:
+    if rule.methods and method not in rule.methods:
+        return f"method {method} is not one of {', '.join(rule.methods)}"
+    if not rule.paths:
+        return None
+    if not path.startswith("/") or _AMBIGUOUS_PATH.search(path):
+        return f"path {path[:200]!r} is not a plain path (dot segments or encoded separators)"
+    if any(_under(path, prefix) for prefix in rule.paths):
+        return None
+    return f"path {path[:200]!r} is under none of {', '.join(rule.paths)}"
+
+
+def _under(path: str, prefix: str) -> bool:
+    if prefix.endswith("/"):
+        return path.startswith(prefix)
+    return path == prefix or path.startswith(prefix + "/")
+
+
+def check_sni(host: str, sni: str | None) -> Verdict:
+    """Do a tunnel's CONNECT host and its TLS SNI agree? A ClientHello without SNI goes to
+    the address the proxy resolved for the host, so it is let through."""
+    if sni is None:
+        return Verdict(True, "no SNI: the tunnel goes to the CONNECT host's address")
+    try:
+        agree = normalize_host(sni) == normalize_host(host)
+    except ValueError as exc:
+        return Verdict(False, f"refused: the TLS server name {sni[:HOST_MAX]!r}: {exc}")
+    if agree:
+        return Verdict(True, "the TLS server name is the CONNECT host")
+    return Verdict(False, f"refused: the TLS server name {sni[:253]!r} is not {host[:253]!r}")
+
+
+def check_address(
+    address: str | Address,
+    rule: Rule | None = None,
+    cluster: Iterable[Network] = (),
+) -> Verdict:
+    """May the proxy dial `address`, which a name allowed by `rule` resolved to?"""
+    ip = _embedded(ipaddress.ip_address(address) if isinstance(address, str) else address)
+    listed = rule.addresses if rule is not None else ()
+    if any(ip in net for net in listed):
+        return Verdict(True, f"{ip} is in a range {rule.label() if rule else ''} lists", rule)
+    inside = next((net for net in cluster if ip in net), None)
+    if inside is not None:
+        return Verdict(False, f"refused: {ip} is in the cluster's own range {inside}")
+    if not ip.is_global or ip.is_multicast:
+        return Verdict(False, f"refused: {ip} is {_kind(ip)}, not a public address")
+    return Verdict(True, f"{ip} is a public address")
+
+
+def _embedded(ip: Address) -> Address:
+    """The IPv4 address an IPv6 address carries to be reached (mapped, NAT64, 6to4,
+    Teredo's client), judged in its place: 64:ff9b::a00:1 reaches 10.0.0.1 through a
+    NAT64 gateway."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return ip
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]
+    return ip
+
+
+def _kind(ip: Address) -> str:
+    for test, words in (
+        ("is_loopback", "a loopback address"),
+        ("is_link_local", "a link-local address (the cloud metadata address is one)"),
+        ("is_multicast", "a multicast address"),
+        ("is_unspecified", "the unspecified address"),
+        ("is_reserved", "a reserved address"),
+        ("is_private", "a private address"),
+    ):
+        if getattr(ip, test):
+            return words
+    return "a reserved address"
