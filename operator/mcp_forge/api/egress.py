@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,13 +41,40 @@ PATH_MAX = 1024
 ADDRESSES_MAX = 16
 DEFAULT_PORTS = (443,)
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
-_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # fullmatch: no "\n" after
+_NUMBER = re.compile(r"[0-9]+|0x[0-9a-f]*")
 # Segments a server may normalize away or decode into one: a prefix check is blind to them.
-_AMBIGUOUS_PATH = re.compile(r"(^|/)\.\.?(/|$)|%2e|%2f|%5c|\\", re.IGNORECASE)
+_DOT_SEGMENT = re.compile(r"(^|/)\.\.?(/|$)")
+# What a server may read otherwise than a prefix check does: dot segments, separators
+# and parameters (';', Tomcat's and Spring's), fragments, escapes left after one
+# decoding (double encoding), backslashes, controls, spaces and non-ASCII (overlong or
+# fullwidth dots).
+_UNCLEAR = re.compile(r"[%\\;#?\x00-\x20\x7f]")
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052's well-known prefix
+_REFUSED_V6 = tuple(
+    ipaddress.IPv6Network(n)
+    for n in ("::/96", "::ffff:0:0:0/96", "64:ff9b:1::/48")  # compatible, SIIT, local NAT64
+)
+_GLOBAL_UNICAST = ipaddress.IPv6Network("2000::/3")
+_SPECIAL = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "192.0.0.0/24",  # IETF protocol assignments
+        "192.88.99.0/24",  # 6to4 relays (deprecated)
+        "2001::/23",  # IETF protocol assignments (Teredo is unwrapped before)
+        "2001:db8::/32",  # documentation
+        "3fff::/20",  # documentation
+    )
+)
+# Ranges no rule's `addresses` may overlap.
+_NEVER = tuple(
+    ipaddress.ip_network(n)
+    for n in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "::/96", "::ffff:0:0/96",
+              "::ffff:0:0:0/96", "fe80::/10")
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -99,23 +127,26 @@ def ip_literal(host: str) -> Address | None:
 
 
 def normalize_host(host: str) -> str:
-    """`host` as rules and requests are compared: ASCII (IDNA), lowercase, no trailing dot.
-    ValueError says what is wrong with it (an IP literal, a bad label, its length)."""
+    """`host` as rules and requests are compared: lowercase ASCII, no trailing dot.
+    ValueError says what is wrong with it (an IP literal or a number, a bad label, its
+    length). A name in Unicode is refused: IDNA 2003 and 2008 map some differently (faß),
+    so only its A-label (xn--...) says which name is meant, and clients send that."""
     if ip_literal(host) is not None:
         raise ValueError("an IP address, not a host name")
-    name = host.strip().rstrip(".").lower()
-    if not name.isascii():
-        try:
-            name = name.encode("idna").decode("ascii")
-        except UnicodeError as exc:
-            raise ValueError(f"not a valid international host name ({exc})") from None
+    if not host.isascii():
+        raise ValueError("not ASCII: write the name's A-label (xn--...)")
+    name = host[:-1] if host.endswith(".") else host
+    name = name.lower()
     if not name or len(name) > HOST_MAX:
         raise ValueError(f"a host name is 1 to {HOST_MAX} characters")
-    bad = [label for label in name.split(".") if not _LABEL.match(label)]
+    labels = name.split(".")
+    bad = [label for label in labels if not _LABEL.fullmatch(label)]
     if bad:
         raise ValueError(
             f"label {bad[0][:63]!r} is not 1 to 63 letters, digits and '-' (neither first nor last)"
         )
+    if _NUMBER.fullmatch(labels[-1]):  # 2130706433, 127.1, 0x7f.1: resolvers read numbers
+        raise ValueError("it ends in a number, which resolvers read as an IP address")
     return name
 
 
@@ -196,13 +227,29 @@ def _paths(raw: Any, field: str) -> tuple[str, ...]:
     for p in raw:
         if not isinstance(p, str) or not p.startswith("/") or len(p) > PATH_MAX:
             raise InvalidSession(f"{p!r} is not a path prefix starting with '/'", field=field)
-        if _AMBIGUOUS_PATH.search(p) or "?" in p or "#" in p:
+        if canonical_path(p) != p:
             raise InvalidSession(
-                f"{p!r}: a prefix holds no '.' or '..' segment, encoded '.', '/' or '\\', "
-                "query or fragment",
+                f"{p!r}: a prefix is a plain path: ASCII, no '.' or '..' segment, and no "
+                "'%', '\\', ';', '?', '#', space or control character",
                 field=field,
             )
     return tuple(raw)
+
+
+def canonical_path(target: str) -> str | None:
+    """The path of a request target (its query cut off) decoded once, if it is plain:
+    None if what is left could be read another way by a server (see _UNCLEAR), so that
+    a prefix check on it is the server's view. The proxy forwards this form."""
+    path = target.split("?", 1)[0]
+    if not path.startswith("/") or not path.isascii():
+        return None
+    try:
+        decoded = urllib.parse.unquote(path, encoding="ascii", errors="strict")
+    except UnicodeDecodeError:
+        return None
+    if _UNCLEAR.search(decoded) or _DOT_SEGMENT.search(decoded):
+        return None
+    return decoded
 
 
 def _addresses(raw: Any, field: str) -> tuple[Network, ...]:
@@ -215,9 +262,17 @@ def _addresses(raw: Any, field: str) -> tuple[Network, ...]:
     nets = []
     for r in raw:
         try:
-            nets.append(ipaddress.ip_network(r, strict=True))
+            net = ipaddress.ip_network(r, strict=True)
         except (TypeError, ValueError) as exc:
             raise InvalidSession(f"{r!r} is not an address range ({exc})", field=field) from None
+        never = next((n for n in _NEVER if n.version == net.version and net.overlaps(n)), None)
+        if never is not None:
+            raise InvalidSession(
+                f"{r!r} overlaps {never}, which no rule may open (loopback, link-local and "
+                "so the metadata address, unspecified, IPv4 carried in IPv6)",
+                field=field,
+            )
+        nets.append(net)
     return tuple(nets)
 
 
@@ -247,23 +302,26 @@ def check_request(rules: Sequence[Rule], host: str, port: int, method: str, path
     if not tunnel.allowed:
         return tunnel
     name = normalize_host(host)
-    target = path.split("?", 1)[0].split("#", 1)[0]
     refusals = []
     for rule in (r for r in rules if r.matches(name, port)):
-        why = _refuses(rule, method, target)
+        why = _refuses(rule, method, path)
         if why is None:
             return Verdict(True, f"allowed by {rule.label()}", rule)
         refusals.append(f"{rule.label()}: {why}")
     return Verdict(False, "refused: " + "; ".join(refusals))
 
 
-def _refuses(rule: Rule, method: str, path: str) -> str | None:
+def _refuses(rule: Rule, method: str, target: str) -> str | None:
     if rule.methods and method not in rule.methods:
         return f"method {method} is not one of {', '.join(rule.methods)}"
     if not rule.paths:
         return None
-    if not path.startswith("/") or _AMBIGUOUS_PATH.search(path):
-        return f"path {path[:200]!r} is not a plain path (dot segments or encoded separators)"
+    path = canonical_path(target)
+    if path is None:
+        return (
+            f"path {target[:200]!r} is not a plain path (dot segments, encoded or unusual "
+            "characters)"
+        )
     if any(_under(path, prefix) for prefix in rule.paths):
         return None
     return f"path {path[:200]!r} is under none of {', '.join(rule.paths)}"
@@ -295,26 +353,46 @@ def check_address(
     cluster: Iterable[Network] = (),
 ) -> Verdict:
     """May the proxy dial `address`, which a name allowed by `rule` resolved to?"""
-    ip = _embedded(ipaddress.ip_address(address) if isinstance(address, str) else address)
+    try:
+        ip = _embedded(ipaddress.ip_address(address) if isinstance(address, str) else address)
+    except ValueError:
+        return Verdict(False, f"refused: {str(address)[:64]!r} is not an address")
+    if ip is None:
+        return Verdict(False, f"refused: {address} carries an IPv4 address in a form we refuse")
     listed = rule.addresses if rule is not None else ()
     if any(ip in net for net in listed):
         return Verdict(True, f"{ip} is in a range {rule.label() if rule else ''} lists", rule)
     inside = next((net for net in cluster if ip in net), None)
     if inside is not None:
         return Verdict(False, f"refused: {ip} is in the cluster's own range {inside}")
-    if not ip.is_global or ip.is_multicast:
+    if not _public(ip):
         return Verdict(False, f"refused: {ip} is {_kind(ip)}, not a public address")
     return Verdict(True, f"{ip} is a public address")
 
 
-def _embedded(ip: Address) -> Address:
+def _public(ip: Address) -> bool:
+    """Our own rule, the same on every Python: global unicast, and none of the special
+    blocks (ipaddress's is_global differs between versions and misses some)."""
+    if not ip.is_global or ip.is_multicast:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip not in _GLOBAL_UNICAST:
+        return False
+    return not any(ip in net for net in _SPECIAL if net.version == ip.version)
+
+
+def _embedded(ip: Address) -> Address | None:
     """The IPv4 address an IPv6 address carries to be reached (mapped, NAT64, 6to4,
     Teredo's client), judged in its place: 64:ff9b::a00:1 reaches 10.0.0.1 through a
-    NAT64 gateway."""
+    NAT64 gateway. None for the forms that are refused whatever they carry (IPv4-
+    compatible, SIIT, local-use NAT64)."""
     if not isinstance(ip, ipaddress.IPv6Address):
         return ip
     if ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
+    if ip.is_loopback or ip.is_unspecified:  # ::1 and :: are judged as themselves
+        return ip
+    if any(ip in net for net in _REFUSED_V6):
+        return None
     if ip in _NAT64:
         return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     if ip.sixtofour is not None:
