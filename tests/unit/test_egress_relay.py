@@ -142,3 +142,48 @@ def test_many_pairs_at_once_each_get_their_own_bytes() -> None:
         finally:
             for s in socks:
                 s.close()
+
+
+def refuse_early(conn: socket.socket) -> None:
+    """As the proxy refusing a request: its head read, a 403 sent, the rest never read."""
+    conn.recv(64)
+    conn.sendall(b"HTTP/1.1 403 Forbidden\r\ncontent-length: 0\r\n\r\n")
+    conn.close()
+
+
+def test_a_refusal_sent_before_the_body_is_read_still_reaches_the_client() -> None:
+    with far_end(refuse_early) as path, relay_to(path) as (port, _):
+        for _ in range(5):
+            with dial(port) as c:
+                c.sendall(b"POST / HTTP/1.1\r\ncontent-length: 4000000\r\n\r\n")
+                with contextlib.suppress(OSError):  # the far end stopped reading: so be it
+                    c.sendall(b"x" * 4_000_000)
+                assert read_to_end(c).startswith(b"HTTP/1.1 403 Forbidden")
+
+
+def test_a_far_end_with_a_full_backlog_is_dialled_again_without_stalling_others() -> None:
+    path = os.path.join(tempfile.mkdtemp(prefix="mf-relay-"), "egress.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(0)  # one connection waits in the backlog; the next finds it full
+    try:
+        with relay_to(path) as (port, relay):
+            first = dial(port)
+            with relay.changed:
+                assert relay.changed.wait_for(lambda: relay.pairs == 1, DEADLINE)
+            waiting = [dial(port) for _ in range(3)]
+            with relay.changed:  # each made a pair being dialled
+                assert relay.changed.wait_for(lambda: relay.pairs == 4, DEADLINE)
+            accepted = []
+            for _ in range(4):  # now the far end takes them, one by one
+                conn, _ = server.accept()
+                conn.settimeout(DEADLINE)
+                accepted.append(conn)
+            for i, c in enumerate([first, *waiting]):
+                c.sendall(f"n{i}".encode())
+            got = sorted(conn.recv(2) for conn in accepted)
+            assert got == [b"n0", b"n1", b"n2", b"n3"]
+            for sock in [first, *waiting, *accepted]:
+                sock.close()
+    finally:
+        server.close()
