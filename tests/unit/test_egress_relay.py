@@ -35,7 +35,11 @@ def count_then_answer(conn: socket.socket) -> None:
 @contextmanager
 def far_end(handler: Callable[[socket.socket], None] | None) -> Iterator[str]:
     """A Unix socket server running `handler` per connection (None: no server at all)."""
-    path = os.path.join(tempfile.mkdtemp(prefix="mf-relay-"), "egress.sock")
+    with tempfile.TemporaryDirectory(prefix="mf-relay-") as scratch:  # a short path
+        yield from _serve(os.path.join(scratch, "egress.sock"), handler)
+
+
+def _serve(path: str, handler: Callable[[socket.socket], None] | None) -> Iterator[str]:
     if handler is None:
         yield path
         return
@@ -162,7 +166,8 @@ def test_a_refusal_sent_before_the_body_is_read_still_reaches_the_client() -> No
 
 
 def test_a_far_end_with_a_full_backlog_is_dialled_again_without_stalling_others() -> None:
-    path = os.path.join(tempfile.mkdtemp(prefix="mf-relay-"), "egress.sock")
+    scratch = tempfile.TemporaryDirectory(prefix="mf-relay-")
+    path = os.path.join(scratch.name, "egress.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(0)  # one connection waits in the backlog; the next finds it full
@@ -187,3 +192,4 @@ def test_a_far_end_with_a_full_backlog_is_dialled_again_without_stalling_others(
                 sock.close()
     finally:
         server.close()
+        scratch.cleanup()
