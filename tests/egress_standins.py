@@ -1,0 +1,602 @@
+"""Stand-ins for internet hosts, for the egress tests (issue 28): servers on this machine's
+own address that answer for test names (api.test, pypi.test, ...) with a test CA's
+certificate. The proxy's resolver maps those names to `own_address()` in tests only.
+
+- `TestCA`: a CA and one server certificate for a list of names, as PEM files.
+- `StandIn`: a threaded HTTP(S) server: `/bytes/<n>`, `/echo...`, 404 otherwise; every
+  request recorded, `wait_for` a matching one.
+- `PackageIndex`: a StandIn that is also a PEP 503 simple index of pure-Python wheels
+  built here, each with a module whose VALUE names it.
+
+tests/ is on sys.path: `from egress_standins import StandIn, TestCA`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import html
+import http.client
+import io
+import ipaddress
+import json
+import os
+import re
+import socket
+import ssl
+import struct
+import sys
+import threading
+import zipfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Self
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+DEFAULT_NAMES = ("api.test", "other.test", "files.test", "pypi.test", "*.wild.test")
+BYTES_MAX = 64 * 1024 * 1024  # the largest /bytes/<n> served
+CHUNK = 64 * 1024  # bytes per write of a streamed body
+IDLE_DEADLINE = 30.0  # seconds a connection may sit between requests (or in its handshake)
+STOP_DEADLINE = 10.0  # seconds stop() waits for each connection's thread once its socket is shut
+
+
+# --- the CA ---------------------------------------------------------------------------------
+
+
+class TestCA:
+    """A test CA (EC P-256) and one server certificate it signed, as files in `directory`:
+    `ca.pem` (what clients trust), `server.pem` and `server.key` (mode 0600).
+
+    The server certificate's SANs are `names` (DNS; a `*.suffix` is a wildcard) and
+    `addresses` (IP). The CA's key is kept in memory only.
+    """
+
+    __test__ = False  # a support class, not a test class, whatever pytest makes of its name
+
+    def __init__(
+        self,
+        directory: Path | str,
+        names: Sequence[str] = DEFAULT_NAMES,
+        addresses: Sequence[str] = (),
+    ) -> None:
+        self.directory = Path(directory)
+        self.names = tuple(names)
+        self.addresses = tuple(addresses)
+        self.ca_path = self.directory / "ca.pem"
+        self.cert_path = self.directory / "server.pem"
+        self.key_path = self.directory / "server.key"
+
+        now = datetime.datetime.now(datetime.UTC)
+        not_before, not_after = now - datetime.timedelta(days=1), now + datetime.timedelta(days=30)
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mcp-forge egress test CA")])
+        ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+        ca_cert = (
+            x509.CertificateBuilder()
+            .subject_name(ca_name)
+            .issuer_name(ca_name)
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(not_before)
+            .not_valid_after(not_after)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(_key_usage(cert_sign=True), critical=True)
+            .add_extension(ca_ski, critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        sans: list[x509.GeneralName] = [x509.DNSName(n) for n in self.names]
+        sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in self.addresses]
+        subject = self.names[0] if self.names else "egress stand-in"
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(not_before)
+            .not_valid_after(not_after)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(_key_usage(cert_sign=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+            )
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+        self.cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        pem_key = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        fd = os.open(self.key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(fd, 0o600)  # a file that was there keeps its mode through O_CREAT
+            f.write(pem_key)
+
+    def server_context(self) -> ssl.SSLContext:
+        """A server-side context with the server certificate, speaking HTTP/1.1 only."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert_path, self.key_path)
+        context.set_alpn_protocols(["http/1.1"])
+        return context
+
+    def client_context(self) -> ssl.SSLContext:
+        """A client-side context that trusts this CA only, hostname checked."""
+        context = ssl.create_default_context(cafile=str(self.ca_path))
+        context.set_alpn_protocols(["http/1.1"])
+        return context
+
+
+def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=not cert_sign,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=cert_sign,
+        crl_sign=cert_sign,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+# --- this machine's address -----------------------------------------------------------------
+
+_SIOCGIFFLAGS = 0x8913
+_SIOCGIFADDR = 0x8915
+_IFF_UP = 0x1
+
+
+def own_address() -> str:
+    """This machine's first IPv4 address that is neither loopback nor link-local, read from
+    its interfaces (Linux ioctls; no packet is sent).
+
+    Raises RuntimeError when no interface that is up has one.
+    """
+    seen: list[str] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _index, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                flags = struct.unpack_from(
+                    "H", fcntl.ioctl(probe.fileno(), _SIOCGIFFLAGS, request), 16
+                )[0]
+                if not flags & _IFF_UP:
+                    continue
+                answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+            except OSError:  # EADDRNOTAVAIL: no IPv4 address on this interface
+                continue
+            address = ipaddress.IPv4Address(answer[20:24])  # the sockaddr_in's sin_addr
+            seen.append(f"{name} {address}")
+            if not (address.is_loopback or address.is_link_local or address.is_unspecified):
+                return str(address)
+    raise RuntimeError(
+        "no IPv4 address on this machine but loopback or link-local "
+        f"(interfaces up with IPv4: {', '.join(seen) or 'none'}): the egress stand-ins "
+        "need one the proxy can reach as if it were an internet host"
+    )
+
+
+# --- the server -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One request as a stand-in received it. `server_name` is the TLS SNI (None over plain
+    HTTP or when the client sent none); `headers` are in the order received."""
+
+    method: str
+    host: str | None
+    path: str
+    headers: tuple[tuple[str, str], ...]
+    server_name: str | None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a stand-in answers: `length` bytes in `chunks` (read only for non-HEAD requests)."""
+
+    status: int
+    content_type: str
+    length: int
+    chunks: Iterable[bytes]
+    headers: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, status: int, body: bytes, content_type: str = "text/plain") -> Reply:
+        return cls(status, content_type, len(body), (body,))
+
+    @classmethod
+    def json(cls, status: int, value: Any) -> Reply:
+        return cls.of(status, json.dumps(value).encode(), "application/json")
+
+
+_tls_server_name = threading.local()  # set by the SNI callback, in the handshaking thread
+
+
+def _remember_server_name(_sock: Any, server_name: str | None, _context: Any) -> None:
+    _tls_server_name.value = server_name
+
+
+class StandIn(ThreadingHTTPServer):
+    """A threaded HTTP/1.1 server (keep-alive) on (`address`, an ephemeral port), with TLS
+    when given a TestCA. It serves from construction until `stop()` (or the end of a `with`).
+
+    - `GET /bytes/<n>`: n bytes (at most BYTES_MAX), streamed, Content-Length set;
+    - any method on `/echo...`: JSON {method, path, headers (pairs), body_length};
+    - anything else: 404.
+
+    `requests` lists every request received (a copy); `wait_for` waits for one to match.
+    Subclasses answer more paths by overriding `reply`.
+    """
+
+    daemon_threads = True  # a leaked connection thread must not hold interpreter exit
+
+    def __init__(self, address: str | None = None, ca: TestCA | None = None) -> None:
+        self.address = own_address() if address is None else address
+        if ipaddress.ip_address(self.address).version == 6:
+            self.address_family = socket.AF_INET6
+        self.ca = ca
+        self.scheme = "https" if ca else "http"
+        self._tls = ca.server_context() if ca else None
+        if self._tls:
+            self._tls.sni_callback = _remember_server_name
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._requests: list[Recorded] = []
+        self._connections: set[socket.socket] = set()
+        self._workers: set[threading.Thread] = set()
+        self._stopping = False
+        super().__init__((self.address, 0), _Handler)
+        self.port: int = self.server_address[1]
+        self._serving = threading.Thread(
+            target=self.serve_forever, args=(0.05,), name=f"stand-in :{self.port}", daemon=True
+        )  # polls every 50 ms for stop(): how long stop() waits for it
+        self._serving.start()
+
+    # -- what tests use
+
+    @property
+    def requests(self) -> list[Recorded]:
+        with self._lock:
+            return list(self._requests)
+
+    def wait_for(self, predicate: Callable[[Recorded], bool], timeout: float) -> Recorded:
+        """The first recorded request that matches `predicate`, waiting up to `timeout`
+        seconds for one to arrive. Raises TimeoutError, listing what did arrive."""
+        found: list[Recorded] = []
+
+        def match() -> bool:
+            found[:] = [r for r in self._requests if predicate(r)][:1]
+            return bool(found)
+
+        with self._changed:
+            if self._changed.wait_for(match, timeout):
+                return found[0]
+            seen = [f"{r.method} {r.host} {r.path}" for r in self._requests]
+        raise TimeoutError(f"no matching request in {timeout} s on :{self.port}; got {seen}")
+
+    def url(self, name: str, path: str = "/") -> str:
+        """This stand-in's URL under a test name, e.g. url("api.test", "/echo")."""
+        return f"{self.scheme}://{name}:{self.port}{path}"
+
+    def client(self, name: str, timeout: float = 10.0) -> http.client.HTTPConnection:
+        """A connection to this stand-in's address, sent as `name` (Host header and, over
+        TLS, the SNI, the certificate checked for that name against the CA): what a client
+        that resolved `name` here would make."""
+        connection = http.client.HTTPConnection(name, self.port, timeout=timeout)
+        sock = socket.create_connection((self.address, self.port), timeout=timeout)
+        if self.ca:
+            try:
+                sock = self.ca.client_context().wrap_socket(sock, server_hostname=name)
+            except BaseException:
+                sock.close()
+                raise
+        connection.sock = sock
+        return connection
+
+    def reply(self, request: Recorded, body_length: int) -> Reply:
+        """The answer to a request whose body (`body_length` bytes) has been read.
+        Subclasses extend this."""
+        if request.path.startswith("/echo"):
+            return Reply.json(
+                200,
+                {
+                    "method": request.method,
+                    "path": request.path,
+                    "headers": [list(pair) for pair in request.headers],
+                    "body_length": body_length,
+                },
+            )
+        if match := re.fullmatch(r"/bytes/(\d+)", request.path):
+            n = int(match[1])
+            if n > BYTES_MAX:
+                return Reply.of(400, f"at most {BYTES_MAX} bytes\n".encode())
+            return Reply(200, "application/octet-stream", n, _pattern(n))
+        return Reply.of(404, b"not found\n")
+
+    def stop(self) -> None:
+        """Stop accepting, end every connection and close; idempotent."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self.shutdown()  # serve_forever returns: nothing more is accepted
+        self._serving.join(STOP_DEADLINE)
+        with self._lock:
+            connections, workers = list(self._connections), list(self._workers)
+        for conn in connections:
+            _shut(conn)
+        for worker in workers:
+            worker.join(STOP_DEADLINE)
+        self.server_close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # -- the server's machinery
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        worker = threading.Thread(
+            target=self._work, args=(request, client_address), name=f"stand-in :{self.port}"
+        )
+        worker.daemon = True
+        with self._lock:
+            self._workers.add(worker)
+        worker.start()
+
+    def _work(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self._workers.discard(threading.current_thread())
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        # The handshake runs here, in the connection's thread, not in the accepting one.
+        conn: socket.socket = request
+        if not self._track(conn):
+            return
+        try:
+            conn.settimeout(IDLE_DEADLINE)
+            if self._tls:
+                _tls_server_name.value = None
+                tls_conn = self._tls.wrap_socket(conn, server_side=True)  # detaches `conn`
+                self._untrack(conn)
+                conn = tls_conn
+                if not self._track(conn):
+                    return
+            _Handler(conn, client_address, self, getattr(_tls_server_name, "value", None))
+        finally:
+            self._untrack(conn)
+            _shut(conn, socket.SHUT_WR)
+            conn.close()
+
+    def _track(self, conn: socket.socket) -> bool:
+        with self._lock:
+            if self._stopping:
+                return False
+            self._connections.add(conn)
+            return True
+
+    def _untrack(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(conn)
+
+    def record(self, request: Recorded) -> None:
+        with self._changed:
+            self._requests.append(request)
+            self._changed.notify_all()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that goes away, a handshake refused, a socket stop() shut: not our errors.
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handle_error(request, client_address)
+
+
+def _shut(conn: socket.socket, how: int = socket.SHUT_RDWR) -> None:
+    # socket.socket's own shutdown, not SSLSocket's: that one drops its TLS state, which
+    # the connection's thread may be using at this moment.
+    with contextlib.suppress(OSError):  # already closed, or detached by the TLS wrap
+        socket.socket.shutdown(conn, how)
+
+
+def _pattern(n: int) -> Iterator[bytes]:
+    """n bytes of 0, 1, ..., 255, 0, 1, ... (a shifted or dropped chunk shows)."""
+    block = bytes(range(256)) * (CHUNK // 256)
+    while n > 0:
+        yield block[: min(n, CHUNK)]
+        n -= CHUNK
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: every reply carries a Content-Length
+    disable_nagle_algorithm = True
+    server: StandIn
+
+    def __init__(
+        self, request: Any, client_address: Any, server: StandIn, sni: str | None = None
+    ) -> None:
+        self.sni = sni
+        super().__init__(request, client_address, server)
+
+    def dispatch(self) -> None:
+        request = Recorded(
+            method=self.command,
+            host=self.headers.get("Host"),
+            path=self.path,
+            headers=tuple(self.headers.items()),
+            server_name=self.sni,
+        )
+        self.server.record(request)
+        body_length = self._read_body()
+        reply = self.server.reply(request, body_length)
+        self.send_response(reply.status)
+        self.send_header("Content-Type", reply.content_type)
+        self.send_header("Content-Length", str(reply.length))
+        for name, value in reply.headers:
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            for chunk in reply.chunks:
+                self.wfile.write(chunk)
+
+    do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = dispatch
+
+    def _read_body(self) -> int:
+        """Read the request's body (Content-Length or chunked), keeping only its length."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            total = 0
+            while size := int(self.rfile.readline(1024).split(b";")[0].strip() or b"0", 16):
+                total += self._discard(size)
+                self.rfile.readline(1024)  # the CRLF after the chunk
+            while self.rfile.readline(8192).strip():  # trailers, up to the empty line
+                pass
+            return total
+        return self._discard(int(self.headers.get("Content-Length") or 0))
+
+    def _discard(self, n: int) -> int:
+        left = n
+        while left > 0:
+            data = self.rfile.read(min(left, CHUNK))
+            if not data:
+                raise ConnectionError("the client closed the connection inside a body")
+            left -= len(data)
+        return n
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # the recorded requests say what came; stderr stays for failures
+
+
+# --- the package index ----------------------------------------------------------------------
+
+
+def normalize(project: str) -> str:
+    """A project's name as PEP 503 spells it in URLs."""
+    return re.sub(r"[-_.]+", "-", project).lower()
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """A pure-Python wheel built in memory: `module`.py defining VALUE = `value`."""
+
+    project: str
+    version: str
+    module: str
+    value: str
+    filename: str
+    data: bytes
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+
+def build_wheel(project: str, version: str = "1.0") -> Wheel:
+    """A py3-none-any wheel of `project` with one module (the name, underscored) defining
+    VALUE, its METADATA, WHEEL and a RECORD of sha256 hashes; the same bytes every time."""
+    module = normalize(project).replace("-", "_")
+    value = f"{normalize(project)} {version} from the egress stand-in index"
+    dist_info = f"{module}-{version}.dist-info"
+    files = {
+        f"{module}.py": f'"""Served by the egress stand-in index."""\n\nVALUE = {value!r}\n',
+        f"{dist_info}/METADATA": (
+            f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n"
+            "Summary: a package the egress stand-in index serves\n"
+        ),
+        f"{dist_info}/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: egress_standins\nRoot-Is-Purelib: true\n"
+            "Tag: py3-none-any\n"
+        ),
+    }
+    record = io.StringIO()
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.write(f"{path},sha256={digest.decode()},{len(text.encode())}\n")
+    record.write(f"{dist_info}/RECORD,,\n")
+    files[f"{dist_info}/RECORD"] = record.getvalue()
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as wheel:
+        for path, text in files.items():
+            info = zipfile.ZipInfo(path, date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            wheel.writestr(info, text)
+    filename = f"{module}-{version}-py3-none-any.whl"
+    return Wheel(project, version, module, value, filename, buffer.getvalue())
+
+
+class PackageIndex(StandIn):
+    """A StandIn that is also a PEP 503 simple index of `projects`, one wheel each
+    (`build_wheel`): `/simple/` lists them, `/simple/<name>/` links to
+    `/packages/<file>#sha256=<hex>`, `/packages/<file>` serves it. A project asked for by an
+    unnormalized name is redirected to its normalized one."""
+
+    def __init__(
+        self, projects: Iterable[str], address: str | None = None, ca: TestCA | None = None
+    ) -> None:
+        self.wheels = {normalize(p): build_wheel(p) for p in projects}
+        self._files = {w.filename: w for w in self.wheels.values()}
+        super().__init__(address, ca)
+
+    def reply(self, request: Recorded, body_length: int) -> Reply:
+        path = request.path.split("?")[0]
+        if path == "/simple/":
+            links = "".join(
+                f'<a href="/simple/{name}/">{html.escape(name)}</a>\n' for name in self.wheels
+            )
+            return _page("Simple index", links)
+        if match := re.fullmatch(r"/simple/([^/]+)/?", path):
+            name = normalize(match[1])
+            wheel = self.wheels.get(name)
+            if wheel is None:
+                return Reply.of(404, b"no such project\n")
+            if match[0] != f"/simple/{name}/":
+                return _redirect(f"/simple/{name}/")
+            link = (
+                f'<a href="/packages/{wheel.filename}#sha256={wheel.sha256}">'
+                f"{html.escape(wheel.filename)}</a>\n"
+            )
+            return _page(f"Links for {name}", link)
+        if (match := re.fullmatch(r"/packages/([^/]+)", path)) and match[1] in self._files:
+            return Reply.of(200, self._files[match[1]].data, "application/octet-stream")
+        return super().reply(request, body_length)
+
+
+def _page(title: str, body: str) -> Reply:
+    text = (
+        "<!DOCTYPE html>\n<html><head>"
+        '<meta name="pypi:repository-version" content="1.0">'
+        f"<title>{html.escape(title)}</title></head>\n<body>\n{body}</body></html>\n"
+    )
+    return Reply.of(200, text.encode(), "text/html")
+
+
+def _redirect(location: str) -> Reply:
+    return Reply(301, "text/plain", 0, (), headers=(("Location", location),))
