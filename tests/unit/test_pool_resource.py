@@ -63,6 +63,21 @@ def test_defaults_are_applied_and_the_template_defaults_to_a_default_session() -
         ({"replicas": 2}, "replicas", "unknown field"),
         ({"maxSize": 1}, "spec.maxSize", "at least spec.size (2), got 1"),
         ({"maxSize": 0}, "spec.maxSize", "minimum"),
+        (
+            {"template": {"network": {"allow": [{"host": "a..example"}]}}},
+            "spec.template.network.allow[0].host",
+            "label",
+        ),
+        (
+            {"template": {"network": {"allow": [{"host": "a.example", "ports": [70000]}]}}},
+            "spec.template.network.allow[0].ports[0]",
+            "maximum",
+        ),
+        (
+            {"template": {"network": {"egress": "All", "allow": [{"host": "pypi.org"}]}}},
+            "spec.template.network.allow",
+            "an allow-list needs egress None",
+        ),
     ],
 )
 def test_a_bad_pool_is_refused_naming_the_field(
@@ -132,6 +147,16 @@ def test_a_pool_name_leaves_room_for_its_kernels_names() -> None:
 def test_what_a_pool_cannot_serve_is_named(spec: dict[str, Any], says: str) -> None:
     why = ksp.unservable(ksp.load(ksp.validate(pool())), session_spec(**spec))
     assert says in why
+
+
+def test_a_template_allow_list_is_kept_and_serves_sessions_with_the_same_list() -> None:
+    network = {"egress": "None", "allow": [{"host": "pypi.org"}, {"host": "*.pythonhosted.org"}]}
+    warm = ksp.load(ksp.validate(pool(template={"network": network})))
+    assert warm.template["network"] == network
+    assert ksp.unservable(warm, session_spec(network=network)) == ""
+    other = {"egress": "None", "allow": [{"host": "pypi.org"}]}
+    assert "spec.network" in ksp.unservable(warm, session_spec(network=other))
+    assert "spec.network" in ksp.unservable(warm, session_spec())
 
 
 def test_a_workspace_said_not_persistent_is_served_and_a_template_cannot_be_persistent() -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import ipaddress
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from mcp_forge.api import kernelsession
+from mcp_forge.api import egress, kernelsession
 from mcp_forge.errors import InvalidSession
 
 BASE: dict[str, Any] = {
@@ -25,6 +28,10 @@ def with_spec(**spec: Any) -> dict[str, Any]:
     body = copy.deepcopy(BASE)
     body["spec"] = spec
     return body
+
+
+def allow(*rules: dict[str, Any], egress: str = "None") -> dict[str, Any]:
+    return with_spec(network={"egress": egress, "allow": list(rules)})
 
 
 def test_defaults_fill_an_empty_spec() -> None:
@@ -138,6 +145,51 @@ def test_the_input_object_is_not_modified() -> None:
         (with_spec(sharedGroup="Team A"), "spec.sharedGroup", "pattern"),
         (with_spec(network={"egress": "Some"}), "spec.network.egress", "one of None, All"),
         (with_spec(restartPolicy="Sometimes"), "spec.restartPolicy", "one of Always, Never"),
+        (allow({"ports": [443]}), "spec.network.allow[0].host", "required"),
+        (allow({"host": "a..example.com"}), "spec.network.allow[0].host", "label"),
+        (allow({"host": "10.0.0.1"}), "spec.network.allow[0].host", "an IP address"),
+        (allow({"host": "*.com"}), "spec.network.allow[0].host", "too broad"),
+        (allow({"host": "x" * 254}), "spec.network.allow[0].host", "too long"),
+        (allow({"host": "a.example", "ports": [0]}), "spec.network.allow[0].ports[0]", "minimum"),
+        (allow({"host": "a.example", "ports": []}), "spec.network.allow[0].ports", "non-empty"),
+        (
+            allow({"host": "a.example", "methods": ["TRACE"]}),
+            "spec.network.allow[0].methods[0]",
+            "one of GET, HEAD",
+        ),
+        (allow({"host": "a.example", "paths": ["v1"]}), "spec.network.allow[0].paths", "'/'"),
+        (
+            allow({"host": "a.example", "paths": ["/v1/../admin"]}),
+            "spec.network.allow[0].paths",
+            "no '.' or '..' segment",
+        ),
+        (
+            allow({"host": "a.example", "paths": ["/a"] * (egress.PATHS_MAX + 1)}),
+            "spec.network.allow[0].paths",
+            "too long",
+        ),
+        (
+            allow({"host": "a.example", "addresses": ["127.0.0.0/8"]}),
+            "spec.network.allow[0].addresses",
+            "overlaps",
+        ),
+        (
+            allow({"host": "a.example", "addresses": ["10.1.2.3/8"]}),
+            "spec.network.allow[0].addresses",
+            "host bits",
+        ),
+        (
+            allow({"host": "a.example", "addresses": ["10.0.0.0/255.0.0.0"]}),
+            "spec.network.allow[0].addresses[0]",
+            "pattern",
+        ),
+        (allow({"host": "a.example", "proxy": "x"}), "spec.network.allow[0].proxy", "unknown"),
+        (allow(*[{"host": "a.example"}] * 65), "spec.network.allow", "too long"),
+        (
+            allow({"host": "pypi.org"}, egress="All"),
+            "spec.network.allow",
+            "egress All already opens every destination; an allow-list needs egress None",
+        ),
         (with_spec(mcpServers=[{"allow": ["x"]}]), "spec.mcpServers[0].name", "required"),
         (
             with_spec(mcpServers=[{"name": "a"}, {"name": "a"}]),
@@ -195,6 +247,33 @@ def test_mcp_servers_carry_a_policy_and_a_typo_is_named() -> None:
     with pytest.raises(InvalidSession) as err:
         kernelsession.validate(with_spec(mcpServers=[{"name": "time", "readonly": True}]))
     assert "readonly" in str(err.value)
+
+
+def test_an_allow_list_is_parsed_into_egress_rules_and_stored_as_written() -> None:
+    rules: list[dict[str, Any]] = [
+        {"host": "pypi.org"},
+        {"host": "*.PythonHosted.org."},
+        {"host": "api.example.com", "ports": [8443, 443], "methods": ["GET"], "paths": ["/v1/"]},
+        {"host": "mirror.internal.example", "addresses": ["10.20.0.0/16"]},
+    ]
+    body = kernelsession.validate(allow(*rules))
+    assert body["spec"]["network"]["allow"] == rules  # no default written into the objects
+    spec = kernelsession.load(body).spec
+    assert spec.egress_rules == egress.parse_rules(rules)
+    assert [(r.number, r.host, r.ports) for r in spec.egress_rules] == [
+        (1, "pypi.org", (443,)),
+        (2, "*.pythonhosted.org", (443,)),
+        (3, "api.example.com", (443, 8443)),
+        (4, "mirror.internal.example", (443,)),
+    ]
+    assert spec.egress_rules[2].methods == ("GET",) and spec.egress_rules[2].paths == ("/v1/",)
+    assert spec.egress_rules[3].addresses == (ipaddress.ip_network("10.20.0.0/16"),)
+
+
+def test_no_allow_list_is_no_rules_and_egress_all_may_come_with_an_empty_one() -> None:
+    assert kernelsession.load(kernelsession.validate(BASE)).spec.egress_rules == ()
+    spec = kernelsession.load(kernelsession.validate(allow(egress="All"))).spec
+    assert (spec.egress, spec.egress_rules) == ("All", ())
 
 
 def test_durations_parse_into_seconds() -> None:
@@ -269,5 +348,73 @@ def test_the_crd_carries_the_rules_local_mode_checks_in_code() -> None:
         "Retain keeps a persistent workspace",
         "asks for a persistent workspace",
         "storageClassName cannot be changed",
+        kernelsession.ALLOW_WITH_ALL,
     ):
         assert words in messages
+
+
+def allow_schema() -> dict[str, Any]:
+    spec = kernelsession.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    schema: dict[str, Any] = spec["spec"]["properties"]["network"]["properties"]["allow"]
+    return schema
+
+
+def test_the_crd_allow_list_has_the_policy_limits() -> None:
+    schema = allow_schema()
+    item = schema["items"]["properties"]
+    assert schema["maxItems"] == egress.RULES_MAX
+    assert item["host"]["maxLength"] == egress.HOST_MAX
+    assert item["methods"]["items"]["enum"] == list(egress.METHODS)
+    assert item["paths"]["maxItems"] == egress.PATHS_MAX
+    assert item["paths"]["items"]["maxLength"] == egress.PATH_MAX
+    assert item["addresses"]["maxItems"] == egress.ADDRESSES_MAX
+    assert "default" not in item["ports"], "443 is the policy's default, not written in objects"
+
+
+_MATCHES = re.compile(r'^(!?)self\.matches\(r"(.*)"\)$')
+
+HOSTS = [
+    "pypi.org", "API.Example.com.", "*.example.com", "*.a.b.", "xn--bcher-kva.example",
+    "a1.b-2.c3", "a.1a", "a.0xg", "a" * 63 + ".com", ("a" * 62 + ".") * 4 + "b",
+    "*.com", "*.com.", "*.", "*", "a..b", ".a.b", "-a.com", "a-.com", "a_b.com", "a b",
+    "1.2.3.4", "1.2.3.4.", "0x7f.1", "a.0x", "a.0X1f", "127.1", "2130706433", "[::1]", "::1",
+    "bücher.de", "a" * 64 + ".com", "a.*.b", "**.a.b", "example.com\n", "",
+]  # fmt: skip
+PATHS = [
+    "/", "/v1", "/v1/", "//", "/a//b", "/...", "/.a", "/..a", "/~!$&'()*+,-:=@[]^_`{|}\"",
+    "v1", "", "/.", "/..", "/a/.", "/a/./b", "/a/..", "/a b", "/a%20", "/a;b", "/a?b", "/a#b",
+    "/a\\b", "/é", "/a\x7f", "/a\t", "/a\n",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "values", "rule"),
+    [
+        ("host", HOSTS, lambda v: {"host": v}),
+        ("paths", PATHS, lambda v: {"host": "a.example", "paths": [v]}),
+    ],
+)
+def test_the_crd_cel_rules_accept_what_the_policy_accepts(
+    name: str, values: list[str], rule: Callable[[str], dict[str, Any]]
+) -> None:
+    """The API server refuses a host or a path prefix by the CRD's CEL rules, local mode
+    by parse_rules: both say the same of each value. The rules are `matches` of RE2
+    regexes that Python reads alike (`$` is the end of the text in RE2: `\\Z` here)."""
+    schema = allow_schema()["items"]["properties"][name]
+    schema = schema.get("items", schema)
+    checks = []
+    for cel in schema["x-kubernetes-validations"]:
+        found = _MATCHES.match(cel["rule"])
+        assert found, f"not a matches() rule this test reads: {cel['rule']}"
+        checks.append((found.group(1) == "!", re.compile(found.group(2).replace("$", r"\Z"))))
+    for value in values:
+        by_crd = len(value) <= schema["maxLength"] and all(
+            (regex.search(value) is None) == negated for negated, regex in checks
+        )
+        try:
+            egress.parse_rules([rule(value)])
+        except InvalidSession:
+            by_policy = False
+        else:
+            by_policy = True
+        assert by_crd == by_policy, value

@@ -21,6 +21,7 @@ import jsonschema
 import yaml
 from packaging.requirements import InvalidRequirement, Requirement
 
+from mcp_forge.api.egress import Rule, parse_rules
 from mcp_forge.api.status import Status
 from mcp_forge.errors import InvalidSession
 from mcp_forge.sandbox import kernel_image
@@ -40,6 +41,8 @@ _UNITS = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 MEMORY_MIN = 64 * 2**20
 CPU_MIN_MILLI = 50
+# The CRD's CEL rule on spec.network says the same.
+ALLOW_WITH_ALL = "egress All already opens every destination; an allow-list needs egress None"
 
 
 def _crd_text(file: str) -> str:
@@ -244,6 +247,7 @@ class SessionSpec:
     persistent: bool = False
     storage_class: str | None = None
     retain_workspace: bool = False  # reclaimPolicy Retain: kept after the session
+    egress_rules: tuple[Rule, ...] = ()  # spec.network.allow: destinations by name
 
 
 @dataclass(frozen=True)
@@ -339,6 +343,7 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
         workspace_size=spec["workspace"]["size"],
         shared_group=spec.get("sharedGroup"),
         egress=spec["network"]["egress"],
+        egress_rules=egress_rules(spec["network"]),
         restart_policy=spec["restartPolicy"],
         mcp_servers=tuple(spec.get("mcpServers", [])),
         operating_mode=spec["operatingMode"],
@@ -352,6 +357,15 @@ def spec_of(body: dict[str, Any]) -> SessionSpec:
         storage_class=workspace.get("storageClassName"),
         retain_workspace=workspace.get("reclaimPolicy") == "Retain",
     )
+
+
+def egress_rules(network: dict[str, Any], field: str = "spec.network.allow") -> tuple[Rule, ...]:
+    """spec.network.allow as rules (api/egress.py). A list beside egress All is refused,
+    as the CRD's CEL rule refuses it: All opens everything, so the list would only seem
+    to narrow it."""
+    if network.get("egress") == "All" and network.get("allow"):
+        raise InvalidSession(ALLOW_WITH_ALL, field=field)
+    return parse_rules(network.get("allow", []), field=field)
 
 
 def _persistent(workspace: dict[str, Any]) -> bool:
