@@ -103,6 +103,15 @@ class Settings:
     # kernel is restored in place, its images read where CRIU wrote them; false: the pod
     # goes too, the snapshot is an archive in the session's directory (slower to resume).
     snapshot_in_pod: bool = True
+    # Egress by name (egress/): the proxy's Python, in a venv of its own ("" = the
+    # .venv-egress beside the gateway's venv, as .ci/setup makes it).
+    egress_python: str = ""
+    egress_connections_max: int = 64  # one session's open connections through the proxy
+    egress_ready_timeout: float = 30.0  # the proxy's start, until it listens
+    # Tests only: a JSON file of names to this machine's addresses, asked before DNS, and
+    # the CA that the servers behind them are checked against.
+    egress_resolve: str = ""
+    egress_upstream_ca: str = ""
 
     @classmethod
     def from_env(cls) -> Settings:

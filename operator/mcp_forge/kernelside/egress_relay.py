@@ -22,7 +22,8 @@ One thread, one selector, non-blocking sockets:
 * out of descriptors or memory, the relay stops accepting until a pair ends; any other
   fault ends the one pair it happened in, never the relay.
 
-Run as `python -P -c <source> PORT SOCKET` beside the kernel: the standard library only.
+Run as `python -P -c <source> PORT SOCKET` beside the kernel (egress_start.py starts it):
+the standard library only.
 """
 
 from __future__ import annotations
@@ -294,8 +295,14 @@ def listen(port: int, host: str = "127.0.0.1") -> socket.socket:
 
 
 def main(argv: list[str]) -> None:
-    port, target = int(argv[0]), argv[1]
-    Relay(listen(port), target).serve()
+    """`PORT SOCKET`, or `fd:N SOCKET` for a listening socket inherited as descriptor N
+    (egress_start.py binds it, so the port is served before the kernel's next call)."""
+    where, target = argv[0], argv[1]
+    if where.startswith("fd:"):
+        listener = socket.socket(fileno=int(where[3:]))
+    else:
+        listener = listen(int(where))
+    Relay(listener, target).serve()
 
 
 if __name__ == "__main__":

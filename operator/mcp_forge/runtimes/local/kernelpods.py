@@ -35,6 +35,7 @@ from mcp_forge.clients import podman
 from mcp_forge.control.lifecycle import shown
 from mcp_forge.control.pods import Observation
 from mcp_forge.control.render import CONTAINER, SECCOMP_PROFILE_ROOT, HostPaths, podman_pod_name
+from mcp_forge.egress.client import EgressProxy, EgressUnavailable
 from mcp_forge.errors import (
     InvalidSession,
     PackageError,
@@ -46,7 +47,7 @@ from mcp_forge.errors import (
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.runtimes import spec_packages
 from mcp_forge.runtimes.guard import GuardProgram, guard_program
-from mcp_forge.runtimes.local import orphans, userns, volumes
+from mcp_forge.runtimes.local import egress, orphans, userns, volumes
 from mcp_forge.runtimes.local.containers import Containers
 from mcp_forge.runtimes.local.secrets import Secrets
 from mcp_forge.runtimes.local.store import Claimed, Store
@@ -68,6 +69,7 @@ class KernelPods:
     store: Store
     containers: Containers
     secrets: Secrets
+    egress: EgressProxy  # started when a session first has an allow-list
     _playing: asyncio.Lock  # one `podman kube play` at a time (see _realize)
     _guard: GuardProgram | None = None  # the output guard new kernels get (_give_guard)
 
@@ -364,6 +366,8 @@ class KernelPods:
         if ready.done() and not ready.cancelled() and ready.exception() is None:
             self._seal(session)
             await self._give_guard(session)
+            if session.spec.egress_rules:
+                await self._tell(session, await self.open_egress(session), "its egress settings")
             # Variables from Secrets are never in the pod (podman inspect shows its env):
             # every new kernel gets them here, over its sealed channel, before it is Ready.
             # So are its working files, where none is yet (a restart keeps what code wrote).
@@ -392,6 +396,16 @@ class KernelPods:
         name left in its namespace. Errors say how it went, never what was given
         (values may come from Secrets)."""
         await self._tell(session, ksp.claim_program(env, files), "its environment")
+
+    async def open_egress(self, session: KernelSession) -> str:
+        """Serve the session's egress socket (runtimes/local/egress.py); the program that
+        gives its kernel the proxy settings. SessionNotReady if the proxy cannot."""
+        key = self.store.key(session.namespace, session.name)
+        run = Path(self.host_paths(session).run)
+        try:
+            return await egress.open_for(self.egress, session, run, self.kernel_ids(session), key)
+        except (EgressUnavailable, OSError) as exc:
+            raise SessionNotReady(f"its egress proxy: {exc}") from None
 
     async def _give_guard(self, session: KernelSession) -> None:
         """Install the output guard in a new kernel, with these settings' limits and its

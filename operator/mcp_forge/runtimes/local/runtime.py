@@ -59,6 +59,7 @@ from mcp_forge.api.connection import (
 from mcp_forge.api.kernelsession import KernelSession, parse_quantity
 from mcp_forge.api.status import stamp
 from mcp_forge.control.lifecycle import USER_SUSPENDED
+from mcp_forge.egress.client import EgressProxy
 from mcp_forge.errors import (
     ImageError,
     InvalidSession,
@@ -68,6 +69,7 @@ from mcp_forge.errors import (
 from mcp_forge.image.kernel import missing_image_message
 from mcp_forge.runtimes.local import locks, volumes
 from mcp_forge.runtimes.local.containers import Containers
+from mcp_forge.runtimes.local.egress import proxy_name as egress_name
 from mcp_forge.runtimes.local.forks import Forks
 from mcp_forge.runtimes.local.kernelpods import unsealed
 from mcp_forge.runtimes.local.pools import Pools
@@ -120,6 +122,7 @@ class LocalRuntime(Forks):
         self.containers = Containers(self.store, self.settings)
         self.pools = Pools(self)
         self.secrets = Secrets(self.store)
+        self.egress = EgressProxy(self.settings)
         self._playing = asyncio.Lock()  # one `podman kube play` at a time (see _realize)
         self.releasers = []  # gateways of this process, told before a checkpoint (naps.py)
 
@@ -402,6 +405,7 @@ class LocalRuntime(Forks):
         if session.spec.retain_workspace:
             self._retain(session)
         self.store.delete(session.namespace, session.name)
+        await self.egress.close(egress_name(session))
         await asyncio.to_thread(shutil.rmtree, self._dir(session), True)
         if ksp.ANNOTATION_CLAIMED_FROM in (session.body["metadata"].get("annotations") or {}):
             self.pools.wanted.set()  # a pool at its maximum may start one again
@@ -412,7 +416,12 @@ class LocalRuntime(Forks):
         return await self.containers.running()
 
     async def kernel_setup(self, session: KernelSession) -> str | None:
-        return None  # given to each new kernel before it is Ready (_wait_ready, pools.py)
+        """Env and files are given to each new kernel before it is Ready (_wait_ready,
+        pools.py). Egress too, by the process that started it: a gateway that finds a
+        kernel started by another (one before it, or the CLI) serves its socket again."""
+        if not session.spec.egress_rules or egress_name(session) in self.egress.sessions:
+            return None
+        return await self.open_egress(session)
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return self.containers.memory_usage(sessions)

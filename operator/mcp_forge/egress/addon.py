@@ -1,0 +1,291 @@
+"""The egress proxy's one addon: who is asking, may it go there, and to which address.
+
+mitmproxy does the HTTP and TLS; this addon holds only the policy, at mitmproxy's hooks:
+
+* `http_connect` (a tunnel) and `requestheaders` (a plain HTTP request, or one read inside
+  a tunnel): the session is known by its credential (`Proxy-Authorization`), and, for a
+  connection that came through its own socket, by that socket too; the name is checked
+  against the session's rules (`api/egress.py`), resolved here, once, and each address
+  judged (no private, loopback, link-local or metadata address unless the rule lists
+  it); the request is then pinned to the address judged, so a name that resolves
+  otherwise a moment later (rebinding) changes nothing.
+* `tls_clienthello`: a tunnel's TLS server name must be its CONNECT host. The tunnel is
+  then passed through untouched (mitmproxy never reads it); a tunnel whose server name
+  differs is refused (its handshake fails) and never dialled.
+* `server_connect`: the last word. mitmproxy dials only an address this addon pinned for
+  that client connection; anything else (a request inside a tunnel naming another Host)
+  is killed before it connects.
+
+A refusal is a 403 whose reason phrase and body say which rule, or which check, refused
+it: pip and urllib print the reason phrase. Every verdict goes to `audit`, never with a
+credential or a header's value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hmac
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mitmproxy import connection, http, tls
+
+from mcp_forge.api import egress
+from mcp_forge.egress.protocol import PROXY_USER
+
+Audit = Callable[[dict[str, Any]], None]
+REASON_MAX = 200  # a reason phrase is one short line
+RESOLVE_TIMEOUT = 5.0
+
+
+@dataclass
+class Session:
+    name: str
+    token: str
+    rules: tuple[egress.Rule, ...]
+
+
+@dataclass
+class Tunnel:
+    """What a client connection was allowed: for a CONNECT, its host and the address."""
+
+    session: Session
+    host: str = ""
+    port: int = 0
+    address: str = ""
+    rule: egress.Rule | None = None
+    refused: str | None = None  # a tunnel refused after its 200 (its TLS server name)
+    pinned: set[tuple[str, int]] = field(default_factory=set)
+
+
+class Policy:
+    """The sessions' rules, and the verdicts at mitmproxy's hooks."""
+
+    def __init__(
+        self,
+        audit: Audit,
+        resolve_table: dict[str, list[str]] | None = None,
+        cluster: Iterable[egress.Network] = (),
+    ) -> None:
+        self.audit = audit
+        self.sessions: dict[str, Session] = {}  # by name
+        self.relayed: dict[int, str] = {}  # a relayed connection's local port: its session
+        self.clients: dict[str, Tunnel] = {}  # by mitmproxy's client connection id
+        self.resolve_table = resolve_table  # tests only: names to this machine's addresses
+        self.cluster = tuple(cluster)
+
+    # ---- who -----------------------------------------------------------------------
+
+    def _credential(self, flow: http.HTTPFlow) -> str | None:
+        raw = flow.request.headers.get("Proxy-Authorization", "")
+        scheme, _, value = raw.partition(" ")
+        if scheme.lower() != "basic":
+            return None
+        try:
+            user, _, token = base64.b64decode(value, validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        return token if user == PROXY_USER else None
+
+    def _session(self, flow: http.HTTPFlow) -> Session | None:
+        token = self._credential(flow)
+        if token is None:
+            return None
+        port = flow.client_conn.peername[1] if flow.client_conn.peername else None
+        relayed = self.relayed.get(port) if port is not None else None
+        if relayed is not None:  # it came through a session's socket: that session only
+            found = self.sessions.get(relayed)
+            candidates = [found] if found is not None else []
+        else:
+            candidates = list(self.sessions.values())
+        for session in candidates:
+            if hmac.compare_digest(session.token, token):
+                return session
+        return None
+
+    # ---- hooks ---------------------------------------------------------------------
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        session = self._session(flow)
+        if session is None:
+            return self._unknown(flow)
+        host, port = flow.request.host, flow.request.port
+        verdict = egress.check_connect(session.rules, host, port)
+        if verdict.allowed and verdict.inspect:
+            verdict = egress.Verdict(
+                False,
+                f"refused: {verdict.rule.label() if verdict.rule else 'the rule'} allows only "
+                "some methods or paths, and this proxy does not read HTTPS to it",
+            )
+        address = (
+            await self._dial_address(session, host, port, verdict) if verdict.allowed else None
+        )
+        if address is None or isinstance(address, egress.Verdict):
+            refusal = address if isinstance(address, egress.Verdict) else verdict
+            return self._refuse(flow, session, "connect", host, port, refusal)
+        tunnel = Tunnel(session, egress.normalize_host(host), port, address, verdict.rule)
+        tunnel.pinned.add((address, port))
+        self.clients[flow.client_conn.id] = tunnel
+        flow.request.data.host = address  # mitmproxy dials what was judged, nothing else
+        self._log(session, "connect", host, port, True, verdict.reason, address=address)
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.request.method == "CONNECT" or flow.response is not None:
+            return
+        tunnel = self.clients.get(flow.client_conn.id)
+        if tunnel is not None and tunnel.host:
+            self._in_tunnel(flow, tunnel)
+        else:
+            await self._plain(flow)  # reads the credential first
+        flow.request.headers.pop("Proxy-Authorization", None)  # never to the server
+
+    def _in_tunnel(self, flow: http.HTTPFlow, tunnel: Tunnel) -> None:
+        """A request mitmproxy read inside a tunnel (plain HTTP sent through CONNECT)."""
+        named = (flow.request.host_header or "").rsplit(":", 1)[0]
+        try:
+            same = egress.normalize_host(named) == tunnel.host
+        except ValueError:
+            same = False
+        if not same:
+            reason = f"refused: Host {named[:64]!r} inside a tunnel to {tunnel.host}"
+            verdict = egress.Verdict(False, reason)
+            return self._refuse(flow, tunnel.session, "request", named, tunnel.port, verdict)
+        flow.request.data.host = tunnel.address
+        flow.request.data.port = tunnel.port
+        return None
+
+    async def _plain(self, flow: http.HTTPFlow) -> None:
+        """A plain HTTP request through the proxy (`GET http://host/path`)."""
+        session = self._session(flow)
+        if session is None:
+            return self._unknown(flow)
+        host, port = flow.request.host, flow.request.port
+        verdict = egress.check_request(
+            session.rules, host, port, flow.request.method, flow.request.path
+        )
+        address = (
+            await self._dial_address(session, host, port, verdict) if verdict.allowed else None
+        )
+        if address is None or isinstance(address, egress.Verdict):
+            refusal = address if isinstance(address, egress.Verdict) else verdict
+            return self._refuse(flow, session, "request", host, port, refusal)
+        tunnel = self.clients.setdefault(flow.client_conn.id, Tunnel(session))
+        tunnel.pinned.add((address, port))
+        flow.request.data.host = address
+        self._log(session, "request", host, port, True, verdict.reason, method=flow.request.method)
+
+    def tls_clienthello(self, data: tls.ClientHelloData) -> None:
+        tunnel = self.clients.get(data.context.client.id)
+        if tunnel is None or not tunnel.host:
+            return  # not a tunnel of ours: mitmproxy's own handling (none here)
+        verdict = egress.check_sni(tunnel.host, data.client_hello.sni)
+        if verdict.allowed:
+            data.ignore_connection = True  # passed through: we never read it
+            return
+        tunnel.refused = verdict.reason
+        self._log(tunnel.session, "tls", tunnel.host, tunnel.port, False, verdict.reason)
+
+    def tls_start_client(self, data: tls.TlsData) -> None:
+        tunnel = self.clients.get(data.context.client.id)
+        if tunnel is not None and tunnel.refused is not None:
+            from OpenSSL import SSL  # mitmproxy's own dependency
+
+            # No certificate at all: the client's handshake fails, nothing is dialled.
+            data.ssl_conn = SSL.Connection(SSL.Context(SSL.TLS_SERVER_METHOD))
+            data.ssl_conn.set_accept_state()
+
+    def server_connect(self, data: Any) -> None:
+        tunnel = self.clients.get(data.client.id)
+        address = data.server.address
+        if tunnel is None or address is None or (address[0], address[1]) not in tunnel.pinned:
+            data.server.error = "the egress policy pinned no such address for this client"
+            if tunnel is not None:
+                self._log(tunnel.session, "dial", str(address), 0, False, data.server.error)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self.clients.pop(client.id, None)
+
+    # ---- names and addresses -------------------------------------------------------
+
+    async def _dial_address(
+        self, session: Session, host: str, port: int, verdict: egress.Verdict
+    ) -> str | egress.Verdict:
+        """The address to dial for an allowed name, or the verdict refusing it."""
+        try:
+            found = await self._resolve(egress.normalize_host(host), port)
+        except (OSError, TimeoutError, ValueError) as exc:
+            return egress.Verdict(False, f"refused: {host[:64]} did not resolve ({exc})")
+        first: egress.Verdict | None = None
+        for address in found:
+            judged = egress.check_address(address, verdict.rule, self.cluster)
+            if judged.allowed:
+                return address
+            first = first or judged
+        return first or egress.Verdict(False, f"refused: {host[:64]} has no address")
+
+    async def _resolve(self, name: str, port: int) -> list[str]:
+        if self.resolve_table is not None and name in self.resolve_table:
+            return list(self.resolve_table[name])
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(RESOLVE_TIMEOUT):
+            infos = await loop.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+        return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+    # ---- answers -------------------------------------------------------------------
+
+    def _unknown(self, flow: http.HTTPFlow) -> None:
+        flow.response = http.Response.make(
+            407,
+            b"egress proxy: no session with this credential\n",
+            {"Proxy-Authenticate": 'Basic realm="mcp-forge egress"', "Content-Type": "text/plain"},
+        )
+        self.audit({"event": "unknown", "host": flow.request.host[:64]})
+
+    def _refuse(
+        self,
+        flow: http.HTTPFlow,
+        session: Session,
+        kind: str,
+        host: str,
+        port: int,
+        verdict: egress.Verdict,
+    ) -> None:
+        phrase = _printable(f"Forbidden by egress rule: {verdict.reason}")
+        body = f"egress proxy, session {session.name}: {verdict.reason}\n"
+        flow.response = http.Response.make(
+            403, body.encode(), {"Content-Type": "text/plain; charset=utf-8"}
+        )
+        flow.response.reason = phrase
+        self._log(session, kind, host, port, False, verdict.reason)
+
+    def _log(
+        self,
+        session: Session,
+        kind: str,
+        host: str,
+        port: int,
+        allowed: bool,
+        reason: str,
+        **extra: Any,
+    ) -> None:
+        self.audit(
+            {
+                "event": kind,
+                "session": session.name,
+                "host": host[:253],
+                "port": port,
+                "allowed": allowed,
+                "reason": reason[:400],
+                **extra,
+            }
+        )
+
+
+def _printable(text: str) -> str:
+    """A reason phrase: printable ASCII on one line, bounded."""
+    clean = "".join(c if " " <= c <= "~" else "?" for c in text)
+    return clean[:REASON_MAX]
