@@ -14,6 +14,7 @@ from pathlib import Path
 from mcp_forge import confine
 from mcp_forge.api import kernelsession
 from mcp_forge.clients import podman
+from mcp_forge.egress import client as egress_client
 from mcp_forge.errors import ForgeError
 from mcp_forge.runtimes.local import criu, volumes
 from mcp_forge.runtimes.local.orphans import STORE_LABEL
@@ -83,6 +84,13 @@ async def run_checks(say: Say) -> bool:
         "apt-get install -y bubblewrap util-linux" if not confined else "",
     )
     await _snapshots(say)
+    proxy = egress_client.default_python()
+    say(
+        f"ok   the egress proxy's Python ({proxy}): sessions may list hosts to reach"
+        if proxy.exists()
+        else f"note no egress proxy ({proxy} is missing; .ci/setup makes .venv-egress): a "
+        "session with spec.network.allow fails to start"
+    )
     dmesg = await _dmesg_readable()
     say(
         "ok   the kernel log is readable: OOM kills are named as such"
