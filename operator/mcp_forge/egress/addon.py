@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mitmproxy import connection, http, tls
+from mitmproxy.net.http import url
 
 from mcp_forge.api import egress
 from mcp_forge.egress.protocol import PROXY_USER
@@ -113,7 +114,7 @@ class Policy:
         session = self._session(flow)
         if session is None:
             return self._unknown(flow)
-        host, port = flow.request.host, flow.request.port
+        host, port = _asked(flow.request), flow.request.port
         verdict = egress.check_connect(session.rules, host, port)
         if verdict.allowed and verdict.inspect:
             verdict = egress.Verdict(
@@ -144,16 +145,23 @@ class Policy:
         flow.request.headers.pop("Proxy-Authorization", None)  # never to the server
 
     def _in_tunnel(self, flow: http.HTTPFlow, tunnel: Tunnel) -> None:
-        """A request mitmproxy read inside a tunnel (plain HTTP sent through CONNECT)."""
-        named = (flow.request.host_header or "").rsplit(":", 1)[0]
-        try:
-            same = egress.normalize_host(named) == tunnel.host
-        except ValueError:
-            same = False
-        if not same:
-            reason = f"refused: Host {named[:64]!r} inside a tunnel to {tunnel.host}"
-            verdict = egress.Verdict(False, reason)
-            return self._refuse(flow, tunnel.session, "request", named, tunnel.port, verdict)
+        """A request mitmproxy read inside a tunnel (plain HTTP sent through CONNECT). Its
+        Host header, and the authority of an absolute-form target (which a server reads
+        before the Host header), must name the tunnel's host and port; one Host header
+        only, since servers differ on which of two they read."""
+        hosts = flow.request.headers.get_all("Host")
+        named = [a for a in (flow.request.authority, *hosts) if a]
+        other = next((a for a in named if not _names(a, tunnel.host, tunnel.port)), None)
+        why: str | None = None
+        if len(hosts) > 1:
+            why = f"{len(hosts)} Host headers inside a tunnel to {tunnel.host}"
+        elif other is not None:
+            why = f"{other[:64]!r} inside a tunnel to {tunnel.host}"
+        if why is not None:
+            shown = named[-1] if named else tunnel.host
+            verdict = egress.Verdict(False, f"refused: {why}")
+            return self._refuse(flow, tunnel.session, "request", shown, tunnel.port, verdict)
+        flow.request.authority = ""  # origin-form: the server reads the Host header alone
         flow.request.data.host = tunnel.address
         flow.request.data.port = tunnel.port
         return None
@@ -163,7 +171,7 @@ class Policy:
         session = self._session(flow)
         if session is None:
             return self._unknown(flow)
-        host, port = flow.request.host, flow.request.port
+        host, port = _asked(flow.request), flow.request.port
         verdict = egress.check_request(
             session.rules, host, port, flow.request.method, flow.request.path
         )
@@ -175,6 +183,10 @@ class Policy:
             return self._refuse(flow, session, "request", host, port, refusal)
         tunnel = self.clients.setdefault(flow.client_conn.id, Tunnel(session))
         tunnel.pinned.add((address, port))
+        # The Host the server reads is the name judged, whatever the client sent beside
+        # it (a second Host header, another name or port: RFC 9112 3.2.2 has a proxy
+        # replace it with the target's authority).
+        flow.request.headers["Host"] = url.hostport("http", egress.normalize_host(host), port)
         flow.request.data.host = address
         self._log(session, "request", host, port, True, verdict.reason, method=flow.request.method)
 
@@ -283,6 +295,31 @@ class Policy:
                 **extra,
             }
         )
+
+
+def _asked(request: http.Request) -> str:
+    """The host a request names, in ASCII as rules are: mitmproxy hands over an A-label
+    (xn--...) decoded into Unicode, which api/egress.py would refuse. Encoded back, the
+    name judged is the name resolved and dialled (a name sent in Unicode never gets here
+    from a request line: mitmproxy's parser refuses it)."""
+    host = str(request.host)
+    if host.isascii():
+        return host
+    try:
+        return host.encode("idna").decode("ascii")
+    except UnicodeError:
+        return host  # refused as it is: not ASCII
+
+
+def _names(authority: str, host: str, port: int) -> bool:
+    """Whether `authority` (a Host header, or an absolute-form target's) names `host`
+    (normalized) on `port` (a default port when it names none)."""
+    name, named_port = url.parse_authority(authority, check=False)
+    try:
+        same = egress.normalize_host(name) == host
+    except ValueError:
+        return False
+    return same and (named_port is None or named_port == port)
 
 
 def _printable(text: str) -> str:
