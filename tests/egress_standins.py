@@ -243,7 +243,7 @@ class StandIn(ThreadingHTTPServer):
     """A threaded HTTP/1.1 server (keep-alive) on (`address`, an ephemeral port), with TLS
     when given a TestCA. It serves from construction until `stop()` (or the end of a `with`).
 
-    - `GET /bytes/<n>`: n bytes (at most BYTES_MAX), streamed, Content-Length set;
+    - `GET /bytes/<n>` (a query ignored): n bytes (at most BYTES_MAX), streamed, Content-Length set;
     - any method on `/echo...`: JSON {method, path, headers (pairs), body_length};
     - anything else: 404.
 
@@ -329,7 +329,7 @@ class StandIn(ThreadingHTTPServer):
                     "body_length": body_length,
                 },
             )
-        if match := re.fullmatch(r"/bytes/(\d+)", request.path):
+        if match := re.fullmatch(r"/bytes/(\d+)(\?.*)?", request.path):  # a query ignored
             n = int(match[1])
             if n > BYTES_MAX:
                 return Reply.of(400, f"at most {BYTES_MAX} bytes\n".encode())

@@ -48,7 +48,7 @@ from bench_local import stats  # tests/bench, beside this script
 
 from egress_standins import StandIn, TestCA, own_address
 from mcp_forge.egress import protocol
-from mcp_forge.egress.client import EgressProxy, default_python
+from mcp_forge.egress.client import EgressProxy, Given, default_python
 from mcp_forge.settings import Settings
 
 NAME = "api.test"
@@ -262,7 +262,7 @@ async def main(runs: int, big_runs: int, tunnels: int) -> None:
         proxy = EgressProxy(settings)
         pid = None
         try:
-            await proxy.open(SESSION, token, [rule], listener)
+            await proxy.open(SESSION, Given(token, [rule]), listener)
             pid = proxy_pid()
             target = Target(standin, ca, socket_path, proxy.port, token)
             at_start = rss_kb(pid)

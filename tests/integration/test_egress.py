@@ -12,7 +12,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import hashlib
 import json
+import secrets
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -60,8 +62,10 @@ async def proxied(
     module only)."""
     table = tmp_path_factory.mktemp("egress-resolve") / "resolve.json"
     names = {
-        name: [hosts.address] for name in ("api.test", "other.test", "private.test", "pypi.test")
+        name: [hosts.address]
+        for name in ("api.test", "other.test", "private.test", "pypi.test", "files.test")
     }
+    names["a.wild.test"] = [hosts.address]
     table.write_text(
         json.dumps({**names, "loop.test": ["127.0.0.1"], "meta.test": ["169.254.169.254"]})
     )
@@ -77,10 +81,18 @@ async def proxied(
     runtime.egress = before
 
 
+SECRET = "egress-api"
+VALUE = f"inj-{secrets.token_hex(16)}"  # in the store's Secret; never sent to a kernel
+
+
 def allow(hosts: Hosts) -> list[dict[str, Any]]:
     own = [f"{hosts.address}/32"]
     port, index = hosts.https.port, hosts.index.port
+    ref = {"secretKeyRef": {"name": SECRET, "key": "token"}}
+    inject = [{"header": "Authorization", "prefix": "Bearer ", **ref}, {"query": "key", **ref}]
     return [
+        {"host": "files.test", "ports": [port], "addresses": own, "inject": inject},
+        {"host": "*.wild.test", "ports": [port], "addresses": own, "paths": ["/echo"]},
         {"host": "api.test", "ports": [port], "addresses": own},
         {"host": "pypi.test", "ports": [index], "addresses": own},
         {"host": "private.test", "ports": [port]},  # its address is not public
@@ -105,10 +117,13 @@ async def session(
             "files": [{"path": "ca.pem", "content": hosts.ca.ca_path.read_text()}],
         },
     }
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET}}
+    proxied.secrets.apply({**secret, "stringData": {"token": VALUE}})
     await proxied.apply(body)
     yield name
     with contextlib.suppress(SessionNotFound):
         await proxied.delete(name)
+    proxied.secrets.delete(SECRET)
 
 
 @pytest.fixture(scope="module")
@@ -220,12 +235,15 @@ except OSError as e:
 async def test_pip_installs_from_an_allowed_index(gw: Gateway, session: str, hosts: Hosts) -> None:
     url = f"https://pypi.test:{hosts.index.port}/simple/"
     code = f"""
-import subprocess, sys
+import os, subprocess, sys
+# The stand-in's certificate is the test CA's, which the image does not trust: pip is told
+# so (the session's own bundle, for the hosts the proxy reads, would win over --cert).
+env = {{k: v for k, v in os.environ.items() if not k.endswith(("_CA_BUNDLE", "PIP_CERT"))}}
 done = subprocess.run(
     [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--disable-pip-version-check",
      "--index-url", {url!r}, "--cert", "/workspace/ca.pem", "--target", "/workspace/lib",
      {PACKAGE!r}],
-    capture_output=True, text=True, timeout=120)
+    capture_output=True, text=True, timeout=120, env=env)
 print(done.returncode)
 print(done.stdout[-1500:], done.stderr[-1500:])
 """
@@ -306,3 +324,88 @@ def test_the_proxy_runs_unprivileged(gw: Gateway, session: str) -> None:
     for uids, caps in found:
         assert set(uids) == {"65534"}, uids
         assert int(caps, 16) == 0, caps
+
+
+async def test_a_secret_is_added_on_the_way_out_and_the_kernel_never_holds_it(
+    gw: Gateway, session: str, hosts: Hosts
+) -> None:
+    """files.test gets Authorization and ?key= from the Secret, replacing the kernel's
+    forgery; the kernel trusts the session's CA through SSL_CERT_FILE alone, and its
+    environment, files and memory hold no value."""
+    url = hosts.https.url("files.test", "/bytes/16?key=forged&x=1")
+    code = f"""
+import json, os, ssl, urllib.request
+request = urllib.request.Request({url!r}, headers={{"Authorization": "Bearer forged"}})
+with urllib.request.urlopen(request, context=ssl.create_default_context(), timeout=20) as r:
+    print(json.dumps([r.status, len(r.read()), os.environ.get("SSL_CERT_FILE")]))
+"""
+    r = await gw.execute(session, code)
+    assert r.status == "ok", (r.error, r.stderr)
+    status, length, bundle = json.loads(r.stdout)
+    assert (status, length) == (200, 16) and bundle
+    seen = hosts.https.wait_for(lambda q: q.path.startswith("/bytes/16"), timeout=10)
+    assert dict(seen.headers)["Authorization"] == f"Bearer {VALUE}"
+    assert f"key={VALUE}" in seen.path and "forged" not in seen.path and "x=1" in seen.path
+    assert seen.server_name == "files.test"  # re-encrypted to the host, by its name
+    # The kernel knows the value's first half and its digest, never the value.
+    half, digest = VALUE[:16], hashlib.sha256(VALUE.encode()).hexdigest()
+    search = f"""
+import hashlib, os, re
+half, digest, size = {half!r}.encode(), {digest!r}, {len(VALUE)}
+def holds(data):
+    return any(hashlib.sha256(data[i:i + size]).hexdigest() == digest
+               for i in (m.start() for m in re.finditer(re.escape(half), data)))
+found = []
+if holds("\\0".join(f"{{k}}={{v}}" for k, v in os.environ.items()).encode()):
+    found.append("environ")
+for top in ("/workspace", "/tmp"):
+    for root, _, files in os.walk(top):
+        for f in files:
+            try:
+                with open(os.path.join(root, f), "rb") as h:
+                    if holds(h.read(50_000_000)):
+                        found.append(os.path.join(root, f))
+            except OSError:
+                pass
+with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+    for line in maps:
+        span, perms = line.split()[:2]
+        if "r" not in perms or line.rstrip().endswith(("[vvar]", "[vsyscall]")):
+            continue
+        start, end = (int(x, 16) for x in span.split("-"))
+        try:
+            mem.seek(start)
+            if holds(mem.read(end - start)):
+                found.append("memory " + span)
+        except (OSError, ValueError, OverflowError):
+            pass
+print(found)
+"""
+    r = await gw.execute(session, search, timeout=120)
+    assert r.status == "ok", (r.error, r.stderr)
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+async def test_paths_hold_over_https_where_the_proxy_reads(
+    gw: Gateway, session: str, hosts: Hosts
+) -> None:
+    """*.wild.test allows /echo only: HTTPS to it is read (the session's CA), /bytes refused
+    with a 403 the kernel reads inside TLS, naming the rule."""
+    context = "ssl.create_default_context()"
+    code = f"""
+import json, ssl, urllib.request, urllib.error
+out = []
+for path in ("/echo", "/bytes/8"):
+    try:
+        with urllib.request.urlopen({hosts.https.url("a.wild.test", "")!r} + path,
+                                    context={context}, timeout=20) as r:
+            out.append([r.status, ""])
+    except urllib.error.HTTPError as e:
+        out.append([e.code, e.read().decode()[:300]])
+print(json.dumps(out))
+"""
+    r = await gw.execute(session, code)
+    assert r.status == "ok", (r.error, r.stderr)
+    (ok, _), (refused, body) = json.loads(r.stdout)
+    assert ok == 200 and refused == 403, r.stdout
+    assert "rule 2 (*.wild.test)" in body and "/echo" in body, body

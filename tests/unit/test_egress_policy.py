@@ -13,6 +13,7 @@ from mcp_forge.api.egress import (
     check_connect,
     check_request,
     check_sni,
+    injections,
     normalize_host,
     parse_rules,
 )
@@ -239,3 +240,68 @@ def test_host_names_normalize_one_way() -> None:
     assert normalize_host("Files.PythonHosted.org.") == "files.pythonhosted.org"
     with pytest.raises(ValueError, match="an IP address"):
         normalize_host("[::1]")
+
+
+REF = {"secretKeyRef": {"name": "api", "key": "token"}}
+
+
+def test_values_added_on_the_way_out_are_parsed_and_make_the_tunnel_read() -> None:
+    (rule,) = parse_rules(
+        [
+            {
+                "host": "api.example.com",
+                "inject": [
+                    {"header": "Authorization", "prefix": "Bearer ", **REF},
+                    {"query": "api_key", **REF},
+                    {"basicAuth": "alice", **REF},
+                ],
+            }
+        ]
+    )
+    assert [(i.kind, i.name, i.prefix) for i in rule.inject] == [
+        ("header", "Authorization", "Bearer "),
+        ("query", "api_key", ""),
+        ("basicAuth", "alice", ""),
+    ]
+    assert rule.inject[0].secret == "api" and rule.inject[0].key == "token"
+    verdict = check_connect([rule], "api.example.com", 443)
+    assert verdict.allowed and verdict.inspect and verdict.rule == rule
+    assert injections([rule], "api.example.com", 443, "GET", "/") == rule
+    assert injections([rule], "other.example.com", 443, "GET", "/") is None
+
+
+def test_a_rule_that_adds_values_is_read_even_beside_one_that_would_not() -> None:
+    rules = parse_rules(
+        [
+            {"host": "api.example.com"},
+            {"host": "api.example.com", "inject": [{"header": "X-K", **REF}]},
+        ]
+    )
+    verdict = check_connect(rules, "api.example.com", 443)
+    assert verdict.inspect and verdict.rule == rules[1]
+
+
+@pytest.mark.parametrize(
+    ("inject", "field", "words"),
+    [
+        ([{"header": "Host", **REF}], "inject[0].header", "the proxy's to set"),
+        ([{"header": "Proxy-Authorization", **REF}], "inject[0].header", "the proxy's to set"),
+        ([{"header": "X\r\nY", **REF}], "inject[0].header", "not a header name"),
+        ([{"header": "X", "query": "y", **REF}], "inject[0]", "exactly one of"),
+        ([{**REF}], "inject[0]", "exactly one of"),
+        ([{"query": "k", "prefix": "x", **REF}], "inject[0].prefix", "header only"),
+        ([{"header": "X", "prefix": "a\nb", **REF}], "inject[0].prefix", "printable"),
+        ([{"basicAuth": "a:b", **REF}], "inject[0].basicAuth", "not a user name"),
+        ([{"header": "X", "secretKeyRef": {"name": "a"}}], "inject[0].secretKeyRef", "name and"),
+        ([{"header": "X", "secretKeyRef": {"name": "a/b", "key": "k"}}], "secretKeyRef", "name"),
+        ([{"header": "X", "value": "v", **REF}], "inject[0]", "unknown field 'value'"),
+        ([], "inject", "1 to 4"),
+        ([{"header": f"X{i}", **REF} for i in range(5)], "inject", "1 to 4"),
+    ],
+)
+def test_a_bad_value_to_add_is_refused_naming_its_field(
+    inject: list[object], field: str, words: str
+) -> None:
+    with pytest.raises(InvalidSession, match=words) as raised:
+        parse_rules([{"host": "api.example.com", "inject": inject}])
+    assert raised.value.field is not None and raised.value.field.endswith(field), raised.value.field

@@ -40,6 +40,19 @@ PATHS_MAX = 16
 PATH_MAX = 1024
 ADDRESSES_MAX = 16
 DEFAULT_PORTS = (443,)
+INJECT_MAX = 4  # values added per destination
+VALUE_MAX = 8192  # one added value, in bytes
+_HEADER = re.compile(r"[A-Za-z0-9!#$&'*+.^_`|~-]{1,64}")  # an HTTP token (RFC 9110)
+_QUERY = re.compile(r"[A-Za-z0-9._~-]{1,64}")
+_USER = re.compile(r"[\x21-\x39\x3b-\x7e]{1,128}")  # printable ASCII but ':'
+_PREFIX = re.compile(r"[\x20-\x7e]{0,64}")
+_SECRET_NAME = re.compile(r"[A-Za-z0-9._-]{1,253}")
+_WHAT = {"header": "header name", "query": "query parameter name", "basicAuth": "user name"}
+# Headers that frame or route the request, or speak to the proxy: never a secret's.
+_HEADERS_KEPT = frozenset(
+    ("host", "content-length", "transfer-encoding", "connection", "upgrade", "te",
+     "trailer", "keep-alive", "proxy-authorization", "proxy-connection", "expect")
+)  # fmt: skip
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 _LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # fullmatch: no "\n" after
 _NUMBER = re.compile(r"[0-9]+|0x[0-9a-f]*")
@@ -78,6 +91,19 @@ _NEVER = tuple(
 
 
 @dataclass(frozen=True)
+class Injection:
+    """A value from a Secret the proxy adds to a destination's requests, on the way out:
+    a header (`prefix` + value), a query parameter, or basic auth (`name` the user, the
+    value the password). The kernel never holds the value."""
+
+    kind: str  # "header", "query" or "basicAuth"
+    name: str  # the header, the parameter, or the basic-auth user
+    secret: str  # the Secret's name, in the session's namespace
+    key: str
+    prefix: str = ""  # headers only: "Bearer " and the like
+
+
+@dataclass(frozen=True)
 class Rule:
     """One allowed destination; `number` is its place in the list, from 1 (for messages)."""
 
@@ -87,11 +113,13 @@ class Rule:
     methods: tuple[str, ...] = ()  # empty: any
     paths: tuple[str, ...] = ()  # prefixes; empty: any
     addresses: tuple[Network, ...] = ()  # non-global ranges this host may resolve into
+    inject: tuple[Injection, ...] = ()  # values added to its requests on the way out
 
     @property
     def reads_requests(self) -> bool:
-        """Whether the rule is about requests (methods, paths), not only names and ports."""
-        return bool(self.methods or self.paths)
+        """Whether the proxy must read the rule's requests: to check their methods or
+        paths, or to add a secret to them."""
+        return bool(self.methods or self.paths or self.inject)
 
     def label(self) -> str:
         return f"rule {self.number} ({self.host})"
@@ -184,7 +212,7 @@ def parse_rules(raw: Any, field: str = "spec.network.allow") -> tuple[Rule, ...]
 def _rule(item: Any, i: int, field: str) -> Rule:
     if not isinstance(item, Mapping):
         raise InvalidSession("a destination is an object with a host", field=field)
-    unknown = set(item) - {"host", "ports", "methods", "paths", "addresses"}
+    unknown = set(item) - {"host", "ports", "methods", "paths", "addresses", "inject"}
     if unknown:
         raise InvalidSession(f"unknown field {sorted(unknown)[0]!r}", field=field)
     return Rule(
@@ -194,7 +222,60 @@ def _rule(item: Any, i: int, field: str) -> Rule:
         methods=_methods(item.get("methods"), f"{field}.methods"),
         paths=_paths(item.get("paths"), f"{field}.paths"),
         addresses=_addresses(item.get("addresses"), f"{field}.addresses"),
+        inject=_injections(item.get("inject"), f"{field}.inject"),
     )
+
+
+def _injections(raw: Any, field: str) -> tuple[Injection, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw or len(raw) > INJECT_MAX:
+        raise InvalidSession(f"a list of 1 to {INJECT_MAX} values to add is required", field=field)
+    return tuple(_injection(item, f"{field}[{i}]") for i, item in enumerate(raw))
+
+
+def _injection(item: Any, field: str) -> Injection:
+    if not isinstance(item, Mapping):
+        raise InvalidSession("an object: header, query or basicAuth, and secretKeyRef", field=field)
+    unknown = set(item) - {"header", "query", "basicAuth", "prefix", "secretKeyRef"}
+    kinds = [k for k in ("header", "query", "basicAuth") if k in item]
+    if unknown or len(kinds) != 1:
+        what = f"unknown field {sorted(unknown)[0]!r}" if unknown else "exactly one of"
+        raise InvalidSession(f"{what}: header, query or basicAuth", field=field)
+    kind = kinds[0]
+    name = item[kind]
+    pattern = {"header": _HEADER, "query": _QUERY, "basicAuth": _USER}[kind]
+    if not isinstance(name, str) or not pattern.fullmatch(name):
+        raise InvalidSession(f"{str(name)[:64]!r} is not a {_WHAT[kind]}", field=f"{field}.{kind}")
+    if kind == "header" and name.lower() in _HEADERS_KEPT:
+        raise InvalidSession(
+            f"{name!r} is the proxy's to set, not a secret's", field=f"{field}.{kind}"
+        )
+    prefix = item.get("prefix", "")
+    if prefix and kind != "header":
+        raise InvalidSession("a prefix goes with a header only", field=f"{field}.prefix")
+    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+        raise InvalidSession("up to 64 printable ASCII characters", field=f"{field}.prefix")
+    ref = item.get("secretKeyRef")
+    if not isinstance(ref, Mapping) or set(ref) != {"name", "key"}:
+        raise InvalidSession("a Secret's name and key", field=f"{field}.secretKeyRef")
+    secret, key = ref["name"], ref["key"]
+    if not all(isinstance(v, str) and _SECRET_NAME.fullmatch(v) for v in (secret, key)):
+        raise InvalidSession(
+            "a Secret's name and a key (letters, digits, '-', '_' and '.')",
+            field=f"{field}.secretKeyRef",
+        )
+    return Injection(kind, name, secret, key, prefix)
+
+
+def injections(rules: Sequence[Rule], host: str, port: int, method: str, path: str) -> Rule | None:
+    """The rule whose values are added to this request: the first that allows it and has
+    values to add (None: nothing is added)."""
+    name = normalize_host(host)
+    for rule in rules:
+        if rule.inject and rule.matches(name, port) and _refuses(rule, method, path) is None:
+            return rule
+    return None
 
 
 def _ports(raw: Any, field: str) -> tuple[int, ...]:
@@ -289,6 +370,9 @@ def check_connect(rules: Sequence[Rule], host: str, port: int) -> Verdict:
     matching = [r for r in rules if r.matches(name, port)]
     if not matching:
         return Verdict(False, f"refused: no rule allows {name} on port {port}")
+    adds = next((r for r in matching if r.inject), None)
+    if adds is not None:  # read, to add its values, even where another rule would not
+        return Verdict(True, f"allowed by {adds.label()}, which adds values", adds, True)
     whole = next((r for r in matching if not r.reads_requests), None)
     if whole is not None:
         return Verdict(True, f"allowed by {whole.label()}", whole)

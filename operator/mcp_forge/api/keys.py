@@ -220,3 +220,43 @@ def bridge_client_context(bridge: BridgeCert) -> ssl.SSLContext:
     finally:
         os.close(fd)
     return context
+
+
+def new_egress_ca(name: str) -> BridgeCert:
+    """A session's egress CA (issue 28): the proxy signs with it the certificates it shows
+    the kernel for destinations it adds secrets to; the kernel trusts its certificate and
+    never holds its key. A CA for leaves only (path length 0), EC P-256."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"mcp-forge egress {name}"[:64])])
+    now = dt.datetime.now(dt.UTC)
+    usage = x509.KeyUsage(
+        digital_signature=True, content_commitment=False, key_encipherment=False,
+        data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+        encipher_only=False, decipher_only=False,
+    )  # fmt: skip
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(days=1))
+        .not_valid_after(now + dt.timedelta(days=CERT_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(usage, critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return BridgeCert(
+        cert.public_bytes(serialization.Encoding.PEM).decode("ascii"),
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ).decode("ascii"),
+    )

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mitmproxy import connection, http, tls
+from mitmproxy import connection, ctx, http, tls
 from mitmproxy.net.http import url
 
 from mcp_forge.api import egress
@@ -48,6 +48,10 @@ class Session:
     name: str
     token: str
     rules: tuple[egress.Rule, ...]
+    # For destinations the proxy reads: the session's CA (a mitmproxy CertStore), and the
+    # values it adds, by (rule number, index). Never logged.
+    certstore: Any = None
+    values: dict[tuple[int, int], str] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Tunnel:
     address: str = ""
     rule: egress.Rule | None = None
     refused: str | None = None  # a tunnel refused after its 200 (its TLS server name)
+    intercept: bool = False  # read: TLS ended here with the session's CA
     pinned: set[tuple[str, int]] = field(default_factory=set)
 
 
@@ -116,11 +121,11 @@ class Policy:
             return self._unknown(flow)
         host, port = _asked(flow.request), flow.request.port
         verdict = egress.check_connect(session.rules, host, port)
-        if verdict.allowed and verdict.inspect:
+        if verdict.allowed and verdict.inspect and session.certstore is None:
             verdict = egress.Verdict(
                 False,
-                f"refused: {verdict.rule.label() if verdict.rule else 'the rule'} allows only "
-                "some methods or paths, and this proxy does not read HTTPS to it",
+                f"refused: {verdict.rule.label() if verdict.rule else 'the rule'} needs its "
+                "requests read, and the session has no CA to read them with",
             )
         address = (
             await self._dial_address(session, host, port, verdict) if verdict.allowed else None
@@ -129,6 +134,7 @@ class Policy:
             refusal = address if isinstance(address, egress.Verdict) else verdict
             return self._refuse(flow, session, "connect", host, port, refusal)
         tunnel = Tunnel(session, egress.normalize_host(host), port, address, verdict.rule)
+        tunnel.intercept = verdict.inspect
         tunnel.pinned.add((address, port))
         self.clients[flow.client_conn.id] = tunnel
         flow.request.data.host = address  # mitmproxy dials what was judged, nothing else
@@ -164,6 +170,30 @@ class Policy:
         flow.request.authority = ""  # origin-form: the server reads the Host header alone
         flow.request.data.host = tunnel.address
         flow.request.data.port = tunnel.port
+        if tunnel.intercept:
+            self._read_request(flow, tunnel)
+        return None
+
+    def _read_request(self, flow: http.HTTPFlow, tunnel: Tunnel) -> None:
+        """A request in a tunnel the proxy reads: held to its rules' methods and paths,
+        then given the values its rule adds (replacing what the kernel sent)."""
+        session, method, path = tunnel.session, flow.request.method, flow.request.path
+        verdict = egress.check_request(session.rules, tunnel.host, tunnel.port, method, path)
+        if not verdict.allowed:
+            return self._refuse(flow, session, "request", tunnel.host, tunnel.port, verdict)
+        shown = {"method": method, "path": path[:200]}  # before a value joins the query
+        rule = egress.injections(session.rules, tunnel.host, tunnel.port, method, path)
+        for i, injection in enumerate(rule.inject if rule else ()):
+            value = session.values.get((rule.number if rule else 0, i))
+            if value is None:
+                why = egress.Verdict(False, f"refused: no value for {injection.kind} {i + 1}")
+                return self._refuse(flow, session, "request", tunnel.host, tunnel.port, why)
+            _add(flow.request, injection, value)
+        added = len(rule.inject) if rule else 0
+        self._log(
+            session, "request", tunnel.host, tunnel.port, True, verdict.reason,
+            added=added, **shown,
+        )  # fmt: skip
         return None
 
     async def _plain(self, flow: http.HTTPFlow) -> None:
@@ -196,7 +226,7 @@ class Policy:
             return  # not a tunnel of ours: mitmproxy's own handling (none here)
         verdict = egress.check_sni(tunnel.host, data.client_hello.sni)
         if verdict.allowed:
-            data.ignore_connection = True  # passed through: we never read it
+            data.ignore_connection = not tunnel.intercept  # else read: tls_start_client
             return
         tunnel.refused = verdict.reason
         self._log(tunnel.session, "tls", tunnel.host, tunnel.port, False, verdict.reason)
@@ -209,6 +239,16 @@ class Policy:
             # No certificate at all: the client's handshake fails, nothing is dialled.
             data.ssl_conn = SSL.Connection(SSL.Context(SSL.TLS_SERVER_METHOD))
             data.ssl_conn.set_accept_state()
+        elif tunnel is not None and tunnel.intercept:
+            # mitmproxy's own TLS set-up, with the session's CA for the certificate: the
+            # hook is synchronous, so no other connection sees the store swapped.
+            tlsconfig = ctx.master.addons.get("tlsconfig")
+            kept = tlsconfig.certstore
+            tlsconfig.certstore = tunnel.session.certstore
+            try:
+                tlsconfig.tls_start_client(data)
+            finally:
+                tlsconfig.certstore = kept
 
     def server_connect(self, data: Any) -> None:
         tunnel = self.clients.get(data.client.id)
@@ -217,6 +257,8 @@ class Policy:
             data.server.error = "the egress policy pinned no such address for this client"
             if tunnel is not None:
                 self._log(tunnel.session, "dial", str(address), 0, False, data.server.error)
+        elif tunnel.intercept:
+            data.server.sni = tunnel.host  # the name the server's certificate must carry
 
     def client_disconnected(self, client: connection.Client) -> None:
         self.clients.pop(client.id, None)
@@ -320,6 +362,17 @@ def _names(authority: str, host: str, port: int) -> bool:
     except ValueError:
         return False
     return same and (named_port is None or named_port == port)
+
+
+def _add(request: http.Request, injection: egress.Injection, value: str) -> None:
+    """One value into a request, replacing any the kernel sent under that name."""
+    if injection.kind == "header":
+        request.headers[injection.name] = injection.prefix + value
+    elif injection.kind == "query":
+        request.query[injection.name] = value
+    else:
+        basic = base64.b64encode(f"{injection.name}:{value}".encode()).decode()
+        request.headers["Authorization"] = f"Basic {basic}"
 
 
 def _printable(text: str) -> str:

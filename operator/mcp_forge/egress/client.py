@@ -17,11 +17,12 @@ import logging
 import socket
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mcp_forge import confine
+from mcp_forge.api.keys import BridgeCert
 from mcp_forge.egress import protocol
 from mcp_forge.errors import ForgeError
 from mcp_forge.settings import Settings
@@ -36,10 +37,19 @@ class EgressUnavailable(ForgeError):
     """The egress proxy is not installed or did not start."""
 
 
-@dataclass
-class Opened:
+@dataclass(frozen=True)
+class Given:
+    """What the proxy gets for a session besides its socket."""
+
     token: str
     rules: list[Any]
+    ca: BridgeCert | None = None  # for destinations it reads (adds values to, checks paths)
+    values: list[list[Any]] = field(default_factory=list, repr=False)  # [rule, index, value]
+
+
+@dataclass
+class Opened:
+    given: Given
     listener: socket.socket
 
 
@@ -63,15 +73,15 @@ class EgressProxy:
         self._lock = asyncio.Lock()  # one request and its answer at a time
         self._call_lock = threading.Lock()
 
-    async def open(self, name: str, token: str, rules: list[Any], listener: socket.socket) -> None:
+    async def open(self, name: str, given: Given, listener: socket.socket) -> None:
         """Serve `listener` (bound where the session's pod sees it) for session `name`."""
         async with self._lock:
             await self._running()
-            await self._send_open(name, Opened(token, rules, listener))
+            await self._send_open(name, Opened(given, listener))
             old = self.sessions.pop(name, None)
             if old is not None and old.listener is not listener:
                 old.listener.close()
-            self.sessions[name] = Opened(token, rules, listener)
+            self.sessions[name] = Opened(given, listener)
 
     async def close(self, name: str) -> None:
         async with self._lock:
@@ -171,7 +181,16 @@ class EgressProxy:
     # ---- the control socket --------------------------------------------------------
 
     async def _send_open(self, name: str, opened: Opened) -> None:
-        message = {"op": "open", "session": name, "token": opened.token, "rules": opened.rules}
+        given = opened.given
+        message: dict[str, Any] = {
+            "op": "open",
+            "session": name,
+            "token": given.token,
+            "rules": given.rules,
+            "values": given.values,
+        }
+        if given.ca is not None:
+            message["ca"] = {"cert": given.ca.cert, "key": given.ca.key}
         answer = await self._call(message, [opened.listener.fileno()])
         if not answer.get("ok"):
             raise EgressUnavailable(f"the egress proxy refused session {name}: {answer}")

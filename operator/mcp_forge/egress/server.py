@@ -29,7 +29,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from mitmproxy import options
+from cryptography.hazmat.primitives import serialization
+from mitmproxy import certs, options
 from mitmproxy.addons import default_addons
 from mitmproxy.master import Master
 
@@ -67,6 +68,7 @@ class Proxy:
         self.relays = Relays()
         self.port = 0
         self.connections_max = args.connections_max
+        self.master: Any = None
 
     def audit(self, record: dict[str, Any]) -> None:
         name = record.get("session")
@@ -89,6 +91,7 @@ class Proxy:
         )
         if self.args.upstream_ca:
             opts.update(ssl_verify_upstream_trusted_ca=self.args.upstream_ca)
+        self.master = master
         task = asyncio.create_task(master.run())
         waiter = asyncio.create_task(running.event.wait())
         await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
@@ -127,14 +130,30 @@ class Proxy:
         except ValueError as exc:  # InvalidSession is a ValueError
             listener.close()
             return {"ok": False, "error": str(exc)}
+        try:
+            certstore = self._certstore(message.get("ca"))
+            values = {(int(n), int(i)): str(v) for n, i, v in message.get("values", [])}
+        except (ValueError, TypeError, KeyError) as exc:
+            listener.close()
+            return {"ok": False, "error": f"the session's CA or values: {type(exc).__name__}"}
         await self._close(name)
-        self.policy.sessions[name] = Session(name, str(message.get("token", "")), rules)
+        session = Session(name, str(message.get("token", "")), rules, certstore, values)
+        self.policy.sessions[name] = session
         self.relays.counts[name] = Counter()
         self.relays.open[name] = set()
         self.relays.servers[name] = await asyncio.start_unix_server(
             lambda r, w: self._relay(name, r, w), sock=listener
         )
         return {"ok": True, "port": self.port}
+
+    def _certstore(self, ca: Any) -> Any:
+        """The session's CA as a mitmproxy CertStore (its leaves are signed by it), or None."""
+        if ca is None:
+            return None
+        key = serialization.load_pem_private_key(str(ca["key"]).encode(), None)
+        cert = certs.Cert.from_pem(str(ca["cert"]).encode())
+        dhparams = self.master.addons.get("tlsconfig").certstore.dhparams
+        return certs.CertStore(key, cert, None, dhparams)
 
     async def _close(self, name: str) -> None:
         self.policy.sessions.pop(name, None)

@@ -2,7 +2,8 @@
 proxy settings.
 
 Run silently by the gateway in globals of its own holding ENV (the proxy variables),
-PORT, SOCKET (the egress socket as the pod sees it) and RELAY (the relay's source). The
+PORT, SOCKET (the egress socket as the pod sees it), RELAY (the relay's source) and CA
+(the session's egress CA certificate, or None). The
 port is bound here, before the relay starts, and handed to it: the kernel's next call
 finds it served. A relay already serving the port (a gateway connecting again) is kept.
 The relay runs in a session of its own, so an interrupt of the kernel does not reach it;
@@ -17,9 +18,35 @@ import subprocess
 import sys
 from typing import Any
 
+# The session's CA, for destinations the proxy reads (it adds secrets to their requests,
+# or checks their paths), joins the image's trust in a bundle of the kernel's own.
+SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+BUNDLE_DIR = "/tmp/.mcp-forge-egress"
+CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT")
 
-def start(env: dict[str, str], port: int, path: str, relay: str) -> None:
+
+def trust(ca: str) -> dict[str, str]:
+    """Write the bundle (the image's CAs and the session's) and name it for OpenSSL,
+    requests, curl, pip and Node."""
+    os.makedirs(BUNDLE_DIR, mode=0o700, exist_ok=True)
+    try:
+        with open(SYSTEM_BUNDLE, encoding="ascii", errors="replace") as f:
+            system = f.read()
+    except OSError:
+        system = ""
+    bundle = os.path.join(BUNDLE_DIR, "ca-bundle.pem")
+    own = os.path.join(BUNDLE_DIR, "session-ca.pem")
+    for name, text in ((bundle, system.rstrip("\n") + "\n" + ca), (own, ca)):
+        with open(name + ".tmp", "w", encoding="ascii") as f:
+            f.write(text)
+        os.replace(name + ".tmp", name)
+    return {**dict.fromkeys(CA_VARIABLES, bundle), "NODE_EXTRA_CA_CERTS": own}
+
+
+def start(env: dict[str, str], port: int, path: str, relay: str, ca: str | None = None) -> None:
     os.environ.update(env)
+    if ca:
+        os.environ.update(trust(ca))
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.bind(("127.0.0.1", port))
@@ -42,4 +69,4 @@ def start(env: dict[str, str], port: int, path: str, relay: str) -> None:
 
 _given: dict[str, Any] = globals()
 if "ENV" in _given:
-    start(_given["ENV"], _given["PORT"], _given["SOCKET"], _given["RELAY"])
+    start(_given["ENV"], _given["PORT"], _given["SOCKET"], _given["RELAY"], _given.get("CA"))

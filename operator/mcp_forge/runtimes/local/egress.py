@@ -8,22 +8,40 @@ relay on the pod's loopback carries `HTTP(S)_PROXY` connections to that socket
 (kernelside/egress_relay.py, started by kernelside/egress_start.py). The kernel's proxy
 credential is derived from its key; the proxy also knows each connection's socket, so a
 credential is only good through its own session's socket.
+
+Where a rule has the proxy read its requests (values added from Secrets, or methods and
+paths over HTTPS), the session gets a CA of its own, kept in its directory: the proxy
+signs the certificates it shows the kernel with it, and the kernel trusts it (a bundle
+of the image's CAs and this one, named by SSL_CERT_FILE and the like). The values are
+read from the store's Secrets at every start and go to the proxy only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from mcp_forge.api import keys
+from mcp_forge.api import status as st
 from mcp_forge.api.connection import RUN_DIR_IN_POD
+from mcp_forge.api.egress import VALUE_MAX
 from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.keys import BridgeCert
+from mcp_forge.api.secret import Secret
 from mcp_forge.egress import protocol
-from mcp_forge.egress.client import EgressProxy
+from mcp_forge.egress.client import EgressProxy, Given
+from mcp_forge.errors import SecretError
 from mcp_forge.kernelside import compiled, run_silently, source
 
 BACKLOG = 128
+CA_FILE = "egress-ca.json"  # in the session's directory: root's
+_SENDABLE = re.compile(rb"[\x20-\x7e\t]*")  # a header's, a query's or a password's value
 
 
 def proxy_name(session: KernelSession) -> str:
@@ -47,26 +65,84 @@ def bind(path: Path, uid: int, gid: int) -> socket.socket:
 
 
 async def open_for(
-    proxy: EgressProxy, session: KernelSession, run: Path, ids: tuple[int, int], key: str
+    proxy: EgressProxy,
+    session: KernelSession,
+    paths: tuple[Path, Path],
+    ids: tuple[int, int],
+    key: str,
+    lookup: Callable[[str], Secret | None],
 ) -> str:
-    """Serve the session's socket in `run` with its rules; the silent program that gives
-    its kernel the proxy settings and starts the relay."""
-    token = protocol.token_for(key)
-    listener = bind(run / protocol.SOCKET_NAME, *ids)
+    """Serve the session's socket in its run directory with its rules (and, where it has
+    destinations the proxy reads, its CA, kept in the session's directory, and the values
+    added from Secrets); the silent program that gives its kernel the proxy settings
+    (and that CA to trust) and starts the relay. SecretError names a missing value."""
+    run, directory = paths
     rules = list(session.body["spec"].get("network", {}).get("allow", []))
+    reads = any(rule.reads_requests for rule in session.spec.egress_rules)
+    given = Given(
+        protocol.token_for(key),
+        rules,
+        session_ca(directory, proxy_name(session)) if reads else None,
+        values(session, lookup),
+    )
+    listener = bind(run / protocol.SOCKET_NAME, *ids)
     try:
-        await proxy.open(proxy_name(session), token, rules, listener)
+        await proxy.open(proxy_name(session), given, listener)
     except BaseException:
         listener.close()
         raise
-    return start_program(token)
+    return start_program(given.token, given.ca.cert if given.ca else None)
 
 
-def start_program(token: str) -> str:
+def values(session: KernelSession, lookup: Callable[[str], Secret | None]) -> list[list[Any]]:
+    """The values the proxy adds to the session's requests: [rule number, index, value]."""
+    out: list[list[Any]] = []
+    for rule in session.spec.egress_rules:
+        for i, injection in enumerate(rule.inject):
+            where = f"spec.network.allow[{rule.number - 1}].inject[{i}]"
+            found = lookup(injection.secret)
+            if found is None or injection.key not in found.data:
+                missing = "not found" if found is None else f"has no key {injection.key!r}"
+                raise SecretError(
+                    st.SECRET_NOT_FOUND,
+                    f"{where}: Secret {injection.secret!r} {missing} in namespace "
+                    f"{session.namespace!r}",
+                )
+            raw = found.data[injection.key]
+            if len(raw) > VALUE_MAX or not _SENDABLE.fullmatch(raw):
+                raise SecretError(
+                    st.INVALID_SECRET,
+                    f"{where}: Secret {injection.secret!r} key {injection.key!r} is not a value "
+                    f"to send (printable ASCII, tabs and spaces, at most {VALUE_MAX} bytes)",
+                )
+            out.append([rule.number, i, raw.decode("ascii")])
+    return out
+
+
+def session_ca(directory: Path, name: str) -> BridgeCert:
+    """The session's egress CA, made once and kept in its directory (root's, 0600): the
+    kernel trusts the same certificate after a restart of the proxy or the gateway."""
+    path = directory / CA_FILE
+    try:
+        kept = json.loads(path.read_text())
+        return BridgeCert(str(kept["cert"]), str(kept["key"]))
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        pass
+    ca = keys.new_egress_ca(name)
+    temporary = path.with_suffix(".tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"cert": ca.cert, "key": ca.key}, f)
+    os.replace(temporary, path)
+    return ca
+
+
+def start_program(token: str, ca: str | None = None) -> str:
     names = {
         "ENV": protocol.proxy_env(token),
         "PORT": protocol.RELAY_PORT,
         "SOCKET": f"{RUN_DIR_IN_POD}/{protocol.SOCKET_NAME}",
         "RELAY": source("egress_relay"),
+        "CA": ca,
     }
     return run_silently(compiled("egress_start"), {k: repr(v) for k, v in names.items()})

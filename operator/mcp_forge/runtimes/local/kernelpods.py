@@ -231,6 +231,7 @@ class KernelPods:
     ) -> None:
         try:
             self.secrets.values(session)  # a Secret that is not there: no pod at all
+            egress.values(session, lambda name: self.secrets.find(name, session.namespace))
         except SecretError as exc:
             self._fail(session, exc.reason, str(exc))
             raise
@@ -401,9 +402,12 @@ class KernelPods:
         """Serve the session's egress socket (runtimes/local/egress.py); the program that
         gives its kernel the proxy settings. SessionNotReady if the proxy cannot."""
         key = self.store.key(session.namespace, session.name)
-        run = Path(self.host_paths(session).run)
+        paths = (Path(self.host_paths(session).run), self._dir(session))
+        lookup = lambda name: self.secrets.find(name, session.namespace)  # noqa: E731
         try:
-            return await egress.open_for(self.egress, session, run, self.kernel_ids(session), key)
+            return await egress.open_for(
+                self.egress, session, paths, self.kernel_ids(session), key, lookup
+            )
         except (EgressUnavailable, OSError) as exc:
             raise SessionNotReady(f"its egress proxy: {exc}") from None
 
