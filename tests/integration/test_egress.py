@@ -9,6 +9,7 @@ check when it asked the proxy, and with no route at all when it did not.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import dataclasses
@@ -16,6 +17,7 @@ import hashlib
 import json
 import secrets
 import socket
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,9 +26,10 @@ from typing import Any
 import pytest
 
 from egress_standins import PackageIndex, StandIn, TestCA, own_address
+from mcp_forge.api import status as st
 from mcp_forge.egress import protocol
 from mcp_forge.egress.client import EgressProxy, default_python
-from mcp_forge.errors import SessionNotFound
+from mcp_forge.errors import SecretError, SessionNotFound
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.runtimes.local.runtime import LocalRuntime
 
@@ -409,3 +412,32 @@ print(json.dumps(out))
     (ok, _), (refused, body) = json.loads(r.stdout)
     assert ok == 200 and refused == 403, r.stdout
     assert "rule 2 (*.wild.test)" in body and "/echo" in body, body
+
+
+async def test_a_value_from_a_missing_secret_fails_the_session_before_its_pod(
+    proxied: LocalRuntime, hosts: Hosts, images: dict[str, str]
+) -> None:
+    name = f"egress-{uuid.uuid4().hex[:8]}"
+    ref = {"secretKeyRef": {"name": "egress-absent", "key": "token"}}
+    rule = {"host": "files.test", "ports": [hosts.https.port], "inject": [{"header": "X-K", **ref}]}
+    body = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": name},
+        "spec": {"image": images["minimal"], "resources": {"memory": "512Mi"},
+                 "network": {"allow": [rule]}},
+    }  # fmt: skip
+    try:
+        with pytest.raises(SecretError) as err:
+            await proxied.apply(body)
+        failed = await proxied.get(name)
+        assert failed.status["reason"] == st.SECRET_NOT_FOUND
+        for text in (str(err.value), str(failed.status["message"])):
+            assert "spec.network.allow[0].inject[0]" in text and "'egress-absent'" in text
+        assert failed.status["phase"] == st.FAILED
+        argv = ["podman", "pod", "exists", proxied.pod_name(failed)]
+        exists = await asyncio.to_thread(subprocess.run, argv, check=False)
+        assert exists.returncode == 1  # no pod was played
+    finally:
+        with contextlib.suppress(SessionNotFound):
+            await proxied.delete(name)
