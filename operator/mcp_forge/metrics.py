@@ -67,6 +67,12 @@ BRIDGE_CALLS = Counter(
     ["server", "status"],
 )  # ok, error, refused
 
+EGRESS = Counter(
+    "mcpforge_egress",
+    "Egress proxy verdicts, by what was asked and the verdict.",
+    ["event", "verdict"],
+)  # connect, request, tls, dial, limit, unknown, other; allowed, refused, none
+
 # ---- the operator -----------------------------------------------------------------------
 
 RECONCILE_SECONDS = Histogram(

@@ -93,3 +93,8 @@ def trace_id() -> str | None:
     """The current trace's id (32 hex digits), if there is one."""
     ctx = trace.get_current_span().get_span_context()
     return format(ctx.trace_id, "032x") if ctx.is_valid else None
+
+
+def add_event(parent: Context, name: str, attributes: dict[str, Any]) -> None:
+    """An event on the span current in `parent` (a call's, taken with `current`)."""
+    trace.get_current_span(parent).add_event(name, attributes)

@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from egress_standins import PackageIndex, StandIn, TestCA, own_address
 from mcp_forge.api import status as st
-from mcp_forge.egress import protocol
+from mcp_forge.egress import audit, protocol
 from mcp_forge.egress.client import EgressProxy, default_python
 from mcp_forge.errors import SecretError, SessionNotFound
 from mcp_forge.gateway.core import Gateway
@@ -441,3 +442,18 @@ async def test_a_value_from_a_missing_secret_fails_the_session_before_its_pod(
     finally:
         with contextlib.suppress(SessionNotFound):
             await proxied.delete(name)
+
+
+async def test_verdicts_reach_the_gateways_metrics(gw: Gateway, session: str, hosts: Hosts) -> None:
+    def refused() -> float:
+        labels = {"event": "connect", "verdict": "refused"}
+        return REGISTRY.get_sample_value("mcpforge_egress_total", labels) or 0.0
+
+    before = refused()
+    got = await fetch(gw, session, hosts.https.url("other.test", "/echo"))
+    assert "403" in got.get("error", ""), got
+    async with asyncio.timeout(10):  # the proxy's record comes over its stderr
+        while refused() < before + 1:
+            waiter = audit.next_record()
+            if refused() < before + 1:
+                await waiter

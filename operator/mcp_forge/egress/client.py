@@ -23,7 +23,7 @@ from typing import Any
 
 from mcp_forge import confine
 from mcp_forge.api.keys import BridgeCert
-from mcp_forge.egress import protocol
+from mcp_forge.egress import audit, protocol
 from mcp_forge.errors import ForgeError
 from mcp_forge.settings import Settings
 
@@ -237,5 +237,7 @@ async def _audit(proc: asyncio.subprocess.Process) -> None:
         except ValueError:
             log.warning("egress proxy: %s", text)
             continue
+        if isinstance(record, dict):
+            audit.record(record)
         log.info("egress %s", json.dumps(record, separators=(",", ":")))
     log.info("egress proxy exited (%s)", await proc.wait())

@@ -21,6 +21,7 @@ from mcp_forge import metrics, tracing
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time
+from mcp_forge.egress import audit as egress_audit
 from mcp_forge.errors import ForgeError, InvalidRequest, SessionNotReady
 from mcp_forge.gateway.attach import Handle
 from mcp_forge.gateway.codemode.upstream import Upstream, UpstreamPool
@@ -145,7 +146,10 @@ class Gateway(Connections, WorkspaceCalls):
             idle = session.spec.idle_timeout
             soon = self.settings.activity_interval + BUSY_FROM_START
             await self._record_activity(handle, session, busy=0 < idle < soon)
-            with tracing.span("kernel execute", session=session.name) as span:
+            with (
+                tracing.span("kernel execute", session=session.name) as span,
+                egress_audit.executing(f"{session.namespace}/{session.name}"),
+            ):
                 if handle.bridge is not None:
                     handle.bridge.new_execution(tracing.current())
                 try:
