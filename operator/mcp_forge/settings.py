@@ -108,6 +108,10 @@ class Settings:
     egress_python: str = ""
     egress_connections_max: int = 64  # one session's open connections through the proxy
     egress_ready_timeout: float = 30.0  # the proxy's start, until it listens
+    # What an MCP client may list in create_session's `allow`: a JSON list of rules as in
+    # spec.network.allow; a client's rule must fall within one ("" = none: only sessions
+    # an operator declares reach anything).
+    egress_client_allow: str = ""
     # Tests only: a JSON file of names to this machine's addresses, asked before DNS, and
     # the CA that the servers behind them are checked against.
     egress_resolve: str = ""

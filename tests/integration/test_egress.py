@@ -30,8 +30,9 @@ from egress_standins import PackageIndex, StandIn, TestCA, own_address
 from mcp_forge.api import status as st
 from mcp_forge.egress import audit, protocol
 from mcp_forge.egress.client import EgressProxy, default_python
-from mcp_forge.errors import SecretError, SessionNotFound
+from mcp_forge.errors import InvalidSession, SecretError, SessionNotFound
 from mcp_forge.gateway.core import Gateway
+from mcp_forge.gateway.sessions import Client, SessionRequest, SessionService
 from mcp_forge.runtimes.local.runtime import LocalRuntime
 
 pytestmark = [
@@ -457,3 +458,35 @@ async def test_verdicts_reach_the_gateways_metrics(gw: Gateway, session: str, ho
             waiter = audit.next_record()
             if refused() < before + 1:
                 await waiter
+
+
+async def test_a_client_chooses_hosts_within_what_the_gateway_offers(
+    proxied: LocalRuntime, hosts: Hosts, gw: Gateway
+) -> None:
+    """create_session's `allow` (SessionService): within MCPFORGE_EGRESS_CLIENT_ALLOW, and
+    the offered rule's address ranges go with it; more than offered is refused, naming it."""
+    port = hosts.https.port
+    offered = [{"host": "api.test", "ports": [port], "addresses": [f"{hosts.address}/32"]}]
+    settings = dataclasses.replace(proxied.settings, egress_client_allow=json.dumps(offered))
+    service = SessionService(proxied, settings)
+    client = Client("egress-test")
+    with pytest.raises(InvalidSession, match="not among") as refused:
+        await service.create(
+            client,
+            SessionRequest(variant="minimal", allow=[{"host": "other.test", "ports": [port]}]),
+        )
+    assert refused.value.field == "allow[0].host"
+    asked = [{"host": "api.test", "ports": [port]}]
+    made = await service.create(client, SessionRequest(variant="minimal", allow=asked))
+    try:
+        code = f"""
+import ssl, urllib.request
+with urllib.request.urlopen({hosts.https.url("api.test", "/bytes/5")!r},
+                            context=ssl._create_unverified_context(), timeout=20) as r:
+    print(r.status, len(r.read()))
+"""
+        r = await gw.execute(made.name, code)
+        assert r.status == "ok", (r.error, r.stderr)
+        assert r.stdout.split() == ["200", "5"]
+    finally:
+        await proxied.delete(made.name)

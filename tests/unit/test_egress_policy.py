@@ -16,6 +16,7 @@ from mcp_forge.api.egress import (
     injections,
     normalize_host,
     parse_rules,
+    permitted,
 )
 from mcp_forge.errors import InvalidSession
 
@@ -305,3 +306,60 @@ def test_a_bad_value_to_add_is_refused_naming_its_field(
     with pytest.raises(InvalidSession, match=words) as raised:
         parse_rules([{"host": "api.example.com", "inject": inject}])
     assert raised.value.field is not None and raised.value.field.endswith(field), raised.value.field
+
+
+OFFERED = parse_rules(
+    [
+        {"host": "pypi.org"},
+        {"host": "*.example.com", "ports": [443, 8443]},
+        {"host": "api.example.net", "methods": ["GET"], "paths": ["/v1/"]},
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [
+        {"host": "pypi.org"},
+        {"host": "PyPI.org."},
+        {"host": "a.example.com", "ports": [8443]},
+        {"host": "*.sub.example.com"},
+        {"host": "*.example.com", "ports": [443, 8443]},
+        {"host": "api.example.net", "methods": ["GET"], "paths": ["/v1/items"]},
+    ],
+)
+def test_a_client_may_ask_for_what_is_offered_or_less(asked: dict[str, object]) -> None:
+    permitted(parse_rules([asked], field="allow"), OFFERED)
+
+
+@pytest.mark.parametrize(
+    ("asked", "words"),
+    [
+        ({"host": "files.pythonhosted.org"}, "not among"),
+        ({"host": "example.com"}, "not among"),  # the apex is not under *.example.com
+        ({"host": "pypi.org", "ports": [80]}, "not among"),
+        ({"host": "a.example.com", "ports": [22]}, "not among"),
+        ({"host": "api.example.net"}, "not among"),  # any method, any path: more than offered
+        ({"host": "api.example.net", "methods": ["POST"], "paths": ["/v1/"]}, "not among"),
+        ({"host": "api.example.net", "methods": ["GET"], "paths": ["/admin/"]}, "not among"),
+        ({"host": "pypi.org", "addresses": ["10.0.0.0/8"]}, "addresses is the operator's"),
+        (
+            {
+                "host": "pypi.org",
+                "inject": [{"header": "X", "secretKeyRef": {"name": "a", "key": "b"}}],
+            },
+            "inject is the operator's",
+        ),
+    ],
+)
+def test_a_client_asking_for_more_is_refused_naming_the_rule(
+    asked: dict[str, object], words: str
+) -> None:
+    with pytest.raises(InvalidSession, match=words) as raised:
+        permitted(parse_rules([asked], field="allow"), OFFERED)
+    assert raised.value.field is not None and raised.value.field.startswith("allow[0]")
+
+
+def test_nothing_offered_nothing_permitted() -> None:
+    with pytest.raises(InvalidSession, match=r"\(none\)"):
+        permitted(parse_rules([{"host": "pypi.org"}], field="allow"), ())

@@ -268,6 +268,45 @@ def _injection(item: Any, field: str) -> Injection:
     return Injection(kind, name, secret, key, prefix)
 
 
+def permitted(asked: Sequence[Rule], offered: Sequence[Rule], field: str = "allow") -> list[Rule]:
+    """A client's rules, within what the gateway offers clients: each host covered by an
+    offered rule's host (the same name, or a name or narrower wildcard under an offered
+    wildcard) on ports that rule has. A client names no address range and no Secret:
+    those are the operator's (the offered rule's ranges go with it: the covering rules
+    are returned, in order). InvalidSession names the first rule that is not."""
+    covering = []
+    for rule in asked:
+        where = f"{field}[{rule.number - 1}]"
+        if rule.addresses or rule.inject:
+            what = "addresses" if rule.addresses else "inject"
+            raise InvalidSession(f"{what} is the operator's to set, not a client's", field=where)
+        found = next((o for o in offered if _covers(o, rule)), None)
+        if found is None:
+            hosts = ", ".join(o.host for o in offered) or "none"
+            raise InvalidSession(
+                f"{rule.host} on ports {', '.join(map(str, rule.ports))} is not among the "
+                f"destinations this gateway lets clients choose ({hosts})",
+                field=f"{where}.host",
+            )
+        covering.append(found)
+    return covering
+
+
+def _covers(offered: Rule, asked: Rule) -> bool:
+    """Does `offered` allow all that `asked` would? Names, ports, methods and paths."""
+    if not set(asked.ports) <= set(offered.ports):
+        return False
+    if offered.methods and not (asked.methods and set(asked.methods) <= set(offered.methods)):
+        return False
+    if offered.paths and not (
+        asked.paths and all(any(_under(p, o) for o in offered.paths) for p in asked.paths)
+    ):
+        return False
+    if offered.host.startswith("*."):
+        return asked.host.endswith(offered.host[1:])  # a name or a wildcard under it
+    return asked.host == offered.host
+
+
 def injections(rules: Sequence[Rule], host: str, port: int, method: str, path: str) -> Rule | None:
     """The rule whose values are added to this request: the first that allows it and has
     values to add (None: nothing is added)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import hashlib
+import json
 import logging
 import secrets
 import time
@@ -36,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mcp_forge.api import forks, kernelsession, quota
+from mcp_forge.api import egress, forks, kernelsession, quota
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
@@ -93,6 +94,19 @@ class SessionRequest:
     env: dict[str, str] | None = None
     shared_group: str | None = None
     mcp_servers: list[dict[str, Any]] | None = None  # code mode: spec.mcpServers
+    allow: list[dict[str, Any]] | None = None  # spec.network.allow, within what is offered
+
+
+def offered_egress(settings: Settings) -> tuple[egress.Rule, ...]:
+    """The destinations clients may choose (Settings.egress_client_allow), or InvalidRequest
+    naming the setting."""
+    if not settings.egress_client_allow.strip():
+        return ()
+    name = "MCPFORGE_EGRESS_CLIENT_ALLOW"
+    try:
+        return egress.parse_rules(json.loads(settings.egress_client_allow), field=name)
+    except ValueError as exc:  # JSON's, or InvalidSession naming the rule
+        raise InvalidRequest(f"{name}: {exc}") from None
 
 
 def _annotations(session: KernelSession) -> dict[str, Any]:
@@ -123,6 +137,7 @@ class SessionService:
         # Without `pool`: where the pools to choose from are found (a cluster's); None: cold.
         self.find_pools: Callable[[str], Awaitable[builtins.list[KernelSessionPool]]] | None = None
         self.gateway_id = secrets.token_hex(8)
+        self.offered = offered_egress(self.settings)  # what a client may list in `allow`
         # One create of a default session at a time per client in this process (the
         # others wait and find it); across replicas the name decides (default_name).
         self._default_locks: dict[str, asyncio.Lock] = {}
@@ -297,6 +312,14 @@ class SessionService:
                     field="mcp_servers",
                 )
             spec["mcpServers"] = request.mcp_servers
+        if request.allow:
+            asked = egress.parse_rules(request.allow, field="allow")
+            covering = egress.permitted(asked, self.offered)
+            allow = [
+                {**raw, "addresses": [str(n) for n in by.addresses]} if by.addresses else raw
+                for raw, by in zip(request.allow, covering, strict=True)
+            ]
+            spec["network"] = {"allow": allow}
         if self.pool is not None:  # warm if the pool serves this spec, else cold (and why)
             spec["poolRef"] = {"name": self.pool}
         return kernelsession.validate(

@@ -112,6 +112,26 @@ _MCP_SERVERS_SCHEMA: dict[str, Any] = {
 }
 
 
+_ALLOW_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "host": {"type": "string"},
+                    "ports": {"type": "array", "items": {"type": "integer"}},
+                    "methods": {"type": "array", "items": {"type": "string"}},
+                    "paths": {"type": "array", "items": {"type": "string"}},
+                },
+                "required": ["host"],
+            },
+        },
+        {"type": "null"},
+    ]
+}
+
+
 def _server_policies(value: Any) -> list[dict[str, Any]] | None:
     """create_session's mcp_servers as spec.mcpServers: a plain name is that server with
     the default policy; an object is passed on whole (the policy's own fields are checked
@@ -245,6 +265,19 @@ class SessionTools:
                 )
             ),
         ] = None,
+        allow: Annotated[
+            Any,
+            WithJsonSchema(_ALLOW_SCHEMA),
+            Field(
+                description=(
+                    "Hosts the kernel may reach through the gateway's egress proxy (pip, "
+                    "requests, curl use it unasked), each {host: 'pypi.org' or "
+                    "'*.example.com', ports?: [443], methods?: [...], paths?: ['/v1/']}, "
+                    "within what this gateway lets clients choose; anything else gets a 403 "
+                    "naming why. None: no network at all."
+                )
+            ),
+        ] = None,
     ) -> SessionInfo:
         """Create a new isolated Python session and wait until its kernel is ready: tens of
         milliseconds when the gateway has a kernel of that image and resources ready
@@ -264,6 +297,7 @@ class SessionTools:
                 env=env,
                 shared_group=shared_group,
                 mcp_servers=_server_policies(mcp_servers),
+                allow=allow,
             ),
         )
         self.gateway.prepare(session)  # its first execute_code finds it connected
