@@ -367,8 +367,7 @@ class KernelPods:
         if ready.done() and not ready.cancelled() and ready.exception() is None:
             self._seal(session)
             await self._give_guard(session)
-            if session.spec.egress_rules:
-                await self._tell(session, await self.open_egress(session), "its egress settings")
+            await self.give_egress(session)
             # Variables from Secrets are never in the pod (podman inspect shows its env):
             # every new kernel gets them here, over its sealed channel, before it is Ready.
             # So are its working files, where none is yet (a restart keeps what code wrote).
@@ -397,6 +396,13 @@ class KernelPods:
         name left in its namespace. Errors say how it went, never what was given
         (values may come from Secrets)."""
         await self._tell(session, ksp.claim_program(env, files), "its environment")
+
+    async def give_egress(self, session: KernelSession) -> None:
+        """Serve the session's egress and give its kernel the settings, if it has an
+        allow-list. A pool's kernel gets none: its claim gives it the claiming session's
+        (pools.py), with the values its Secrets hold then."""
+        if session.spec.egress_rules and not pooled(session):
+            await self._tell(session, await self.open_egress(session), "its egress settings")
 
     async def open_egress(self, session: KernelSession) -> str:
         """Serve the session's egress socket (runtimes/local/egress.py); the program that
@@ -517,6 +523,11 @@ class KernelPods:
 
     async def logs(self, session: KernelSession, lines: int = 20) -> str:
         return await self.containers.logs(self.container_name(session), lines)
+
+
+def pooled(session: KernelSession) -> bool:
+    """Whether the session is a pool's kernel, not claimed yet."""
+    return ksp.LABEL_POOL in (session.body["metadata"].get("labels") or {})
 
 
 def userns_flag(idmap: dict[str, int]) -> str:

@@ -6,8 +6,9 @@ never culled. A claim turns one of them into the claiming session in one transac
 of the store (`Store.take`): the row is renamed and takes the session's metadata and
 spec, and keeps its uid (so its directory and lock), its key, its user namespace and
 its pod. Then, holding the kernel's lock, the claim gives the running kernel the
-session's environment over its own shell channel (a silent execute, as code mode's
-module is given) and marks it Ready. Nothing restarts.
+session's egress (a pool's kernel has none: its socket, rules and values from Secrets
+are the claiming session's, read now) and environment over its own shell channel (a
+silent execute, as code mode's module is given) and marks it Ready. Nothing restarts.
 
 A claim that no pool can serve (no such pool, another image or other resources, a
 variable read only at interpreter start, no ready kernel) starts cold, and the
@@ -45,6 +46,7 @@ from mcp_forge.control.poolplan import Member, Trouble, plan
 from mcp_forge.control.poolplan import conditions as pool_conditions
 from mcp_forge.control.poolplan import trouble as pool_trouble
 from mcp_forge.errors import ForgeError, SecretError, SessionNotFound, SessionNotReady
+from mcp_forge.runtimes.local import egress
 
 if TYPE_CHECKING:
     from mcp_forge.runtimes.local.runtime import LocalRuntime
@@ -380,8 +382,10 @@ class Pools:
                 None, ksp.POOL_NOT_FOUND, f"no KernelSessionPool {name!r}: started cold"
             )
         pool = ksp.load(raw)
+        claiming = kernelsession.load(body)
         try:
-            self.runtime.secrets.values(kernelsession.load(body))
+            self.runtime.secrets.values(claiming)
+            egress.values(claiming, lambda secret: self.runtime.secrets.find(secret, namespace))
         except SecretError as exc:  # the cold start fails with it, and says so
             return SessionClaim(None, ksp.CLAIM_FAILED, f"{exc}: not claimed")
         why = ksp.unservable(pool, spec)
@@ -502,7 +506,9 @@ class Pools:
         self.runtime.set_warm_start(session, True, ksp.CLAIMED, message)
 
     async def _give(self, session: KernelSession) -> None:
-        """The session's environment (its Secrets' values too), set in its claimed kernel."""
+        """The session's egress (its values read from its Secrets now) and environment
+        (their values too), set in its claimed kernel."""
+        await self.runtime.give_egress(session)
         env = ksp.claim_env(session, secret_values=self.runtime.secrets.values(session))
         await self.runtime.give_env(session, env, session.spec.files)
         await self.runtime.give_packages(session)

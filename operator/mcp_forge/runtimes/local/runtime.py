@@ -71,7 +71,7 @@ from mcp_forge.runtimes.local import locks, volumes
 from mcp_forge.runtimes.local.containers import Containers
 from mcp_forge.runtimes.local.egress import proxy_name as egress_name
 from mcp_forge.runtimes.local.forks import Forks
-from mcp_forge.runtimes.local.kernelpods import unsealed
+from mcp_forge.runtimes.local.kernelpods import pooled, unsealed
 from mcp_forge.runtimes.local.pools import Pools
 from mcp_forge.runtimes.local.secrets import Secrets
 from mcp_forge.runtimes.local.store import Store
@@ -419,7 +419,8 @@ class LocalRuntime(Forks):
         """Env and files are given to each new kernel before it is Ready (_wait_ready,
         pools.py). Egress too, by the process that started it: a gateway that finds a
         kernel started by another (one before it, or the CLI) serves its socket again."""
-        if not session.spec.egress_rules or egress_name(session) in self.egress.sessions:
+        served = egress_name(session) in self.egress.sessions
+        if not session.spec.egress_rules or served or pooled(session):
             return None
         return await self.open_egress(session)
 
