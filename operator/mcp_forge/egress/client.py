@@ -1,5 +1,6 @@
 """The gateway's side of the egress proxy: start it when a session first needs it, hand it
-each session's socket and rules, and start it again (with every session) if it dies.
+each session's socket and rules, and start it again (with every session) as soon as it dies,
+waiting longer each time while it keeps dying.
 
 The proxy (`server.py`) runs in its own venv, confined like the gateway's other host-side
 work on untrusted input (confine.py: uid 65534, a bubblewrap sandbox, limits, no
@@ -17,6 +18,7 @@ import logging
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,8 @@ log = logging.getLogger(__name__)
 MEMORY = 2 << 30  # address space: mitmproxy's threads and OpenSSL's arenas
 OPEN_FILES = 8192  # a connection holds four: the session's, the relay's pair, the server's
 AUDIT_LINE_MAX = 4096
+RESTART_DELAY_MAX = 60.0  # the longest wait before starting a proxy that keeps dying again
+STEADY = 60.0  # a proxy that ran this long and died is started again at once
 
 
 class EgressUnavailable(ForgeError):
@@ -72,6 +76,9 @@ class EgressProxy:
         self._reader: protocol.Reader | None = None
         self._lock = asyncio.Lock()  # one request and its answer at a time
         self._call_lock = threading.Lock()
+        self._watches: set[asyncio.Task[None]] = set()  # one per process, until it exits
+        self._restart: asyncio.Task[None] | None = None
+        self._restart_delay = 0.0  # before the next start again: 0, then 1 s doubling
 
     async def open(self, name: str, given: Given, listener: socket.socket) -> None:
         """Serve `listener` (bound where the session's pod sees it) for session `name`."""
@@ -100,11 +107,16 @@ class EgressProxy:
             return dict(answer.get("sessions", {}))
 
     async def stop(self) -> None:
+        """End the proxy and every session's listener; nothing starts it again but an open."""
         async with self._lock:
+            listeners = [opened.listener for opened in self.sessions.values()]
+            self.sessions.clear()  # first: a proxy without sessions is not started again
             self._stop_process()
-            for opened in self.sessions.values():
-                opened.listener.close()
-            self.sessions.clear()
+            for task in (self._restart, *self._watches):
+                if task is not None:
+                    task.cancel()
+            for listener in listeners:
+                listener.close()
 
     # ---- the process ---------------------------------------------------------------
 
@@ -160,6 +172,9 @@ class EgressProxy:
         theirs.close()
         self._control, self._reader = ours, protocol.Reader(ours)
         asyncio.create_task(_audit(self._proc))  # noqa: RUF006 (it ends with the process)
+        watch = asyncio.create_task(self._watch(self._proc))
+        self._watches.add(watch)
+        watch.add_done_callback(self._watches.discard)
         try:
             async with asyncio.timeout(self.settings.egress_ready_timeout):
                 ready = await asyncio.to_thread(self._read)
@@ -168,6 +183,40 @@ class EgressProxy:
             raise EgressUnavailable(f"the egress proxy did not start: {exc}") from None
         self.port = int(ready.get("port", 0))
         log.info("egress proxy started (pid %s, port %s)", self._proc.pid, self.port)
+
+    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
+        """When `proc` exits while sessions are open, start the proxy again with them: at
+        once if it had run STEADY seconds, else after a wait doubling from 1 s to 60 s."""
+        started = time.monotonic()
+        code = await proc.wait()
+        if self._proc not in (proc, None) or not self.sessions:
+            return  # replaced by a newer process, or stopped
+        if time.monotonic() - started >= STEADY:
+            self._restart_delay = 0.0
+        log.warning(
+            "egress proxy exited (%s) with %d sessions open: starting it again in %.0f s",
+            code, len(self.sessions), self._restart_delay,
+        )  # fmt: skip
+        if self._restart is None or self._restart.done():
+            self._restart = asyncio.create_task(self._start_again())
+
+    async def _start_again(self) -> None:
+        """Start the proxy again with every open session, until it runs or none is open."""
+        while True:
+            delay = self._restart_delay
+            self._restart_delay = min(max(1.0, 2 * delay), RESTART_DELAY_MAX)
+            await asyncio.sleep(delay)  # the backoff
+            async with self._lock:
+                if self._alive() or not self.sessions:
+                    return
+                try:
+                    await self._running()
+                except EgressUnavailable as exc:
+                    self._stop_process()  # all or nothing: every session, next time
+                    log.warning("egress proxy not started again: %s", exc)
+                    continue
+                log.info("egress proxy started again with %d sessions", len(self.sessions))
+                return
 
     def _stop_process(self) -> None:
         if self._control is not None:
@@ -209,7 +258,7 @@ class EgressProxy:
             async with asyncio.timeout(self.settings.egress_ready_timeout):
                 return await asyncio.to_thread(call)
         except (TimeoutError, OSError, ValueError) as exc:
-            self._stop_process()  # the next open starts it again, with every session
+            self._stop_process()  # _watch starts it again, with every session
             raise EgressUnavailable(f"the egress proxy did not answer: {exc!r}") from None
 
     def _read(self) -> dict[str, Any]:
