@@ -73,6 +73,12 @@ EGRESS = Counter(
     ["event", "verdict"],
 )  # connect, request, tls, dial, limit, unknown, other; allowed, refused, none
 
+EGRESS_BYTES = Counter(
+    "mcpforge_egress_bytes",
+    "Bytes through the egress proxy's session sockets, by direction (out: from kernels).",
+    ["direction"],
+)
+
 # ---- the operator -----------------------------------------------------------------------
 
 RECONCILE_SECONDS = Histogram(

@@ -107,6 +107,7 @@ class Settings:
     # .venv-egress beside the gateway's venv, as .ci/setup makes it).
     egress_python: str = ""
     egress_connections_max: int = 64  # one session's open connections through the proxy
+    egress_bandwidth_max: int = 64 << 20  # bytes a second, per session and direction; 0: none
     egress_ready_timeout: float = 30.0  # the proxy's start, until it listens
     # What an MCP client may list in create_session's `allow`: a JSON list of rules as in
     # spec.network.allow; a client's rule must fall within one ("" = none: only sessions

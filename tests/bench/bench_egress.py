@@ -251,6 +251,7 @@ async def main(runs: int, big_runs: int, tunnels: int) -> None:
             state_dir=tmp / "state",
             egress_resolve=str(table),
             egress_connections_max=tunnels + 8,
+            egress_bandwidth_max=0,  # the proxy's own speed, not the session's bound
         )
         socket_path = tmp / "egress.sock"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

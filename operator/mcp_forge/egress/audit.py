@@ -16,7 +16,7 @@ from typing import Any
 
 from mcp_forge import metrics, tracing
 
-EVENTS = frozenset(("connect", "request", "tls", "dial", "limit", "unknown"))
+EVENTS = frozenset(("connect", "request", "tls", "dial", "limit", "unknown", "closed"))
 _running: dict[str, list[tracing.Context]] = {}  # session "ns/name": its calls' contexts
 _waiting: list[asyncio.Future[None]] = []  # next(): told of the next record
 
@@ -41,6 +41,10 @@ def record(entry: dict[str, Any]) -> None:
     allowed = entry.get("allowed")
     verdict = "allowed" if allowed is True else "refused" if allowed is False else "none"
     metrics.EGRESS.labels(kind, verdict).inc()
+    for direction in ("out", "in"):
+        moved = entry.get(f"bytes_{direction}")
+        if kind == "closed" and isinstance(moved, int) and moved > 0:
+            metrics.EGRESS_BYTES.labels(direction).inc(moved)
     for waiter in _waiting:
         if not waiter.done():
             waiter.set_result(None)
@@ -52,7 +56,19 @@ def record(entry: dict[str, Any]) -> None:
     attributes = {
         f"mcpforge.egress.{k}": v
         for k, v in entry.items()
-        if k in ("host", "port", "allowed", "reason", "method", "path", "added")
+        if k
+        in (
+            "host",
+            "port",
+            "allowed",
+            "reason",
+            "method",
+            "path",
+            "added",
+            "bytes_out",
+            "bytes_in",
+            "seconds",
+        )
         and isinstance(v, str | int | bool)
     }
     tracing.add_event(contexts[-1], f"egress {kind}", attributes)

@@ -145,6 +145,7 @@ class EgressProxy:
             str(self.python), "-I", "-m", "mcp_forge.egress.server",
             "--control-fd", str(theirs.fileno()), "--confdir", str(self.confdir),
             "--connections-max", str(self.settings.egress_connections_max),
+            "--bandwidth-max", str(self.settings.egress_bandwidth_max),
         ]  # fmt: skip
         readable = [self.python.parent.parent]
         for flag, value in (

@@ -28,6 +28,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,9 +45,29 @@ from mcp_forge.api import egress
 from mcp_forge.egress import protocol
 from mcp_forge.egress.addon import Policy, Session
 
-BUFFER = 65536
+BUFFER = 1 << 20  # read at once by the relay: fewer, larger copies through its one thread
 HEAD_MAX = 64 << 10  # a request head's bytes, like nginx's large_client_header_buffers
 HELLO_MAX = 64 << 10  # a TLS ClientHello's bytes (browsers' are a few KiB)
+
+
+class Bucket:
+    """A session's bandwidth in one direction: `rate` bytes a second, a second's worth
+    of burst; 0 is no bound. One event loop: no lock."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self.tokens = float(rate)
+        self.stamp = time.monotonic()
+
+    async def take(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        now = time.monotonic()
+        self.tokens = min(float(self.rate), self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        self.tokens -= n
+        if self.tokens < 0:  # paced: this direction waits its turn, the others go on
+            await asyncio.sleep(-self.tokens / self.rate)
 
 
 @dataclass
@@ -56,6 +77,7 @@ class Relays:
     servers: dict[str, asyncio.Server] = field(default_factory=dict)
     open: dict[str, set[asyncio.StreamWriter]] = field(default_factory=dict)
     counts: dict[str, Counter[str]] = field(default_factory=dict)
+    buckets: dict[str, tuple[Bucket, Bucket]] = field(default_factory=dict)  # out, in
 
 
 class Running:
@@ -80,7 +102,7 @@ class Proxy:
 
     def audit(self, record: dict[str, Any]) -> None:
         name = record.get("session")
-        if isinstance(name, str) and name in self.relays.counts:
+        if isinstance(name, str) and name in self.relays.counts and "allowed" in record:
             verdict = "allowed" if record.get("allowed") else "refused"
             self.relays.counts[name][verdict] += 1
         print(json.dumps(record, separators=(",", ":")), file=sys.stderr, flush=True)
@@ -149,8 +171,10 @@ class Proxy:
         self.policy.sessions[name] = session
         self.relays.counts[name] = Counter()
         self.relays.open[name] = set()
+        rate = self.args.bandwidth_max
+        self.relays.buckets[name] = (Bucket(rate), Bucket(rate))
         self.relays.servers[name] = await asyncio.start_unix_server(
-            lambda r, w: self._relay(name, r, w), sock=listener
+            lambda r, w: self._relay(name, r, w), sock=listener, limit=BUFFER
         )
         return {"ok": True, "port": self.port}
 
@@ -199,14 +223,19 @@ class Proxy:
         open_now.add(writer)
         counts["connections"] += 1
         up_writer = None
+        out, into = self.relays.buckets.get(name) or (Bucket(0), Bucket(0))
+        moved: Counter[str] = Counter()
+        began = time.monotonic()
         try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+            up_reader, up_writer = await asyncio.open_connection(
+                "127.0.0.1", self.port, limit=BUFFER
+            )
             port = up_writer.get_extra_info("sockname")[1]
             self.policy.relayed[port] = name
             try:
                 await asyncio.gather(
-                    _pipe(reader, up_writer, counts, "bytes_out"),
-                    _pipe(up_reader, writer, counts, "bytes_in"),
+                    _pipe(reader, up_writer, (counts, moved), "bytes_out", out),
+                    _pipe(up_reader, writer, (counts, moved), "bytes_in", into),
                 )
             finally:
                 self.policy.relayed.pop(port, None)
@@ -217,15 +246,24 @@ class Proxy:
             writer.close()
             if up_writer is not None:
                 up_writer.close()
+            seconds = round(time.monotonic() - began, 3)
+            self.audit({"event": "closed", "session": name, **moved, "seconds": seconds})
 
 
 async def _pipe(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counts: Counter[str], key: str
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    counts: tuple[Counter[str], ...],
+    key: str,
+    bucket: Bucket,
 ) -> None:
-    """One direction, until its end; the other side then hears the end too."""
+    """One direction, until its end, at the session's pace; the other side then hears
+    the end too."""
     try:
         while data := await reader.read(BUFFER):
-            counts[key] += len(data)
+            for counter in counts:
+                counter[key] += len(data)
+            await bucket.take(len(data))
             writer.write(data)
             await writer.drain()
         if writer.can_write_eof():
@@ -273,6 +311,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--upstream-ca", help="the CA file servers are checked against")
     parser.add_argument("--connections-max", type=int, default=protocol.CONNECTIONS_MAX)
+    parser.add_argument(
+        "--bandwidth-max", type=int, default=0, help="bytes a second per session and direction"
+    )
     return parser.parse_args(argv)
 
 
