@@ -84,13 +84,7 @@ async def run_checks(say: Say) -> bool:
         "apt-get install -y bubblewrap util-linux" if not confined else "",
     )
     await _snapshots(say)
-    proxy = egress_client.default_python()
-    say(
-        f"ok   the egress proxy's Python ({proxy}): sessions may list hosts to reach"
-        if proxy.exists()
-        else f"note no egress proxy ({proxy} is missing; .ci/setup makes .venv-egress): a "
-        "session with spec.network.allow fails to start"
-    )
+    _egress(say)
     dmesg = await _dmesg_readable()
     say(
         "ok   the kernel log is readable: OOM kills are named as such"
@@ -111,6 +105,16 @@ async def run_checks(say: Say) -> bool:
         return ok
     result(*await _session_check(image), conf_fix)
     return ok
+
+
+def _egress(say: Say) -> None:
+    proxy = egress_client.default_python()
+    say(
+        f"ok   the egress proxy's Python ({proxy}): sessions may list hosts to reach"
+        if proxy.exists()
+        else f"note no egress proxy ({proxy} is missing; .ci/setup makes .venv-egress): a "
+        "session with spec.network.allow fails to start"
+    )
 
 
 async def _snapshots(say: Say) -> None:

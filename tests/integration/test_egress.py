@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from egress_standins import PackageIndex, StandIn, TestCA, own_address
+from egress_index import PackageIndex
+from egress_standins import StandIn, TestCA, own_address
 from mcp_forge.api import status as st
 from mcp_forge.egress import audit, protocol
 from mcp_forge.egress.client import EgressProxy, default_python

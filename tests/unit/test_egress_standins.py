@@ -27,15 +27,8 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from egress_standins import (
-    BYTES_MAX,
-    DEFAULT_NAMES,
-    PackageIndex,
-    StandIn,
-    TestCA,
-    build_wheel,
-    own_address,
-)
+from egress_index import PackageIndex, build_wheel
+from egress_standins import BYTES_MAX, DEFAULT_NAMES, StandIn, TestCA, own_address
 
 pytestmark = pytest.mark.servers  # not the fast loop (docs/testing.md)
 

@@ -132,6 +132,21 @@ _ALLOW_SCHEMA: dict[str, Any] = {
 }
 
 
+_MCP_SERVERS_DESCRIPTION = (
+    "Code mode: upstream MCP servers code in this session may call through "
+    '`import mcp_tools`, each a name ("time": all its tools, the default '
+    "policy) or {name, allow?: [glob], deny?: [glob], readOnly?: bool, "
+    "callsPerExecution?: int, callsPerMinute?: int}; names are the gateway's "
+    "configured servers. None: no upstream server."
+)
+_ALLOW_DESCRIPTION = (
+    "Hosts the kernel may reach through the gateway's egress proxy (pip, requests, curl "
+    "use it unasked), each {host: 'pypi.org' or '*.example.com', ports?: [443], "
+    "methods?: [...], paths?: ['/v1/']}, within what this gateway lets clients choose; "
+    "anything else gets a 403 naming why. None: no network at all."
+)
+
+
 def _server_policies(value: Any) -> list[dict[str, Any]] | None:
     """create_session's mcp_servers as spec.mcpServers: a plain name is that server with
     the default policy; an object is passed on whole (the policy's own fields are checked
@@ -255,28 +270,12 @@ class SessionTools:
         mcp_servers: Annotated[
             Any,
             WithJsonSchema(_MCP_SERVERS_SCHEMA),
-            Field(
-                description=(
-                    "Code mode: upstream MCP servers code in this session may call through "
-                    '`import mcp_tools`, each a name ("time": all its tools, the default '
-                    "policy) or {name, allow?: [glob], deny?: [glob], readOnly?: bool, "
-                    "callsPerExecution?: int, callsPerMinute?: int}; names are the gateway's "
-                    "configured servers. None: no upstream server."
-                )
-            ),
+            Field(description=_MCP_SERVERS_DESCRIPTION),
         ] = None,
         allow: Annotated[
             Any,
             WithJsonSchema(_ALLOW_SCHEMA),
-            Field(
-                description=(
-                    "Hosts the kernel may reach through the gateway's egress proxy (pip, "
-                    "requests, curl use it unasked), each {host: 'pypi.org' or "
-                    "'*.example.com', ports?: [443], methods?: [...], paths?: ['/v1/']}, "
-                    "within what this gateway lets clients choose; anything else gets a 403 "
-                    "naming why. None: no network at all."
-                )
-            ),
+            Field(description=_ALLOW_DESCRIPTION),
         ] = None,
     ) -> SessionInfo:
         """Create a new isolated Python session and wait until its kernel is ready: tens of
