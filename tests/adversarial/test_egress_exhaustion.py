@@ -1,0 +1,240 @@
+"""Egress by name (issue 28), the attacks that try to wear the proxy down: more
+connections than a session's bound, garbage on the socket, a request head that never ends,
+a ClientHello that claims 16 MB. The setup (session A, the stand-ins, the proxy with its
+bound lowered to CONNECTIONS_MAX) is egress_support.py's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mcp_forge.egress.client import default_python
+from mcp_forge.gateway.core import Gateway
+from mcp_forge.runtimes.local.runtime import LocalRuntime
+
+from .egress_support import (
+    CONNECTIONS_MAX,
+    SOCKET,
+    Hosts,
+    allowed_still_works,
+    connect,
+    exchange,
+    gw,
+    hosts,
+    kernel_json,
+    proxied,
+    proxy_pid,
+    request,
+    resident,
+    session,
+)
+
+__all__ = ["gw", "hosts", "proxied", "session"]  # fixtures, used by name
+
+pytestmark = [
+    pytest.mark.podman,
+    pytest.mark.skipif(not default_python().exists(), reason=".venv-egress missing: .ci/setup"),
+]
+
+NOISE = random.Random(28)  # garbage, the same in every run
+
+
+# ---- 1. the session's connections are bounded --------------------------------------------
+
+HOLD = r'''
+def _egress_hold(n, authority, timeout=10.0):
+    """Open n connections through the relay, a CONNECT on each, one after the other; keep
+    them (in _egress_held); what each first answered (a status line, or "closed")."""
+    import base64, os, socket, urllib.parse
+    proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"])
+    auth = base64.b64encode(f"{proxy.username}:{proxy.password}".encode()).decode()
+    firsts = []
+    for _ in range(n):
+        s = socket.create_connection((proxy.hostname, proxy.port), timeout=timeout)
+        _egress_held.append(s)
+        try:
+            s.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n"
+                      f"Proxy-Authorization: Basic {auth}\r\n\r\n".encode())
+            data = s.recv(4096)
+        except OSError as e:
+            data = b""
+        firsts.append(data.split(b"\r\n")[0].decode() or "closed")
+    return firsts
+
+def _egress_release():
+    while _egress_held:
+        _egress_held.pop().close()
+
+_egress_held = []
+'''
+
+
+async def test_connections_past_the_bound_are_closed_and_the_session_recovers(
+    proxied: LocalRuntime, gw: Gateway, session: str, hosts: Hosts
+) -> None:
+    """The kernel opens CONNECTIONS_MAX + 4 tunnels and holds them: the first
+    CONNECTIONS_MAX are established, the rest closed at once (and counted); once it lets
+    them go, it has its CONNECTIONS_MAX again."""
+    authority = f"api.test:{hosts.https.port}"
+    before = (await proxied.egress.stats()).get(f"default/{session}", {}).get("over_limit", 0)
+    r = await gw.execute(session, HOLD)
+    assert r.status == "ok", (r.error, r.stderr)
+    code = f"import json; print(json.dumps(_egress_hold({CONNECTIONS_MAX + 4}, {authority!r})))"
+    firsts = await kernel_json(gw, session, code)
+    ok = "HTTP/1.1 200 Connection established"
+    assert firsts == [ok] * CONNECTIONS_MAX + ["closed"] * 4, firsts
+    stats = (await proxied.egress.stats())[f"default/{session}"]
+    assert stats["over_limit"] - before == 4 and stats["open"] == CONNECTIONS_MAX, stats
+    # Let go: the proxy sees each end (through the relay) and counts it down.
+    code = f"""
+import json, time
+_egress_release()
+end, firsts = time.monotonic() + 10, []
+while time.monotonic() < end:
+    firsts = _egress_hold({CONNECTIONS_MAX}, {authority!r})
+    _egress_release()
+    if firsts == [{ok!r}] * {CONNECTIONS_MAX}:
+        break
+    time.sleep(0.05)  # ends still on their way through the relay: ask again
+print(json.dumps(firsts))
+"""
+    assert await kernel_json(gw, session, code) == [ok] * CONNECTIONS_MAX
+    await allowed_still_works(gw, session, hosts)
+
+
+# ---- 2. garbage --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        NOISE.randbytes(8192) + b"\r\n\r\n",
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + NOISE.randbytes(512),
+        b"\x16\x03\x01\x01\xf8\x01\x00\x01\xf4\x03\x03" + NOISE.randbytes(500),  # a TLS hello
+        connect("api.test:{P}").replace(b"\r\n\r\n", b"\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"),
+        request("http://api.test:{P}/echo", *[f"X-{i}: {i}" for i in range(5000)], proxy_auth=True),
+        request("http://api.test:{P}/echo", "X-Nul: a\0b", proxy_auth=True),
+        b"GET http://api.test:{P}/" + b"a" * 600_000 + b" HTTP/1.1\r\n\r\n",
+        b"CONNECT api.test:{P} HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+        b"GET http://api.test:{P}/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Length: 5\r\nProxy-Authorization: Basic @AUTH@\r\n\r\nzz\r\n",
+    ],
+    ids=["random", "h2-preface", "tls-hello", "huge-header", "5000-headers", "nul", "600kb-target",
+         "negative-length", "chunked-and-length"],
+)  # fmt: skip
+async def test_the_proxy_survives_garbage_on_the_socket(
+    proxied: LocalRuntime, gw: Gateway, session: str, hosts: Hosts, garbage: bytes
+) -> None:
+    """Bytes no client sends, straight to the session's socket: whatever the proxy
+    answers, it is not a 5xx of its own, the proxy process is the same one, and an
+    allowed request right after works."""
+    pid = proxy_pid(proxied)
+    got = await exchange(
+        gw, session, garbage.replace(b"{P}", str(hosts.plain.port).encode()), via=SOCKET
+    )
+    status = got[0].get("status", 0)
+    server = got[0].get("headers", {}).get("server", "")
+    assert not (status >= 500 and "mitmproxy" in server), got
+    assert proxy_pid(proxied) == pid
+    await allowed_still_works(gw, session, hosts)
+    assert not hosts.decoy.requests
+
+
+@pytest.mark.parametrize(
+    ("before", "start"),
+    [
+        ("", "GET http://api.test/ HTTP/1.1"),
+        ("", "CONNECT api.test:{P} HTTP/1.1"),
+        ("api.test:{P}", "GET / HTTP/1.1\r\nHost: api.test:{P}"),
+    ],
+    ids=["plain", "connect", "inside-a-tunnel"],
+)
+async def test_a_request_head_that_never_ends_is_bounded(
+    proxied: LocalRuntime, gw: Gateway, session: str, hosts: Hosts, before: str, start: str
+) -> None:
+    """96 MB of header lines and never the blank line, straight to the session's socket (a
+    plain request's head, a CONNECT's, or a head inside an allowed tunnel): the proxy
+    answers 431 and closes after 64 KiB, its resident memory grows by less than 8 MB, and
+    it serves the session afterwards."""
+    names = {"P": hosts.plain.port}
+    tunnel = connect(before.format(**names)).decode() if before else ""
+    head = start.format(**names) + (
+        "\r\n" if before else "\r\nProxy-Authorization: Basic @AUTH@\r\n"
+    )
+    pid = proxy_pid(proxied)
+    rss = resident(pid)
+    code = f"""
+import base64, json, os, select, socket, urllib.parse
+proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"])
+auth = base64.b64encode(f"{{proxy.username}}:{{proxy.password}}".encode()).decode()
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(10)
+s.connect({SOCKET!r})
+if {tunnel!r}:
+    s.sendall({tunnel!r}.replace("@AUTH@", auth).encode())
+    assert s.recv(65536).startswith(b"HTTP/1.1 200"), "no tunnel"
+s.sendall({head!r}.replace("@AUTH@", auth).encode())
+chunk = (b"X-Filler: " + b"a" * 1000 + b"\\r\\n") * 64
+sent, out, answer = 0, "sent", b""
+try:  # as curl does: stop sending once an answer is there
+    while sent < 96 << 20 and not select.select([s], [], [], 0)[0]:
+        s.sendall(chunk)
+        sent += len(chunk)
+except OSError as e:
+    out = type(e).__name__
+try:
+    while data := s.recv(65536):
+        answer += data
+except OSError:
+    pass
+s.close()
+print(json.dumps([out, sent, answer[:200].decode("latin-1")]))
+"""
+    outcome, sent, answer = await kernel_json(gw, session, code)
+    grown = resident(pid) - rss
+    assert grown < 8 << 20, f"{outcome} after {sent >> 20} MB: the proxy grew {grown >> 20} MB"
+    assert sent < 16 << 20, (outcome, sent, answer)
+    assert answer.startswith("HTTP/1.1 431 "), (outcome, sent, answer)
+    assert proxy_pid(proxied) == pid
+    await allowed_still_works(gw, session, hosts)
+
+
+async def test_a_client_hello_that_claims_16_mb_is_refused_unbuffered(
+    proxied: LocalRuntime, gw: Gateway, session: str, hosts: Hosts
+) -> None:
+    """CONNECT api.test, then a TLS handshake record saying its ClientHello is 16 MB, and
+    the 16 MB in records: the proxy stops reading long before the end (it would buffer it
+    all and parse it again on each read, 40 s of its one thread and 62 MB), grows by less
+    than 8 MB, and serves the session afterwards."""
+    pid = proxy_pid(proxied)
+    rss = resident(pid)
+    code = f"""
+import base64, json, os, socket, struct, urllib.parse
+proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"])
+auth = base64.b64encode(f"{{proxy.username}}:{{proxy.password}}".encode()).decode()
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(10)
+s.connect({SOCKET!r})
+s.sendall({connect(f"api.test:{hosts.https.port}").decode()!r}.replace("@AUTH@", auth).encode())
+assert s.recv(65536).startswith(b"HTTP/1.1 200"), "no tunnel"
+size = (16 << 20) - 8
+hello = b"\\x01" + size.to_bytes(3, "big") + b"\\x03\\x03" + bytes(size - 2)
+sent, out = 0, "sent"
+try:
+    for i in range(0, len(hello), 16000):
+        part = hello[i : i + 16000]
+        s.sendall(b"\\x16\\x03\\x01" + struct.pack("!H", len(part)) + part)
+        sent += len(part)
+except OSError as e:
+    out = type(e).__name__
+s.close()
+print(json.dumps([out, sent]))
+"""
+    outcome, sent = await kernel_json(gw, session, code)
+    grown = resident(pid) - rss
+    assert sent < 4 << 20, (outcome, sent)
+    assert grown < 8 << 20, f"{outcome} after {sent >> 20} MB: the proxy grew {grown >> 20} MB"
+    assert proxy_pid(proxied) == pid
+    await allowed_still_works(gw, session, hosts)
