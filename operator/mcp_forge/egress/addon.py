@@ -31,15 +31,18 @@ import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote, quote_plus
 
 from mitmproxy import connection, ctx, http, tls
 from mitmproxy.net.http import url
 
 from mcp_forge.api import egress
-from mcp_forge.egress.protocol import PROXY_USER
+from mcp_forge.egress.protocol import PLACEHOLDER, PROXY_USER
 
 Audit = Callable[[dict[str, Any]], None]
 REASON_MAX = 200  # a reason phrase is one short line
+_ADDED = "mcpforge_added"  # a flow's metadata: the values added to its request
+_ECHOING = ("Location", "Content-Location", "Link", "Refresh")
 RESOLVE_TIMEOUT = 5.0
 
 
@@ -76,10 +79,16 @@ class Policy:
         audit: Audit,
         resolve_table: dict[str, list[str]] | None = None,
         cluster: Iterable[egress.Network] = (),
+        relayed_only: bool = True,
     ) -> None:
         self.audit = audit
         self.sessions: dict[str, Session] = {}  # by name
         self.relayed: dict[int, str] = {}  # a relayed connection's local port: its session
+        # A client connection's session, fixed at its first request: the relay may have
+        # let go of its port while mitmproxy still reads what it sent.
+        self.bound: dict[str, str] = {}
+        # Local mode: only connections through a session's socket speak for a session.
+        self.relayed_only = relayed_only
         self.clients: dict[str, Tunnel] = {}  # by mitmproxy's client connection id
         self.resolve_table = resolve_table  # tests only: names to this machine's addresses
         self.cluster = tuple(cluster)
@@ -101,11 +110,17 @@ class Policy:
         token = self._credential(flow)
         if token is None:
             return None
-        port = flow.client_conn.peername[1] if flow.client_conn.peername else None
-        relayed = self.relayed.get(port) if port is not None else None
+        relayed = self.bound.get(flow.client_conn.id)
+        if relayed is None:
+            port = flow.client_conn.peername[1] if flow.client_conn.peername else None
+            relayed = self.relayed.get(port) if port is not None else None
+            if relayed is not None:
+                self.bound[flow.client_conn.id] = relayed
         if relayed is not None:  # it came through a session's socket: that session only
             found = self.sessions.get(relayed)
             candidates = [found] if found is not None else []
+        elif self.relayed_only:
+            candidates = []
         else:
             candidates = list(self.sessions.values())
         for session in candidates:
@@ -178,17 +193,32 @@ class Policy:
         """A request in a tunnel the proxy reads: held to its rules' methods and paths,
         then given the values its rule adds (replacing what the kernel sent)."""
         session, method, path = tunnel.session, flow.request.method, flow.request.path
-        verdict = egress.check_request(session.rules, tunnel.host, tunnel.port, method, path)
+        # Only rules under which the pinned address may be dialled speak for the request.
+        rules = [
+            r
+            for r in session.rules
+            if egress.check_address(tunnel.address, r, self.cluster).allowed
+        ]
+        verdict = egress.check_request(rules, tunnel.host, tunnel.port, method, path)
         if not verdict.allowed:
             return self._refuse(flow, session, "request", tunnel.host, tunnel.port, verdict)
         shown = {"method": method, "path": path[:200]}  # before a value joins the query
-        rule = egress.injections(session.rules, tunnel.host, tunnel.port, method, path)
+        rule = egress.injections(rules, tunnel.host, tunnel.port, method, path)
+        if rule is not None and not flow.client_conn.tls_established:
+            why = egress.Verdict(
+                False, f"refused: {rule.label()} adds values, sent over TLS only (this is plain)"
+            )
+            return self._refuse(flow, session, "request", tunnel.host, tunnel.port, why)
+        added_values = []
         for i, injection in enumerate(rule.inject if rule else ()):
             value = session.values.get((rule.number if rule else 0, i))
             if value is None:
                 why = egress.Verdict(False, f"refused: no value for {injection.kind} {i + 1}")
                 return self._refuse(flow, session, "request", tunnel.host, tunnel.port, why)
             _add(flow.request, injection, value)
+            added_values.append(value)
+        if added_values:
+            flow.metadata[_ADDED] = added_values  # kept out of what the kernel reads back
         added = len(rule.inject) if rule else 0
         self._log(
             session, "request", tunnel.host, tunnel.port, True, verdict.reason,
@@ -260,8 +290,23 @@ class Policy:
         elif tunnel.intercept:
             data.server.sni = tunnel.host  # the name the server's certificate must carry
 
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        """A value added to a request does not come back in the headers that repeat its
+        URL (a redirect keeping the query): it reads as a placeholder, which the proxy
+        replaces again if the kernel follows it."""
+        added = flow.metadata.get(_ADDED)
+        if not added or flow.response is None:
+            return
+        forms = {f for v in added for f in (v, quote(v, safe=""), quote_plus(v))}
+        for name in _ECHOING:
+            values = flow.response.headers.get_all(name)
+            clean = [_without(v, forms) for v in values]
+            if clean != values:
+                flow.response.headers.set_all(name, clean)
+
     def client_disconnected(self, client: connection.Client) -> None:
         self.clients.pop(client.id, None)
+        self.bound.pop(client.id, None)
 
     # ---- names and addresses -------------------------------------------------------
 
@@ -373,6 +418,12 @@ def _add(request: http.Request, injection: egress.Injection, value: str) -> None
     else:
         basic = base64.b64encode(f"{injection.name}:{value}".encode()).decode()
         request.headers["Authorization"] = f"Basic {basic}"
+
+
+def _without(text: str, forms: set[str]) -> str:
+    for form in forms:
+        text = text.replace(form, PLACEHOLDER)
+    return text
 
 
 def _printable(text: str) -> str:

@@ -163,14 +163,19 @@ class EgressProxy:
             limits=confine.Limits(memory=MEMORY, open_files=OPEN_FILES),
             what="the egress proxy",
         )
-        self._proc = await asyncio.create_subprocess_exec(
-            *wrapped,
-            pass_fds=(theirs.fileno(),),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        theirs.close()
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *wrapped,
+                pass_fds=(theirs.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self._control, self._reader = ours, protocol.Reader(ours)
         asyncio.create_task(_audit(self._proc))  # noqa: RUF006 (it ends with the process)
         watch = asyncio.create_task(self._watch(self._proc))
@@ -212,7 +217,7 @@ class EgressProxy:
                     return
                 try:
                     await self._running()
-                except EgressUnavailable as exc:
+                except Exception as exc:
                     self._stop_process()  # all or nothing: every session, next time
                     log.warning("egress proxy not started again: %s", exc)
                     continue
@@ -249,6 +254,10 @@ class EgressProxy:
         control = self._control
         if control is None:
             raise EgressUnavailable("the egress proxy is not running")
+        try:
+            protocol.encoded(message)  # too large is this message's fault, not the proxy's
+        except ValueError as exc:
+            raise EgressUnavailable(f"the egress proxy was not asked: {exc}") from None
 
         def call() -> dict[str, Any]:
             with self._call_lock:

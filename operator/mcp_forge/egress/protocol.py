@@ -18,7 +18,11 @@ RELAY_PORT = 3128
 # The session's socket as the pod sees it, below the run directory's mount.
 SOCKET_NAME = "egress.sock"
 PROXY_USER = "session"
-MESSAGE_MAX = 1 << 20  # one control message (a session's rules are at most 64 small rules)
+# What a value added on the way out reads as where a server repeats it (a redirect).
+PLACEHOLDER = "mcp-forge-egress-value"
+# One control message: the largest session fits (64 rules of 16 paths of 1 KiB, 4 values
+# of 8 KiB each: about 3.2 MiB as JSON).
+MESSAGE_MAX = 8 << 20
 CONNECTIONS_MAX = 64  # open connections of one session through the proxy
 _TOKEN_CONTEXT = b"mcp-forge egress proxy credential v1"
 
@@ -39,11 +43,17 @@ def proxy_env(token: str, port: int = RELAY_PORT) -> dict[str, str]:
     return {**env, **{k.lower(): v for k, v in env.items()}}
 
 
-def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
-    """One message, with descriptors (SCM_RIGHTS) when given. A blocking socket."""
+def encoded(message: dict[str, Any]) -> bytes:
+    """A message as sent: one JSON line. ValueError past MESSAGE_MAX."""
     data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
     if len(data) > MESSAGE_MAX:
         raise ValueError(f"control message of {len(data)} bytes, over {MESSAGE_MAX}")
+    return data
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    """One message, with descriptors (SCM_RIGHTS) when given. A blocking socket."""
+    data = encoded(message)
     if fds:
         socket.send_fds(sock, [data], fds)
     else:

@@ -118,6 +118,10 @@ class Proxy:
             stream_large_bodies="256k",
             onboarding=False,
             http2=False,
+            # Never relay bytes unread because they look like neither TLS nor HTTP: a
+            # ClientHello in a record version mitmproxy does not know, or HTTP after a
+            # blank line, would pass every check unseen. Such bytes get HTTP's 400.
+            rawtcp=False,
         )
         if self.args.upstream_ca:
             opts.update(ssl_verify_upstream_trusted_ca=self.args.upstream_ca)
@@ -173,9 +177,14 @@ class Proxy:
         self.relays.open[name] = set()
         rate = self.args.bandwidth_max
         self.relays.buckets[name] = (Bucket(rate), Bucket(rate))
-        self.relays.servers[name] = await asyncio.start_unix_server(
-            lambda r, w: self._relay(name, r, w), sock=listener, limit=BUFFER
-        )
+        try:
+            self.relays.servers[name] = await asyncio.start_unix_server(
+                lambda r, w: self._relay(name, r, w), sock=listener, limit=BUFFER
+            )
+        except OSError as exc:
+            listener.close()
+            await self._close(name)
+            return {"ok": False, "error": f"serving the session's socket: {exc}"}
         return {"ok": True, "port": self.port}
 
     def _certstore(self, ca: Any) -> Any:
@@ -195,6 +204,7 @@ class Proxy:
         for writer in self.relays.open.pop(name, set()):
             writer.close()
         self.relays.counts.pop(name, None)
+        self.relays.buckets.pop(name, None)
 
     def _stats(self) -> dict[str, dict[str, int]]:
         return {

@@ -59,7 +59,8 @@ from mcp_forge.api.connection import (
 from mcp_forge.api.kernelsession import KernelSession, parse_quantity
 from mcp_forge.api.status import stamp
 from mcp_forge.control.lifecycle import USER_SUSPENDED
-from mcp_forge.egress.client import EgressProxy
+from mcp_forge.egress.client import EgressProxy, EgressUnavailable
+from mcp_forge.egress.protocol import SOCKET_NAME
 from mcp_forge.errors import (
     ImageError,
     InvalidSession,
@@ -405,7 +406,10 @@ class LocalRuntime(Forks):
         if session.spec.retain_workspace:
             self._retain(session)
         self.store.delete(session.namespace, session.name)
-        await self.egress.close(egress_name(session))
+        try:
+            await self.egress.close(egress_name(session))
+        except EgressUnavailable as exc:  # the proxy forgets it as it restarts
+            log.warning("session %s: closing its egress: %s", session.name, exc)
         await asyncio.to_thread(shutil.rmtree, self._dir(session), True)
         if ksp.ANNOTATION_CLAIMED_FROM in (session.body["metadata"].get("annotations") or {}):
             self.pools.wanted.set()  # a pool at its maximum may start one again
@@ -419,10 +423,22 @@ class LocalRuntime(Forks):
         """Env and files are given to each new kernel before it is Ready (_wait_ready,
         pools.py). Egress too, by the process that started it: a gateway that finds a
         kernel started by another (one before it, or the CLI) serves its socket again."""
-        served = egress_name(session) in self.egress.sessions
-        if not session.spec.egress_rules or served or pooled(session):
+        if not session.spec.egress_rules or pooled(session) or self._egress_served(session):
             return None
         return await self.open_egress(session)
+
+    def _egress_served(self, session: KernelSession) -> bool:
+        """Does this process serve the session's socket, the one at its path now (another
+        process that restarted the kernel bound a socket of its own there)?"""
+        opened = self.egress.sessions.get(egress_name(session))
+        if opened is None:
+            return False
+        path = Path(self.host_paths(session).run) / SOCKET_NAME
+        try:
+            here, ours = path.stat(), os.fstat(opened.listener.fileno())
+        except OSError:
+            return False
+        return (here.st_dev, here.st_ino) == (ours.st_dev, ours.st_ino)
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return self.containers.memory_usage(sessions)
