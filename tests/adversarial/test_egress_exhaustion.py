@@ -6,10 +6,12 @@ bound lowered to CONNECTIONS_MAX) is egress_support.py's.
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
+from mcp_forge.egress import audit
 from mcp_forge.egress.client import default_python
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.runtimes.local.runtime import LocalRuntime
@@ -87,20 +89,22 @@ async def test_connections_past_the_bound_are_closed_and_the_session_recovers(
     assert firsts == [ok] * CONNECTIONS_MAX + ["closed"] * 4, firsts
     stats = (await proxied.egress.stats())[f"default/{session}"]
     assert stats["over_limit"] - before == 4 and stats["open"] == CONNECTIONS_MAX, stats
-    # Let go: the proxy sees each end (through the relay) and counts it down.
-    code = f"""
-import json, time
-_egress_release()
-end, firsts = time.monotonic() + 10, []
-while time.monotonic() < end:
-    firsts = _egress_hold({CONNECTIONS_MAX}, {authority!r})
-    _egress_release()
-    if firsts == [{ok!r}] * {CONNECTIONS_MAX}:
-        break
-    time.sleep(0.05)  # ends still on their way through the relay: ask again
-print(json.dumps(firsts))
-"""
+    # Let go: the proxy sees each end (through the relay) and counts it down; each end is
+    # a record of the proxy's, waited for here.
+    r = await gw.execute(session, "_egress_release()")
+    assert r.status == "ok", (r.error, r.stderr)
+
+    async def still_open() -> int:
+        return int((await proxied.egress.stats())[f"default/{session}"]["open"])
+
+    async with asyncio.timeout(10):
+        while await still_open():
+            waiter = audit.next_record()
+            if await still_open():
+                await waiter
+    code = f"import json; print(json.dumps(_egress_hold({CONNECTIONS_MAX}, {authority!r})))"
     assert await kernel_json(gw, session, code) == [ok] * CONNECTIONS_MAX
+    await gw.execute(session, "_egress_release()")
     await allowed_still_works(gw, session, hosts)
 
 

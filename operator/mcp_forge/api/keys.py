@@ -105,7 +105,7 @@ class BridgeCert:
 def new_bridge_cert(name: str) -> BridgeCert:
     """A self-signed certificate for one session's bridge (`name` goes in its subject)."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -130,14 +130,7 @@ def new_bridge_cert(name: str) -> BridgeCert:
         .add_extension(x509.SubjectAlternativeName([x509.DNSName("kernel")]), critical=False)
         .sign(key, hashes.SHA256())
     )
-    return BridgeCert(
-        cert.public_bytes(serialization.Encoding.PEM).decode("ascii"),
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        ).decode("ascii"),
-    )
+    return _pem(cert, key)
 
 
 def check_bridge_cert(bridge: BridgeCert, where: str) -> None:
@@ -227,7 +220,7 @@ def new_egress_ca(name: str) -> BridgeCert:
     the kernel for destinations it adds secrets to; the kernel trusts its certificate and
     never holds its key. A CA for leaves only (path length 0), EC P-256."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
@@ -252,6 +245,13 @@ def new_egress_ca(name: str) -> BridgeCert:
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
+    return _pem(cert, key)
+
+
+def _pem(cert: Any, key: Any) -> BridgeCert:
+    """A certificate and its private key (PKCS#8, unencrypted), as PEM text."""
+    from cryptography.hazmat.primitives import serialization
+
     return BridgeCert(
         cert.public_bytes(serialization.Encoding.PEM).decode("ascii"),
         key.private_bytes(
