@@ -117,6 +117,10 @@ class Settings:
     # the CA that the servers behind them are checked against.
     egress_resolve: str = ""
     egress_upstream_ca: str = ""
+    # A cluster's egress proxy (manifests/base/common/egress.yaml): the namespace of its
+    # Service, where the operator writes each session's grant, and the Service's name.
+    egress_namespace: str = "mcp-forge-egress"
+    egress_service: str = "mcp-forge-egress"
 
     @classmethod
     def from_env(cls) -> Settings:

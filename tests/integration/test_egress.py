@@ -13,7 +13,6 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
-import hashlib
 import json
 import secrets
 import socket
@@ -27,6 +26,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from egress_index import PackageIndex
+from egress_kernel import holding_search
 from egress_standins import StandIn, TestCA, own_address
 from mcp_forge.api import status as st
 from mcp_forge.egress import audit, protocol
@@ -354,39 +354,7 @@ with urllib.request.urlopen(request, context=ssl.create_default_context(), timeo
     assert f"key={VALUE}" in seen.path and "forged" not in seen.path and "x=1" in seen.path
     assert seen.server_name == "files.test"  # re-encrypted to the host, by its name
     # The kernel knows the value's first half and its digest, never the value.
-    half, digest = VALUE[:16], hashlib.sha256(VALUE.encode()).hexdigest()
-    search = f"""
-import hashlib, os, re
-half, digest, size = {half!r}.encode(), {digest!r}, {len(VALUE)}
-def holds(data):
-    return any(hashlib.sha256(data[i:i + size]).hexdigest() == digest
-               for i in (m.start() for m in re.finditer(re.escape(half), data)))
-found = []
-if holds("\\0".join(f"{{k}}={{v}}" for k, v in os.environ.items()).encode()):
-    found.append("environ")
-for top in ("/workspace", "/tmp"):
-    for root, _, files in os.walk(top):
-        for f in files:
-            try:
-                with open(os.path.join(root, f), "rb") as h:
-                    if holds(h.read(50_000_000)):
-                        found.append(os.path.join(root, f))
-            except OSError:
-                pass
-with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
-    for line in maps:
-        span, perms = line.split()[:2]
-        if "r" not in perms or line.rstrip().endswith(("[vvar]", "[vsyscall]")):
-            continue
-        start, end = (int(x, 16) for x in span.split("-"))
-        try:
-            mem.seek(start)
-            if holds(mem.read(end - start)):
-                found.append("memory " + span)
-        except (OSError, ValueError, OverflowError):
-            pass
-print(found)
-"""
+    search = holding_search(VALUE)
     r = await gw.execute(session, search, timeout=120)
     assert r.status == "ok", (r.error, r.stderr)
     assert r.stdout.strip() == "[]", r.stdout

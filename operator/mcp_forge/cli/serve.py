@@ -262,3 +262,47 @@ def operator(
     finally:
         if exporter is not None:
             exporter.close()
+
+
+@main.command("egress-feeder")
+@click.option(
+    "--namespace",
+    default="mcp-forge-egress",
+    show_default=True,
+    help="Where the operator writes the sessions' grants (the proxy's own namespace).",
+)
+@click.option(
+    "--control-socket", required=True, help="The egress proxy's control socket (a Unix path)."
+)
+@click.option("--audit-socket", default=None, help="The proxy's audit socket, to count verdicts.")
+@_METRICS_OPTION
+def egress_feeder(
+    namespace: str, control_socket: str, audit_socket: str | None, metrics_at: str | None
+) -> None:
+    """Tell a cluster's egress proxy its sessions (run beside it, in its pod).
+
+    Lists and watches the grants (Secrets labelled mcpforge.dev/egress-grant) that the
+    operator writes in NAMESPACE and sends each to the proxy (egress/feeder.py).
+    """
+    from pathlib import Path
+
+    from mcp_forge.clients.kube import Kube
+    from mcp_forge.egress import feeder
+
+    exporter = None
+    if metrics_at is not None:
+        from mcp_forge.metrics import MetricsServer
+
+        host, port = _endpoint(metrics_at, any_port=True)
+        exporter = MetricsServer(host, port)
+        click.echo(f"Prometheus metrics at http://{host}:{exporter.port}/metrics", err=True)
+    try:
+        feeder.run(
+            Kube(), namespace, Path(control_socket), Path(audit_socket) if audit_socket else None
+        )
+    except ForgeError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    finally:
+        if exporter is not None:
+            exporter.close()

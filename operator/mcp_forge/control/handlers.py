@@ -81,6 +81,18 @@ async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -
     reconciler = Reconciler(kube, config)
     memo.reconciler = reconciler
     memo.scheduler = asyncio.create_task(reconciler.run(), name="mcp-forge deadlines")
+    memo.sweep = asyncio.create_task(_sweep_grants(reconciler), name="mcp-forge egress grants")
+
+
+async def _sweep_grants(reconciler: Reconciler) -> None:
+    """Grants left by sessions deleted while no operator ran (control/egress.py)."""
+    try:
+        removed = await asyncio.to_thread(reconciler.egress.sweep)
+    except ApiError as exc:  # no proxy installed (its namespace is not there), or no right
+        log.info("egress grants not swept: %s", exc)
+        return
+    if removed:
+        log.info("%d egress grants of deleted sessions removed", removed)
 
 
 @kopf.on.cleanup()
@@ -118,6 +130,12 @@ async def session_event(
         return
     reconciler, ns = _reconciler(memo), namespace or "default"
     reconciler.forget(ns, name)
+    if ((body.get("spec") or {}).get("network") or {}).get("allow"):
+        try:  # its grant with the egress proxy (control/egress.py)
+            await asyncio.to_thread(reconciler.egress.remove, ns, name, known=True)
+        except ApiError as exc:
+            log.warning("the egress grant of %s/%s is left (%s): removed at the next start",
+                        ns, name, exc)  # fmt: skip
     await _release(reconciler, ns)
     # A session that claimed a kernel counted against its pool's maxSize until now,
     # whichever pod ran it (a replaced one carries no claimed-from label to be heard).

@@ -28,6 +28,7 @@ from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART
 from mcp_forge.control import workspace as ws
+from mcp_forge.control.egress import EgressUnavailable
 from mcp_forge.control.lifecycle import (
     Activity,
     Kernel,
@@ -46,6 +47,7 @@ from mcp_forge.control.render import (
     connection_secret_of,
     secret_name,
 )
+from mcp_forge.errors import SecretError
 
 if TYPE_CHECKING:
     from mcp_forge.control.reconciler import Reconciler
@@ -150,6 +152,8 @@ def realize(
     p = begin(r, session, body, old, generation, now)
     if p is None:
         return Outcome(gone=True)
+    if not session.spec.egress_rules:  # an allow-list taken away: its grant goes
+        r.egress.remove(session.namespace, session.name)
     if p.stop is not None:
         stop_kernel(r, p)
     elif p.pod is None:
@@ -223,15 +227,20 @@ def stop_kernel(r: Reconciler, p: Pass) -> None:
 
 def start_kernel(r: Reconciler, p: Pass) -> None:
     """No kernel pod: the first one may be claimed warm from the pool; else it is made
-    (the Secret completed first if an older operator left it without keys)."""
+    (the Secret completed first if an older operator left it without keys). A session
+    with an allow-list starts cold, once its grant is with the egress proxy."""
     session, old, want_pod = p.session, p.old, p.found.want_pod
     ns = session.namespace
-    if session.spec.pool and not old.get("kernelId"):  # the first kernel: a warm start?
+    egress = bool(session.spec.egress_rules)
+    if session.spec.pool and not old.get("kernelId") and not egress:  # a warm start?
         template = want_pod["metadata"]["annotations"][TEMPLATE_HASH]
         p.claim = r.pools.claim(session, template, p.found.pool)
         p.pod = p.claim.pod
     if p.pod is None:
-        complete = r._own_secret(session, p.found.secret, fresh=p.fresh)
+        if egress and r.egress_route(session) is None:
+            return _waiting(p, "EgressUnavailable", egress_missing(r))
+        secret = p.found.secret
+        complete = r._own_secret(session, secret, fresh=p.fresh)
         if complete is not None:
             log.info(
                 "adding the Curve pair and the bridge certificate to the Secret of %s/%s "
@@ -239,7 +248,14 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
                 ns,
                 session.name,
             )
-            r.kube.patch("Secret", ns, secret_name(session), complete)
+            secret = r.kube.patch("Secret", ns, secret_name(session), complete)
+        if egress:
+            try:
+                r.egress.ensure(session, secret or r.kube.get("Secret", ns, secret_name(session)))
+            except SecretError as exc:  # a Secret its rules name: no kernel without it
+                p.seen = Observation(st.FAILED, exc.reason, str(exc))
+                p.due.append(p.now + STARTING_RECHECK)
+                return
         p.pod, _ = r.kube.ensure(want_pod, likely_new=p.fresh)
     pod = p.pod
     if pod["metadata"].get("uid") != old.get("kernelId"):
@@ -254,6 +270,20 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
     p.due.append(p.now + STARTING_RECHECK)
 
 
+def _waiting(p: Pass, reason: str, message: str) -> None:
+    """No kernel pod yet, for a reason that may pass: looked at again soon."""
+    p.seen = Observation(st.PENDING, reason, message)
+    p.due.append(p.now + STARTING_RECHECK)
+
+
+def egress_missing(r: Reconciler) -> str:
+    try:
+        r.egress.route()
+    except EgressUnavailable as exc:
+        return str(exc)
+    return "the egress proxy's Service has no address yet"
+
+
 def follow_kernel(r: Reconciler, p: Pass) -> None:
     """A kernel pod: what it shows, its death (lastTermination), and the lifecycle's plan
     for it (replace it, wait out a crash loop's backoff, restart it on request)."""
@@ -261,6 +291,11 @@ def follow_kernel(r: Reconciler, p: Pass) -> None:
     assert pod is not None
     if pod["metadata"]["name"] == child_name(session):  # not a claimed one
         r._own_secret(session, p.found.secret, fresh=p.fresh)
+        if session.spec.egress_rules and p.found.secret is not None:
+            try:  # a value changed in its Secret reaches the proxy
+                r.egress.ensure(session, p.found.secret)
+            except SecretError as exc:  # the grant as it was stays
+                log.warning("egress grant of %s/%s kept: %s", session.namespace, session.name, exc)
     uid = pod["metadata"].get("uid")
     if uid != old.get("kernelId"):  # made by a reconcile whose status write was lost
         p.kernel_gen += 1

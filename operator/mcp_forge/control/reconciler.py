@@ -12,7 +12,9 @@ control/handlers.py.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +26,7 @@ from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
 from mcp_forge.api.connection import ConnectionInfo, new_key
 from mcp_forge.api.kernelsession import KernelSession
-from mcp_forge.api.keys import new_bridge_cert, new_curve_keys, usable_keys
+from mcp_forge.api.keys import new_bridge_cert, new_curve_keys, new_egress_ca, usable_keys
 from mcp_forge.api.status import stamp
 from mcp_forge.clients.kube import (
     Kube,
@@ -35,6 +37,7 @@ from mcp_forge.control import events
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.answers import Answers
 from mcp_forge.control.baseline import Baseline
+from mcp_forge.control.egress import EgressUnavailable, Grants
 from mcp_forge.control.poolkeeper import PoolKeeper, Seen
 from mcp_forge.control.realize import Children, Outcome, host_of, realize
 from mcp_forge.control.render import (
@@ -45,7 +48,9 @@ from mcp_forge.control.render import (
     render_workspace_claim,
     secret_name,
 )
+from mcp_forge.control.render_egress import Route, ca_of
 from mcp_forge.control.schedule import Key, Scheduler
+from mcp_forge.egress import grant
 from mcp_forge.errors import ApiError, InvalidSession
 from mcp_forge.settings import Settings
 
@@ -80,6 +85,7 @@ class Reconciler:
         self._locks: dict[Key, asyncio.Lock] = {}
         self.schedule = Scheduler(self._one, settings.operator_resync)
         self.answers = Answers(kube, self.poke)
+        self.egress = Grants(kube, settings)
         self._calls = concurrent.futures.ThreadPoolExecutor(CALLS, "mcp-forge-api")
         # Workspace claims the API server refused to grow: (namespace, name) -> (size
         # asked, when, the condition said), so a refusal is asked again only now and then.
@@ -397,6 +403,10 @@ class Reconciler:
         """Secret, Service, NetworkPolicy and Pod; the Secret's keys kept from `secret`,
         new where it has none."""
         curve, bridge = usable_keys(connection_file_of(secret) or {})
+        name = f"{session.namespace}/{session.name}"
+        ca = None
+        if grant.reads_requests(session):
+            ca = ca_of(_egress_data(secret)) or new_egress_ca(name)
         return self._rendered(
             session,
             ConnectionInfo(
@@ -404,18 +414,33 @@ class Reconciler:
                 host_of(session),
                 key_of(secret) or new_key(),
                 curve or new_curve_keys(),
-                bridge or new_bridge_cert(f"{session.namespace}/{session.name}"),
+                bridge or new_bridge_cert(name),
             ),
+            ca,
         )
 
-    def _rendered(self, session: KernelSession, conn: ConnectionInfo) -> list[dict[str, Any]]:
+    def _rendered(
+        self, session: KernelSession, conn: ConnectionInfo, egress_ca: Any = None
+    ) -> list[dict[str, Any]]:
         return render_kubernetes(
             session,
             conn,
             gateway_namespace=self.settings.gateway_namespace or None,
             runtime_class=self.settings.runtime_class or None,
             seccomp_profile=self.settings.seccomp_profile or None,
+            egress=self.egress_route(session),
+            egress_ca=egress_ca,
         )
+
+    def egress_route(self, session: KernelSession) -> Route | None:
+        """Where the egress proxy is, for a session with an allow-list (None: no list, or
+        no proxy installed: such a session's kernel is not started, realize.py)."""
+        if not session.spec.egress_rules:
+            return None
+        try:
+            return self.egress.route()
+        except EgressUnavailable:
+            return None
 
     def _own_secret(
         self, session: KernelSession, secret: dict[str, Any] | None, *, fresh: bool
@@ -440,6 +465,8 @@ class Reconciler:
         curve, bridge = usable_keys(connection_file_of(secret) or {})
         if curve is None or bridge is None:
             return {"stringData": want["stringData"]}
+        if _egress_missing(want["stringData"], _egress_data(secret)):
+            return {"stringData": want["stringData"]}
         return None
 
     def _write(self, body: dict[str, Any], status: dict[str, Any]) -> None:
@@ -455,3 +482,20 @@ class Reconciler:
             "KernelSession", meta["namespace"], meta["name"], {"status": patch}, status=True
         )
         self.events.record(body, events.changes(old, status))
+
+
+def _egress_data(secret: dict[str, Any] | None) -> dict[str, str]:
+    """The egress keys of a connection Secret as read (control/render_egress.py)."""
+    data = (secret or {}).get("data") or {}
+    out = {}
+    for key, value in data.items():
+        if key.startswith("egress-") and isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                out[key] = base64.b64decode(value).decode()
+    return out
+
+
+def _egress_missing(want: dict[str, str], have: dict[str, str]) -> bool:
+    """Whether the Secret lacks an egress key its next pod refers to, or holds another
+    credential than its key's (the key was made again)."""
+    return any(have.get(k) != v for k, v in want.items() if k.startswith("egress-"))

@@ -30,6 +30,10 @@ from mcp_forge.api.connection import (
     ConnectionInfo,
 )
 from mcp_forge.api.kernelsession import API_VERSION, KIND, KernelSession, parse_quantity
+from mcp_forge.api.keys import BridgeCert
+from mcp_forge.control import render_egress
+from mcp_forge.control.render_egress import Route
+from mcp_forge.egress.protocol import token_for
 from mcp_forge.kernelside import launch
 from mcp_forge.sandbox import KERNEL_CMD, KERNEL_UID, SESSION_VARIABLE, WORKSPACE
 
@@ -377,6 +381,8 @@ def render_kubernetes(
     gateway_namespace: str | None = None,
     runtime_class: str | None = None,
     seccomp_profile: str | None = None,
+    egress: Route | None = None,
+    egress_ca: BridgeCert | None = None,
 ) -> list[dict[str, Any]]:
     """Secret, Service, NetworkPolicy and Pod for a cluster.
 
@@ -386,13 +392,19 @@ def render_kubernetes(
     admin's choice, not the session's: the operator is configured with it. So is
     `seccomp_profile`, the project's profile as installed on every node (a path below
     the kubelet's seccomp root, docs/seccomp.md); None keeps the runtime's default.
+    `egress` is where the cluster's egress proxy is, for a session with an allow-list
+    (control/render_egress.py), and `egress_ca` its CA, kept in its Secret.
     """
+    route = egress if session.spec.egress_rules else None
+    data = {CONNECTION_KEY: connection.to_file()}
+    if route is not None and connection.key:
+        data |= render_egress.secret_data(token_for(connection.key), egress_ca)
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _metadata(session, secret_name(session)),
         "type": "Opaque",
-        "stringData": {CONNECTION_KEY: connection.to_file()},
+        "stringData": data,
     }
     seccomp = (
         {"type": "Localhost", "localhostProfile": seccomp_profile}
@@ -402,8 +414,13 @@ def render_kubernetes(
     pod = _pod(session, "kubernetes", _kubernetes_volumes(session), seccomp)
     if runtime_class:
         pod["spec"]["runtimeClassName"] = runtime_class
+    policy = _network_policy(session, gateway_namespace)
+    if route is not None:
+        reads = any(rule.reads_requests for rule in session.spec.egress_rules)
+        pod["spec"]["containers"][0]["env"] += render_egress.env(secret_name(session), route, reads)
+        policy["spec"]["egress"].append(render_egress.policy_rule(route))
     pod["metadata"]["annotations"] = {TEMPLATE_HASH: template_hash(pod)}
-    return [secret, _service(session), _network_policy(session, gateway_namespace), pod]
+    return [secret, _service(session), policy, pod]
 
 
 def _service(session: KernelSession) -> dict[str, Any]:

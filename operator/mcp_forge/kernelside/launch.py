@@ -19,18 +19,37 @@ import sys
 
 ENV = "MCPFORGE_CONNECTION"
 FILE = "/tmp/.mcp-forge/connection.json"  # a pod's own /tmp, made at its start
+# Egress (control/render_egress.py): the session's CA certificate, when the proxy reads
+# some of its requests, joins the image's CAs in a bundle the pod's environment names.
+EGRESS_CA_ENV = "MCPFORGE_EGRESS_CA"
+EGRESS_TOKEN_ENV = "MCPFORGE_EGRESS_TOKEN"  # already in HTTP(S)_PROXY, where tools read it
+EGRESS_BUNDLE = "/tmp/.mcp-forge-egress/ca-bundle.pem"
+EGRESS_CA_FILE = "/tmp/.mcp-forge-egress/session-ca.pem"
+SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 
-def write_connection(text: str, path: str = FILE) -> None:
+def write_connection(text: str, path: str = FILE, mode: int = 0o400) -> None:
     """Write `text` to a new file at `path`, mode 0400, in a directory of mode 0700.
 
     Never over something already there (O_EXCL, no link followed): the pod's /tmp is new,
     so anything at `path` was planted, and the kernel does not start on it.
     """
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def write_trust(ca: str) -> None:
+    """The egress bundle: the image's CAs and the session's, and the session's alone
+    (for Node's NODE_EXTRA_CA_CERTS)."""
+    try:
+        with open(SYSTEM_BUNDLE, encoding="ascii", errors="replace") as f:
+            system = f.read()
+    except OSError:
+        system = ""
+    write_connection(system.rstrip("\n") + "\n" + ca, EGRESS_BUNDLE, 0o444)
+    write_connection(ca, EGRESS_CA_FILE, 0o444)
 
 
 def main() -> None:
@@ -38,6 +57,10 @@ def main() -> None:
     if not text:
         sys.exit(f"mcp-forge: {ENV} is not set: the pod has no connection file to start on")
     write_connection(text)
+    os.environ.pop(EGRESS_TOKEN_ENV, None)
+    ca = os.environ.pop(EGRESS_CA_ENV, None)
+    if ca:
+        write_trust(ca)
     from ipykernel.kernelapp import IPKernelApp
 
     # As sandbox.KERNEL_LAUNCH: every port is fixed and the file is the Secret's, so

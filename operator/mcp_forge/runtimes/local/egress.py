@@ -21,31 +21,25 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from mcp_forge.api import keys
-from mcp_forge.api import status as st
 from mcp_forge.api.connection import RUN_DIR_IN_POD
-from mcp_forge.api.egress import VALUE_MAX
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.keys import BridgeCert
 from mcp_forge.api.secret import Secret
-from mcp_forge.egress import protocol
+from mcp_forge.egress import grant, protocol
 from mcp_forge.egress.client import EgressProxy, Given
-from mcp_forge.errors import SecretError
 from mcp_forge.kernelside import compiled, run_silently, source
 
 BACKLOG = 128
 CA_FILE = "egress-ca.json"  # in the session's directory: root's
-_SENDABLE = re.compile(rb"[\x20-\x7e\t]*")  # a header's, a query's or a password's value
 
 
-def proxy_name(session: KernelSession) -> str:
-    return f"{session.namespace}/{session.name}"
+proxy_name = grant.session_name
+values = grant.values
 
 
 def bind(path: Path, uid: int, gid: int) -> socket.socket:
@@ -78,12 +72,12 @@ async def open_for(
     (and that CA to trust) and starts the relay. SecretError names a missing value."""
     run, directory = paths
     rules = list(session.body["spec"].get("network", {}).get("allow", []))
-    reads = any(rule.reads_requests for rule in session.spec.egress_rules)
+    reads = grant.reads_requests(session)
     given = Given(
         protocol.token_for(key),
         rules,
         session_ca(directory, proxy_name(session)) if reads else None,
-        values(session, lookup),
+        grant.values(session, lookup),
     )
     listener = bind(run / protocol.SOCKET_NAME, *ids)
     try:
@@ -92,31 +86,6 @@ async def open_for(
         listener.close()
         raise
     return start_program(given.token, given.ca.cert if given.ca else None)
-
-
-def values(session: KernelSession, lookup: Callable[[str], Secret | None]) -> list[list[Any]]:
-    """The values the proxy adds to the session's requests: [rule number, index, value]."""
-    out: list[list[Any]] = []
-    for rule in session.spec.egress_rules:
-        for i, injection in enumerate(rule.inject):
-            where = f"spec.network.allow[{rule.number - 1}].inject[{i}]"
-            found = lookup(injection.secret)
-            if found is None or injection.key not in found.data:
-                missing = "not found" if found is None else f"has no key {injection.key!r}"
-                raise SecretError(
-                    st.SECRET_NOT_FOUND,
-                    f"{where}: Secret {injection.secret!r} {missing} in namespace "
-                    f"{session.namespace!r}",
-                )
-            raw = found.data[injection.key]
-            if len(raw) > VALUE_MAX or not _SENDABLE.fullmatch(raw):
-                raise SecretError(
-                    st.INVALID_SECRET,
-                    f"{where}: Secret {injection.secret!r} key {injection.key!r} is not a value "
-                    f"to send (printable ASCII, tabs and spaces, at most {VALUE_MAX} bytes)",
-                )
-            out.append([rule.number, i, raw.decode("ascii")])
-    return out
 
 
 def session_ca(directory: Path, name: str) -> BridgeCert:

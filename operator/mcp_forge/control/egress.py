@@ -1,0 +1,129 @@
+"""The operator's side of a cluster session's egress (issue 28): where the proxy is, and
+each session's grant.
+
+A session with an allow-list gets a grant (egress/grant.py), a Secret in the proxy's
+namespace that the proxy's feeder reads: its credential, rules, CA and the values added
+from the Secrets its rules name, which the operator reads in the session's namespace at
+every reconcile (a changed value reaches the proxy within one resync). A grant has no
+owner (none can be set across namespaces): the operator deletes it when its session is
+deleted or loses its list, and at its start deletes every grant whose session is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from mcp_forge.api import secret as secrets
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.clients.kube import Kube, key_of
+from mcp_forge.control.render_egress import Route, ca_of
+from mcp_forge.egress import grant
+from mcp_forge.egress.protocol import token_for
+from mcp_forge.settings import Settings
+
+log = logging.getLogger(__name__)
+ROUTE_TTL = 30.0  # the proxy Service's address is looked up again after this
+_LABELS = {"app.kubernetes.io/name": "mcp-forge", "app.kubernetes.io/managed-by": "mcp-forge"}
+
+
+class EgressUnavailable(Exception):
+    """The cluster's egress proxy is not installed: its Service is not there."""
+
+
+class Grants:
+    def __init__(self, kube: Kube, settings: Settings) -> None:
+        self.kube = kube
+        self.namespace = settings.egress_namespace
+        self.service = settings.egress_service
+        self._route: tuple[float, Route | None] = (0.0, None)
+        self._written: dict[tuple[str, str], str] = {}  # session: its grant's digest, as written
+        self._lock = threading.Lock()
+
+    # ---- where the proxy is ---------------------------------------------------------
+
+    def route(self) -> Route:
+        """The proxy Service's address (looked up at most every ROUTE_TTL seconds)."""
+        at, route = self._route
+        if route is not None and time.monotonic() - at < ROUTE_TTL:
+            return route
+        service = self.kube.get("Service", self.namespace, self.service)
+        spec = (service or {}).get("spec") or {}
+        ip, ports = spec.get("clusterIP"), spec.get("ports") or []
+        if not ip or ip == "None" or not ports:
+            raise EgressUnavailable(
+                "spec.network.allow needs the cluster's egress proxy, and its Service "
+                f"{self.namespace}/{self.service} is not there (manifests/base installs it)"
+            )
+        host = f"[{ip}]" if ":" in ip else ip
+        route = Route(f"{host}:{int(ports[0]['port'])}", self.namespace)
+        self._route = (time.monotonic(), route)
+        return route
+
+    # ---- grants -----------------------------------------------------------------------
+
+    def ensure(self, session: KernelSession, secret: dict[str, Any] | None) -> None:
+        """The session's grant, from its connection Secret (`secret`: the credential's
+        key and the CA) and the values its rules name. SecretError names a missing one."""
+        key = key_of(secret)
+        if secret is None or key is None:
+            return  # the Secret is completed first (reconciler._own_secret)
+        data = secrets.load(secret).data
+        ca = ca_of({k: v.decode() for k, v in data.items() if k.startswith("egress-ca")})
+
+        def lookup(name: str) -> secrets.Secret | None:
+            body = self.kube.get("Secret", session.namespace, name)
+            return secrets.load(body) if body is not None else None
+
+        added = grant.values(session, lookup)
+        body = grant.grant(session, token_for(key), ca, added)
+        digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        where = (session.namespace, session.name)
+        if self._written.get(where) == digest:
+            return
+        want = grant.grant_secret(
+            session,
+            self.namespace,
+            body,
+            {**_LABELS, "mcpforge.dev/session": session.name,
+             "mcpforge.dev/namespace": session.namespace},
+        )  # fmt: skip
+        current = self.kube.get("Secret", self.namespace, want["metadata"]["name"])
+        if current is None:
+            self.kube.create(want)
+        else:
+            self.kube.patch("Secret", self.namespace, want["metadata"]["name"],
+                            {"stringData": want["stringData"]})  # fmt: skip
+        with self._lock:
+            self._written[where] = digest
+        log.info("egress grant of %s/%s written", *where)
+
+    def remove(self, namespace: str, name: str, *, known: bool = False) -> None:
+        """Delete the session's grant. Without `known`, only one this operator wrote (a
+        session without an allow-list costs no request)."""
+        with self._lock:
+            written = self._written.pop((namespace, name), None)
+        if written is None and not known:
+            return
+        self.kube.delete("Secret", self.namespace, f"{namespace}.{name}")
+
+    def sweep(self) -> int:
+        """Delete every grant whose session is gone or has no allow-list; how many. Run at
+        the operator's start (a session deleted while it was down left its grant)."""
+        listed = self.kube.list(
+            "Secret", self.namespace, labels={grant.GRANT_LABEL: "true"}, metadata_only=True
+        )
+        removed = 0
+        for item in listed.get("items", []):
+            labels = item["metadata"].get("labels") or {}
+            ns, name = labels.get("mcpforge.dev/namespace"), labels.get("mcpforge.dev/session")
+            found = self.kube.get("KernelSession", ns, name) if ns and name else None
+            if ((found or {}).get("spec") or {}).get("network", {}).get("allow"):
+                continue
+            self.kube.delete("Secret", self.namespace, item["metadata"]["name"])
+            removed += 1
+        return removed
