@@ -20,10 +20,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import yaml
 
 from mcp_forge.api import kernelsession
+from mcp_forge.cli import main as cli
 
 ROOT = Path(__file__).parents[2]
 MANIFESTS = ROOT / "manifests"
@@ -32,8 +34,11 @@ VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["versi
 
 SYSTEM = "mcp-forge-system"
 SESSIONS = "mcp-forge-sessions"
+EGRESS = "mcp-forge-egress"
+NAMESPACES = (SYSTEM, SESSIONS, EGRESS)
 OPERATOR_SA = (SYSTEM, "mcp-forge-operator")
 GATEWAY_SA = (SYSTEM, "mcp-forge-gateway")
+EGRESS_SA = (EGRESS, "mcp-forge-egress")
 TOKENS_SECRET = "mcp-forge-gateway-tokens"
 CLUSTER = "*"  # the scope of a grant made by a ClusterRoleBinding
 
@@ -106,3 +111,13 @@ def _session(**spec: Any) -> kernelsession.KernelSession:
         }
     )
     return kernelsession.load(body)
+
+
+def parse_cli(args: list[str]) -> None:
+    """Parse `mcp-forge COMMAND FLAGS...` as the CLI would, without running it."""
+    program, command, *flags = args
+    assert Path(program).name == "mcp-forge"
+    with click.Context(cli, info_name="mcp-forge") as ctx:
+        sub = cli.get_command(ctx, command)
+        assert sub is not None, f"mcp-forge has no command {command!r}"
+        sub.make_context(command, flags, parent=ctx)  # raises on a flag it does not have

@@ -6,15 +6,21 @@ from __future__ import annotations
 import copy
 import re
 import shlex
-from pathlib import Path
 from typing import Any
 
-import click
 import pytest
 import yaml
-from manifests_support import INSTALLS, ROOT, SYSTEM, VERSION, build, container, find
+from manifests_support import (
+    INSTALLS,
+    ROOT,
+    SYSTEM,
+    VERSION,
+    build,
+    container,
+    find,
+    parse_cli,
+)
 
-from mcp_forge.cli import main as cli
 from mcp_forge.image import control_plane
 from mcp_forge.settings import Settings
 
@@ -74,7 +80,7 @@ def argv(stages: dict[str, dict[str, Any]], objs: list[dict[str, Any]], name: st
 def test_the_images_are_built_from_this_repository_on_debian_bookworm(
     stages: dict[str, dict[str, Any]],
 ) -> None:
-    for name in ("operator", "gateway"):
+    for name in ("operator", "gateway", "egress"):
         stage = stages[name]
         assert "bookworm" in stage["base"]
         assert stage["labels"]["org.opencontainers.image.version"] == VERSION
@@ -82,6 +88,21 @@ def test_the_images_are_built_from_this_repository_on_debian_bookworm(
         assert int(uid) > 0 and int(gid) > 0, "a numeric non-root user, so runAsNonRoot can check"
     installs = [r for r in stages["build"]["runs"] if re.search(r"pip install [^&]*\s\.(\s|$)", r)]
     assert installs, "the package is pip-installed from the repository (pip install .)"
+
+
+def test_the_egress_venv_holds_the_pinned_mitmproxy_and_the_package_without_its_dependencies(
+    stages: dict[str, dict[str, Any]],
+) -> None:
+    """The Containerfile's second venv, as control_plane.py makes it (MITMPROXY, --no-deps)."""
+    venv = control_plane.EGRESS_VENV
+    (run,) = [r for r in stages["build"]["runs"] if f"python -m venv {venv}" in r]
+    steps = [s.split() for s in run.split("&&")]
+    assert [f"{venv}/bin/pip", "install", "--no-cache-dir", "--disable-pip-version-check",
+            control_plane.MITMPROXY] in steps  # fmt: skip
+    assert [f"{venv}/bin/pip", "install", "--no-cache-dir", "--disable-pip-version-check",
+            "--no-deps", "."] in steps  # fmt: skip
+    assert stages["egress"]["entrypoint"][0] == f"{venv}/bin/python"
+    assert control_plane.SMOKE_TESTS["egress"][0] == f"{venv}/bin/python"
 
 
 def test_the_images_run_the_operator_and_the_cluster_gateway(
@@ -115,16 +136,6 @@ def test_the_deployments_use_the_images_of_this_version() -> None:
         "properties"
     ]["image"]
     assert image["default"] == f"localhost/mcp-forge-kernel:{VERSION}"
-
-
-def parse_cli(args: list[str]) -> None:
-    """Parse `mcp-forge COMMAND FLAGS...` as the CLI would, without running it."""
-    program, command, *flags = args
-    assert Path(program).name == "mcp-forge"
-    with click.Context(cli, info_name="mcp-forge") as ctx:
-        sub = cli.get_command(ctx, command)
-        assert sub is not None, f"mcp-forge has no command {command!r}"
-        sub.make_context(command, flags, parent=ctx)  # raises on a flag it does not have
 
 
 @pytest.mark.parametrize("install", INSTALLS)

@@ -25,8 +25,8 @@ def image() -> None:
 @click.option(
     "--control-plane",
     is_flag=True,
-    help="Build the operator and gateway images (ghcr.io/mcp-forge/{operator,gateway}) "
-    "from this checkout instead of a kernel image.",
+    help="Build the operator, gateway and egress proxy images "
+    "(ghcr.io/mcp-forge/{operator,gateway,egress}) from this checkout instead of a kernel image.",
 )
 def image_build(variant: str, force: bool, control_plane: bool) -> None:
     """Build localhost/mcp-forge-kernel from Debian packages and wheels (no registry needed)."""

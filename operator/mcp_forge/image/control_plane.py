@@ -1,13 +1,18 @@
-"""The operator and gateway images, built from this checkout with no container registry.
+"""The operator, gateway and egress images, built from this checkout with no container
+registry.
 
 images/Containerfile.control-plane defines them for hosts that can pull a base image. Here
 they are made as the kernel image is (kernel.py): the cached Debian base rootfs; wheels the
 host's pip fetches (the project's own, built from this source tree, and its dependencies
-for CPython 3.11 on x86_64); an offline `pip install` into /opt/mcp-forge in a chroot; one
-`podman import` per image, the two differing only in entrypoint and arguments, as the
-Containerfile's targets do. They are tagged with the names manifests/ uses
-(`ghcr.io/mcp-forge/operator:VERSION`, `…/gateway:VERSION`), so a node that has them
-(`podman save` into its runtime) runs `kubectl apply -k manifests/base` unchanged.
+for CPython 3.11 on x86_64); an offline `pip install` into /opt/mcp-forge in a chroot. The
+egress proxy's mitmproxy caps cryptography, pyOpenSSL, h11 and tornado below the
+package's own dependencies, so it has a second venv, /opt/mcp-forge-egress, holding
+mitmproxy and our package without its dependencies (as `.venv-egress` does locally).
+One rootfs holds both venvs; one `podman import` per image, the three differing only in
+entrypoint and arguments, as the Containerfile's targets do. They are tagged with the
+names manifests/ uses (`ghcr.io/mcp-forge/operator:VERSION`, `…/gateway:VERSION`,
+`…/egress:VERSION`), so a node that has them (`podman save` into its runtime) runs
+`kubectl apply -k manifests/base` unchanged.
 
 An image whose inputs label (a hash of the source tree, the base and the recipe) matches is
 not built again.
@@ -16,8 +21,10 @@ not built again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -48,6 +55,12 @@ from mcp_forge.image.kernel import (
 
 SOURCE = Path(__file__).resolve().parents[3]  # the checkout: pyproject.toml, operator/, crds/
 VENV = "/opt/mcp-forge"
+EGRESS_VENV = "/opt/mcp-forge-egress"
+# The egress proxy's one pin: the last mitmproxy for Python 3.11 (docs/design.md §15),
+# whose functions egress/server.py checks before it wraps them. .ci/setup reads it here
+# for .venv-egress; images/Containerfile.control-plane repeats it (a test keeps them equal).
+MITMPROXY = "mitmproxy==11.0.2"
+EGRESS_RUN = "/run/mcp-forge-egress"  # the proxy's and the feeder's sockets, in their pod
 UID = 10001
 RECIPE_VERSION = "1"
 # name -> (entrypoint, default arguments): images/Containerfile.control-plane's targets.
@@ -60,7 +73,27 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
         [f"{VENV}/bin/mcp-forge", "gateway", "--kubernetes"],
         ["--http", "0.0.0.0:8765", "--tokens-file", "/etc/mcp-forge/tokens/tokens"],
     ),
-}
+    # The proxy. The feeder beside it in its pod runs `mcp-forge egress-feeder` from
+    # VENV in the same image (manifests/base/common/egress.yaml).
+    "egress": (
+        [f"{EGRESS_VENV}/bin/python", "-I", "-m", "mcp_forge.egress.server"],
+        [
+            "--listen", "0.0.0.0:3128",
+            "--control-socket", f"{EGRESS_RUN}/control.sock",
+            "--audit-socket", f"{EGRESS_RUN}/audit.sock",
+            "--confdir", "/tmp/mitmproxy",
+        ],
+    ),
+}  # fmt: skip
+# What each image runs before it is tagged (read-only root, no network): its entrypoint
+# with --help; for the proxy, which has no --help of its own to show, its imports.
+SMOKE_TESTS: dict[str, list[str]] = {
+    "operator": [*TARGETS["operator"][0], "--help"],
+    "gateway": [*TARGETS["gateway"][0], "--help"],
+    "egress": [
+        f"{EGRESS_VENV}/bin/python", "-I", "-c", "import mitmproxy, mcp_forge.egress.protocol"
+    ],
+}  # fmt: skip
 ENV = {
     "PATH": f"{VENV}/bin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/tmp",
@@ -99,6 +132,8 @@ def inputs_hash() -> str:
             "recipe": RECIPE_VERSION,
             "base": _base_inputs(),
             "python": PYTHON_VERSION,
+            "platforms": WHEEL_PLATFORMS,
+            "mitmproxy": MITMPROXY,
             "source": digest.hexdigest(),
             "targets": TARGETS,
             "env": ENV,
@@ -109,7 +144,7 @@ def inputs_hash() -> str:
 async def build_control_plane(
     *, force: bool = False, progress: Callable[[str], None] = print
 ) -> list[BuildResult]:
-    """Build and tag both images unless they are up to date; needs root, like kernel.py."""
+    """Build and tag the three images unless they are up to date; needs root, like kernel.py."""
     if not (SOURCE / "pyproject.toml").exists():
         raise ImageError(
             "the control-plane images are built from a checkout of MCP-Forge (pyproject.toml, "
@@ -131,38 +166,11 @@ async def build_control_plane(
     build = Path(tempfile.mkdtemp(prefix="build-control-plane-", dir=cache))
     try:
         base = await _base_rootfs(cache, build, announce)
-        announce("wheels: mcp-forge from this checkout, its dependencies from the index")
-        wheels = build / "wheels"
-        await _exec(
-            pip_python, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir",
-            str(wheels), str(SOURCE), limit=WHEEL_TIMEOUT, what="pip wheel (mcp-forge)",
-        )  # fmt: skip
-        (own,) = wheels.glob("mcp_forge-*.whl")
-        await _exec(
-            pip_python, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-            "--python-version", PYTHON_VERSION, "--implementation", "cp",
-            "--abi", "cp" + PYTHON_VERSION.replace(".", ""),
-            *(arg for name in WHEEL_PLATFORMS for arg in ("--platform", name)),
-            "--dest", str(wheels), str(own),
-            limit=WHEEL_TIMEOUT, what="pip download (the control plane's dependencies)",
-        )  # fmt: skip
-        announce(f"venv {VENV}: offline pip install in a chroot")
+        own = await _wheels(pip_python, build, announce)
+        egress_wheels = await _egress_wheels(pip_python, cache, build, announce)
+        announce(f"venvs {VENV} and {EGRESS_VENV}: offline pip installs in a chroot")
         rootfs = build / "rootfs"
-        rootfs.mkdir()
-        await _exec(
-            "tar", "--numeric-owner", "-xpf", str(base), "-C", str(rootfs),
-            limit=TAR_TIMEOUT, what="tar (unpacking the base rootfs)",
-        )  # fmt: skip
-        await asyncio.to_thread(_link_tree, wheels, rootfs / "tmp" / "wheels")
-        await _chroot(rootfs, "python3", "-m", "venv", VENV)
-        await _chroot(
-            rootfs, f"{VENV}/bin/pip", "install", "--no-index", "--only-binary=:all:",
-            "--find-links", "/tmp/wheels", f"/tmp/wheels/{own.name}",
-        )  # fmt: skip
-        lock = await _chroot(rootfs, f"{VENV}/bin/pip", "freeze", "--all")
-        (rootfs / VENV.lstrip("/") / "requirements.lock").write_bytes(lock)
-        await asyncio.to_thread(shutil.rmtree, rootfs / "tmp" / "wheels")
-        await asyncio.to_thread(_add_user, rootfs)
+        await _make_rootfs(base, own, egress_wheels, rootfs)
         archive = build / "image.tar"
         await _exec(
             "tar", "--numeric-owner", "-C", str(rootfs), "-cf", str(archive), ".",
@@ -179,6 +187,97 @@ async def build_control_plane(
         await asyncio.to_thread(shutil.rmtree, build, ignore_errors=True)
     progress(f"built {', '.join(refs)} in {time.monotonic() - started:.1f}s")
     return results
+
+
+async def _wheels(pip_python: str, build: Path, announce: Callable[[str], None]) -> Path:
+    """The package's wheel, built from this checkout, in a directory with its dependencies."""
+    announce("wheels: mcp-forge from this checkout, its dependencies from the index")
+    wheels = build / "wheels"
+    await _exec(
+        pip_python, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir",
+        str(wheels), str(SOURCE), limit=WHEEL_TIMEOUT, what="pip wheel (mcp-forge)",
+    )  # fmt: skip
+    (own,) = wheels.glob("mcp_forge-*.whl")
+    await _download(pip_python, wheels, str(own), what="the control plane's dependencies")
+    return own
+
+
+async def _egress_wheels(
+    pip_python: str, cache: Path, build: Path, announce: Callable[[str], None]
+) -> Path:
+    """A cached directory of wheels for MITMPROXY and its dependencies.
+
+    Some are sources only on PyPI (pyperclip 1.9.0, pure Python), and a download for
+    another platform takes wheels only: so the host's pip first makes wheels of them all
+    (building those, fetching the rest for this host, the same x86_64), and the download
+    for the image's platform takes the ones built here from there.
+    """
+    key = _hash({"python": PYTHON_VERSION, "platforms": WHEEL_PLATFORMS, "reqs": MITMPROXY})
+    cached = cache / f"wheels-egress-{key[:16]}"
+    if cached.is_dir():
+        announce("wheels for the egress venv (cached)")
+        return cached
+    announce(f"wheels for the egress venv: {MITMPROXY} and its dependencies")
+    built = build / "egress-built"
+    await _exec(
+        pip_python, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(built), MITMPROXY,
+        limit=WHEEL_TIMEOUT, what=f"pip wheel ({MITMPROXY} and its dependencies, on the host)",
+    )  # fmt: skip
+    partial = build / "egress-wheels"
+    await _download(
+        pip_python, partial, "--find-links", str(built), MITMPROXY, what="the egress venv's wheels"
+    )
+    # Another build may have finished the same download meanwhile; either copy will do.
+    with contextlib.suppress(OSError):
+        os.rename(partial, cached)
+    return cached
+
+
+async def _download(pip_python: str, dest: Path, *args: str, what: str) -> None:
+    """`pip download` of wheels for the image's Python and platform into `dest`."""
+    await _exec(
+        pip_python, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
+        "--python-version", PYTHON_VERSION, "--implementation", "cp",
+        "--abi", "cp" + PYTHON_VERSION.replace(".", ""),
+        *(arg for name in WHEEL_PLATFORMS for arg in ("--platform", name)),
+        "--dest", str(dest), *args,
+        limit=WHEEL_TIMEOUT, what=f"pip download ({what})",
+    )  # fmt: skip
+
+
+async def _make_rootfs(base: Path, own: Path, egress_wheels: Path, rootfs: Path) -> None:
+    """Unpack the base; install both venvs offline in a chroot; add the images' user."""
+    await asyncio.to_thread(rootfs.mkdir)
+    await _exec(
+        "tar", "--numeric-owner", "-xpf", str(base), "-C", str(rootfs),
+        limit=TAR_TIMEOUT, what="tar (unpacking the base rootfs)",
+    )  # fmt: skip
+    inside = rootfs / "tmp"
+    await asyncio.to_thread(_link_tree, own.parent, inside / "wheels")
+    await asyncio.to_thread(_link_tree, egress_wheels, inside / "egress-wheels")
+    package = f"/tmp/wheels/{own.name}"
+    await _venv(rootfs, VENV, ["--find-links", "/tmp/wheels", package])
+    await _venv(
+        rootfs,
+        EGRESS_VENV,
+        ["--find-links", "/tmp/egress-wheels", MITMPROXY],
+        ["--no-deps", package],
+    )
+    for name in ("wheels", "egress-wheels"):
+        await asyncio.to_thread(shutil.rmtree, inside / name)
+    await asyncio.to_thread(_add_user, rootfs)
+
+
+async def _venv(rootfs: Path, venv: str, *installs: list[str]) -> None:
+    """A venv in the rootfs, each of `installs` a `pip install` into it (offline, wheels
+    only), and the list of what it holds in its requirements.lock."""
+    await _chroot(rootfs, "python3", "-m", "venv", venv)
+    for args in installs:
+        await _chroot(
+            rootfs, f"{venv}/bin/pip", "install", "--no-index", "--only-binary=:all:", *args
+        )
+    lock = await _chroot(rootfs, f"{venv}/bin/pip", "freeze", "--all")
+    (rootfs / venv.lstrip("/") / "requirements.lock").write_bytes(lock)
 
 
 async def _import_and_tag(
@@ -199,10 +298,11 @@ async def _import_and_tag(
     try:
         done = await podman.run("import", "--quiet", *args, str(archive), timeout=TAR_TIMEOUT)
         image_id = done.stdout.decode().strip().removeprefix("sha256:")
-        # The image's own entrypoint, as a pod runs it (read-only root, no network).
+        # As a pod runs it: a read-only root, no network.
+        program, *argv = SMOKE_TESTS[name]
         await podman.run(
             "run", "--rm", "--read-only", "--tmpfs", "/tmp", "--network", "none",
-            image_id, "--help", timeout=SMOKE_TEST_TIMEOUT,
+            "--entrypoint", program, image_id, *argv, timeout=SMOKE_TEST_TIMEOUT,
         )  # fmt: skip
         await podman.run("tag", image_id, image_ref(name))
     except PodmanError as e:
