@@ -4,7 +4,10 @@ mitmproxy does the HTTP and TLS; this addon holds only the policy, at mitmproxy'
 
 * `http_connect` (a tunnel) and `requestheaders` (a plain HTTP request, or one read inside
   a tunnel): the session is known by its credential (`Proxy-Authorization`), and, for a
-  connection that came through its own socket, by that socket too; the name is checked
+  connection that came through its own socket, by that socket too (local mode); in
+  cluster mode by its credential alone, found by its digest, and `admit` asked whether
+  the connection may be the session's (its bound); either way a connection is bound to
+  its session at its first request and speaks for no other after; the name is checked
   against the session's rules (`api/egress.py`), resolved here, once, and each address
   judged (no private, loopback, link-local or metadata address unless the rule lists
   it); the request is then pinned to the address judged, so a name that resolves
@@ -26,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import hmac
 import socket
 from collections.abc import Callable, Iterable
@@ -40,6 +44,8 @@ from mcp_forge.api import egress
 from mcp_forge.egress.protocol import PLACEHOLDER, PROXY_USER
 
 Audit = Callable[[dict[str, Any]], None]
+# Cluster mode: may the connection from this port be this session's? None, or why not.
+Admit = Callable[[int | None, str], str | None]
 REASON_MAX = 200  # a reason phrase is one short line
 _ADDED = "mcpforge_added"  # a flow's metadata: the values added to its request
 _ECHOING = ("Location", "Content-Location", "Link", "Refresh")
@@ -55,6 +61,14 @@ class Session:
     # values it adds, by (rule number, index). Never logged.
     certstore: Any = None
     values: dict[tuple[int, int], str] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A credential that names a session the connection may not join (its bound)."""
+
+    session: Session
+    reason: str
 
 
 @dataclass
@@ -80,9 +94,13 @@ class Policy:
         resolve_table: dict[str, list[str]] | None = None,
         cluster: Iterable[egress.Network] = (),
         relayed_only: bool = True,
+        admit: Admit | None = None,
     ) -> None:
         self.audit = audit
         self.sessions: dict[str, Session] = {}  # by name
+        # By the SHA-256 of their token: one lookup, no comparison with every session's.
+        self.tokens: dict[bytes, str] = {}
+        self.admit = admit
         self.relayed: dict[int, str] = {}  # a relayed connection's local port: its session
         # A client connection's session, fixed at its first request: the relay may have
         # let go of its port while mitmproxy still reads what it sent.
@@ -92,6 +110,23 @@ class Policy:
         self.clients: dict[str, Tunnel] = {}  # by mitmproxy's client connection id
         self.resolve_table = resolve_table  # tests only: names to this machine's addresses
         self.cluster = tuple(cluster)
+
+    # ---- sessions ------------------------------------------------------------------
+
+    def add(self, session: Session) -> None:
+        """A session (again: one of that name is replaced)."""
+        self.remove(session.name)
+        self.sessions[session.name] = session
+        self.tokens[_digest(session.token)] = session.name
+
+    def remove(self, name: str) -> None:
+        session = self.sessions.pop(name, None)
+        if session is not None and self.tokens.get(_digest(session.token)) == name:
+            del self.tokens[_digest(session.token)]
+
+    def holder(self, token: str) -> str | None:
+        """The name of the session whose token this is, if any."""
+        return self.tokens.get(_digest(token))
 
     # ---- who -----------------------------------------------------------------------
 
@@ -106,7 +141,7 @@ class Policy:
             return None
         return token if user == PROXY_USER else None
 
-    def _session(self, flow: http.HTTPFlow) -> Session | None:
+    def _session(self, flow: http.HTTPFlow) -> Session | Refused | None:
         token = self._credential(flow)
         if token is None:
             return None
@@ -122,11 +157,26 @@ class Policy:
         elif self.relayed_only:
             candidates = []
         else:
-            candidates = list(self.sessions.values())
+            return self._by_token(flow, token)
         for session in candidates:
-            if hmac.compare_digest(session.token, token):
+            if _same(session.token, token):
                 return session
         return None
+
+    def _by_token(self, flow: http.HTTPFlow, token: str) -> Session | Refused | None:
+        """Cluster mode: a connection's first credential, and the session it names, if
+        the connection may join it. Bound to it from then on."""
+        name = self.holder(token)
+        session = self.sessions.get(name) if name is not None else None
+        if session is None or not _same(session.token, token):
+            return None
+        if self.admit is not None:
+            port = flow.client_conn.peername[1] if flow.client_conn.peername else None
+            refusal = self.admit(port, session.name)
+            if refusal is not None:
+                return Refused(session, refusal)
+        self.bound[flow.client_conn.id] = session.name
+        return session
 
     # ---- hooks ---------------------------------------------------------------------
 
@@ -135,6 +185,8 @@ class Policy:
         if session is None:
             return self._unknown(flow)
         host, port = _asked(flow.request), flow.request.port
+        if isinstance(session, Refused):
+            return self._turned_away(flow, session, host, port)
         verdict = egress.check_connect(session.rules, host, port)
         if verdict.allowed and verdict.inspect and session.certstore is None:
             verdict = egress.Verdict(
@@ -232,6 +284,8 @@ class Policy:
         if session is None:
             return self._unknown(flow)
         host, port = _asked(flow.request), flow.request.port
+        if isinstance(session, Refused):
+            return self._turned_away(flow, session, host, port)
         verdict = egress.check_request(
             session.rules, host, port, flow.request.method, flow.request.path
         )
@@ -344,6 +398,13 @@ class Policy:
         )
         self.audit({"event": "unknown", "host": flow.request.host[:64]})
 
+    def _turned_away(self, flow: http.HTTPFlow, refused: Refused, host: str, port: int) -> None:
+        """A 403 naming the bound, and the connection closed after it (it joined no one)."""
+        verdict = egress.Verdict(False, refused.reason)
+        self._refuse(flow, refused.session, "limit", host, port, verdict)
+        if flow.response is not None:
+            flow.response.headers["Connection"] = "close"
+
     def _refuse(
         self,
         flow: http.HTTPFlow,
@@ -382,6 +443,18 @@ class Policy:
                 **extra,
             }
         )
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode(errors="surrogatepass")).digest()
+
+
+def _same(ours: str, theirs: str) -> bool:
+    """In constant time, as bytes: compare_digest refuses a str that is not ASCII (a
+    client's password may be any UTF-8), and a TypeError in a hook is no answer."""
+    return hmac.compare_digest(
+        ours.encode(errors="surrogatepass"), theirs.encode(errors="surrogatepass")
+    )
 
 
 def _asked(request: http.Request) -> str:

@@ -24,6 +24,13 @@ PLACEHOLDER = "mcp-forge-egress-value"
 # of 8 KiB each: about 3.2 MiB as JSON).
 MESSAGE_MAX = 8 << 20
 CONNECTIONS_MAX = 64  # open connections of one session through the proxy
+# Cluster mode (server.py --listen): connections not yet identified by a credential, at
+# most this many open at once for the whole proxy, each for at most this many seconds.
+UNIDENTIFIED_MAX = 256
+UNIDENTIFIED_TIMEOUT = 10.0
+# What an audit socket's reader may fall behind before it loses records (bytes, in the
+# proxy; its socket's own buffer holds about as much again).
+AUDIT_BUFFER = 1 << 20
 _TOKEN_CONTEXT = b"mcp-forge egress proxy credential v1"
 
 

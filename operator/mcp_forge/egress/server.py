@@ -1,18 +1,33 @@
-"""The egress proxy's process: mitmproxy with our addon, fed by the gateway.
+"""The egress proxy's process: mitmproxy with our addon, told its sessions by a controller.
 
     python -m mcp_forge.egress.server --control-fd N --confdir DIR [--resolve FILE]
+    python -m mcp_forge.egress.server --listen HOST:PORT --control-socket PATH
+        [--audit-socket PATH] --confdir DIR
 
-Run by the gateway (`client.py`) in the egress venv, confined (an unprivileged user in a
-sandbox with the host's network). mitmproxy listens on the host's loopback, on a port
-the kernel never sees; each session's socket (handed over by the gateway, already bound
-where its pod sees it) is relayed to that port here, and the relayed connection's port
-names its session to the addon, so a credential read in one session's pod does not speak
-for it through another session's socket.
+mitmproxy listens on the loopback, on a port no client sees; clients reach it through the
+proxy's own relay (`relay.py`), which bounds and paces each session's connections.
 
-The control socket carries one JSON object a line each way, requests answered in order:
-`{"op": "open", "session", "token", "rules"}` with the listening socket beside it;
-`{"op": "close", "session"}`; `{"op": "stats"}`. Its end is the gateway's end: the
-proxy exits. Each verdict is a JSON line on stderr (the gateway logs them).
+Local mode (`--control-fd`): run by the gateway (`client.py`) in the egress venv,
+confined (an unprivileged user in a sandbox with the host's network). Each session's
+socket (handed over by the gateway, already bound where its pod sees it) is relayed, and
+the relayed connection's port names its session to the addon, so a credential read in
+one session's pod does not speak for it through another session's socket. The control
+socket carries one JSON object a line each way, requests answered in order:
+`{"op": "open", "session", "token", "rules", "values", "ca"}` with the listening socket
+beside it; `{"op": "close", "session"}`; `{"op": "stats"}`; `{"op": "sync", "sessions"}`.
+Its end is the gateway's end: the proxy exits.
+
+Cluster mode (`--listen`): the proxy's pod. One TCP listener for every session's kernels;
+a connection is the session's its credential names at its first request (`relay.py`).
+The feeder, beside it, sends the same requests over a Unix socket (`sockets.py`), an
+`open` without a descriptor; its going away stops nothing. Sessions are "namespace/name".
+An `open` identical to the session's last leaves it and its connections as they are;
+any other (new rules, values, CA or token) replaces the session, ending its connections,
+as a local `open` always does. `sync` closes every session it does not name. The proxy
+writes `{"event": "listening", "address": "HOST:PORT"}` on stderr once it serves (the
+port chosen when asked for 0), and on SIGTERM stops accepting and exits 0.
+
+Each verdict is a JSON line on stderr, and in cluster mode on the audit socket too.
 """
 
 from __future__ import annotations
@@ -25,12 +40,11 @@ import hashlib
 import inspect
 import json
 import os
+import re
+import signal
 import socket
 import sys
 import threading
-import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
@@ -42,42 +56,18 @@ from mitmproxy.proxy.layers import tls
 from mitmproxy.proxy.layers.http import _http1
 
 from mcp_forge.api import egress
-from mcp_forge.egress import protocol
+from mcp_forge.egress import protocol, sockets
 from mcp_forge.egress.addon import Policy, Session
+from mcp_forge.egress.relay import BUFFER, Bounds, Relays
 
-BUFFER = 1 << 20  # read at once by the relay: fewer, larger copies through its one thread
 HEAD_MAX = 64 << 10  # a request head's bytes, like nginx's large_client_header_buffers
 HELLO_MAX = 64 << 10  # a TLS ClientHello's bytes (browsers' are a few KiB)
-
-
-class Bucket:
-    """A session's bandwidth in one direction: `rate` bytes a second, a second's worth
-    of burst; 0 is no bound. One event loop: no lock."""
-
-    def __init__(self, rate: int) -> None:
-        self.rate = rate
-        self.tokens = float(rate)
-        self.stamp = time.monotonic()
-
-    async def take(self, n: int) -> None:
-        if self.rate <= 0:
-            return
-        now = time.monotonic()
-        self.tokens = min(float(self.rate), self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        self.tokens -= n
-        if self.tokens < 0:  # paced: this direction waits its turn, the others go on
-            await asyncio.sleep(-self.tokens / self.rate)
-
-
-@dataclass
-class Relays:
-    """The sessions' listening sockets, and their open connections."""
-
-    servers: dict[str, asyncio.Server] = field(default_factory=dict)
-    open: dict[str, set[asyncio.StreamWriter]] = field(default_factory=dict)
-    counts: dict[str, Counter[str]] = field(default_factory=dict)
-    buckets: dict[str, tuple[Bucket, Bucket]] = field(default_factory=dict)  # out, in
+STOP_TIMEOUT = 5.0  # seconds mitmproxy may take to stop on SIGTERM
+# A session's name in cluster mode: a namespace and a KernelSession's name.
+SESSION_NAME = re.compile(
+    r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?/[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?"
+)
+TOKEN = re.compile(r"[!-~]{16,1024}")  # cluster mode: printable ASCII, no spaces
 
 
 class Running:
@@ -93,19 +83,35 @@ class Running:
 class Proxy:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.cluster = args.listen is not None
         table = json.loads(args.resolve.read()) if args.resolve else None
-        self.policy = Policy(self.audit, table)
-        self.relays = Relays()
-        self.port = 0
-        self.connections_max = args.connections_max
+        self.policy = Policy(self.audit, table, relayed_only=not self.cluster)
+        bounds = Bounds(
+            args.connections_max, args.bandwidth_max, args.unidentified_max,
+            args.unidentified_timeout,
+        )  # fmt: skip
+        self.relays = Relays(self.audit, self.policy.relayed, bounds)
+        if self.cluster:
+            self.policy.admit = self.relays.admit
+        self.audit_socket = sockets.AuditSocket(args.audit_buffer) if self.cluster else None
+        self.grants: dict[str, str] = {}  # cluster mode: each session's last open, digested
         self.master: Any = None
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        return self.relays.port
 
     def audit(self, record: dict[str, Any]) -> None:
         name = record.get("session")
         if isinstance(name, str) and name in self.relays.counts and "allowed" in record:
             verdict = "allowed" if record.get("allowed") else "refused"
             self.relays.counts[name][verdict] += 1
-        print(json.dumps(record, separators=(",", ":")), file=sys.stderr, flush=True)
+        line = sockets.line(record)
+        sys.stderr.write(line.decode())
+        sys.stderr.flush()
+        if self.audit_socket is not None:
+            self.audit_socket.send(line)
 
     async def start(self) -> Master:
         opts = options.Options(listen_host="127.0.0.1", listen_port=0)
@@ -126,28 +132,42 @@ class Proxy:
         if self.args.upstream_ca:
             opts.update(ssl_verify_upstream_trusted_ca=self.args.upstream_ca)
         self.master = master
-        task = asyncio.create_task(master.run())
+        self.task = task = asyncio.create_task(master.run())
         waiter = asyncio.create_task(running.event.wait())
         await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
         if not running.event.is_set():
             waiter.cancel()
             raise RuntimeError("mitmproxy did not start")
         proxyserver = master.addons.get("proxyserver")
-        self.port = int(proxyserver.listen_addrs()[0][1])
+        self.relays.port = int(proxyserver.listen_addrs()[0][1])
         return master
+
+    async def stop(self) -> None:
+        """Every connection ended, and mitmproxy stopped (within STOP_TIMEOUT)."""
+        self.relays.close_all()
+        if self.master is not None and self.task is not None:
+            self.master.shutdown()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_TIMEOUT):
+                    await self.task
 
     # ---- control -------------------------------------------------------------------
 
     async def handle(self, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         op = message.get("op")
         try:
+            if op == "open" and self.cluster:
+                return await self._open_cluster(message)
             if op == "open":
                 return await self._open(message, fds)
             if op == "close":
                 await self._close(str(message.get("session")))
                 return {"ok": True}
             if op == "stats":
-                return {"ok": True, "sessions": self._stats()}
+                extra = {"unidentified": len(self.relays.waiting)} if self.cluster else {}
+                return {"ok": True, "sessions": self.relays.stats(), **extra}
+            if op == "sync":
+                return await self._sync(message)
             return {"ok": False, "error": f"unknown op {str(op)[:32]!r}"}
         finally:
             for fd in fds:  # a descriptor nobody took
@@ -159,33 +179,53 @@ class Proxy:
         if len(fds) != 1 or not name:
             return {"ok": False, "error": "open needs a session name and one socket"}
         listener = socket.socket(fileno=fds.pop())
-        try:
-            rules = egress.parse_rules(message.get("rules", []))
-        except ValueError as exc:  # InvalidSession is a ValueError
+        session = self._session(name, str(message.get("token", "")), message)
+        if isinstance(session, str):
             listener.close()
-            return {"ok": False, "error": str(exc)}
-        try:
-            certstore = self._certstore(message.get("ca"))
-            values = {(int(n), int(i)): str(v) for n, i, v in message.get("values", [])}
-        except (ValueError, TypeError, KeyError) as exc:
-            listener.close()
-            return {"ok": False, "error": f"the session's CA or values: {type(exc).__name__}"}
+            return {"ok": False, "error": session}
         await self._close(name)
-        session = Session(name, str(message.get("token", "")), rules, certstore, values)
-        self.policy.sessions[name] = session
-        self.relays.counts[name] = Counter()
-        self.relays.open[name] = set()
-        rate = self.args.bandwidth_max
-        self.relays.buckets[name] = (Bucket(rate), Bucket(rate))
+        self._add(session)
         try:
-            self.relays.servers[name] = await asyncio.start_unix_server(
-                lambda r, w: self._relay(name, r, w), sock=listener, limit=BUFFER
-            )
+            await self.relays.serve(name, listener)
         except OSError as exc:
             listener.close()
             await self._close(name)
             return {"ok": False, "error": f"serving the session's socket: {exc}"}
         return {"ok": True, "port": self.port}
+
+    async def _open_cluster(self, message: dict[str, Any]) -> dict[str, Any]:
+        """An open without a socket: the session's connections come to the listener."""
+        name, token = message.get("session"), message.get("token")
+        if not isinstance(name, str) or not SESSION_NAME.fullmatch(name):
+            return {"ok": False, "error": "open needs a session named namespace/name"}
+        if not isinstance(token, str) or not TOKEN.fullmatch(token):
+            return {"ok": False, "error": "open needs a token of 16 to 1024 printable characters"}
+        if self.policy.holder(token) not in (None, name):
+            return {"ok": False, "error": "the token is another session's"}
+        fields = {k: message.get(k) for k in ("token", "rules", "values", "ca")}
+        grant = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+        if self.grants.get(name) == grant and name in self.policy.sessions:
+            return {"ok": True}  # the same again (a feeder that reconnected): kept as is
+        session = self._session(name, token, message)
+        if isinstance(session, str):
+            return {"ok": False, "error": session}
+        await self._close(name)
+        self._add(session)
+        self.grants[name] = grant
+        return {"ok": True}
+
+    def _session(self, name: str, token: str, message: dict[str, Any]) -> Session | str:
+        """The session an open describes, or why it is not one."""
+        try:
+            rules = egress.parse_rules(message.get("rules", []))
+        except ValueError as exc:  # InvalidSession is a ValueError
+            return str(exc)
+        try:
+            certstore = self._certstore(message.get("ca"))
+            values = {(int(n), int(i)): str(v) for n, i, v in message.get("values", [])}
+        except (ValueError, TypeError, KeyError) as exc:
+            return f"the session's CA or values: {type(exc).__name__}"
+        return Session(name, token, rules, certstore, values)
 
     def _certstore(self, ca: Any) -> Any:
         """The session's CA as a mitmproxy CertStore (its leaves are signed by it), or None."""
@@ -196,90 +236,24 @@ class Proxy:
         dhparams = self.master.addons.get("tlsconfig").certstore.dhparams
         return certs.CertStore(key, cert, None, dhparams)
 
+    def _add(self, session: Session) -> None:
+        self.policy.add(session)
+        self.relays.add(session.name)
+
     async def _close(self, name: str) -> None:
-        self.policy.sessions.pop(name, None)
-        server = self.relays.servers.pop(name, None)
-        if server is not None:
-            server.close()
-        for writer in self.relays.open.pop(name, set()):
-            writer.close()
-        self.relays.counts.pop(name, None)
-        self.relays.buckets.pop(name, None)
+        self.policy.remove(name)
+        self.relays.remove(name)
+        self.grants.pop(name, None)
 
-    def _stats(self) -> dict[str, dict[str, int]]:
-        return {
-            name: {**counts, "open": len(self.relays.open.get(name, ()))}
-            for name, counts in self.relays.counts.items()
-        }
-
-    # ---- a session's connection ----------------------------------------------------
-
-    async def _relay(
-        self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        open_now = self.relays.open.get(name)
-        counts = self.relays.counts.get(name)
-        if open_now is None or counts is None:
-            writer.close()
-            return
-        if len(open_now) >= self.connections_max:
-            counts["over_limit"] += 1
-            self.audit(
-                {"event": "limit", "session": name, "allowed": False,
-                 "reason": f"{self.connections_max} connections open already"}
-            )  # fmt: skip
-            writer.close()
-            return
-        open_now.add(writer)
-        counts["connections"] += 1
-        up_writer = None
-        out, into = self.relays.buckets.get(name) or (Bucket(0), Bucket(0))
-        moved: Counter[str] = Counter()
-        began = time.monotonic()
-        try:
-            up_reader, up_writer = await asyncio.open_connection(
-                "127.0.0.1", self.port, limit=BUFFER
-            )
-            port = up_writer.get_extra_info("sockname")[1]
-            self.policy.relayed[port] = name
-            try:
-                await asyncio.gather(
-                    _pipe(reader, up_writer, (counts, moved), "bytes_out", out),
-                    _pipe(up_reader, writer, (counts, moved), "bytes_in", into),
-                )
-            finally:
-                self.policy.relayed.pop(port, None)
-        except OSError:
-            pass
-        finally:
-            open_now.discard(writer)
-            writer.close()
-            if up_writer is not None:
-                up_writer.close()
-            seconds = round(time.monotonic() - began, 3)
-            self.audit({"event": "closed", "session": name, **moved, "seconds": seconds})
-
-
-async def _pipe(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    counts: tuple[Counter[str], ...],
-    key: str,
-    bucket: Bucket,
-) -> None:
-    """One direction, until its end, at the session's pace; the other side then hears
-    the end too."""
-    try:
-        while data := await reader.read(BUFFER):
-            for counter in counts:
-                counter[key] += len(data)
-            await bucket.take(len(data))
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-    except (OSError, RuntimeError):
-        writer.close()
+    async def _sync(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Every session not named closed (the feeder's list after it reconnects)."""
+        named = message.get("sessions")
+        if not isinstance(named, list) or not all(isinstance(n, str) for n in named):
+            return {"ok": False, "error": "sync needs a list of session names"}
+        closed = sorted(set(self.policy.sessions) - set(named))
+        for name in closed:
+            await self._close(name)
+        return {"ok": True, "closed": closed}
 
 
 def _control_loop(proxy: Proxy, control: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
@@ -297,6 +271,8 @@ def _control_loop(proxy: Proxy, control: socket.socket, loop: asyncio.AbstractEv
 
 
 async def serve(args: argparse.Namespace) -> None:
+    if args.listen is not None:
+        return await serve_cluster(args)
     control = socket.socket(fileno=args.control_fd)
     proxy = Proxy(args)
     await proxy.start()
@@ -310,9 +286,48 @@ async def serve(args: argparse.Namespace) -> None:
     await done  # the control loop stops the event loop
 
 
+async def serve_cluster(args: argparse.Namespace) -> None:
+    """Cluster mode, until SIGTERM (or SIGINT): then stop accepting, end, return."""
+    proxy = Proxy(args)
+    await proxy.start()
+    control = sockets.ControlSocket(proxy.handle)
+    await control.start(args.control_socket)
+    paths = [args.control_socket]
+    if proxy.audit_socket is not None and args.audit_socket:
+        await proxy.audit_socket.start(args.audit_socket)
+        paths.append(args.audit_socket)
+    host, port = args.listen
+    listener = await asyncio.start_server(
+        proxy.relays.unknown_link, host, port, limit=BUFFER, backlog=1024
+    )
+    bound = listener.sockets[0].getsockname()
+    shown = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(number, stopping.set)
+    sys.stderr.write(sockets.line({"event": "listening", "address": shown}).decode())
+    sys.stderr.flush()
+    await stopping.wait()
+    listener.close()
+    control.close()
+    if proxy.audit_socket is not None:
+        proxy.audit_socket.close()
+    await proxy.stop()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="mcp_forge.egress.server")
-    parser.add_argument("--control-fd", type=int, required=True)
+    control = parser.add_mutually_exclusive_group(required=True)
+    control.add_argument("--control-fd", type=int, help="local mode: the gateway's socket")
+    control.add_argument("--control-socket", help="cluster mode: a Unix socket to listen on")
+    parser.add_argument(
+        "--listen", type=_address, help="cluster mode: HOST:PORT for every session's kernels"
+    )
+    parser.add_argument("--audit-socket", help="cluster mode: a Unix socket for audit readers")
     parser.add_argument("--confdir", required=True, help="mitmproxy's own, private")
     parser.add_argument(
         "--resolve",
@@ -324,7 +339,33 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--bandwidth-max", type=int, default=0, help="bytes a second per session and direction"
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--unidentified-max", type=int, default=protocol.UNIDENTIFIED_MAX,
+        help="cluster mode: connections open without a known credential, at once",
+    )  # fmt: skip
+    parser.add_argument(
+        "--unidentified-timeout", type=float, default=protocol.UNIDENTIFIED_TIMEOUT,
+        help="cluster mode: seconds a connection may take to show its credential",
+    )  # fmt: skip
+    parser.add_argument(
+        "--audit-buffer", type=int, default=protocol.AUDIT_BUFFER,
+        help="cluster mode: bytes an audit reader may fall behind before it loses records",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if (args.listen is None) != (args.control_socket is None):
+        parser.error("--listen and --control-socket go together (cluster mode)")
+    if args.audit_socket and args.listen is None:
+        parser.error("--audit-socket is for cluster mode (--listen)")
+    return args
+
+
+def _address(text: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets); port 0 is one the system chooses."""
+    host, _, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
 
 
 # mitmproxy 11.0.2 has no bound on a request head: Http1Server.read_headers adds what the
@@ -418,6 +459,9 @@ HEAD_TOO_LARGE = (
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     bound_heads()
+    if args.listen is not None:
+        asyncio.run(serve(args))
+        return
     with contextlib.suppress(RuntimeError):  # the loop stopped: the gateway went away
         asyncio.run(serve(args))
 
