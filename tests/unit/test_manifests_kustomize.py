@@ -1,5 +1,6 @@
 """The kustomizations of manifests/: they build objects valid for Kubernetes 1.33, in the
-two namespaces, with the CRDs of crds/; the images can be replaced; what the overlays change."""
+three namespaces, with the CRDs of crds/; the images can be replaced; what the overlays
+change."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import kubernetes_validate
 import pytest
 import yaml
 from manifests_support import (
+    EGRESS,
     INSTALLS,
     K8S_VERSION,
     KUSTOMIZATIONS,
     MANIFESTS,
+    NAMESPACES,
     ROOT,
     SESSIONS,
     SYSTEM,
@@ -50,21 +53,22 @@ def test_every_kustomization_builds_into_objects_valid_for_kubernetes(name: str)
 
 
 @pytest.mark.parametrize("name", INSTALLS)
-def test_every_namespaced_object_names_one_of_the_two_namespaces(name: str) -> None:
+def test_every_namespaced_object_names_one_of_the_three_namespaces(name: str) -> None:
     cluster_scoped = {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
     for obj in build(name):
         namespace = obj["metadata"].get("namespace")
         if obj["kind"] in cluster_scoped:
             assert namespace is None, key(obj)
         else:
-            assert namespace in (SYSTEM, SESSIONS), key(obj)
+            assert namespace in NAMESPACES, key(obj)
         if obj["kind"] != "CustomResourceDefinition":  # crds/ is taken as it is
             assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "mcp-forge", key(obj)
 
 
-def test_both_namespaces_enforce_the_restricted_pod_security_standard() -> None:
+def test_every_namespace_enforces_the_restricted_pod_security_standard() -> None:
     objs = build("base")
-    for namespace in (SYSTEM, SESSIONS):
+    assert {o["metadata"]["name"] for o in objs if o["kind"] == "Namespace"} == set(NAMESPACES)
+    for namespace in NAMESPACES:
         ns_labels = find(objs, "Namespace", namespace)["metadata"]["labels"]
         assert ns_labels["pod-security.kubernetes.io/enforce"] == "restricted"
 
@@ -82,6 +86,7 @@ def test_the_images_can_be_replaced_with_kustomize_images(tmp_path: Path) -> Non
                         "newTag": "dev",
                     },
                     {"name": "ghcr.io/mcp-forge/gateway", "newName": "registry.example/gw"},
+                    {"name": "ghcr.io/mcp-forge/egress", "newName": "registry.example/eg"},
                 ],
             }
         )
@@ -89,6 +94,8 @@ def test_the_images_can_be_replaced_with_kustomize_images(tmp_path: Path) -> Non
     objs = kustomize(tmp_path)
     assert container(objs, "mcp-forge-operator")["image"] == "registry.example/op:dev"
     assert container(objs, "mcp-forge-gateway")["image"] == f"registry.example/gw:{VERSION}"
+    egress = find(objs, "Deployment", "mcp-forge-egress", EGRESS)["spec"]["template"]["spec"]
+    assert {c["image"] for c in egress["containers"]} == {f"registry.example/eg:{VERSION}"}
 
 
 def test_the_gvisor_overlay_changes_only_the_operators_runtime_class() -> None:
@@ -116,4 +123,6 @@ def test_the_namespace_scoped_overlay_watches_the_session_namespace_only() -> No
     assert scoped - base == {
         ("Role", SESSIONS, "mcp-forge-operator"),
         ("RoleBinding", SESSIONS, "mcp-forge-operator"),
+        ("Role", EGRESS, "mcp-forge-operator"),
+        ("RoleBinding", EGRESS, "mcp-forge-operator"),
     }

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from manifests_support import (
     INSTALLS,
+    NAMESPACES,
     SESSIONS,
     SYSTEM,
     TOKENS_SECRET,
@@ -131,9 +132,9 @@ def _policies(objs: list[dict[str, Any]], namespace: str) -> list[dict[str, Any]
     ]
 
 
-def test_both_namespaces_deny_all_traffic_by_default() -> None:
+def test_every_namespace_denies_all_traffic_by_default() -> None:
     objs = build("base")
-    for namespace in (SYSTEM, SESSIONS):
+    for namespace in NAMESPACES:
         deny = [
             p["spec"]
             for p in _policies(objs, namespace)

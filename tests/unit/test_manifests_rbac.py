@@ -7,6 +7,8 @@ from typing import Any
 import pytest
 from manifests_support import (
     CLUSTER,
+    EGRESS,
+    EGRESS_SA,
     GATEWAY_SA,
     INSTALLS,
     OPERATOR_SA,
@@ -75,6 +77,12 @@ OPERATOR_RULES = {
     ("", "persistentvolumeclaims"): "get create patch",
     ("", "events"): "create patch",
 }
+# The egress proxy's namespace: a grant (a Secret) per session, listed at start to delete
+# orphans (control/egress.py); the proxy's Service read for its address.
+OPERATOR_EGRESS_RULES = {
+    ("", "secrets"): "get list create patch delete",
+    ("", "services"): "get",
+}
 OPERATOR_SCANNING = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): "list watch",
     ("", "namespaces"): "list watch",
@@ -118,11 +126,19 @@ def test_the_cluster_wide_operator_has_exactly_its_rules_everywhere() -> None:
     for name in ("base", "overlays/gvisor"):
         granted = grants(build(name), OPERATOR_SA)
         assert granted == expand(CLUSTER, OPERATOR_RULES | OPERATOR_SCANNING)
+        assert expand(CLUSTER, OPERATOR_EGRESS_RULES) <= granted, "the egress grants"
 
 
 def test_the_namespace_scoped_operator_has_no_cluster_wide_grant() -> None:
     granted = grants(build("overlays/namespace-scoped"), OPERATOR_SA)
-    assert granted == expand(SESSIONS, OPERATOR_RULES)
+    assert granted == expand(SESSIONS, OPERATOR_RULES) | expand(EGRESS, OPERATOR_EGRESS_RULES)
+
+
+@pytest.mark.parametrize("name", INSTALLS)
+def test_the_egress_feeder_reads_the_secrets_of_its_own_namespace_only(name: str) -> None:
+    """Only grants live there; it writes nothing."""
+    granted = grants(build(name), EGRESS_SA)
+    assert granted == expand(EGRESS, {("", "secrets"): "get list watch"})
 
 
 def test_users_get_kernel_sessions_through_the_built_in_roles() -> None:
