@@ -283,6 +283,8 @@ async def _venv(rootfs: Path, venv: str, *installs: list[str]) -> None:
 async def _import_and_tag(
     archive: Path, name: str, entrypoint: list[str], cmd: list[str], inputs: str
 ) -> None:
+    """Import the rootfs as the image `name`, smoke-test it, tag it; drop the one it replaces."""
+    ref = image_ref(name)
     changes = [
         f"ENTRYPOINT {json.dumps(entrypoint)}",
         f"CMD {json.dumps(cmd)}",
@@ -295,6 +297,7 @@ async def _import_and_tag(
         f"LABEL {INPUTS_LABEL}={inputs}",
     ]
     args = [arg for change in changes for arg in ("--change", change)]
+    image_id, tagged = "", False
     try:
         done = await podman.run("import", "--quiet", *args, str(archive), timeout=TAR_TIMEOUT)
         image_id = done.stdout.decode().strip().removeprefix("sha256:")
@@ -304,9 +307,18 @@ async def _import_and_tag(
             "run", "--rm", "--read-only", "--tmpfs", "/tmp", "--network", "none",
             "--entrypoint", program, image_id, *argv, timeout=SMOKE_TEST_TIMEOUT,
         )  # fmt: skip
-        await podman.run("tag", image_id, image_ref(name))
+        previous = await podman.run("image", "inspect", "--format", "{{.Id}}", ref, check=False)
+        await podman.run("tag", image_id, ref)
+        tagged = True
     except PodmanError as e:
         raise ImageError(f"the {name} image failed its import, smoke test or tagging: {e}") from e
+    finally:
+        if image_id and not tagged:  # failed or cancelled: no untagged leftovers either
+            await podman.run("rmi", image_id, check=False)
+    old_id = previous.stdout.decode().strip() if previous.returncode == 0 else ""
+    if old_id and old_id != image_id:
+        # The image the tag named before (each is the whole rootfs); kept if still in use.
+        await podman.run("rmi", old_id, check=False)
 
 
 def _add_user(rootfs: Path) -> None:
