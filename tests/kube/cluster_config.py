@@ -4,8 +4,8 @@ etcd, kube-apiserver, kube-controller-manager, kube-scheduler (the control plane
 with Debian's runc, the kubelet, kube-proxy (nftables), kube-router (NetworkPolicy only) and
 local-path-provisioner (PersistentVolumes). Client certificates for everyone, the
 ServiceAccount token signer, PodSecurity admission (on by default: namespaces opt in with their
-labels), an audit log. Pods get addresses on a bridge of their own with a route to the Service
-range only: no default route, nothing leaves the machine.
+labels), an audit log. Pods get addresses on a bridge of their own with routes to the Service
+range and to this machine's own address only: no default route, nothing leaves the machine.
 
 Only the standard library: it runs before any virtualenv exists (tests/kube/cluster).
 """
@@ -47,14 +47,14 @@ def write_configs(ip: str, bins: Path) -> None:
     ):
         kubeconfig(conf / f"{user}.kubeconfig", pki, user, server)
     write_storage_config(conf, bins)
-    write_cni_config(conf)
+    write_cni_config(conf, ip)
     write_containerd_config(conf)
     write_audit_policy(conf)
     write_kubelet_config(conf, pki, ip)
     write_proxy_config(conf, ip)
 
 
-def write_cni_config(conf: Path) -> None:
+def write_cni_config(conf: Path, ip: str) -> None:
     (conf / "net.d").mkdir(exist_ok=True)
     cni = {
         "cniVersion": "1.0.0",
@@ -70,8 +70,9 @@ def write_cni_config(conf: Path) -> None:
                     "type": "host-local",
                     "dataDir": str(ROOT / "cni-ipam"),
                     "ranges": [[{"subnet": POD_CIDR}]],
-                    # Only the Service range: a pod has no default route.
-                    "routes": [{"dst": SERVICE_CIDR}],
+                    # The Service range and this machine's own address (where the egress
+                    # tests' stand-ins listen), no more: a pod has no default route.
+                    "routes": [{"dst": SERVICE_CIDR}, {"dst": f"{ip}/32"}],
                 },
             },
             {"type": "portmap", "capabilities": {"portMappings": True}},

@@ -43,6 +43,7 @@ pytestmark = pytest.mark.podman
 
 ROOT = Path(__file__).parents[2]
 SYSTEM, SESSIONS = "mcp-forge-system", "mcp-forge-sessions"
+EGRESS = "mcp-forge-egress"  # the egress proxy's namespace
 PORT = 8765  # the documented `kubectl port-forward svc/mcp-forge-gateway 8765`
 DEADLINE = "180s"
 MONITORING = "mcpforge.dev/monitoring"  # the namespace label the NetworkPolicy "metrics" admits
@@ -97,9 +98,13 @@ def installed(test_cluster: ClusterUnderTest, request: pytest.FixtureRequest) ->
             "--from-literal",
             f"tokens=agent {token}\n",
         )
-        for deployment in ("mcp-forge-operator", "mcp-forge-gateway"):
+        for namespace, deployment in (
+            (SYSTEM, "mcp-forge-operator"),
+            (SYSTEM, "mcp-forge-gateway"),
+            (EGRESS, "mcp-forge-egress"),
+        ):
             kubectl(
-                test_cluster, "-n", SYSTEM, "rollout", "status", f"deploy/{deployment}",
+                test_cluster, "-n", namespace, "rollout", "status", f"deploy/{deployment}",
                 f"--timeout={DEADLINE}",
             )  # fmt: skip
         assert_unchanged(test_cluster, kustomization, server_side=not how)
@@ -140,8 +145,8 @@ def uninstall(cluster: ClusterUnderTest, kustomization: Path) -> None:
         if obj["metadata"].get("namespace"):
             continue  # goes with its namespace
         kubectl(cluster, "delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found")
-    kubectl(cluster, "delete", "namespace", SYSTEM, SESSIONS, "--ignore-not-found", "--wait=true",
-            f"--timeout={DEADLINE}")  # fmt: skip
+    kubectl(cluster, "delete", "namespace", SYSTEM, SESSIONS, EGRESS, "--ignore-not-found",
+            "--wait=true", f"--timeout={DEADLINE}")  # fmt: skip
     install_crds(cluster.kubeconfig)
 
 

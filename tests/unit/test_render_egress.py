@@ -150,7 +150,7 @@ def test_a_missing_value_is_named_by_its_field_and_never_shown() -> None:
     ],
 )
 def test_a_grant_that_is_not_one_is_refused(text: str) -> None:
-    with pytest.raises(ValueError, match="grant|Expecting"):
+    with pytest.raises(ValueError, match=r"grant|Expecting"):
         grant.parse_grant(text)
 
 

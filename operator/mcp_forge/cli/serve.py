@@ -275,9 +275,18 @@ def operator(
     "--control-socket", required=True, help="The egress proxy's control socket (a Unix path)."
 )
 @click.option("--audit-socket", default=None, help="The proxy's audit socket, to count verdicts.")
+@click.option(
+    "--ready-file",
+    default=None,
+    help="Made once the proxy has every grant, removed while it may not (a readiness probe).",
+)
 @_METRICS_OPTION
 def egress_feeder(
-    namespace: str, control_socket: str, audit_socket: str | None, metrics_at: str | None
+    namespace: str,
+    control_socket: str,
+    audit_socket: str | None,
+    ready_file: str | None,
+    metrics_at: str | None,
 ) -> None:
     """Tell a cluster's egress proxy its sessions (run beside it, in its pod).
 
@@ -298,7 +307,11 @@ def egress_feeder(
         click.echo(f"Prometheus metrics at http://{host}:{exporter.port}/metrics", err=True)
     try:
         feeder.run(
-            Kube(), namespace, Path(control_socket), Path(audit_socket) if audit_socket else None
+            Kube(),
+            namespace,
+            Path(control_socket),
+            Path(audit_socket) if audit_socket else None,
+            Path(ready_file) if ready_file else None,
         )
     except ForgeError as exc:
         click.echo(f"error: {exc}", err=True)

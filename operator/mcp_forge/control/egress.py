@@ -118,7 +118,7 @@ class Grants:
             "Secret", self.namespace, labels={grant.GRANT_LABEL: "true"}, metadata_only=True
         )
         removed = 0
-        for item in listed.get("items", []):
+        for item in listed.get("items") or []:
             labels = item["metadata"].get("labels") or {}
             ns, name = labels.get("mcpforge.dev/namespace"), labels.get("mcpforge.dev/session")
             found = self.kube.get("KernelSession", ns, name) if ns and name else None

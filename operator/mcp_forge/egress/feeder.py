@@ -71,10 +71,15 @@ class Control:
 
 
 class Feeder:
-    def __init__(self, kube: Kube, namespace: str, control: Path) -> None:
+    def __init__(
+        self, kube: Kube, namespace: str, control: Path, ready: Path | None = None
+    ) -> None:
         self.kube = kube
         self.namespace = namespace
         self.control_path = control
+        # Made once the proxy has every grant, removed when it may not: the pod's
+        # readiness (a new proxy takes no kernel's request before it knows the sessions).
+        self.ready = ready
         self.sent: dict[str, str] = {}  # grant Secret name -> its resourceVersion, as sent
         self.sessions: dict[str, str] = {}  # grant Secret name -> its session
 
@@ -97,6 +102,7 @@ class Feeder:
                     delay = 1.0
                     self.follow(control, version, stop)
             except (ProxyGone, ApiError) as exc:
+                self._unready()
                 log.warning("egress feeder: %s: starting over in %.0f s", exc, delay)
                 stop.wait(delay)
                 delay = min(2 * delay, RETRY_MAX)
@@ -107,7 +113,7 @@ class Feeder:
         """Send every grant that changed, then `sync` with them all; the list's version."""
         listed = self.kube.list("Secret", self.namespace, labels={grant.GRANT_LABEL: "true"})
         names: set[str] = set()
-        for secret in listed.get("items", []):
+        for secret in listed.get("items") or []:
             names.add(secret["metadata"]["name"])
             self.apply(control, secret)
         for gone in set(self.sessions) - names:
@@ -116,7 +122,13 @@ class Feeder:
         answer = control.call({"op": "sync", "sessions": sorted(set(self.sessions.values()))})
         if answer.get("closed"):
             log.info("egress sessions closed by sync: %s", answer["closed"])
+        if self.ready is not None and answer.get("ok"):
+            self.ready.touch()
         return str(listed["metadata"]["resourceVersion"])
+
+    def _unready(self) -> None:
+        if self.ready is not None:
+            self.ready.unlink(missing_ok=True)
 
     def follow(self, control: Control, version: str, stop: threading.Event) -> None:
         """Apply the grants' changes until the watch ends (then the caller lists again)."""
@@ -187,11 +199,13 @@ def _count(line: bytes) -> None:
         record = json.loads(line)
     except ValueError:
         return
-    if isinstance(record, dict):
+    if isinstance(record, dict) and record.get("event") != "audit":  # the stream's own news
         audit.record(record)
 
 
-def run(kube: Kube, namespace: str, control: Path, audit_path: Path | None) -> None:
+def run(
+    kube: Kube, namespace: str, control: Path, audit_path: Path | None, ready: Path | None = None
+) -> None:
     """The feeder until SIGTERM or SIGINT: it ends where it is (a watch may be waiting
     minutes for its next event); the proxy keeps its sessions for the next feeder."""
     stop = threading.Event()
@@ -208,7 +222,7 @@ def run(kube: Kube, namespace: str, control: Path, audit_path: Path | None) -> N
         signal.signal(number, stopped)
     started = time.monotonic()
     try:
-        Feeder(kube, namespace, control).run(stop)
+        Feeder(kube, namespace, control, ready).run(stop)
     finally:
         stop.set()
         log.info("egress feeder stopped after %.0f s", time.monotonic() - started)

@@ -239,7 +239,8 @@ class Relays:
             link.close()
             seconds = round(time.monotonic() - link.began, 3)
             named = {"session": link.session} if link.session is not None else {}
-            self.audit({"event": "closed", **named, **link.moved, "seconds": seconds})
+            if named or any(link.moved.values()):  # not a probe's connect and close
+                self.audit({"event": "closed", **named, **link.moved, "seconds": seconds})
 
     def close_all(self) -> None:
         """Every connection ended (the proxy stops)."""
