@@ -214,7 +214,13 @@ async def sessions(
     )  # fmt: skip
     other = [{"host": "other.test", "ports": [hosts.https.port],
               "addresses": [f"{hosts.address}/32"]}]  # fmt: skip
-    async with running_operator(kube), cluster_gateway(kube_api, tmp_path / "tokens", token) as gw:
+    offered = [{"host": "api.test", "ports": [hosts.https.port],
+                "addresses": [f"{hosts.address}/32"]}]  # fmt: skip
+    env = {"MCPFORGE_EGRESS_CLIENT_ALLOW": json.dumps(offered)}
+    async with (
+        running_operator(kube),
+        cluster_gateway(kube_api, tmp_path / "tokens", token, env=env) as gw,
+    ):
         for name, allow in (("egress-a", rules(hosts)), ("egress-b", other)):
             await asyncio.to_thread(kube.create, declared(ns, name, images["minimal"], allow))
         for name in ("egress-a", "egress-b"):
@@ -229,7 +235,7 @@ async def sessions(
 
 
 async def test_egress_by_name_on_a_cluster(
-    sessions: Gateway, hosts: Hosts, kube: Kube, kube_api: Any
+    sessions: Gateway, hosts: Hosts, kube: Kube, kube_api: Any, test_cluster: ClusterUnderTest
 ) -> None:
     """One pair of sessions, every check (each pair costs two kernel pods' starts)."""
     async with kernels(sessions, hosts) as (a, b):
@@ -237,7 +243,9 @@ async def test_egress_by_name_on_a_cluster(
         await no_way_out_but_the_proxy(a, hosts)
         await a_secret_is_added_on_the_way_out_and_never_in_the_kernel(a, b, hosts)
         await pip_installs_from_an_allowed_index(a, hosts)
+        await a_client_chooses_within_what_is_offered(a.agent, hosts)
     await the_credential_is_the_sessions_and_the_grant_holds_it(kube, kube_api.namespace)
+    verdicts_are_counted_by_the_feeder(test_cluster)
 
 
 async def reaches_its_names_and_nothing_else(a: Kernel, b: Kernel, hosts: Hosts) -> None:
@@ -336,3 +344,40 @@ async def the_credential_is_the_sessions_and_the_grant_holds_it(kube: Kube, ns: 
     pod = await asyncio.to_thread(kube.get, "Pod", ns, "ks-egress-a")
     dumped = json.dumps(pod)
     assert data[TOKEN_KEY] not in dumped and VALUE not in dumped
+
+
+async def a_client_chooses_within_what_is_offered(agent: Any, hosts: Hosts) -> None:
+    """create_session's `allow`, within what the gateway offers (the offered rule's
+    address range goes with it); anything else is refused, naming the field."""
+    port = hosts.https.port
+    asked = {"variant": "minimal", "cpu": "250m", "memory": "512Mi"}
+    refused = await agent.call_tool(
+        "create_session", {**asked, "allow": [{"host": "other.test", "ports": [port]}]}
+    )
+    assert refused.is_error and "allow[0]" in text(refused), text(refused)
+    made = await agent.call_tool(
+        "create_session", {**asked, "allow": [{"host": "api.test", "ports": [port]}]}
+    )
+    assert not made.is_error, text(made)
+    chosen = Kernel(agent, made.structured_content["session_id"], hosts.ca.ca_path.read_text())
+    assert (await chosen.fetch(hosts.https.url("api.test", "/bytes/7")))["status"] == 200
+    got = await chosen.fetch(hosts.https.url("other.test", "/echo"))
+    assert "no rule allows other.test" in got.get("error", ""), got
+    closed = await agent.call_tool("close_session", {"session_id": chosen.sid})
+    assert not closed.is_error, text(closed)
+
+
+def verdicts_are_counted_by_the_feeder(cluster: ClusterUnderTest) -> None:
+    """The proxy's verdicts reach the feeder's metrics (its audit socket)."""
+    pod = kubectl(cluster, "-n", EGRESS, "get", "pod", "-o", "name").split()[0]
+    scrape = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:9090/metrics').read().decode())"
+    metrics = kubectl(cluster, "-n", EGRESS, "exec", pod, "-c", "feeder", "--",
+                      "/opt/mcp-forge/bin/python", "-c", scrape)  # fmt: skip
+    counted = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in metrics.splitlines()
+        if line.startswith("mcpforge_egress_total{")
+    }
+    for verdict in ("allowed", "refused"):
+        key = f'mcpforge_egress_total{{event="connect",verdict="{verdict}"}}'
+        assert counted.get(key, 0) >= 1, (key, counted)
