@@ -78,7 +78,11 @@ def egress_objects(cluster: ClusterUnderTest, hosts: Hosts) -> list[dict[str, An
         )
     ]
     names = {n: [hosts.address] for n in ("api.test", "files.test", "other.test", "pypi.test")}
-    names |= {"loop.test": ["127.0.0.1"], "kube.test": ["10.96.0.1"]}
+    names |= {
+        "loop.test": ["127.0.0.1"],
+        "kube.test": ["10.96.0.1"],
+        "meta.test": ["169.254.169.254"],
+    }
     objects.append(
         {
             "apiVersion": "v1",
@@ -139,6 +143,7 @@ def rules(hosts: Hosts) -> list[dict[str, Any]]:
         {"host": "pypi.test", "ports": [index], "addresses": own},
         {"host": "loop.test", "ports": [port]},
         {"host": "kube.test", "ports": [443]},
+        {"host": "meta.test", "ports": [80]},
     ]  # fmt: skip
 
 
@@ -257,9 +262,14 @@ async def reaches_its_names_and_nothing_else(a: Kernel, b: Kernel, hosts: Hosts)
         ("other.test", "no rule allows other.test"),
         ("loop.test", "127.0.0.1"),
         ("kube.test", "10.96.0.1"),
+        ("meta.test", "169.254.169.254"),
     ):
-        port = 443 if name == "kube.test" else hosts.https.port
-        got = await a.fetch(f"https://{name}:{port}/echo")
+        port = {"kube.test": 443, "meta.test": 80}.get(name, hosts.https.port)
+        scheme = "http" if name == "meta.test" else "https"
+        got = await a.fetch(f"{scheme}://{name}:{port}/latest/meta-data/")
+        if scheme == "http":  # a plain request's refusal is the proxy's answer
+            assert got.get("status") == 403 and why in got.get("reason", ""), (name, got)
+            continue
         assert "403" in got.get("error", "") and why in got["error"], (name, got)
     got = await a.fetch(f"https://{hosts.address}:{hosts.https.port}/echo")
     assert "403" in got.get("error", "") and "IP address" in got["error"], got
