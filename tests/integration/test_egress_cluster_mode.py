@@ -18,7 +18,6 @@ import os
 import signal
 import socket
 import ssl
-import subprocess
 import threading
 import time
 import uuid
@@ -28,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from egress_proxy import Process
 from egress_standins import StandIn, TestCA, own_address
 from mcp_forge.api import keys
 from mcp_forge.egress import protocol
@@ -47,43 +47,6 @@ A, B = "team-a/alpha", "team-b/beta"
 
 
 # ---- the proxy's process and its two sockets -------------------------------------------
-
-
-class Process:
-    """The proxy in cluster mode; its stderr drained (it blocks on a full pipe)."""
-
-    def __init__(self, directory: Path, *flags: str) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.control_path = directory / "control.sock"
-        self.audit_path = directory / "audit.sock"
-        argv = [
-            str(default_python()), "-I", "-m", "mcp_forge.egress.server",
-            "--listen", "127.0.0.1:0", "--confdir", str(directory / "conf"),
-            "--control-socket", str(self.control_path),
-            "--audit-socket", str(self.audit_path), *flags,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.lines: list[str] = []
-        self.listening = threading.Event()
-        self.address = ("", 0)
-        threading.Thread(target=self._drain, daemon=True).start()
-        if not self.listening.wait(15):
-            self.proc.kill()
-            raise AssertionError(f"the proxy did not listen: {self.lines[-20:]}")
-
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for raw in self.proc.stderr:
-            line = raw.decode(errors="replace")
-            self.lines.append(line)
-            if not self.listening.is_set() and '"listening"' in line:
-                host, _, port = json.loads(line)["address"].rpartition(":")
-                self.address = (host, int(port))
-                self.listening.set()
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(DEADLINE)
 
 
 class Control:

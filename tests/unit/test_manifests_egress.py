@@ -146,10 +146,16 @@ def test_kernels_of_every_namespace_reach_the_proxy_on_its_port_only() -> None:
 
 
 def test_the_proxy_goes_out_anywhere_and_the_feeder_to_the_api_server_and_dns() -> None:
-    """A NetworkPolicy cannot name hosts: the proxy's own rules refuse private ones."""
+    """A NetworkPolicy cannot name hosts: the proxy's own rules refuse private ones. The
+    link-local ranges (metadata services), which no rule may list, are closed here too."""
     policies = _policies(build("base"))
     (out,) = policies["egress-proxy"]["egress"]
-    assert out == {"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}]}
+    assert out == {
+        "to": [
+            {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}},
+            {"ipBlock": {"cidr": "::/0", "except": ["fe80::/10", "fd00:ec2::254/128"]}},
+        ]
+    }
     api = policies["allow-api-server"]
     assert sorted(p["port"] for p in api["egress"][0]["ports"]) == [443, 6443]
     dns = policies["allow-dns"]["egress"][0]

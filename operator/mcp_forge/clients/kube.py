@@ -227,9 +227,12 @@ class Kube:
         fields: dict[str, str] | None = None,
         metadata_only: bool = False,
         cached: bool = False,
+        limit: int | None = None,
+        after: str | None = None,
     ) -> dict[str, Any]:
         """The list object (items and metadata.resourceVersion); with `metadata_only`,
         each item's metadata alone (a PartialObjectMetadataList: no data, no spec).
+        With `limit`, one page: `metadata.continue` is the next page's `after`.
 
         `cached`: as the API server's watch cache has it now (resourceVersion 0), which
         may be a few milliseconds behind. Else the list is consistent, and the API server
@@ -237,6 +240,10 @@ class Kube:
         that kind changes (measured: 65-97 ms for a namespace's pods). For callers whose
         writes are guarded by resourceVersion, or that a later reconcile corrects."""
         query = [("resourceVersion", "0")] if cached else []
+        if limit is not None:
+            query.append(("limit", str(limit)))
+        if after:
+            query.append(("continue", after))
         if labels:
             query.append(("labelSelector", ",".join(f"{k}={v}" for k, v in labels.items())))
         if fields:
@@ -334,9 +341,11 @@ class Kube:
         *,
         resource_version: str,
         name: str | None = None,
+        labels: dict[str, str] | None = None,
         timeout: float = 30.0,
     ) -> Iterator[Event]:
-        """Events after `resource_version`, until `timeout` passes without one.
+        """Events after `resource_version`, until `timeout` passes without one. With
+        `labels`, of objects with them only (one that loses them is DELETED).
 
         The API may end the stream at any time; callers list again and go on.
         """
@@ -347,6 +356,8 @@ class Kube:
         ]
         if name is not None:
             query.append(("fieldSelector", f"metadata.name={name}"))
+        if labels:
+            query.append(("labelSelector", ",".join(f"{k}={v}" for k, v in labels.items())))
         resp = self._call(
             "GET", self.path(kind, namespace), query=query, stream=True, timeout=(10.0, timeout)
         )

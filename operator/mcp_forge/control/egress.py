@@ -11,6 +11,7 @@ deleted or loses its list, and at its start deletes every grant whose session is
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ from mcp_forge.clients.kube import Kube, key_of
 from mcp_forge.control.render_egress import Route, ca_of
 from mcp_forge.egress import grant
 from mcp_forge.egress.protocol import token_for
+from mcp_forge.errors import SecretError
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -47,13 +49,19 @@ class Grants:
     # ---- where the proxy is ---------------------------------------------------------
 
     def route(self) -> Route:
-        """The proxy Service's address (looked up at most every ROUTE_TTL seconds)."""
+        """The proxy Service's address (looked up at most every ROUTE_TTL seconds). Once
+        known, a Service gone for a while keeps its last address: the kernels that name
+        it are not replaced for that (they get no answer until it is back)."""
         at, route = self._route
         if route is not None and time.monotonic() - at < ROUTE_TTL:
             return route
         service = self.kube.get("Service", self.namespace, self.service)
         spec = (service or {}).get("spec") or {}
         ip, ports = spec.get("clusterIP"), spec.get("ports") or []
+        if (not ip or ip == "None" or not ports) and route is not None:
+            log.warning("the egress proxy's Service is gone: its last address stays")
+            self._route = (time.monotonic(), route)
+            return route
         if not ip or ip == "None" or not ports:
             raise EgressUnavailable(
                 "spec.network.allow needs the cluster's egress proxy, and its Service "
@@ -66,12 +74,18 @@ class Grants:
 
     # ---- grants -----------------------------------------------------------------------
 
-    def ensure(self, session: KernelSession, secret: dict[str, Any] | None) -> None:
+    def ensure(
+        self, session: KernelSession, secret: dict[str, Any] | None, *, verify: bool = False
+    ) -> None:
         """The session's grant, from its connection Secret (`secret`: the credential's
-        key and the CA) and the values its rules name. SecretError names a missing one."""
+        key and the CA) and the values its rules name. SecretError names a missing one,
+        or a grant too large for a Secret. `verify`: read the grant even if this process
+        wrote the same one (before a kernel pod is made: someone may have deleted it)."""
         key = key_of(secret)
         if secret is None or key is None:
-            return  # the Secret is completed first (reconciler._own_secret)
+            raise SecretError(
+                "InvalidSecret", f"the connection Secret of {session.name!r} holds no key yet"
+            )
         data = secrets.load(secret).data
         ca = ca_of({k: v.decode() for k, v in data.items() if k.startswith("egress-ca")})
 
@@ -81,9 +95,16 @@ class Grants:
 
         added = grant.values(session, lookup)
         body = grant.grant(session, token_for(key), ca, added)
-        digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        text = json.dumps(body, sort_keys=True)
+        if len(text) > grant.GRANT_MAX:
+            raise SecretError(
+                "EgressGrantTooLarge",
+                f"spec.network.allow: the egress grant is {len(text)} bytes, over "
+                f"{grant.GRANT_MAX} (a Secret's bound): fewer rules, paths or values",
+            )
+        digest = hashlib.sha256(text.encode()).hexdigest()
         where = (session.namespace, session.name)
-        if self._written.get(where) == digest:
+        if self._written.get(where) == digest and not verify:
             return
         want = grant.grant_secret(
             session,
@@ -95,6 +116,8 @@ class Grants:
         current = self.kube.get("Secret", self.namespace, want["metadata"]["name"])
         if current is None:
             self.kube.create(want)
+        elif _grant_of(current) == body:
+            pass  # as written before (this process, or an earlier one)
         else:
             self.kube.patch("Secret", self.namespace, want["metadata"]["name"],
                             {"stringData": want["stringData"]})  # fmt: skip
@@ -104,7 +127,7 @@ class Grants:
 
     def remove(self, namespace: str, name: str, *, known: bool = False) -> None:
         """Delete the session's grant. Without `known`, only one this operator wrote (a
-        session without an allow-list costs no request)."""
+        session without an allow-list costs no request; `sweep` finds the others)."""
         with self._lock:
             written = self._written.pop((namespace, name), None)
         if written is None and not known:
@@ -127,3 +150,11 @@ class Grants:
             self.kube.delete("Secret", self.namespace, item["metadata"]["name"])
             removed += 1
         return removed
+
+
+def _grant_of(secret: dict[str, Any]) -> Any:
+    """A grant Secret's body as read (None if unreadable)."""
+    try:
+        return json.loads(base64.b64decode((secret.get("data") or {}).get(grant.GRANT_KEY, "")))
+    except ValueError:
+        return None

@@ -39,6 +39,7 @@ from mcp_forge.errors import ApiError
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
+SWEEP_EVERY = 600.0  # seconds between sweeps of egress grants
 
 VERSION = "v1alpha1"
 PLURAL = "kernelsessions"
@@ -85,23 +86,26 @@ async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -
 
 
 async def _sweep_grants(reconciler: Reconciler) -> None:
-    """Grants left by sessions deleted while no operator ran (control/egress.py)."""
-    try:
-        removed = await asyncio.to_thread(reconciler.egress.sweep)
-    except ApiError as exc:  # no proxy installed (its namespace is not there), or no right
-        log.info("egress grants not swept: %s", exc)
-        return
-    if removed:
-        log.info("%d egress grants of deleted sessions removed", removed)
+    """Grants whose session is gone or lists nothing (control/egress.py): at the start
+    (sessions deleted while no operator ran), then every SWEEP_EVERY seconds (a list
+    taken away from a session whose grant an earlier operator wrote)."""
+    while True:
+        try:
+            removed = await asyncio.to_thread(reconciler.egress.sweep)
+            if removed:
+                log.info("%d egress grants of deleted sessions removed", removed)
+        except ApiError as exc:  # no proxy installed (its namespace is not there), or no right
+            log.info("egress grants not swept: %s", exc)
+        await asyncio.sleep(SWEEP_EVERY)  # a period, not a wait for something
 
 
 @kopf.on.cleanup()
 async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
-    task = memo.get("scheduler")
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    for task in (memo.get("scheduler"), memo.get("sweep")):
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     if memo.get("reconciler") is not None:
         await memo.reconciler.answers.close()
         memo.reconciler.close()
@@ -129,13 +133,13 @@ async def session_event(
     if type != "DELETED":
         return
     reconciler, ns = _reconciler(memo), namespace or "default"
-    reconciler.forget(ns, name)
-    if ((body.get("spec") or {}).get("network") or {}).get("allow"):
-        try:  # its grant with the egress proxy (control/egress.py)
+    try:  # its grant with the egress proxy (control/egress.py), after a reconcile under way
+        async with reconciler.lock(ns, name):
             await asyncio.to_thread(reconciler.egress.remove, ns, name, known=True)
-        except ApiError as exc:
-            log.warning("the egress grant of %s/%s is left (%s): removed at the next start",
-                        ns, name, exc)  # fmt: skip
+    except ApiError as exc:
+        log.warning("the egress grant of %s/%s is left (%s): the next sweep removes it",
+                    ns, name, exc)  # fmt: skip
+    reconciler.forget(ns, name)
     await _release(reconciler, ns)
     # A session that claimed a kernel counted against its pool's maxSize until now,
     # whichever pod ran it (a replaced one carries no claimed-from label to be heard).

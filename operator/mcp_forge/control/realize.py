@@ -249,9 +249,10 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
                 session.name,
             )
             secret = r.kube.patch("Secret", ns, secret_name(session), complete)
-        if egress:
+        if egress:  # the grant first, from the Secret as it is now (patched just above)
             try:
-                r.egress.ensure(session, secret or r.kube.get("Secret", ns, secret_name(session)))
+                secret = r.kube.get("Secret", ns, secret_name(session))
+                r.egress.ensure(session, secret, verify=True)
             except SecretError as exc:  # a Secret its rules name: no kernel without it
                 p.seen = Observation(st.FAILED, exc.reason, str(exc))
                 p.due.append(p.now + STARTING_RECHECK)
@@ -294,8 +295,11 @@ def follow_kernel(r: Reconciler, p: Pass) -> None:
         if session.spec.egress_rules and p.found.secret is not None:
             try:  # a value changed in its Secret reaches the proxy
                 r.egress.ensure(session, p.found.secret)
-            except SecretError as exc:  # the grant as it was stays
-                log.warning("egress grant of %s/%s kept: %s", session.namespace, session.name, exc)
+            except SecretError as exc:  # a value taken away is no longer added: no way out
+                log.warning(
+                    "egress grant of %s/%s removed: %s", session.namespace, session.name, exc
+                )
+                r.egress.remove(session.namespace, session.name, known=True)
     uid = pod["metadata"].get("uid")
     if uid != old.get("kernelId"):  # made by a reconcile whose status write was lost
         p.kernel_gen += 1

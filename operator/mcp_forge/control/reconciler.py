@@ -108,6 +108,10 @@ class Reconciler:
         """Reconcile the session (or pool) at `at` (now if None), or earlier if due."""
         self.schedule.poke((kind, namespace, name), at)
 
+    def lock(self, namespace: str, name: str, *, kind: str = KS) -> asyncio.Lock:
+        """The lock a reconcile of that object holds."""
+        return self._locks.setdefault((kind, namespace, name), asyncio.Lock())
+
     def forget(self, namespace: str, name: str, *, kind: str = KS) -> None:
         self.schedule.forget((kind, namespace, name))
         self._locks.pop((kind, namespace, name), None)

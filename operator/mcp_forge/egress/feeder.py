@@ -21,6 +21,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import queue
+import select
 import signal
 import socket
 import threading
@@ -28,12 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mcp_forge.clients.kube import Kube
+from mcp_forge.clients.kube import Event, Kube
 from mcp_forge.egress import audit, grant, protocol
 from mcp_forge.errors import ApiError
 
 log = logging.getLogger(__name__)
 WATCH_SECONDS = 300.0  # a watch is opened again (after a list) at least this often
+PAGE = 50  # grants a list asks for at once (each up to grant.GRANT_MAX)
 RETRY_MAX = 30.0  # the longest wait before trying the proxy or the API again
 CALL_TIMEOUT = 30.0  # the proxy's answer to one request
 AUDIT_LINE_MAX = 64 << 10
@@ -66,6 +69,15 @@ class Control:
             raise ProxyGone("the proxy closed its control socket")
         return got[0]
 
+    def check(self) -> None:
+        """ProxyGone if the proxy closed the socket (between requests nothing else comes)."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+            if readable and not self.sock.recv(1, socket.MSG_PEEK):
+                raise ProxyGone("the proxy closed its control socket")
+        except OSError as exc:
+            raise ProxyGone(str(exc)) from None
+
     def close(self) -> None:
         self.sock.close()
 
@@ -84,13 +96,16 @@ class Feeder:
         self.sessions: dict[str, str] = {}  # grant Secret name -> its session
 
     def run(self, stop: threading.Event) -> None:
-        """Keep the proxy told, until `stop`: connect, send every grant, follow changes;
-        on any failure, wait (1 s doubling to RETRY_MAX) and start over."""
+        """Keep the proxy told, until `stop`: connect, send every grant, follow changes.
+        The proxy gone (its container restarted): unready, connect again, send them all.
+        The API failing: the proxy keeps what it has (still ready); list again after a
+        wait (1 s doubling to RETRY_MAX, as long as watches end early or fail)."""
         delay = 1.0
         while not stop.is_set():
             try:
                 control = Control(self.control_path)
             except OSError as exc:
+                self._unready()
                 log.info("egress proxy not reachable yet (%s): again in %.0f s", exc, delay)
                 stop.wait(delay)
                 delay = min(2 * delay, RETRY_MAX)
@@ -98,32 +113,48 @@ class Feeder:
             try:
                 self.sent.clear()  # a new connection may be a new proxy: send them all
                 while not stop.is_set():
-                    version = self.resync(control)
-                    delay = 1.0
-                    self.follow(control, version, stop)
-            except (ProxyGone, ApiError) as exc:
+                    try:
+                        began = time.monotonic()
+                        self.follow(control, self.resync(control), stop)
+                        if time.monotonic() - began > WATCH_SECONDS / 2:
+                            delay = 1.0  # a watch that lasted: no backoff
+                            continue
+                        why = "the watch ended early"
+                    except ApiError as exc:
+                        why = str(exc)
+                    log.warning("egress feeder: %s: listing again in %.0f s", why, delay)
+                    stop.wait(delay)
+                    delay = min(2 * delay, RETRY_MAX)
+            except ProxyGone as exc:
                 self._unready()
-                log.warning("egress feeder: %s: starting over in %.0f s", exc, delay)
-                stop.wait(delay)
-                delay = min(2 * delay, RETRY_MAX)
+                log.warning("egress proxy gone (%s): connecting again", exc)
+                stop.wait(1.0)
             finally:
                 control.close()
 
     def resync(self, control: Control) -> str:
         """Send every grant that changed, then `sync` with them all; the list's version."""
-        listed = self.kube.list("Secret", self.namespace, labels={grant.GRANT_LABEL: "true"})
         names: set[str] = set()
-        for secret in listed.get("items") or []:
-            names.add(secret["metadata"]["name"])
-            self.apply(control, secret)
+        after: str | None = None
+        while True:  # in pages: grants may be large (up to grant.GRANT_MAX each)
+            listed = self.kube.list("Secret", self.namespace, labels={grant.GRANT_LABEL: "true"},
+                                    limit=PAGE, after=after)  # fmt: skip
+            for secret in listed.get("items") or []:
+                names.add(secret["metadata"]["name"])
+                self.apply(control, secret)
+            after = listed["metadata"].get("continue")
+            if not after:
+                break
         for gone in set(self.sessions) - names:
             self.sessions.pop(gone, None)
             self.sent.pop(gone, None)
         answer = control.call({"op": "sync", "sessions": sorted(set(self.sessions.values()))})
         if answer.get("closed"):
             log.info("egress sessions closed by sync: %s", answer["closed"])
-        if self.ready is not None and answer.get("ok"):
-            self.ready.touch()
+        if answer.get("ok"):
+            if self.ready is not None:
+                self.ready.touch()
+            log.info("egress proxy has every grant (%d)", len(self.sessions))
         return str(listed["metadata"]["resourceVersion"])
 
     def _unready(self) -> None:
@@ -131,20 +162,42 @@ class Feeder:
             self.ready.unlink(missing_ok=True)
 
     def follow(self, control: Control, version: str, stop: threading.Event) -> None:
-        """Apply the grants' changes until the watch ends (then the caller lists again)."""
-        events = self.kube.watch("Secret", self.namespace, resource_version=version,
-                                 timeout=WATCH_SECONDS)  # fmt: skip
-        for event in events:
-            if stop.is_set():
-                return
-            secret = event.object
-            labels = (secret.get("metadata") or {}).get("labels") or {}
-            if labels.get(grant.GRANT_LABEL) != "true":
-                continue
-            if event.type == "DELETED":
-                self.forget(control, secret["metadata"]["name"])
-            elif event.type in ("ADDED", "MODIFIED"):
-                self.apply(control, secret)
+        """Apply the grants' changes until the watch ends (then the caller lists again),
+        checking every second that the proxy is still there (ProxyGone if not)."""
+        events: queue.Queue[Event | ApiError | None] = queue.Queue()
+        done = threading.Event()
+
+        def watch() -> None:
+            try:
+                for event in self.kube.watch("Secret", self.namespace, resource_version=version,
+                                             labels={grant.GRANT_LABEL: "true"},
+                                             timeout=WATCH_SECONDS):  # fmt: skip
+                    if done.is_set():
+                        return
+                    events.put(event)
+            except ApiError as exc:
+                events.put(exc)
+            finally:
+                events.put(None)
+
+        threading.Thread(target=watch, name="grants", daemon=True).start()
+        try:
+            while not stop.is_set():
+                try:
+                    item = events.get(timeout=1.0)
+                except queue.Empty:
+                    control.check()
+                    continue
+                if item is None:
+                    return
+                if isinstance(item, ApiError):
+                    raise item
+                if item.type == "DELETED":
+                    self.forget(control, item.object["metadata"]["name"])
+                elif item.type in ("ADDED", "MODIFIED"):
+                    self.apply(control, item.object)
+        finally:
+            done.set()
 
     def apply(self, control: Control, secret: dict[str, Any]) -> None:
         """Open (or open again, changed) the session of one grant Secret."""

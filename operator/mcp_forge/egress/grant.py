@@ -24,7 +24,9 @@ from mcp_forge.errors import SecretError
 
 GRANT_LABEL = "mcpforge.dev/egress-grant"
 GRANT_KEY = "grant.json"
-GRANT_MAX = 8 << 20  # protocol.MESSAGE_MAX: what the proxy takes in one message
+# A grant's JSON: a Secret's data holds at most 1 MiB (etcd's object limit, with room
+# for its metadata); the proxy takes up to protocol.MESSAGE_MAX (8 MiB) in one message.
+GRANT_MAX = 768 << 10
 _SENDABLE = re.compile(rb"[\x20-\x7e\t]*")  # a header's, a query's or a password's value
 
 

@@ -43,11 +43,16 @@ def write_connection(text: str, path: str = FILE, mode: int = 0o400) -> None:
 def write_trust(ca: str) -> None:
     """The egress bundle: the image's CAs and the session's, and the session's alone
     (for Node's NODE_EXTRA_CA_CERTS)."""
-    try:
-        with open(SYSTEM_BUNDLE, encoding="ascii", errors="replace") as f:
-            system = f.read()
-    except OSError:
-        system = ""
+    import ssl
+
+    system = ""
+    for path in (SYSTEM_BUNDLE, ssl.get_default_verify_paths().openssl_cafile):
+        try:  # Debian's bundle, else where this image's OpenSSL keeps its own
+            with open(path, encoding="ascii", errors="replace") as f:
+                system = f.read()
+            break
+        except OSError:
+            continue
     write_connection(system.rstrip("\n") + "\n" + ca, EGRESS_BUNDLE, 0o444)
     write_connection(ca, EGRESS_CA_FILE, 0o444)
 
