@@ -5,7 +5,8 @@ A session with an allow-list (`spec.network.allow`) reaches the cluster's egress
 
 * its Secret holds its proxy credential (derived from the kernel's key, as locally) and,
   where the proxy reads some of its requests, its CA: the certificate, which the kernel
-  trusts, and the key, which only the operator reads (to put in the proxy's grant);
+  trusts, and the key, which the pod never refers to (the operator puts it in the
+  proxy's grant; whoever may read the Secret holds the kernel's key anyway);
 * its pod's environment names the proxy by the Service's address (the kernel has no DNS)
   in `HTTP(S)_PROXY`, the credential coming from the Secret by reference; the CA's
   certificate comes the same way, and kernelside/launch.py makes the trust bundle;
