@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import sys
 import threading
@@ -55,6 +56,30 @@ class Given:
 class Opened:
     given: Given
     listener: socket.socket
+    # The socket file the listener was bound to when opened, (device, inode): the
+    # listener's own fstat names the socket, never its file. The listener holds the file's
+    # inode, so no other file takes its number while the session is open.
+    file: tuple[int, int] | None = None
+
+    def serves(self, path: Path) -> bool:
+        """Is the socket file at `path` this listener's (not one bound there since)?"""
+        try:
+            here = path.stat()
+        except OSError:
+            return False
+        return self.file == (here.st_dev, here.st_ino)
+
+
+def _file_of(listener: socket.socket) -> tuple[int, int] | None:
+    """(device, inode) of the file at the path `listener` is bound to; None if it has none."""
+    path = listener.getsockname()
+    if not isinstance(path, str) or not path:  # unbound, or abstract (bytes)
+        return None
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def default_python() -> Path:
@@ -81,14 +106,16 @@ class EgressProxy:
         self._restart_delay = 0.0  # before the next start again: 0, then 1 s doubling
 
     async def open(self, name: str, given: Given, listener: socket.socket) -> None:
-        """Serve `listener` (bound where the session's pod sees it) for session `name`."""
+        """Serve `listener` (bound where the session's pod sees it, just now) for session
+        `name`."""
+        opened = Opened(given, listener, _file_of(listener))
         async with self._lock:
             await self._running()
-            await self._send_open(name, Opened(given, listener))
+            await self._send_open(name, opened)
             old = self.sessions.pop(name, None)
             if old is not None and old.listener is not listener:
                 old.listener.close()
-            self.sessions[name] = Opened(given, listener)
+            self.sessions[name] = opened
 
     async def close(self, name: str) -> None:
         async with self._lock:

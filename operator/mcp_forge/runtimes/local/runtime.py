@@ -431,14 +431,9 @@ class LocalRuntime(Forks):
         """Does this process serve the session's socket, the one at its path now (another
         process that restarted the kernel bound a socket of its own there)?"""
         opened = self.egress.sessions.get(egress_name(session))
-        if opened is None:
-            return False
-        path = Path(self.host_paths(session).run) / SOCKET_NAME
-        try:
-            here, ours = path.stat(), os.fstat(opened.listener.fileno())
-        except OSError:
-            return False
-        return (here.st_dev, here.st_ino) == (ours.st_dev, ours.st_ino)
+        return opened is not None and opened.serves(
+            Path(self.host_paths(session).run) / SOCKET_NAME
+        )
 
     async def memory_usage(self, sessions: builtins.list[KernelSession]) -> dict[str, int]:
         return self.containers.memory_usage(sessions)
