@@ -16,8 +16,10 @@ Round by round, interleaved (the machine is shared and noisy), a new connection 
     GET /bytes/<n>, the body read to its end;
   * through the proxy: the session's socket, CONNECT api.test:<port> with the session's
     credential, then the same TLS and GET inside the tunnel (mitmproxy passes it through);
-  * the same through mitmproxy's own port on the host's loopback, to tell what the
-    proxy's relay from the session's socket to it adds.
+  * the same through the proxy in cluster mode, as a cluster kernel reaches it (its TCP
+    listener, the session known by its credential alone; a process of its own, not
+    confined). mitmproxy's own port is no longer a way in (a connection that did not
+    come through the proxy's relay speaks for no session).
 Each for 1 KB (`--runs`) and 10 MB (`--big-runs`); medians and p90, the ratio and the
 milliseconds added. Then the proxy process's resident memory (the Python running
 mcp_forge.egress.server, not its prlimit/bwrap wrappers): at its start, idle after the
@@ -46,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from bench_local import stats  # tests/bench, beside this script
 
+from egress_proxy import Process
 from egress_standins import StandIn, TestCA, own_address
 from mcp_forge.egress import protocol
 from mcp_forge.egress.client import EgressProxy, Given, default_python
@@ -59,7 +62,7 @@ EXIT_DEADLINE = 10.0  # seconds for the proxy's process to end once stopped
 PATHS = [  # the first is the baseline
     ("direct (baseline)", "direct"),
     ("through the proxy", "tunnel"),
-    ("mitmproxy's own port (no relay)", "tunnel_unrelayed"),
+    ("cluster mode (TCP, credential)", "tunnel_cluster"),
 ]
 
 
@@ -68,9 +71,16 @@ class Target:
     mitmproxy's own port."""
 
     def __init__(
-        self, standin: StandIn, ca: TestCA, socket_path: Path, proxy_port: int, token: str
+        self,
+        standin: StandIn,
+        ca: TestCA,
+        socket_path: Path,
+        proxy_port: int,
+        token: str,
+        cluster: tuple[str, int],
     ) -> None:
         self.standin = standin
+        self.cluster = cluster
         self.port = standin.port
         self.context = ca.client_context()
         self.socket_path = socket_path
@@ -95,9 +105,10 @@ class Target:
             raise
         return self._connect(sock)
 
-    def tunnel_unrelayed(self) -> socket.socket:
-        """mitmproxy's own port on the host's loopback: the proxy less its session relay."""
-        return self._connect(socket.create_connection(("127.0.0.1", self.proxy_port), TIMEOUT))
+    def tunnel_cluster(self) -> socket.socket:
+        """The same proxy in cluster mode (its pod's TCP listener, the session known by its
+        credential alone), as a cluster kernel reaches it."""
+        return self._connect(socket.create_connection(self.cluster, TIMEOUT))
 
     def _connect(self, sock: socket.socket) -> socket.socket:
         """CONNECT api.test:<port> over `sock`, its 200 read."""
@@ -162,6 +173,17 @@ def rounds(target: Target, size: int, runs: int) -> list[list[float]]:
 # ---- the proxy's process ---------------------------------------------------------------
 
 
+def tell(control: Path, message: dict[str, object]) -> None:
+    """One request on a cluster-mode proxy's control socket, as its feeder sends it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(TIMEOUT)
+        sock.connect(str(control))
+        protocol.send(sock, dict(message))
+        got = protocol.Reader(sock).read()
+    if got is None or not got[0].get("ok"):
+        raise RuntimeError(f"the cluster-mode proxy refused {message['op']}: {got}")
+
+
 def _parent(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces and ')'
@@ -178,8 +200,9 @@ def _ours(pid: int) -> bool:
     return False
 
 
-def proxy_pid() -> int:
-    """The Python running mcp_forge.egress.server under this process (inside its wrappers)."""
+def proxy_pid(other: int) -> int:
+    """The Python running mcp_forge.egress.server under this process (inside its wrappers),
+    not `other` (the cluster-mode one)."""
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
@@ -188,7 +211,7 @@ def proxy_pid() -> int:
             continue
         program = Path(argv[0].decode(errors="replace")).name
         server = b"mcp_forge.egress.server" in argv and program.startswith("python")
-        if server and _ours(int(entry.name)):
+        if server and int(entry.name) != other and _ours(int(entry.name)):
             found.append(int(entry.name))
     if len(found) != 1:
         raise RuntimeError(f"expected one egress proxy process of ours, found {found}")
@@ -260,12 +283,17 @@ async def main(runs: int, big_runs: int, tunnels: int) -> None:
         listener.listen(128)
         token = protocol.token_for(os.urandom(32))
         rule = {"host": NAME, "ports": [standin.port], "addresses": [f"{address}/32"]}
+        cluster = Process(tmp / "cluster", "--resolve", str(table), "--bandwidth-max", "0",
+                          "--connections-max", str(tunnels + 8))  # fmt: skip
+        stack.callback(cluster.stop)
+        tell(cluster.control_path, {"op": "open", "session": SESSION, "token": token,
+                                    "rules": [rule], "values": [], "ca": None})  # fmt: skip
         proxy = EgressProxy(settings)
         pid = None
         try:
             await proxy.open(SESSION, Given(token, [rule]), listener)
-            pid = proxy_pid()
-            target = Target(standin, ca, socket_path, proxy.port, token)
+            pid = proxy_pid(cluster.proc.pid)
+            target = Target(standin, ca, socket_path, proxy.port, token, cluster.address)
             at_start = rss_kb(pid)
             # In threads: the loop meanwhile reads the proxy's audit lines (its stderr).
             small = await asyncio.to_thread(rounds, target, SMALL, runs)
