@@ -4,7 +4,9 @@ certificate. The proxy's resolver maps those names to `own_address()` in tests o
 
 - `TestCA`: a CA and one server certificate for a list of names, as PEM files.
 - `StandIn`: a threaded HTTP(S) server: `/bytes/<n>`, `/echo...`, 404 otherwise; every
-  request recorded, `wait_for` a matching one.
+  request recorded, `wait_for` a matching one. Hostile answers too: `/endless-head...`,
+  `/endless-chunk...`, and `/after/<key>` (held until `/echo/release/<key>` comes).
+- `Mute`: a TCP listener that accepts and never says a word (a TLS handshake that hangs).
 - `PackageIndex` (egress_index.py): a StandIn that is also a PEP 503 simple index.
 
 tests/ is on sys.path: `from egress_standins import StandIn, TestCA`.
@@ -26,7 +28,7 @@ import struct
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Self
@@ -41,6 +43,7 @@ BYTES_MAX = 64 * 1024 * 1024  # the largest /bytes/<n> served
 CHUNK = 64 * 1024  # bytes per write of a streamed body
 IDLE_DEADLINE = 30.0  # seconds a connection may sit between requests (or in its handshake)
 STOP_DEADLINE = 10.0  # seconds stop() waits for each connection's thread once its socket is shut
+ENDLESS_MAX = 96 * 1024 * 1024  # bytes of an endless answer sent before the stand-in gives up
 
 
 # --- the CA ---------------------------------------------------------------------------------
@@ -239,6 +242,11 @@ class StandIn(ThreadingHTTPServer):
 
     - `GET /bytes/<n>` (a query ignored): n bytes (at most BYTES_MAX), streamed, Content-Length set;
     - any method on `/echo...`: JSON {method, path, headers (pairs), body_length};
+    - `/after/<key>`: the same JSON, once a request for `/echo/release/<key>` has come
+      (within IDLE_DEADLINE; a 504 if none does);
+    - `/endless-head...`: a status line, then header lines and never the blank line;
+      `/endless-chunk...`: a chunked head, then a chunk's size line that never ends. Each
+      until the client closes (or ENDLESS_MAX bytes); `wait_cut` says how much went;
     - anything else: 404.
 
     `requests` lists every request received (a copy); `wait_for` waits for one to match.
@@ -259,6 +267,7 @@ class StandIn(ThreadingHTTPServer):
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._requests: list[Recorded] = []
+        self._cut: dict[str, int] = {}  # an endless answer's path, bytes sent until the end
         self._connections: set[socket.socket] = set()
         self._workers: set[threading.Thread] = set()
         self._stopping = False
@@ -290,6 +299,14 @@ class StandIn(ThreadingHTTPServer):
                 return found[0]
             seen = [f"{r.method} {r.host} {r.path}" for r in self._requests]
         raise TimeoutError(f"no matching request in {timeout} s on :{self.port}; got {seen}")
+
+    def wait_cut(self, path: str, timeout: float) -> int:
+        """The bytes of the endless answer to `path` sent before the client closed (or
+        ENDLESS_MAX), waiting up to `timeout` seconds for that end."""
+        with self._changed:
+            if self._changed.wait_for(lambda: path in self._cut, timeout):
+                return self._cut[path]
+        raise TimeoutError(f"the endless answer to {path} still goes on after {timeout} s")
 
     def url(self, name: str, path: str = "/") -> str:
         """This stand-in's URL under a test name, e.g. url("api.test", "/echo")."""
@@ -323,6 +340,13 @@ class StandIn(ThreadingHTTPServer):
                     "body_length": body_length,
                 },
             )
+        if match := re.fullmatch(r"/after/(\w+)", request.path):
+            release = f"/echo/release/{match[1]}"
+            try:
+                self.wait_for(lambda r: r.path == release, IDLE_DEADLINE)
+            except TimeoutError:
+                return Reply.of(504, f"no {release} came\n".encode())
+            return self.reply(replace(request, path="/echo" + request.path), body_length)
         if match := re.fullmatch(r"/bytes/(\d+)(\?.*)?", request.path):  # a query ignored
             n = int(match[1])
             if n > BYTES_MAX:
@@ -406,11 +430,54 @@ class StandIn(ThreadingHTTPServer):
             self._requests.append(request)
             self._changed.notify_all()
 
+    def cut(self, path: str, sent: int) -> None:
+        with self._changed:
+            self._cut[path] = sent
+            self._changed.notify_all()
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that goes away, a handshake refused, a socket stop() shut: not our errors.
         if isinstance(sys.exc_info()[1], OSError):
             return
         super().handle_error(request, client_address)
+
+
+class Mute:
+    """A TCP listener on (`address`, an ephemeral port) that accepts and then neither reads
+    nor writes: a host whose TLS handshake never ends. Its connections are closed by
+    `close()` (or the end of a `with`)."""
+
+    def __init__(self, address: str | None = None) -> None:
+        self.address = own_address() if address is None else address
+        family = (
+            socket.AF_INET6 if ipaddress.ip_address(self.address).version == 6 else socket.AF_INET
+        )
+        self.sock = socket.create_server((self.address, 0), family=family)
+        self.port: int = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, name=f"mute :{self.port}", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.accepted.append(conn)
+
+    def close(self) -> None:
+        _shut(self.sock)
+        self.sock.close()
+        self._thread.join(STOP_DEADLINE)
+        for conn in self.accepted:
+            conn.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def _shut(conn: socket.socket, how: int = socket.SHUT_RDWR) -> None:
@@ -448,6 +515,9 @@ class _Handler(BaseHTTPRequestHandler):
             server_name=self.sni,
         )
         self.server.record(request)
+        if self.path.startswith(("/endless-head", "/endless-chunk")):
+            self._endless()
+            return
         body_length = self._read_body()
         reply = self.server.reply(request, body_length)
         self.send_response(reply.status)
@@ -461,6 +531,23 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(chunk)
 
     do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = dispatch
+
+    def _endless(self) -> None:
+        """An answer that never ends, written until the client goes (or ENDLESS_MAX)."""
+        self.close_connection = True
+        if self.path.startswith("/endless-head"):
+            first, block = b"HTTP/1.1 200 OK\r\n", (b"X-Filler: " + b"a" * 1000 + b"\r\n") * 64
+        else:  # hex digits: a chunk's size, and never the line's end
+            first, block = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"f" * CHUNK
+        sent = 0
+        try:
+            self.wfile.write(first)
+            while sent < ENDLESS_MAX:
+                self.wfile.write(block)
+                sent += len(block)
+        except OSError:
+            pass
+        self.server.cut(self.path, sent)
 
     def _read_body(self) -> int:
         """Read the request's body (Content-Length or chunked), keeping only its length."""

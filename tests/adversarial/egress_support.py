@@ -10,7 +10,9 @@ not), and that the proxy still serves the session afterwards.
 
 Session A is allowed api.test (and an IDN name by its A-label) on the HTTPS stand-in's port
 and the plain one's; session B is allowed api.test and other.test. A decoy stand-in on a
-port no rule names stands for "somewhere else": nothing may ever reach it.
+port no rule names stands for "somewhere else": nothing may ever reach it. Session R is
+allowed api.test with a path rule, so the proxy reads its HTTPS too (with R's own CA,
+which its kernel trusts), and also on the port of a host that never answers (`Mute`).
 
 This module holds the fixtures and helpers of the egress attack class; the attacks are in
 test_egress_evasion.py (getting past the rules: smuggling, credentials, names, the relay)
@@ -32,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from egress_standins import StandIn, TestCA, own_address
+from egress_standins import Mute, StandIn, TestCA, own_address
 from mcp_forge.api.connection import RUN_DIR_IN_POD
 from mcp_forge.egress import protocol
 from mcp_forge.egress.client import EgressProxy
@@ -147,13 +149,15 @@ async def proxied(
     runtime.egress = before
 
 
-def rules(hosts: Hosts, *names: str) -> list[dict[str, Any]]:
+def rules(hosts: Hosts, *names: str, **more: Any) -> list[dict[str, Any]]:
+    """Each name on the HTTPS and plain stand-ins' ports; `more`: fields every rule also
+    has, `ports` joining those two."""
     own = [f"{hosts.address}/32"]
-    ports = [hosts.https.port, hosts.plain.port]
-    return [{"host": name, "ports": ports, "addresses": own} for name in names]
+    ports = [hosts.https.port, hosts.plain.port, *more.pop("ports", ())]
+    return [{"host": name, "ports": ports, "addresses": own, **more} for name in names]
 
 
-async def _apply(runtime: LocalRuntime, hosts: Hosts, image: str, *names: str) -> str:
+async def _apply(runtime: LocalRuntime, hosts: Hosts, image: str, *names: str, **more: Any) -> str:
     name = f"egress-adv-{uuid.uuid4().hex[:8]}"
     body = {
         "apiVersion": "mcpforge.dev/v1alpha1",
@@ -162,7 +166,7 @@ async def _apply(runtime: LocalRuntime, hosts: Hosts, image: str, *names: str) -
         "spec": {
             "image": image,
             "resources": {"memory": "512Mi"},
-            "network": {"allow": rules(hosts, *names)},
+            "network": {"allow": rules(hosts, *names, **more)},
             "files": [{"path": "ca.pem", "content": hosts.ca.ca_path.read_text()}],
         },
     }
@@ -196,6 +200,29 @@ async def other(
 ) -> AsyncIterator[str]:
     """Session B: api.test and other.test."""
     name = await _apply(proxied, hosts, images["minimal"], "api.test", "other.test")
+    r = await gw.execute(name, EXCHANGE)
+    assert r.status == "ok", (r.error, r.stderr)
+    yield name
+    with contextlib.suppress(SessionNotFound):
+        await proxied.delete(name)
+
+
+@pytest.fixture(scope="module")
+def mute(hosts: Hosts) -> Iterator[Mute]:
+    """A host on the stand-ins' address that accepts connections and never answers."""
+    with Mute(hosts.address) as listener:
+        yield listener
+
+
+@pytest.fixture(scope="module")
+async def reading(
+    proxied: LocalRuntime, gw: Gateway, hosts: Hosts, mute: Mute, images: dict[str, str]
+) -> AsyncIterator[str]:
+    """Session R: api.test under paths "/" (so the proxy reads its HTTPS), on the mute
+    host's port as well."""
+    name = await _apply(
+        proxied, hosts, images["minimal"], "api.test", ports=[mute.port], paths=["/"]
+    )
     r = await gw.execute(name, EXCHANGE)
     assert r.status == "ok", (r.error, r.stderr)
     yield name

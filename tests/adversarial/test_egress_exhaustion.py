@@ -1,16 +1,21 @@
 """Egress by name (issue 28), the attacks that try to wear the proxy down: more
 connections than a session's bound, garbage on the socket, a request head that never ends,
-a ClientHello that claims 16 MB. The setup (session A, the stand-ins, the proxy with its
-bound lowered to CONNECTIONS_MAX) is egress_support.py's.
+a ClientHello that claims 16 MB; an allowed host whose answer's head never ends; what a
+kernel sends while its answer waits, or while its host's handshake hangs. The setup
+(sessions A and R, the stand-ins, the proxy with its bound lowered to CONNECTIONS_MAX) is
+egress_support.py's. The proxy's memory is its resident set, read from /proc.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import uuid
 
 import pytest
 
+from egress_standins import Mute
 from mcp_forge.egress import audit
 from mcp_forge.egress.client import default_python
 from mcp_forge.gateway.core import Gateway
@@ -26,14 +31,18 @@ from .egress_support import (
     gw,
     hosts,
     kernel_json,
+    marker,
+    mute,
     proxied,
     proxy_pid,
+    reading,
     request,
     resident,
+    seen,
     session,
 )
 
-__all__ = ["gw", "hosts", "proxied", "session"]  # fixtures, used by name
+__all__ = ["gw", "hosts", "mute", "proxied", "reading", "session"]  # fixtures, used by name
 
 pytestmark = [
     pytest.mark.podman,
@@ -242,3 +251,214 @@ print(json.dumps([out, sent]))
     assert grown < 8 << 20, f"{outcome} after {sent >> 20} MB: the proxy grew {grown >> 20} MB"
     assert proxy_pid(proxied) == pid
     await allowed_still_works(gw, session, hosts)
+
+
+# ---- 3. what a server never ends, what a kernel sends while its answer waits -------------
+
+WAITING = r'''
+def _egress_open(authority=None, timeout=10.0):
+    """A connection to the proxy through the relay; given an authority, a tunnel to it and
+    TLS inside (the session's CA is the kernel's: SSL_CERT_FILE)."""
+    import os, socket, ssl, urllib.parse
+    proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"])
+    s = socket.create_connection((proxy.hostname, proxy.port), timeout=timeout)
+    if authority is None:
+        return s
+    s.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n"
+              f"Proxy-Authorization: Basic {_egress_auth()}\r\n\r\n".encode())
+    answer, _ = _egress_answer(s, b"")
+    assert answer.get("status") == 200, answer
+    host = authority.rsplit(":", 1)[0]
+    return ssl.create_default_context().wrap_socket(s, server_hostname=host)
+
+def _egress_auth():
+    import base64, os, urllib.parse
+    proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"])
+    return base64.b64encode(f"{proxy.username}:{proxy.password}".encode()).decode()
+
+def _egress_send(s, total, fill=b"\0", stall=0.5):
+    """`total` bytes of `fill`, sent in 64 KiB parts, until one waits `stall` seconds (the
+    proxy has stopped reading) or fails: [how it ended, bytes sent]."""
+    import socket
+    s.settimeout(stall)
+    part, sent = fill * 65536, 0
+    try:
+        while sent < total:
+            sent += s.send(part[: total - sent])
+    except socket.timeout:
+        return ["stalled", sent]
+    except OSError as e:
+        return [type(e).__name__, sent]
+    return ["sent", sent]
+
+def _egress_first_line(s, limit=1 << 20):
+    """The answer's first line, how many bytes came (at most limit), and how they ended:
+    "closed", or what the reading raised."""
+    data, ended = b"", "closed"
+    try:
+        while len(data) < limit and (chunk := s.recv(65536)):
+            data += chunk
+    except OSError as e:
+        ended = type(e).__name__
+    return [data.split(b"\r\n", 1)[0].decode("latin-1"), len(data), ended]
+'''
+
+
+@pytest.mark.parametrize(
+    ("who", "tls", "path"),
+    [
+        ("session", False, "/endless-head"),
+        ("reading", True, "/endless-head"),
+        ("session", False, "/endless-chunk"),
+    ],
+    ids=["plain", "https-read", "chunk-size-line"],
+)
+async def test_a_server_whose_head_never_ends_is_cut_off_at_64_kib(
+    proxied: LocalRuntime,
+    gw: Gateway,
+    session: str,
+    reading: str,
+    hosts: Hosts,
+    who: str,
+    tls: bool,
+    path: str,
+) -> None:
+    """An allowed host answers with header lines that never end (96 MB of them), or with a
+    chunk's size line that never ends, over plain HTTP or over TLS the proxy reads: the
+    proxy closes that connection after 64 KiB (the host's writes fail a few MB later, the
+    socket buffers), the kernel gets a 502 whose reason names the bound, and the proxy
+    grows by less than 8 MB (it kept all 96 MB, and more, before) and serves on."""
+    session = {"session": session, "reading": reading}[who]
+    standin = hosts.https if tls else hosts.plain
+    path = f"{path}/{uuid.uuid4().hex[:12]}"
+    authority = f"api.test:{standin.port}"
+    target, auth = (path, "") if tls else (f"http://{authority}{path}", "Proxy-Authorization")
+    pid = proxy_pid(proxied)
+    rss = resident(pid)
+    r = await gw.execute(session, WAITING)
+    assert r.status == "ok", (r.error, r.stderr)
+    code = f"""
+import json
+s = _egress_open({authority!r} if {tls} else None)
+auth = f"{auth}: Basic {{_egress_auth()}}\\r\\n" if {auth!r} else ""
+s.sendall(f"GET {target} HTTP/1.1\\r\\nHost: {authority}\\r\\n{{auth}}\\r\\n".encode())
+print(json.dumps(_egress_first_line(s)))
+s.close()
+"""
+    line, length, _ = await kernel_json(gw, session, code)
+    sent = await asyncio.to_thread(standin.wait_cut, path, 20)
+    grown = resident(pid) - rss
+    said = f"the host sent {sent >> 20} MB before the proxy closed, the proxy grew {grown >> 20} MB"
+    assert sent < 16 << 20 and grown < 8 << 20, said
+    assert line.startswith("HTTP/1.1 502 Bad Gateway: ") and "65536 bytes" in line, line
+    assert length < 4096, length
+    assert proxy_pid(proxied) == pid
+    await allowed_still_works(gw, session, hosts)
+
+
+async def test_what_a_kernel_pipelines_while_its_answer_waits_is_held_then_sent(
+    proxied: LocalRuntime, gw: Gateway, session: str, hosts: Hosts
+) -> None:
+    """The kernel sends a GET the host answers only later, and on the same connection a
+    POST of 48 MB: the proxy stops reading the kernel (its sending stalls) instead of
+    keeping what it cannot send yet (before, it kept all it was sent), growing by less
+    than 8 MB; once the first answer comes it reads on, and the host gets the whole POST.
+    The kernel asks for that answer (the host's cue) once its sending has stalled: no
+    event says that but the stall itself, half a second without progress."""
+    key, size, port = uuid.uuid4().hex[:12], 48 << 20, hosts.plain.port
+    authority = f"api.test:{port}"
+    pid = proxy_pid(proxied)
+    rss = resident(pid)
+    r = await gw.execute(session, WAITING)
+    assert r.status == "ok", (r.error, r.stderr)
+    code = f"""
+import json
+auth = f"Proxy-Authorization: Basic {{_egress_auth()}}\\r\\n"
+s = _egress_open()
+s.sendall((f"GET http://{authority}/after/{key} HTTP/1.1\\r\\nHost: {authority}\\r\\n{{auth}}\\r\\n"
+           f"POST http://{authority}/echo/piped HTTP/1.1\\r\\nHost: {authority}\\r\\n{{auth}}"
+           f"Content-Length: {size}\\r\\n\\r\\n").encode())
+held = _egress_send(s, {size})
+release = _egress_open()
+release.sendall(f"GET http://{authority}/echo/release/{key} HTTP/1.1\\r\\nHost: {authority}\\r\\n"
+                f"{{auth}}Connection: close\\r\\n\\r\\n".encode())
+released = _egress_answer(release, b"")[0].get("status")
+release.close()
+s.settimeout(30)
+s.sendall(bytes({size} - held[1]))
+first, rest = _egress_answer(s, b"")
+second, _ = _egress_answer(s, rest)
+s.close()
+print(json.dumps([held, released, first.get("status"), second.get("body", "")]))
+"""
+    running = asyncio.create_task(kernel_json(gw, session, code))
+    await asyncio.to_thread(
+        hosts.plain.wait_for, lambda r: r.path == f"/echo/release/{key}", 20
+    )  # the kernel stalled (or sent it all) and asks for the answer: what is held now
+    grown = resident(pid) - rss
+    held, released, first, second = await running
+    assert held[0] == "stalled" and held[1] < size, held
+    assert grown < 8 << 20, f"{held}: the proxy grew {grown >> 20} MB"
+    assert released == 200 and first == 200, (released, first)
+    assert json.loads(second)["body_length"] == size, second[:300]
+    assert proxy_pid(proxied) == pid
+
+
+async def test_a_body_sent_while_the_hosts_handshake_hangs_is_held_unread(
+    proxied: LocalRuntime, gw: Gateway, reading: str, hosts: Hosts, mute: Mute
+) -> None:
+    """Session R (its HTTPS read by the proxy) POSTs 96 MB to a host that accepts the
+    connection and never answers TLS: while the proxy waits for that handshake it stops
+    reading the kernel, whose sending stalls (it kept the body, all of it, before), and
+    grows by less than 8 MB."""
+    size, authority = 96 << 20, f"api.test:{mute.port}"
+    pid = proxy_pid(proxied)
+    rss = resident(pid)
+    r = await gw.execute(reading, WAITING)
+    assert r.status == "ok", (r.error, r.stderr)
+    accepted = len(mute.accepted)
+    code = f"""
+import json
+s = _egress_open({authority!r})
+s.sendall(b"POST /upload HTTP/1.1\\r\\nHost: {authority}\\r\\nContent-Length: {size}\\r\\n\\r\\n")
+print(json.dumps(_egress_send(s, {size})))
+s.close()
+"""
+    outcome, sent = await kernel_json(gw, reading, code)
+    grown = resident(pid) - rss
+    assert outcome == "stalled" and sent < size, (outcome, sent)
+    assert grown < 8 << 20, f"{outcome} after {sent >> 20} MB: the proxy grew {grown >> 20} MB"
+    assert len(mute.accepted) > accepted  # the proxy did dial it, and waited
+    assert proxy_pid(proxied) == pid
+    await allowed_still_works(gw, reading, hosts)
+
+
+async def test_a_chunk_size_line_that_never_ends_closes_the_kernels_connection(
+    proxied: LocalRuntime, gw: Gateway, session: str, hosts: Hosts
+) -> None:
+    """A POST whose chunked body starts with a size line of 96 MB of hex digits: the
+    proxy closes the connection, unanswered, after 64 KiB (as h11 does with a malformed
+    chunk; the pod's relay reads and drops the rest), grows by less than 8 MB (it kept the
+    line, all of it, before), and serves on; the host never hears of it."""
+    authority = f"api.test:{hosts.plain.port}"
+    path = marker()
+    pid = proxy_pid(proxied)
+    rss = resident(pid)
+    r = await gw.execute(session, WAITING)
+    assert r.status == "ok", (r.error, r.stderr)
+    code = f"""
+import json
+s = _egress_open()
+s.sendall(f"POST http://{authority}{path} HTTP/1.1\\r\\nHost: {authority}\\r\\n"
+          f"Proxy-Authorization: Basic {{_egress_auth()}}\\r\\n"
+          "Transfer-Encoding: chunked\\r\\n\\r\\n".encode())
+print(json.dumps(_egress_send(s, 96 << 20, fill=b"f") + _egress_first_line(s)))
+s.close()
+"""
+    outcome, sent, line, length, ended = await kernel_json(gw, session, code)
+    grown = resident(pid) - rss
+    assert grown < 8 << 20, f"{outcome} after {sent >> 20} MB: the proxy grew {grown >> 20} MB"
+    assert (line, length, ended) == ("", 0, "closed"), (outcome, sent, line, ended)
+    assert proxy_pid(proxied) == pid
+    await allowed_still_works(gw, session, hosts)
+    assert not seen(hosts.plain, path)

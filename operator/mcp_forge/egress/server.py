@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import hashlib
-import inspect
 import json
 import os
 import re
@@ -49,19 +47,15 @@ from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from mitmproxy import certs, options
-from mitmproxy.addons import default_addons, next_layer
+from mitmproxy.addons import default_addons
 from mitmproxy.master import Master
-from mitmproxy.proxy import commands, events
-from mitmproxy.proxy.layers import tls
-from mitmproxy.proxy.layers.http import _http1
 
 from mcp_forge.api import egress
 from mcp_forge.egress import protocol, sockets
 from mcp_forge.egress.addon import Policy, Session
+from mcp_forge.egress.bounds import install as install_bounds
 from mcp_forge.egress.relay import BUFFER, Bounds, Relays
 
-HEAD_MAX = 64 << 10  # a request head's bytes, like nginx's large_client_header_buffers
-HELLO_MAX = 64 << 10  # a TLS ClientHello's bytes (browsers' are a few KiB)
 STOP_TIMEOUT = 5.0  # seconds mitmproxy may take to stop on SIGTERM
 # A session's name in cluster mode: a namespace and a KernelSession's name.
 SESSION_NAME = re.compile(
@@ -368,97 +362,9 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-# mitmproxy 11.0.2 has no bound on a request head: Http1Server.read_headers adds what the
-# client sends to h11's buffer until the blank line ("FIXME: protect against header size
-# DoS"). Nor on a TLS ClientHello: NextLayer._get_client_hello and ClientTLSLayer keep what
-# the client sends until parse_client_hello finds the whole handshake, up to the 16 MB its
-# header may claim, parsing it all again on each read (16 MB took 40 s of the proxy's one
-# thread and grew it 62 MB). One session's connections could so stall the proxy or fill
-# its address space, and take egress down for every session. No option bounds either, so
-# read_headers and parse_client_hello are wrapped, for every client connection: plain
-# requests, CONNECT heads, requests and ClientHellos inside a tunnel or inside TLS the proxy
-# reads. The functions wrapped and their callers are checked by their source first, so that
-# an upgrade fails here, loudly, until someone has looked whether the bounds still hold.
-PATCHED = {  # the function, and the SHA-256 of its source
-    _http1.Http1Server.read_headers:
-        "a7d65fbcb32dc1505c296341f1a935c26a63dde366abfb246104cfccce903ea7",
-    tls.parse_client_hello:
-        "537b0089913d85d9ca7b1e468d9be1db7ae55d8d14018c04435e5c5b94f28c69",
-    tls.ClientTLSLayer.receive_handshake_data:
-        "a0ee021f92f6d0ff887b1bf9cea7fe70c63f2625bc0d1f148948809736fcc3cb",
-    next_layer.NextLayer._get_client_hello:
-        "6365f5a13cc5642a021b008b58a91dd7eb0db6c94bbad0720bb12f9251748d4f",
-}  # fmt: skip
-
-
-def bound_heads() -> None:
-    """A request head over HEAD_MAX bytes is answered 431, and its connection closed once
-    the client has ended it (what it sends until then is dropped); a ClientHello over
-    HELLO_MAX bytes is not one (mitmproxy then closes the connection, or reads it as
-    something else, as any bytes that are not a ClientHello)."""
-    server = _http1.Http1Server
-    read_headers, parse_client_hello = server.read_headers, tls.parse_client_hello
-    if getattr(read_headers, "bounded", False):
-        return
-    for function, digest in PATCHED.items():
-        source = inspect.getsource(function)
-        if hashlib.sha256(source.encode()).hexdigest() != digest:
-            raise RuntimeError(
-                f"mitmproxy's {function.__qualname__} is not the one server.py bounds: "
-                "check bound_heads against this mitmproxy"
-            )
-    if next_layer.parse_client_hello is not parse_client_hello:
-        raise RuntimeError("mitmproxy's next_layer has a parse_client_hello of its own")
-
-    def bounded_read_headers(self: Any, event: events.ConnectionEvent) -> Any:
-        yield from read_headers(self, event)
-        # Still reading the head (no blank line yet, or the one found opened no body), and
-        # what is buffered is over the bound: the head is, but for one read of the socket.
-        if self.state == self.read_headers and len(self.buf) > HEAD_MAX:
-            self.buf = _http1.ReceiveBuffer()
-            yield commands.SendData(self.conn, HEAD_TOO_LARGE)
-            yield commands.CloseTcpConnection(self.conn, half_close=True)
-            yield commands.Log(f"a request head over {HEAD_MAX} bytes: 431")
-            self.state = functools.partial(discard, self)
-
-    def discard(self: Any, event: events.Event) -> Any:
-        # After the 431, what the client still sends is dropped, unbuffered, until its end:
-        # closing at once would reset the connection, and the answer with it, unread.
-        self.buf = _http1.ReceiveBuffer()
-        if isinstance(event, events.ConnectionClosed):
-            yield commands.CloseConnection(self.conn)
-
-    def bounded_parse_client_hello(data: bytes) -> Any:
-        # The length the handshake claims is in its first four bytes: a longer one is
-        # refused before it is buffered, and so are records so small their headers double
-        # it (each parse joins them all again).
-        claimed = b""
-        for body in tls.handshake_record_contents(data):
-            claimed += body
-            if len(claimed) >= 4:
-                if int.from_bytes(claimed[1:4], "big") + 4 > HELLO_MAX:
-                    raise ValueError(f"a ClientHello over {HELLO_MAX} bytes")
-                break
-        if len(data) > 2 * HELLO_MAX:
-            raise ValueError(f"a ClientHello in records over {2 * HELLO_MAX} bytes")
-        return parse_client_hello(data)
-
-    bounded_read_headers.bounded = True  # type: ignore[attr-defined]
-    server.read_headers = bounded_read_headers
-    tls.parse_client_hello = next_layer.parse_client_hello = bounded_parse_client_hello
-
-
-_BODY = f"The request head is over {HEAD_MAX} bytes (the egress proxy's bound).\n".encode()
-HEAD_TOO_LARGE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-    b"Content-Type: text/plain\r\nConnection: close\r\n"
-    b"Content-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
-)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    bound_heads()
+    install_bounds()
     if args.listen is not None:
         asyncio.run(serve(args))
         return
