@@ -179,13 +179,20 @@ class Failed(PackageError):
 async def _watch(dirs: Sequence[Path], limits: Limits) -> str:
     """Why pip must stop, once what it has written passes the sizes (a file, or all
     together); looked at every WATCH_INTERVAL while it runs."""
+    largest = (0, "")  # the largest distribution file seen: what a temporary copy is of
     while True:
         await asyncio.sleep(WATCH_INTERVAL)  # a sample of a growing directory, not a wait
         sizes = await asyncio.to_thread(file_sizes, dirs)
         for name, size in sizes:
+            if name.endswith(DISTRIBUTIONS) and size >= largest[0]:
+                largest = (size, name)
+        for name, size in sizes:
             if size > limits.file_max:
+                # pip may be copying a download it finished between two looks into a
+                # temporary file (tmpXXXX): name the distribution, as it was seen.
+                shown = name if name.endswith(DISTRIBUTIONS) or not largest[1] else largest[1]
                 return (
-                    f"{name} is over {limits.file_max} bytes (stopped while downloading); "
+                    f"{shown} is over {limits.file_max} bytes (stopped while downloading); "
                     f"the limit for one file is {limits.file_max}"
                 )
         total = sum(size for _, size in sizes)
@@ -194,6 +201,9 @@ async def _watch(dirs: Sequence[Path], limits: Limits) -> str:
                 f"the packages and their dependencies are over {limits.total_max} bytes "
                 f"together (stopped while downloading); the limit is {limits.total_max}"
             )
+
+
+DISTRIBUTIONS = (".whl", ".tar.gz", ".zip")
 
 
 def file_sizes(dirs: Sequence[Path]) -> list[tuple[str, int]]:
