@@ -2,21 +2,24 @@
 that is also a PEP 503 simple index of pure-Python wheels built here, each with a module
 whose VALUE names it.
 
-tests/ is on sys.path: `from egress_index import PackageIndex`.
+tests/ is on sys.path: `from egress_index import PackageIndex`. `hosts_standing` is the
+egress tests' stand-ins, both of them, on this machine's own address.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import html
 import io
 import re
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-from egress_standins import Recorded, Reply, StandIn, TestCA
+from egress_standins import Recorded, Reply, StandIn, TestCA, own_address
 
 
 def normalize(project: str) -> str:
@@ -123,3 +126,23 @@ def _page(title: str, body: str) -> Reply:
 
 def _redirect(location: str) -> Reply:
     return Reply(301, "text/plain", 0, (), headers=(("Location", location),))
+
+
+@dataclass
+class Hosts:
+    """The stand-ins of an egress test: an HTTPS server and a package index."""
+
+    address: str
+    ca: TestCA
+    https: StandIn
+    index: PackageIndex
+
+
+@contextlib.contextmanager
+def hosts_standing(directory: Path, package: str) -> Iterator[Hosts]:
+    """Both stand-ins on this machine's own address, certified by a test CA made in
+    `directory`; the index serves `package`."""
+    address = own_address()
+    ca = TestCA(directory, addresses=(address,))
+    with StandIn(address, ca) as https, PackageIndex([package], address, ca) as index:
+        yield Hosts(address, ca, https, index)

@@ -25,9 +25,8 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from egress_index import PackageIndex
+from egress_index import Hosts, hosts_standing
 from egress_kernel import holding_search
-from egress_standins import StandIn, TestCA, own_address
 from mcp_forge.api import status as st
 from mcp_forge.egress import audit, protocol
 from mcp_forge.egress.client import EgressProxy, default_python
@@ -44,20 +43,10 @@ pytestmark = [
 PACKAGE = "forge-egress-probe"
 
 
-@dataclasses.dataclass
-class Hosts:
-    address: str
-    ca: TestCA
-    https: StandIn
-    index: PackageIndex
-
-
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    address = own_address()
-    ca = TestCA(tmp_path_factory.mktemp("egress-ca"), addresses=(address,))
-    with StandIn(address, ca) as https, PackageIndex([PACKAGE], address, ca) as index:
-        yield Hosts(address, ca, https, index)
+    with hosts_standing(tmp_path_factory.mktemp("egress-ca"), PACKAGE) as standing:
+        yield standing
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
-from egress_index import PackageIndex
+from egress_index import Hosts, hosts_standing
 from egress_kernel import holding_search
-from egress_standins import StandIn, TestCA, own_address
 from mcp_forge.clients.kube import Kube
 from mcp_forge.control.render_egress import TOKEN_KEY
 from mcp_forge.egress.protocol import token_for
@@ -48,20 +47,10 @@ RESOURCES = {"cpu": "500m", "memory": "512Mi"}  # two sessions and the proxy on 
 VALUE = f"inj-{secrets.token_hex(16)}"  # in the session namespace's Secret; never in a kernel
 
 
-@dataclasses.dataclass
-class Hosts:
-    address: str
-    ca: TestCA
-    https: StandIn
-    index: PackageIndex
-
-
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    address = own_address()
-    ca = TestCA(tmp_path_factory.mktemp("egress-ca"), addresses=(address,))
-    with StandIn(address, ca) as https, PackageIndex([PACKAGE], address, ca) as index:
-        yield Hosts(address, ca, https, index)
+    with hosts_standing(tmp_path_factory.mktemp("egress-ca"), PACKAGE) as standing:
+        yield standing
 
 
 def egress_objects(cluster: ClusterUnderTest, hosts: Hosts) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from test_render import session as render_session
 
 from mcp_forge.api import kernelsession
 from mcp_forge.api.connection import ConnectionInfo
@@ -34,16 +35,7 @@ INJECT = {
 
 
 def session(allow: list[dict[str, Any]] | None = None) -> kernelsession.KernelSession:
-    spec: dict[str, Any] = {"network": {"allow": allow}} if allow else {}
-    body = kernelsession.validate(
-        {
-            "apiVersion": "mcpforge.dev/v1alpha1",
-            "kind": "KernelSession",
-            "metadata": {"name": "demo", "namespace": "team", "uid": "1234-abcd"},
-            "spec": spec,
-        }
-    )
-    return kernelsession.load(body)
+    return render_session(**({"network": {"allow": allow}} if allow else {}))
 
 
 def rendered(s: kernelsession.KernelSession, **kw: Any) -> dict[str, dict[str, Any]]:
