@@ -26,13 +26,14 @@ import yaml
 
 from egress_index import Hosts, hosts_standing
 from egress_kernel import holding_search
+from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
-from mcp_forge.control.render_egress import TOKEN_KEY
+from mcp_forge.control.render_egress import PROXY_KEY, TOKEN_KEY
 from mcp_forge.egress.protocol import token_for
 from mcp_forge.image.control_plane import build_control_plane, image_ref
 
 from .conftest import ClusterUnderTest
-from .harness import KS, eventually, phase, running_operator
+from .harness import KS, condition, eventually, phase, running_operator
 from .test_cluster_e2e import Gateway, cluster_gateway, connect, text
 from .test_install import kubectl
 
@@ -44,7 +45,10 @@ DEADLINE = 180
 PACKAGE = "forge-egress-probe"
 SECRET = "egress-api"
 RESOURCES = {"cpu": "500m", "memory": "512Mi"}  # two sessions and the proxy on 2 cores
+POOLED = {"cpu": "250m", "memory": "512Mi"}  # B's, claimed from a pool
 VALUE = f"inj-{secrets.token_hex(16)}"  # in the session namespace's Secret; never in a kernel
+VALUE_B = f"inj-b-{secrets.token_hex(16)}"  # B's, added to its requests to other.test
+POOL = "egress-warm"
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +140,26 @@ def rules(hosts: Hosts) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def declared(ns: str, name: str, image: str, allow: list[dict[str, Any]]) -> dict[str, Any]:
+def declared(
+    ns: str, name: str, image: str, allow: list[dict[str, Any]], **spec: Any
+) -> dict[str, Any]:
     clients = {"mcpforge.dev/clients": "agent"}
     return {
         "apiVersion": "mcpforge.dev/v1alpha1",
         "kind": KS,
         "metadata": {"name": name, "namespace": ns, "annotations": clients},
-        "spec": {"image": image, "resources": RESOURCES, "network": {"allow": allow}},
+        "spec": {"image": image, "resources": RESOURCES, "network": {"allow": allow}, **spec},
+    }
+
+
+def pool_of(ns: str, image: str, allow: list[dict[str, Any]]) -> dict[str, Any]:
+    """A pool of one kernel with B's template: started with no way out, as pools' are."""
+    template = {"image": image, "resources": POOLED, "network": {"allow": allow}}
+    return {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": ksp.KIND,
+        "metadata": {"name": POOL, "namespace": ns},
+        "spec": {"size": 1, "template": template},
     }
 
 
@@ -195,19 +212,21 @@ async def kernels(gw: Gateway, hosts: Hosts) -> AsyncIterator[tuple[Kernel, Kern
 async def sessions(
     proxy: None, kube_api: Any, kube: Kube, hosts: Hosts, images: dict[str, str], tmp_path: Path
 ) -> AsyncIterator[Gateway]:
-    """Two declared sessions in the test's namespace, A with the rules above and B with
-    other.test only, Ready; the gateway an agent may use both through."""
+    """Two declared sessions in the test's namespace, Ready: A with the rules above, and
+    B with other.test only (a header added), its kernel claimed from a pool; the gateway
+    an agent may use both through."""
     ns = kube_api.namespace
     token = secrets.token_urlsafe(24)
     (tmp_path / "tokens").write_text(f"agent {token}\n")
-    value = base64.b64encode(VALUE.encode()).decode()
+    data = {k: base64.b64encode(v.encode()).decode() for k, v in (("token", VALUE), ("b", VALUE_B))}
     await asyncio.to_thread(
         kube.create,
         {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET, "namespace": ns},
-         "data": {"token": value}},
+         "data": data},
     )  # fmt: skip
+    inject = [{"header": "X-Api-Key", "secretKeyRef": {"name": SECRET, "key": "b"}}]
     other = [{"host": "other.test", "ports": [hosts.https.port],
-              "addresses": [f"{hosts.address}/32"]}]  # fmt: skip
+              "addresses": [f"{hosts.address}/32"], "inject": inject}]  # fmt: skip
     offered = [{"host": "api.test", "ports": [hosts.https.port],
                 "addresses": [f"{hosts.address}/32"]}]  # fmt: skip
     env = {"MCPFORGE_EGRESS_CLIENT_ALLOW": json.dumps(offered)}
@@ -215,11 +234,18 @@ async def sessions(
         running_operator(kube),
         cluster_gateway(kube_api, tmp_path / "tokens", token, env=env) as gw,
     ):
-        for name, allow in (("egress-a", rules(hosts)), ("egress-b", other)):
-            await asyncio.to_thread(kube.create, declared(ns, name, images["minimal"], allow))
+        image = images["minimal"]
+        await asyncio.to_thread(kube.create, pool_of(ns, image, other))
+        await asyncio.to_thread(kube.create, declared(ns, "egress-a", image, rules(hosts)))
+        await eventually(kube, ksp.KIND, ns, POOL,
+                         lambda o: ((o or {}).get("status") or {}).get("ready") == 1,
+                         timeout=90, what="the pool's kernel ready")  # fmt: skip
+        b = declared(ns, "egress-b", image, other, resources=POOLED, poolRef={"name": POOL})
+        await asyncio.to_thread(kube.create, b)
         for name in ("egress-a", "egress-b"):
             await eventually(kube, KS, ns, name, lambda o: phase(o) == "Ready", timeout=90,
                              what="Ready")  # fmt: skip
+        await asyncio.to_thread(kube.delete, ksp.KIND, ns, POOL)  # no refill: 2 cores
         yield gw
         for name in ("egress-a", "egress-b"):
             await asyncio.to_thread(kube.delete, KS, ns, name)
@@ -236,6 +262,7 @@ async def test_egress_by_name_on_a_cluster(
         await reaches_its_names_and_nothing_else(a, b, hosts)
         await no_way_out_but_the_proxy(a, hosts)
         await a_secret_is_added_on_the_way_out_and_never_in_the_kernel(a, b, hosts)
+        await a_kernel_claimed_from_a_pool_gets_its_way_out(b, hosts, kube, kube_api.namespace)
         await pip_installs_from_an_allowed_index(a, hosts)
         await a_client_chooses_within_what_is_offered(a.agent, hosts)
     await the_credential_is_the_sessions_and_the_grant_holds_it(kube, kube_api.namespace)
@@ -364,6 +391,35 @@ async def a_client_chooses_within_what_is_offered(agent: Any, hosts: Hosts) -> N
     assert "no rule allows other.test" in got.get("error", ""), got
     closed = await agent.call_tool("close_session", {"session_id": chosen.sid})
     assert not closed.is_error, text(closed)
+
+
+async def a_kernel_claimed_from_a_pool_gets_its_way_out(
+    b: Kernel, hosts: Hosts, kube: Kube, ns: str
+) -> None:
+    """B's kernel was started by the pool with no way out; claimed, it was told the proxy
+    and its CA by the gateway, and its Secret holds its own credential."""
+    obj = await asyncio.to_thread(kube.get, KS, ns, "egress-b")
+    warm = condition(obj, ksp.WARM_START)
+    assert (warm.get("status"), warm.get("reason")) == ("True", ksp.CLAIMED), warm
+    got = await b.fetch(hosts.https.url("other.test", "/bytes/11"))
+    assert got == {"status": 200, "length": 11}, got
+    seen = hosts.https.wait_for(lambda q: q.path == "/bytes/11", timeout=10)
+    assert dict(seen.headers)["X-Api-Key"] == VALUE_B and seen.server_name == "other.test"
+    held = await b.run(f"import os; print(any({VALUE_B!r} in v for v in os.environ.values()))")
+    assert held.strip() == "False", held
+    await no_way_out_but_the_proxy(b, hosts)  # the session's NetworkPolicy holds it now
+    assert obj is not None
+    secret = await asyncio.to_thread(
+        kube.get, "Secret", ns, obj["status"]["connection"]["secretName"]
+    )
+    assert secret is not None
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    key = json.loads(data["connection.json"])["key"]
+    assert data[TOKEN_KEY] == token_for(key) and data[PROXY_KEY], sorted(data)
+    grant = await asyncio.to_thread(kube.get, "Secret", EGRESS, f"{ns}.egress-b")
+    assert grant is not None
+    body = json.loads(base64.b64decode(grant["data"]["grant.json"]))
+    assert body["token"] == data[TOKEN_KEY], "the grant names the claimed kernel's credential"
 
 
 def verdicts_are_counted_by_the_feeder(cluster: ClusterUnderTest) -> None:

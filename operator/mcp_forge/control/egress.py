@@ -21,7 +21,10 @@ from typing import Any
 
 from mcp_forge.api import secret as secrets
 from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.keys import new_egress_ca
 from mcp_forge.clients.kube import Kube, key_of
+from mcp_forge.control import render_egress
+from mcp_forge.control.render import connection_secret_in
 from mcp_forge.control.render_egress import Route, ca_of
 from mcp_forge.egress import grant
 from mcp_forge.egress.protocol import token_for
@@ -89,12 +92,7 @@ class Grants:
         data = secrets.load(secret).data
         ca = ca_of({k: v.decode() for k, v in data.items() if k.startswith("egress-ca")})
 
-        def lookup(name: str) -> secrets.Secret | None:
-            body = self.kube.get("Secret", session.namespace, name)
-            return secrets.load(body) if body is not None else None
-
-        added = grant.values(session, lookup)
-        body = grant.grant(session, token_for(key), ca, added)
+        body = grant.grant(session, token_for(key), ca, self.check(session))
         text = json.dumps(body, sort_keys=True)
         if len(text) > grant.GRANT_MAX:
             raise SecretError(
@@ -124,6 +122,37 @@ class Grants:
         with self._lock:
             self._written[where] = digest
         log.info("egress grant of %s/%s written", *where)
+
+    def check(self, session: KernelSession) -> list[list[Any]]:
+        """The values the session's rules name, read now; SecretError names a missing one."""
+
+        def lookup(name: str) -> secrets.Secret | None:
+            body = self.kube.get("Secret", session.namespace, name)
+            return secrets.load(body) if body is not None else None
+
+        return grant.values(session, lookup)
+
+    def claimed(self, session: KernelSession, pod: dict[str, Any], *, verify: bool) -> None:
+        """The grant of a session whose kernel was claimed from a pool, from that kernel's
+        Secret, which first gains the session's egress keys and the proxy's address (the
+        gateway tells the kernel). SecretError as `ensure`; EgressUnavailable."""
+        ns, name = session.namespace, connection_secret_in(pod)
+        secret = self.kube.get("Secret", ns, name) if name else None
+        key = key_of(secret)
+        if secret is None or key is None or name is None:
+            raise SecretError(
+                "InvalidSecret", f"the claimed kernel of {session.name!r} has no readable key"
+            )
+        have = {
+            k: v.decode() for k, v in secrets.load(secret).data.items() if k.startswith("egress-")
+        }
+        ca = None
+        if grant.reads_requests(session):
+            ca = ca_of(have) or new_egress_ca(f"{ns}/{session.name}")
+        want = render_egress.secret_data(token_for(key), ca, self.route().address)
+        if any(have.get(k) != v for k, v in want.items()):
+            secret = self.kube.patch("Secret", ns, name, {"stringData": want})
+        self.ensure(session, secret, verify=verify)
 
     def remove(self, namespace: str, name: str, *, known: bool = False) -> None:
         """Delete the session's grant. Without `known`, only one this operator wrote (a

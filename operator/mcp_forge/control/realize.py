@@ -228,17 +228,18 @@ def stop_kernel(r: Reconciler, p: Pass) -> None:
 def start_kernel(r: Reconciler, p: Pass) -> None:
     """No kernel pod: the first one may be claimed warm from the pool; else it is made
     (the Secret completed first if an older operator left it without keys). A session
-    with an allow-list starts cold, once its grant is with the egress proxy."""
+    with an allow-list starts once its grant is with the egress proxy."""
     session, old, want_pod = p.session, p.old, p.found.want_pod
     ns = session.namespace
     egress = bool(session.spec.egress_rules)
-    if session.spec.pool and not old.get("kernelId") and not egress:  # a warm start?
-        template = want_pod["metadata"]["annotations"][TEMPLATE_HASH]
-        p.claim = r.pools.claim(session, template, p.found.pool)
-        p.pod = p.claim.pod
+    if egress and r.egress_route(session) is None:
+        return _waiting(p, "EgressUnavailable", egress_missing(r))
+    if session.spec.pool and not old.get("kernelId"):  # a warm start?
+        try:
+            p.pod = _claim(r, p)
+        except SecretError as exc:  # a Secret its rules name: no kernel without it
+            return _failed(p, exc)
     if p.pod is None:
-        if egress and r.egress_route(session) is None:
-            return _waiting(p, "EgressUnavailable", egress_missing(r))
         secret = p.found.secret
         complete = r._own_secret(session, secret, fresh=p.fresh)
         if complete is not None:
@@ -253,10 +254,8 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
             try:
                 secret = r.kube.get("Secret", ns, secret_name(session))
                 r.egress.ensure(session, secret, verify=True)
-            except SecretError as exc:  # a Secret its rules name: no kernel without it
-                p.seen = Observation(st.FAILED, exc.reason, str(exc))
-                p.due.append(p.now + STARTING_RECHECK)
-                return
+            except SecretError as exc:
+                return _failed(p, exc)
         p.pod, _ = r.kube.ensure(want_pod, likely_new=p.fresh)
     pod = p.pod
     if pod["metadata"].get("uid") != old.get("kernelId"):
@@ -268,6 +267,26 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
         p.kernel_gen += 1
         p.status["startedAt"] = None
     p.seen = observe(session, pod, r.answers.of(ns, session.name, pod["metadata"].get("uid")))
+    p.due.append(p.now + STARTING_RECHECK)
+
+
+def _claim(r: Reconciler, p: Pass) -> dict[str, Any] | None:
+    """A ready kernel of the session's pool, claimed for it (None: none, it starts cold).
+    With an allow-list, the values its rules name are read first (none missing), and the
+    grant is written from the claimed kernel's Secret before the session is Ready."""
+    session = p.session
+    if session.spec.egress_rules:
+        r.egress.check(session)
+    template = p.found.want_pod["metadata"]["annotations"][TEMPLATE_HASH]
+    p.claim = r.pools.claim(session, template, p.found.pool)
+    if p.claim.pod is not None and session.spec.egress_rules:
+        r.egress.claimed(session, p.claim.pod, verify=True)
+    return p.claim.pod
+
+
+def _failed(p: Pass, exc: SecretError) -> None:
+    """No kernel without a Secret its rules name: Failed, naming it; looked at again."""
+    p.seen = Observation(st.FAILED, exc.reason, str(exc))
     p.due.append(p.now + STARTING_RECHECK)
 
 
@@ -285,21 +304,37 @@ def egress_missing(r: Reconciler) -> str:
     return "the egress proxy's Service has no address yet"
 
 
+def follow_grant(
+    r: Reconciler,
+    session: KernelSession,
+    claimed: dict[str, Any] | None,
+    secret: dict[str, Any] | None,
+) -> None:
+    """A value changed in its Secret reaches the proxy; one taken away is no longer
+    added, and the session has no way out. `claimed`: its kernel's pod, claimed from a
+    pool (its Secret is the pod's); else `secret` is the session's own."""
+    try:
+        if claimed is not None:
+            r.egress.claimed(session, claimed, verify=False)
+        elif secret is not None:
+            r.egress.ensure(session, secret)
+    except SecretError as exc:
+        log.warning("egress grant of %s/%s removed: %s", session.namespace, session.name, exc)
+        r.egress.remove(session.namespace, session.name, known=True)
+    except EgressUnavailable:  # its kernel keeps the grant the proxy has
+        pass
+
+
 def follow_kernel(r: Reconciler, p: Pass) -> None:
     """A kernel pod: what it shows, its death (lastTermination), and the lifecycle's plan
     for it (replace it, wait out a crash loop's backoff, restart it on request)."""
     session, old, pod = p.session, p.old, p.pod
     assert pod is not None
-    if pod["metadata"]["name"] == child_name(session):  # not a claimed one
+    own = pod["metadata"]["name"] == child_name(session)  # not a claimed one
+    if own:
         r._own_secret(session, p.found.secret, fresh=p.fresh)
-        if session.spec.egress_rules and p.found.secret is not None:
-            try:  # a value changed in its Secret reaches the proxy
-                r.egress.ensure(session, p.found.secret)
-            except SecretError as exc:  # a value taken away is no longer added: no way out
-                log.warning(
-                    "egress grant of %s/%s removed: %s", session.namespace, session.name, exc
-                )
-                r.egress.remove(session.namespace, session.name, known=True)
+    if session.spec.egress_rules:
+        follow_grant(r, session, pod if not own else None, p.found.secret)
     uid = pod["metadata"].get("uid")
     if uid != old.get("kernelId"):  # made by a reconcile whose status write was lost
         p.kernel_gen += 1

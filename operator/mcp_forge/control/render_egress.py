@@ -11,6 +11,11 @@ A session with an allow-list (`spec.network.allow`) reaches the cluster's egress
   in `HTTP(S)_PROXY`, the credential coming from the Secret by reference; the CA's
   certificate comes the same way, and kernelside/launch.py makes the trust bundle;
 * its NetworkPolicy lets it out to the proxy's pods on the proxy's port, only.
+
+A kernel claimed from a pool was started with none of it (a pool's kernels have no way
+out): the claim moves it under the session's NetworkPolicy, the operator adds the egress
+keys and the proxy's address to its Secret, and the gateway tells the running kernel the
+variables and the CA when it first connects (runtimes/cluster.py), as local claims do.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from mcp_forge.kernelside import launch
 TOKEN_KEY = "egress-token"
 CA_KEY = "egress-ca.pem"
 CA_PRIVATE_KEY = "egress-ca-key.pem"  # never referenced by the pod
+# In the Secret of a kernel claimed from a pool only: the proxy's address, which the
+# gateway tells that kernel (it was started with no way out, and so without it).
+PROXY_KEY = "egress-proxy"
 TOKEN_ENV = "MCPFORGE_EGRESS_TOKEN"
 PROXY_PORT = RELAY_PORT  # the proxy pods' port (3128), as a NetworkPolicy sees it
 EGRESS_SELECTOR = {"app.kubernetes.io/name": "mcp-forge", "app.kubernetes.io/component": "egress"}
@@ -39,11 +47,13 @@ class Route:
     namespace: str
 
 
-def secret_data(token: str, ca: BridgeCert | None) -> dict[str, str]:
-    """The session Secret's egress keys."""
+def secret_data(token: str, ca: BridgeCert | None, proxy: str | None = None) -> dict[str, str]:
+    """The session Secret's egress keys; with `proxy`, a claimed kernel's Secret's."""
     data = {TOKEN_KEY: token}
     if ca is not None:
         data |= {CA_KEY: ca.cert, CA_PRIVATE_KEY: ca.key}
+    if proxy is not None:
+        data[PROXY_KEY] = proxy
     return data
 
 

@@ -41,10 +41,11 @@ def token_for(key: str | bytes) -> str:
     return hmac.new(raw, _TOKEN_CONTEXT, hashlib.sha256).hexdigest()
 
 
-def proxy_env(token: str, port: int = RELAY_PORT) -> dict[str, str]:
+def proxy_env(token: str, address: str = f"127.0.0.1:{RELAY_PORT}") -> dict[str, str]:
     """The kernel's environment for its egress: what pip, requests, httpx, curl and urllib
-    read (upper and lower case: curl reads only `http_proxy` lower case)."""
-    url = f"http://{PROXY_USER}:{token}@127.0.0.1:{port}"
+    read (upper and lower case: curl reads only `http_proxy` lower case). `address`: the
+    pod's relay (local), or the cluster proxy Service's host:port."""
+    url = f"http://{PROXY_USER}:{token}@{address}"
     local = "localhost,127.0.0.1,::1"
     env = {"HTTP_PROXY": url, "HTTPS_PROXY": url, "NO_PROXY": local}
     return {**env, **{k.lower(): v for k, v in env.items()}}

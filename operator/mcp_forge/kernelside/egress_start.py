@@ -3,7 +3,8 @@ proxy settings.
 
 Run silently by the gateway in globals of its own holding ENV (the proxy variables),
 PORT, SOCKET (the egress socket as the pod sees it), RELAY (the relay's source) and CA
-(the session's egress CA certificate, or None). The
+(the session's egress CA certificate, or None); on a cluster (a kernel claimed from a
+pool) ENV and CA only: the variables name the proxy's Service, and no relay runs. The
 port is bound here, before the relay starts, and handed to it: the kernel's next call
 finds it served. A relay already serving the port (a gateway connecting again) is kept.
 The relay runs in a session of its own, so an interrupt of the kernel does not reach it;
@@ -43,10 +44,14 @@ def trust(ca: str) -> dict[str, str]:
     return {**dict.fromkeys(CA_VARIABLES, bundle), "NODE_EXTRA_CA_CERTS": own}
 
 
-def start(env: dict[str, str], port: int, path: str, relay: str, ca: str | None = None) -> None:
+def start(
+    env: dict[str, str], port: int | None, path: str | None, relay: str | None, ca: str | None
+) -> None:
     os.environ.update(env)
     if ca:
         os.environ.update(trust(ca))
+    if port is None or path is None or relay is None:  # a cluster's proxy: no relay
+        return
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.bind(("127.0.0.1", port))
@@ -69,4 +74,5 @@ def start(env: dict[str, str], port: int, path: str, relay: str, ca: str | None 
 
 _given: dict[str, Any] = globals()
 if "ENV" in _given:
-    start(_given["ENV"], _given["PORT"], _given["SOCKET"], _given["RELAY"], _given.get("CA"))
+    _relay = (_given.get("PORT"), _given.get("SOCKET"), _given.get("RELAY"))
+    start(_given["ENV"], *_relay, _given.get("CA"))

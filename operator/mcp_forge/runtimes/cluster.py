@@ -33,6 +33,7 @@ from mcp_forge.api.connection import (
     connection_from_file,
 )
 from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.api.secret import load as load_secret
 from mcp_forge.api.status import Termination
 from mcp_forge.clients.kube import (
     BUSY_PREFIX,
@@ -42,7 +43,10 @@ from mcp_forge.clients.kube import (
     key_of,
     secret_env,
 )
+from mcp_forge.control import render_egress
 from mcp_forge.control.render import child_name, secret_name
+from mcp_forge.egress.kernel import proxy_program
+from mcp_forge.egress.protocol import token_for
 from mcp_forge.errors import (
     ApiError,
     InvalidRequest,
@@ -447,15 +451,31 @@ class KubernetesRuntime:
         if not pod or not kernel:
             return None
         env = {ksp.CLAIM_MARK: str(kernel)}
-        if pod != child_name(session):  # claimed: the session's own pod has its env
-            try:
-                values = await asyncio.to_thread(secret_env, self.kube, session)
-            except SecretError as exc:  # named, never a value; the operator checked
-                raise SessionNotReady(f"session {session.name!r}: {exc}") from None
-            env = ksp.claim_env(session, kernel=str(kernel), secret_values=values)
-        elif not session.spec.files:
-            return None
-        return ksp.claim_program(env, session.spec.files)
+        if pod == child_name(session):  # its own pod: env and egress from the start
+            return ksp.claim_program(env, session.spec.files) if session.spec.files else None
+        try:  # claimed: it runs as the pool started it
+            values = await asyncio.to_thread(secret_env, self.kube, session)
+        except SecretError as exc:  # named, never a value; the operator checked
+            raise SessionNotReady(f"session {session.name!r}: {exc}") from None
+        env = ksp.claim_env(session, kernel=str(kernel), secret_values=values)
+        program = ksp.claim_program(env, session.spec.files)
+        if session.spec.egress_rules:
+            program += "\n" + await self._claimed_egress(session)
+        return program
+
+    async def _claimed_egress(self, session: KernelSession) -> str:
+        """The proxy settings of a kernel claimed from a pool (it was started with no way
+        out): the operator put them in its Secret with the claim (control/egress.py)."""
+        name = (session.status.get("connection") or {}).get("secretName") or ""
+        secret = await asyncio.to_thread(self.kube.get, "Secret", session.namespace, name)
+        key = key_of(secret)
+        data = {k: v.decode() for k, v in load_secret(secret).data.items()} if secret else {}
+        address = data.get(render_egress.PROXY_KEY)
+        if key is None or not address:
+            raise SessionNotReady(
+                f"session {session.name!r}: its egress settings are not in Secret {name} yet"
+            )
+        return proxy_program(token_for(key), address, data.get(render_egress.CA_KEY))
 
     async def kernel_packages(self, session: KernelSession, conn: KernelConnection) -> None:
         """The operator does not speak to kernels: the gateway that first connects to a

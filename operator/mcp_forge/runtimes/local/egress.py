@@ -26,13 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mcp_forge.api import keys
-from mcp_forge.api.connection import RUN_DIR_IN_POD
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.keys import BridgeCert
 from mcp_forge.api.secret import Secret
 from mcp_forge.egress import grant, protocol
 from mcp_forge.egress.client import EgressProxy, Given
-from mcp_forge.kernelside import compiled, run_silently, source
+from mcp_forge.egress.kernel import relay_program
 
 BACKLOG = 128
 CA_FILE = "egress-ca.json"  # in the session's directory: root's
@@ -85,7 +84,7 @@ async def open_for(
     except BaseException:
         listener.close()
         raise
-    return start_program(given.token, given.ca.cert if given.ca else None)
+    return relay_program(given.token, given.ca.cert if given.ca else None)
 
 
 def session_ca(directory: Path, name: str) -> BridgeCert:
@@ -104,14 +103,3 @@ def session_ca(directory: Path, name: str) -> BridgeCert:
         json.dump({"cert": ca.cert, "key": ca.key}, f)
     os.replace(temporary, path)
     return ca
-
-
-def start_program(token: str, ca: str | None = None) -> str:
-    names = {
-        "ENV": protocol.proxy_env(token),
-        "PORT": protocol.RELAY_PORT,
-        "SOCKET": f"{RUN_DIR_IN_POD}/{protocol.SOCKET_NAME}",
-        "RELAY": source("egress_relay"),
-        "CA": ca,
-    }
-    return run_silently(compiled("egress_start"), {k: repr(v) for k, v in names.items()})
