@@ -240,6 +240,7 @@ async def sessions(
         await eventually(kube, ksp.KIND, ns, POOL,
                          lambda o: ((o or {}).get("status") or {}).get("ready") == 1,
                          timeout=90, what="the pool's kernel ready")  # fmt: skip
+        await a_pool_kernel_has_no_way_out(kube, ns)
         b = declared(ns, "egress-b", image, other, resources=POOLED, poolRef={"name": POOL})
         await asyncio.to_thread(kube.create, b)
         for name in ("egress-a", "egress-b"):
@@ -393,6 +394,18 @@ async def a_client_chooses_within_what_is_offered(agent: Any, hosts: Hosts) -> N
     assert not closed.is_error, text(closed)
 
 
+async def a_pool_kernel_has_no_way_out(kube: Kube, ns: str) -> None:
+    """Before its claim, a pool's kernel has no proxy settings, and its pool's
+    NetworkPolicy lets it out nowhere."""
+    pods = await asyncio.to_thread(kube.list, "Pod", ns, labels={ksp.LABEL_POOL: POOL})
+    (pod,) = pods["items"]
+    names = {e["name"] for c in pod["spec"]["containers"] for e in c.get("env") or []}
+    assert not names & {"HTTP_PROXY", "HTTPS_PROXY", "MCPFORGE_EGRESS_TOKEN"}, names
+    policy = await asyncio.to_thread(kube.get, "NetworkPolicy", ns, f"ksp-{POOL}")
+    assert policy is not None
+    assert not policy["spec"].get("egress"), policy["spec"]
+
+
 async def a_kernel_claimed_from_a_pool_gets_its_way_out(
     b: Kernel, hosts: Hosts, kube: Kube, ns: str
 ) -> None:
@@ -405,8 +418,6 @@ async def a_kernel_claimed_from_a_pool_gets_its_way_out(
     assert got == {"status": 200, "length": 11}, got
     seen = hosts.https.wait_for(lambda q: q.path == "/bytes/11", timeout=10)
     assert dict(seen.headers)["X-Api-Key"] == VALUE_B and seen.server_name == "other.test"
-    held = await b.run(f"import os; print(any({VALUE_B!r} in v for v in os.environ.values()))")
-    assert held.strip() == "False", held
     await no_way_out_but_the_proxy(b, hosts)  # the session's NetworkPolicy holds it now
     assert obj is not None
     secret = await asyncio.to_thread(
@@ -416,6 +427,10 @@ async def a_kernel_claimed_from_a_pool_gets_its_way_out(
     data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     key = json.loads(data["connection.json"])["key"]
     assert data[TOKEN_KEY] == token_for(key) and data[PROXY_KEY], sorted(data)
+    # Given the credential and the CA's certificate only: neither the value nor the CA's key.
+    ca_key_line = data["egress-ca-key.pem"].splitlines()[1]
+    for held in (VALUE_B, ca_key_line):
+        assert (await b.run(holding_search(held), timeout=120)).strip() == "[]", held[:8]
     grant = await asyncio.to_thread(kube.get, "Secret", EGRESS, f"{ns}.egress-b")
     assert grant is not None
     body = json.loads(base64.b64decode(grant["data"]["grant.json"]))

@@ -92,14 +92,8 @@ class Grants:
         data = secrets.load(secret).data
         ca = ca_of({k: v.decode() for k, v in data.items() if k.startswith("egress-ca")})
 
-        body = grant.grant(session, token_for(key), ca, self.check(session))
-        text = json.dumps(body, sort_keys=True)
-        if len(text) > grant.GRANT_MAX:
-            raise SecretError(
-                "EgressGrantTooLarge",
-                f"spec.network.allow: the egress grant is {len(text)} bytes, over "
-                f"{grant.GRANT_MAX} (a Secret's bound): fewer rules, paths or values",
-            )
+        body = grant.grant(session, token_for(key), ca, self.values(session))
+        text = _bounded(body)
         digest = hashlib.sha256(text.encode()).hexdigest()
         where = (session.namespace, session.name)
         if self._written.get(where) == digest and not verify:
@@ -123,7 +117,7 @@ class Grants:
             self._written[where] = digest
         log.info("egress grant of %s/%s written", *where)
 
-    def check(self, session: KernelSession) -> list[list[Any]]:
+    def values(self, session: KernelSession) -> list[list[Any]]:
         """The values the session's rules name, read now; SecretError names a missing one."""
 
         def lookup(name: str) -> secrets.Secret | None:
@@ -131,6 +125,13 @@ class Grants:
             return secrets.load(body) if body is not None else None
 
         return grant.values(session, lookup)
+
+    def check(self, session: KernelSession) -> None:
+        """Refuse now what `ensure` would refuse (a missing value, a grant too large),
+        before a kernel is claimed for the session: with a credential and a CA of the
+        sizes it will have."""
+        ca = new_egress_ca(f"{session.namespace}/{session.name}")
+        _bounded(grant.grant(session, token_for("-"), ca, self.values(session)))
 
     def claimed(self, session: KernelSession, pod: dict[str, Any], *, verify: bool) -> None:
         """The grant of a session whose kernel was claimed from a pool, from that kernel's
@@ -179,6 +180,18 @@ class Grants:
             self.kube.delete("Secret", self.namespace, item["metadata"]["name"])
             removed += 1
         return removed
+
+
+def _bounded(body: dict[str, Any]) -> str:
+    """A grant's text; SecretError past a Secret's bound, naming the field."""
+    text = json.dumps(body, sort_keys=True)
+    if len(text) > grant.GRANT_MAX:
+        raise SecretError(
+            "EgressGrantTooLarge",
+            f"spec.network.allow: the egress grant is {len(text)} bytes, over "
+            f"{grant.GRANT_MAX} (a Secret's bound): fewer rules, paths or values",
+        )
+    return text
 
 
 def _grant_of(secret: dict[str, Any]) -> Any:

@@ -47,7 +47,7 @@ from mcp_forge.control.render import (
     connection_secret_of,
     secret_name,
 )
-from mcp_forge.errors import SecretError
+from mcp_forge.errors import ApiError, SecretError
 
 if TYPE_CHECKING:
     from mcp_forge.control.reconciler import Reconciler
@@ -272,16 +272,29 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
 
 def _claim(r: Reconciler, p: Pass) -> dict[str, Any] | None:
     """A ready kernel of the session's pool, claimed for it (None: none, it starts cold).
-    With an allow-list, the values its rules name are read first (none missing), and the
-    grant is written from the claimed kernel's Secret before the session is Ready."""
+
+    With an allow-list, what the grant needs is checked first (its values there, its size
+    within bounds), and the grant is written from the claimed kernel's Secret before the
+    session is Ready. A claimed kernel whose grant could not be written is deleted (no
+    kernel without its grant): the session starts cold next, and WarmStart says why."""
     session = p.session
     if session.spec.egress_rules:
         r.egress.check(session)
     template = p.found.want_pod["metadata"]["annotations"][TEMPLATE_HASH]
-    p.claim = r.pools.claim(session, template, p.found.pool)
-    if p.claim.pod is not None and session.spec.egress_rules:
-        r.egress.claimed(session, p.claim.pod, verify=True)
-    return p.claim.pod
+    p.claim = claim = r.pools.claim(session, template, p.found.pool)
+    pod = claim.pod
+    if pod is None or not session.spec.egress_rules:
+        return pod
+    try:
+        r.egress.claimed(session, pod, verify=True)
+    except (SecretError, ApiError) as exc:
+        meta = pod["metadata"]
+        why = f"{claim.message}, but its egress grant could not be written ({exc}): deleted"
+        p.claim = PodClaim(None, ksp.CLAIM_FAILED, why)
+        log.warning("session %s/%s: %s", session.namespace, session.name, why)
+        r.kube.delete("Pod", session.namespace, meta["name"], uid=meta.get("uid"))
+        raise
+    return pod
 
 
 def _failed(p: Pass, exc: SecretError) -> None:
