@@ -119,12 +119,14 @@ class Session:
     rules: list[dict[str, Any]]
     ca: keys.BridgeCert | None = None
     values: list[list[Any]] = dataclasses.field(default_factory=list)
+    sources: list[str] | None = None  # its pod's addresses; None: not bound
 
     @property
     def grant(self) -> dict[str, Any]:
         ca = {"cert": self.ca.cert, "key": self.ca.key} if self.ca else None
+        bound = {"sources": self.sources} if self.sources is not None else {}
         return {"session": self.name, "token": self.token, "rules": self.rules,
-                "values": self.values, "ca": ca}  # fmt: skip
+                "values": self.values, "ca": ca, **bound}  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -418,6 +420,35 @@ def test_opening_a_session_again_keeps_its_connections_unless_it_changed(
     sock.close()
     assert answer.status == 407, answer
     assert https(cluster, c, "c.test").status == 200
+
+
+def test_a_credential_is_good_from_its_pods_address_only(
+    cluster: Cluster, cleanup: list[str]
+) -> None:
+    """A grant names its pod's addresses: the same credential from elsewhere (a kernel
+    it leaked to) names no session. The addresses follow the pod without closing what
+    the session has open; none (no pod yet) admits nothing."""
+    e = cluster.session("team-e/epsilon", "c.test")
+    cleanup.append(e.name)
+    e.sources = ["192.0.2.77"]  # not this host's loopback, where the test dials from
+    assert cluster.control.open(e) == {"ok": True}
+    sock, answer = tunnel(cluster, e.token, "c.test")
+    sock.close()
+    assert answer.status == 403 and "from its own pod only" in answer.reason, answer
+    e.sources = ["::ffff:127.0.0.1"]  # as an IPv6 socket shows an IPv4 peer
+    assert cluster.control.open(e) == {"ok": True}
+    held, answer = tunnel(cluster, e.token, "c.test")
+    with cluster.ca.client_context().wrap_socket(held, server_hostname="c.test") as tls:
+        assert answer.status == 200, answer
+        e.sources = []  # its pod gone: nothing new is admitted, what is open stays
+        assert cluster.control.open(e) == {"ok": True}
+        sock, answer = tunnel(cluster, e.token, "c.test")
+        sock.close()
+        assert answer.status == 403 and "no address yet" in answer.reason, answer
+        tls.sendall(b"GET /echo HTTP/1.1\r\nHost: c.test\r\n\r\n")
+        assert read_answer(tls).status == 200
+    bad = cluster.control.call({"op": "open", **e.grant, "sources": ["x"] * 9})
+    assert not bad["ok"] and "sources" in bad["error"], bad
 
 
 def test_sync_closes_the_sessions_it_does_not_name(cluster: Cluster, cleanup: list[str]) -> None:

@@ -264,6 +264,7 @@ async def test_egress_by_name_on_a_cluster(
         await no_way_out_but_the_proxy(a, hosts)
         await a_secret_is_added_on_the_way_out_and_never_in_the_kernel(a, b, hosts)
         await a_kernel_claimed_from_a_pool_gets_its_way_out(b, hosts, kube, kube_api.namespace)
+        await a_credential_is_good_from_its_own_pod_only(b, hosts, kube, kube_api.namespace)
         await pip_installs_from_an_allowed_index(a, hosts)
         await a_client_chooses_within_what_is_offered(a.agent, hosts)
     await the_credential_is_the_sessions_and_the_grant_holds_it(kube, kube_api.namespace)
@@ -435,6 +436,32 @@ async def a_kernel_claimed_from_a_pool_gets_its_way_out(
     assert grant is not None
     body = json.loads(base64.b64decode(grant["data"]["grant.json"]))
     assert body["token"] == data[TOKEN_KEY], "the grant names the claimed kernel's credential"
+
+
+async def a_credential_is_good_from_its_own_pod_only(
+    b: Kernel, hosts: Hosts, kube: Kube, ns: str
+) -> None:
+    """A's credential, leaked to B's kernel (here: the test hands it over), names no
+    session from B's pod: A's grant names A's pod's address."""
+    secret = await asyncio.to_thread(kube.get, "Secret", ns, "ks-egress-a-conn")
+    pod = await asyncio.to_thread(kube.get, "Pod", ns, "ks-egress-a")
+    grant = await asyncio.to_thread(kube.get, "Secret", EGRESS, f"{ns}.egress-a")
+    assert secret is not None and pod is not None and grant is not None
+    body = json.loads(base64.b64decode(grant["data"]["grant.json"]))
+    assert body["sources"] == [pod["status"]["podIP"]], body["sources"]
+    stolen = base64.b64decode(secret["data"][TOKEN_KEY]).decode()
+    code = f"""
+import os, re, urllib.request, urllib.error
+proxy = re.sub(r"//[^@]*@", "//session:{stolen}@", os.environ["HTTPS_PROXY"])
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({{"https": proxy}}))
+try:
+    opener.open({hosts.https.url("api.test", "/echo")!r}, timeout=20)
+    print("reached")
+except (urllib.error.URLError, OSError) as e:
+    print(str(getattr(e, "reason", e))[:300])
+"""
+    out = await b.run(code)
+    assert "403" in out and "from its own pod only" in out, out
 
 
 def verdicts_are_counted_by_the_feeder(cluster: ClusterUnderTest) -> None:

@@ -17,6 +17,7 @@ from mcp_forge.api.connection import ConnectionInfo
 from mcp_forge.api.keys import new_egress_ca
 from mcp_forge.api.secret import Secret
 from mcp_forge.control import render_egress
+from mcp_forge.control.egress import pod_addresses
 from mcp_forge.control.render import render_kubernetes
 from mcp_forge.control.render_egress import Route
 from mcp_forge.egress import grant
@@ -107,7 +108,7 @@ def test_the_grant_carries_rules_credential_ca_and_values_and_reads_back() -> No
         s, lambda name: Secret("api", "team", {"t": b"s3cret"}, {}) if name == "api" else None
     )
     assert added == [[1, 0, "s3cret"]]
-    body = grant.grant(s, "tok", ca, added)
+    body = grant.grant(s, "tok", ca, added, ["fd00::5", "10.244.0.7"])
     secret = grant.grant_secret(s, "mcp-forge-egress", body, {"a": "b"})
     assert secret["metadata"]["name"] == "team.demo"
     assert secret["metadata"]["labels"] == {"a": "b", grant.GRANT_LABEL: "true"}
@@ -119,7 +120,16 @@ def test_the_grant_carries_rules_credential_ca_and_values_and_reads_back() -> No
         "rules": [{"host": "api.test", "inject": [INJECT]}],
         "values": [[1, 0, "s3cret"]],
         "ca": {"cert": ca.cert, "key": ca.key},
+        "sources": ["10.244.0.7", "fd00::5"],
     }
+    assert "sources" not in grant.grant(s, "tok", ca, added)  # local mode: not bound
+
+
+def test_a_pods_addresses_are_what_its_status_shows() -> None:
+    assert pod_addresses(None) == [] and pod_addresses({"status": {}}) == []
+    dual = {"podIP": "10.244.0.7", "podIPs": [{"ip": "10.244.0.7"}, {"ip": "fd00::5"}]}
+    assert pod_addresses({"status": dual}) == ["10.244.0.7", "fd00::5"]
+    assert pod_addresses({"status": {"podIP": "10.244.0.8"}}) == ["10.244.0.8"]
 
 
 def test_a_missing_value_is_named_by_its_field_and_never_shown() -> None:
@@ -138,6 +148,8 @@ def test_a_missing_value_is_named_by_its_field_and_never_shown() -> None:
         '{"session": "a/b", "token": 1, "rules": [], "values": []}',
         '{"session": "a/b", "token": "t", "rules": {}, "values": []}',
         '{"session": "a/b", "token": "t", "rules": [], "values": [], "ca": {"cert": "x"}}',
+        '{"session": "a/b", "token": "t", "rules": [], "values": [], "sources": "10.0.0.1"}',
+        '{"session": "a/b", "token": "t", "rules": [], "values": [], "sources": [1]}',
         "{" * 10,
     ],
 )

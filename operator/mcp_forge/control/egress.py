@@ -78,12 +78,19 @@ class Grants:
     # ---- grants -----------------------------------------------------------------------
 
     def ensure(
-        self, session: KernelSession, secret: dict[str, Any] | None, *, verify: bool = False
+        self,
+        session: KernelSession,
+        secret: dict[str, Any] | None,
+        sources: list[str],
+        *,
+        verify: bool = False,
     ) -> None:
         """The session's grant, from its connection Secret (`secret`: the credential's
-        key and the CA) and the values its rules name. SecretError names a missing one,
-        or a grant too large for a Secret. `verify`: read the grant even if this process
-        wrote the same one (before a kernel pod is made: someone may have deleted it)."""
+        key and the CA) and the values its rules name, its credential good from `sources`
+        only (its kernel pod's addresses; none before the pod has one). SecretError names
+        a missing value, or a grant too large for a Secret. `verify`: read the grant even
+        if this process wrote the same one (before a kernel pod is made: someone may have
+        deleted it)."""
         key = key_of(secret)
         if secret is None or key is None:
             raise SecretError(
@@ -92,7 +99,7 @@ class Grants:
         data = secrets.load(secret).data
         ca = ca_of({k: v.decode() for k, v in data.items() if k.startswith("egress-ca")})
 
-        body = grant.grant(session, token_for(key), ca, self.values(session))
+        body = grant.grant(session, token_for(key), ca, self.values(session), sources)
         text = _bounded(body)
         digest = hashlib.sha256(text.encode()).hexdigest()
         where = (session.namespace, session.name)
@@ -131,7 +138,8 @@ class Grants:
         before a kernel is claimed for the session: with a credential and a CA of the
         sizes it will have."""
         ca = new_egress_ca(f"{session.namespace}/{session.name}")
-        _bounded(grant.grant(session, token_for("-"), ca, self.values(session)))
+        sources = ["ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"] * 2  # the longest a pod has
+        _bounded(grant.grant(session, token_for("-"), ca, self.values(session), sources))
 
     def claimed(self, session: KernelSession, pod: dict[str, Any], *, verify: bool) -> None:
         """The grant of a session whose kernel was claimed from a pool, from that kernel's
@@ -153,7 +161,7 @@ class Grants:
         want = render_egress.secret_data(token_for(key), ca, self.route().address)
         if any(have.get(k) != v for k, v in want.items()):
             secret = self.kube.patch("Secret", ns, name, {"stringData": want})
-        self.ensure(session, secret, verify=verify)
+        self.ensure(session, secret, pod_addresses(pod), verify=verify)
 
     def remove(self, namespace: str, name: str, *, known: bool = False) -> None:
         """Delete the session's grant. Without `known`, only one this operator wrote (a
@@ -180,6 +188,14 @@ class Grants:
             self.kube.delete("Secret", self.namespace, item["metadata"]["name"])
             removed += 1
         return removed
+
+
+def pod_addresses(pod: dict[str, Any] | None) -> list[str]:
+    """A pod's addresses as its status shows them (none before it has a sandbox)."""
+    status = (pod or {}).get("status") or {}
+    found = [a.get("ip") for a in status.get("podIPs") or [] if isinstance(a, dict)]
+    found.append(status.get("podIP"))
+    return sorted({a for a in found if isinstance(a, str) and a})
 
 
 def _bounded(body: dict[str, Any]) -> str:

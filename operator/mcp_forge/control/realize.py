@@ -28,7 +28,7 @@ from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART
 from mcp_forge.control import workspace as ws
-from mcp_forge.control.egress import EgressUnavailable
+from mcp_forge.control.egress import EgressUnavailable, pod_addresses
 from mcp_forge.control.lifecycle import (
     Activity,
     Kernel,
@@ -220,6 +220,9 @@ def stop_kernel(r: Reconciler, p: Pass) -> None:
         meta = pod["metadata"]
         r.kube.delete("Pod", p.session.namespace, meta["name"], uid=meta["uid"])
     r._own_secret(p.session, p.found.secret, fresh=p.fresh)
+    # No pod, no grant (its address may go to another pod): the next start writes it
+    # again. Only one this process wrote: a stopped session costs no request at resync.
+    r.egress.remove(p.session.namespace, p.session.name)
     p.seen = Observation(stop.phase, stop.reason, stop.message)
     p.status.update(stopped(p.old, stop, generation=p.generation, now=p.now))
     p.pod = None
@@ -253,7 +256,7 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
         if egress:  # the grant first, from the Secret as it is now (patched just above)
             try:
                 secret = r.kube.get("Secret", ns, secret_name(session))
-                r.egress.ensure(session, secret, verify=True)
+                r.egress.ensure(session, secret, [], verify=True)  # no pod, no address yet
             except SecretError as exc:
                 return _failed(p, exc)
         p.pod, _ = r.kube.ensure(want_pod, likely_new=p.fresh)
@@ -320,17 +323,20 @@ def egress_missing(r: Reconciler) -> str:
 def follow_grant(
     r: Reconciler,
     session: KernelSession,
-    claimed: dict[str, Any] | None,
+    pod: dict[str, Any],
     secret: dict[str, Any] | None,
+    *,
+    claimed: bool,
 ) -> None:
-    """A value changed in its Secret reaches the proxy; one taken away is no longer
-    added, and the session has no way out. `claimed`: its kernel's pod, claimed from a
-    pool (its Secret is the pod's); else `secret` is the session's own."""
+    """The grant follows its kernel pod's addresses (its credential is good from there
+    only) and the values its rules name: a changed value reaches the proxy, one taken
+    away is no longer added, and the session has no way out. A `claimed` pod's Secret
+    is its own; else `secret` is the session's."""
     try:
-        if claimed is not None:
-            r.egress.claimed(session, claimed, verify=False)
+        if claimed:
+            r.egress.claimed(session, pod, verify=False)
         elif secret is not None:
-            r.egress.ensure(session, secret)
+            r.egress.ensure(session, secret, pod_addresses(pod))
     except SecretError as exc:
         log.warning("egress grant of %s/%s removed: %s", session.namespace, session.name, exc)
         r.egress.remove(session.namespace, session.name, known=True)
@@ -347,7 +353,7 @@ def follow_kernel(r: Reconciler, p: Pass) -> None:
     if own:
         r._own_secret(session, p.found.secret, fresh=p.fresh)
     if session.spec.egress_rules:
-        follow_grant(r, session, pod if not own else None, p.found.secret)
+        follow_grant(r, session, pod, p.found.secret, claimed=not own)
     uid = pod["metadata"].get("uid")
     if uid != old.get("kernelId"):  # made by a reconcile whose status write was lost
         p.kernel_gen += 1

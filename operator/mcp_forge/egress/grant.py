@@ -67,16 +67,25 @@ def reads_requests(session: KernelSession) -> bool:
 
 
 def grant(
-    session: KernelSession, token: str, ca: BridgeCert | None, added: list[list[Any]]
+    session: KernelSession,
+    token: str,
+    ca: BridgeCert | None,
+    added: list[list[Any]],
+    sources: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The proxy's `open` message for the session, less its `op`."""
-    return {
+    """The proxy's `open` message for the session, less its `op`. `sources`: the
+    addresses of its kernel's pod, the only ones its credential is good from (a cluster;
+    empty while it has none); None: not bound (local mode, where its socket is)."""
+    body = {
         "session": session_name(session),
         "token": token,
         "rules": list(session.body["spec"].get("network", {}).get("allow", [])),
         "values": added,
         "ca": {"cert": ca.cert, "key": ca.key} if ca is not None else None,
     }
+    if sources is not None:
+        body["sources"] = sorted(sources)
+    return body
 
 
 def grant_name(session: KernelSession) -> str:
@@ -118,4 +127,9 @@ def parse_grant(text: str | bytes) -> dict[str, Any]:
         isinstance(ca, dict) and isinstance(ca.get("cert"), str) and isinstance(ca.get("key"), str)
     ):
         raise ValueError("a grant's 'ca' is not {cert, key}")
+    sources = body.get("sources")
+    if sources is not None and not (
+        isinstance(sources, list) and all(isinstance(a, str) for a in sources)
+    ):
+        raise ValueError("a grant's 'sources' is not a list of addresses")
     return body

@@ -12,7 +12,9 @@ on it counts against that session's connection bound, is paced by the session's
 buckets, and its bytes, those it moved before included, are the session's. Until then
 it is one of at most `unidentified_max` such connections, each closed if it is not
 identified within `unidentified_timeout` seconds, so that a client without a credential
-cannot hold the proxy's descriptors.
+cannot hold the proxy's descriptors. A session's grant names the addresses of its pod
+(`bind`): its credential is good only from there, so one leaked to another kernel (a
+token printed into an output another session reads) names no session from that kernel.
 
 Standard library only: the tests read this module's behaviour through the real process.
 """
@@ -20,6 +22,7 @@ Standard library only: the tests read this module's behaviour through the real p
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import time
 from collections import Counter
@@ -74,6 +77,7 @@ class Link:
     upstream: asyncio.StreamWriter | None = None
     expiry: asyncio.TimerHandle | None = None
     began: float = field(default_factory=time.monotonic)
+    peer: str = ""  # cluster mode: the client's address
 
     def close(self) -> None:
         if self.expiry is not None:
@@ -98,6 +102,9 @@ class Relays:
         self.buckets: dict[str, tuple[Bucket, Bucket]] = {}  # out, in
         self.waiting: set[Link] = set()  # cluster mode: not identified yet
         self.by_port: dict[int, Link] = {}  # cluster mode: those, by their relayed port
+        # Cluster mode: the addresses a session's credential is good from (its pod's);
+        # a session without an entry is bound to none (a grant of an older operator).
+        self.sources: dict[str, frozenset[str]] = {}
 
     # ---- sessions ------------------------------------------------------------------
 
@@ -107,8 +114,18 @@ class Relays:
         rate = self.bounds.bandwidth_max
         self.buckets[name] = (Bucket(rate), Bucket(rate))
 
+    def bind(self, name: str, sources: list[str] | None) -> None:
+        """Cluster mode: the session's credential is good from `sources` only (empty: from
+        nowhere yet, its pod has no address); None: from anywhere. Connections already
+        the session's are kept: they were admitted from where it was then."""
+        if sources is None:
+            self.sources.pop(name, None)
+        else:
+            self.sources[name] = frozenset(normal_address(a) for a in sources)
+
     def remove(self, name: str) -> None:
         """The session's socket closed and its connections ended."""
+        self.sources.pop(name, None)
         server = self.servers.pop(name, None)
         if server is not None:
             server.close()
@@ -168,7 +185,7 @@ class Relays:
             )  # fmt: skip
             writer.close()
             return
-        link = Link(writer)
+        link = Link(writer, peer=normal_address(shown))
         self.waiting.add(link)
         loop = asyncio.get_running_loop()
         link.expiry = loop.call_later(self.bounds.unidentified_timeout, self._expire, link, shown)
@@ -195,6 +212,11 @@ class Relays:
         open_now, counts = self.open.get(name), self.counts.get(name)
         if open_now is None or counts is None:
             return f"refused: session {name} is closed"
+        sources = self.sources.get(name)
+        if sources is not None and link.peer not in sources:
+            return f"refused: the credential of session {name} is good from its own pod only" + (
+                "" if sources else ", and its pod has no address yet"
+            )
         if len(open_now) >= self.bounds.connections_max:
             counts["over_limit"] += 1
             return (
@@ -248,6 +270,17 @@ class Relays:
             self.remove(name)
         for link in list(self.waiting):
             link.close()
+
+
+def normal_address(text: str) -> str:
+    """An address as compared: IPv4 for an IPv4-mapped IPv6 one, IPv6 compressed."""
+    try:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return text
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
 
 
 async def _pipe(

@@ -62,6 +62,7 @@ SESSION_NAME = re.compile(
     r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?/[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?"
 )
 TOKEN = re.compile(r"[!-~]{16,1024}")  # cluster mode: printable ASCII, no spaces
+SOURCES_MAX = 8  # a pod's addresses (one per family, and room to spare)
 
 
 class Running:
@@ -196,16 +197,25 @@ class Proxy:
             return {"ok": False, "error": "open needs a token of 16 to 1024 printable characters"}
         if self.policy.holder(token) not in (None, name):
             return {"ok": False, "error": "the token is another session's"}
+        sources = message.get("sources")
+        if sources is not None and not (
+            isinstance(sources, list)
+            and len(sources) <= SOURCES_MAX
+            and all(isinstance(a, str) and len(a) <= 64 for a in sources)
+        ):
+            return {"ok": False, "error": f"sources: a list of at most {SOURCES_MAX} addresses"}
         fields = {k: message.get(k) for k in ("token", "rules", "values", "ca")}
         grant = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-        if self.grants.get(name) == grant and name in self.policy.sessions:
-            return {"ok": True}  # the same again (a feeder that reconnected): kept as is
-        session = self._session(name, token, message)
-        if isinstance(session, str):
-            return {"ok": False, "error": session}
-        await self._close(name)
-        self._add(session)
-        self.grants[name] = grant
+        if self.grants.get(name) != grant or name not in self.policy.sessions:
+            session = self._session(name, token, message)
+            if isinstance(session, str):
+                return {"ok": False, "error": session}
+            await self._close(name)
+            self._add(session)
+            self.grants[name] = grant
+        # else the same again (a feeder that reconnected, or its pod's address changed):
+        # kept as is, its connections too
+        self.relays.bind(name, sources)
         return {"ok": True}
 
     def _session(self, name: str, token: str, message: dict[str, Any]) -> Session | str:
