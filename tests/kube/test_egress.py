@@ -268,6 +268,7 @@ async def test_egress_by_name_on_a_cluster(
         await pip_installs_from_an_allowed_index(a, hosts)
         await a_client_chooses_within_what_is_offered(a.agent, hosts)
     await the_credential_is_the_sessions_and_the_grant_holds_it(kube, kube_api.namespace)
+    await a_stopped_session_keeps_no_grant(kube, kube_api.namespace)
     verdicts_are_counted_by_the_feeder(test_cluster)
 
 
@@ -372,6 +373,14 @@ async def the_credential_is_the_sessions_and_the_grant_holds_it(kube: Kube, ns: 
     pod = await asyncio.to_thread(kube.get, "Pod", ns, "ks-egress-a")
     dumped = json.dumps(pod)
     assert data[TOKEN_KEY] not in dumped and VALUE not in dumped
+
+
+async def a_stopped_session_keeps_no_grant(kube: Kube, ns: str) -> None:
+    """B suspended: its pod goes, and its grant with it (the pod's address is free)."""
+    suspend = {"spec": {"operatingMode": "Suspended"}}
+    await asyncio.to_thread(kube.patch, KS, ns, "egress-b", suspend)
+    await eventually(kube, "Secret", EGRESS, f"{ns}.egress-b", lambda o: o is None,
+                     timeout=30, what="the suspended session's grant deleted")  # fmt: skip
 
 
 async def a_client_chooses_within_what_is_offered(agent: Any, hosts: Hosts) -> None:

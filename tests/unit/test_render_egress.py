@@ -130,6 +130,11 @@ def test_a_pods_addresses_are_what_its_status_shows() -> None:
     dual = {"podIP": "10.244.0.7", "podIPs": [{"ip": "10.244.0.7"}, {"ip": "fd00::5"}]}
     assert pod_addresses({"status": dual}) == ["10.244.0.7", "fd00::5"]
     assert pod_addresses({"status": {"podIP": "10.244.0.8"}}) == ["10.244.0.8"]
+    # An ended pod's, or a deleting one's: given back by the kubelet, another pod's next.
+    for phase in ("Succeeded", "Failed"):
+        assert pod_addresses({"status": {**dual, "phase": phase}}) == []
+    going = {"metadata": {"deletionTimestamp": "2026-12-05T08:00:00Z"}, "status": dual}
+    assert pod_addresses(going) == []
 
 
 def test_a_missing_value_is_named_by_its_field_and_never_shown() -> None:

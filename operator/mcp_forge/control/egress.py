@@ -47,6 +47,7 @@ class Grants:
         self.service = settings.egress_service
         self._route: tuple[float, Route | None] = (0.0, None)
         self._written: dict[tuple[str, str], str] = {}  # session: its grant's digest, as written
+        self._cleared: set[tuple[str, str]] = set()  # stopped sessions whose grant is gone
         self._lock = threading.Lock()
 
     # ---- where the proxy is ---------------------------------------------------------
@@ -122,6 +123,7 @@ class Grants:
                             {"stringData": want["stringData"]})  # fmt: skip
         with self._lock:
             self._written[where] = digest
+            self._cleared.discard(where)
         log.info("egress grant of %s/%s written", *where)
 
     def values(self, session: KernelSession) -> list[list[Any]]:
@@ -166,11 +168,25 @@ class Grants:
     def remove(self, namespace: str, name: str, *, known: bool = False) -> None:
         """Delete the session's grant. Without `known`, only one this operator wrote (a
         session without an allow-list costs no request; `sweep` finds the others)."""
+        where = (namespace, name)
         with self._lock:
-            written = self._written.pop((namespace, name), None)
+            written = self._written.get(where)
         if written is None and not known:
             return
         self.kube.delete("Secret", self.namespace, f"{namespace}.{name}")
+        with self._lock:  # only once it is gone: a failed delete is tried again
+            if self._written.get(where) == written:
+                self._written.pop(where, None)
+            self._cleared.add(where)
+
+    def clear(self, namespace: str, name: str) -> None:
+        """A stopped session's grant goes (no pod, no address to be good from): deleted
+        once by this process whoever wrote it (an older operator, one that died between
+        the pod and the grant), then no request at each resync."""
+        with self._lock:
+            done = (namespace, name) in self._cleared and (namespace, name) not in self._written
+        if not done:
+            self.remove(namespace, name, known=True)
 
     def sweep(self) -> int:
         """Delete every grant whose session is gone or has no allow-list; how many. Run at
@@ -191,8 +207,14 @@ class Grants:
 
 
 def pod_addresses(pod: dict[str, Any] | None) -> list[str]:
-    """A pod's addresses as its status shows them (none before it has a sandbox)."""
+    """A pod's addresses as its status shows them: none before it has a sandbox, nor once
+    it has ended or is being deleted (its status still shows an address the kubelet has
+    given back, which another pod may get)."""
     status = (pod or {}).get("status") or {}
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return []
+    if ((pod or {}).get("metadata") or {}).get("deletionTimestamp"):
+        return []
     found = [a.get("ip") for a in status.get("podIPs") or [] if isinstance(a, dict)]
     found.append(status.get("podIP"))
     return sorted({a for a in found if isinstance(a, str) and a})

@@ -220,9 +220,8 @@ def stop_kernel(r: Reconciler, p: Pass) -> None:
         meta = pod["metadata"]
         r.kube.delete("Pod", p.session.namespace, meta["name"], uid=meta["uid"])
     r._own_secret(p.session, p.found.secret, fresh=p.fresh)
-    # No pod, no grant (its address may go to another pod): the next start writes it
-    # again. Only one this process wrote: a stopped session costs no request at resync.
-    r.egress.remove(p.session.namespace, p.session.name)
+    if p.session.spec.egress_rules:  # no pod, no grant: the next start writes it again
+        r.egress.clear(p.session.namespace, p.session.name)
     p.seen = Observation(stop.phase, stop.reason, stop.message)
     p.status.update(stopped(p.old, stop, generation=p.generation, now=p.now))
     p.pod = None
