@@ -17,9 +17,10 @@ Round by round, interleaved (the machine is shared and noisy), a new connection 
   * through the proxy: the session's socket, CONNECT api.test:<port> with the session's
     credential, then the same TLS and GET inside the tunnel (mitmproxy passes it through);
   * the same through the proxy in cluster mode, as a cluster kernel reaches it (its TCP
-    listener, the session known by its credential alone; a process of its own, not
-    confined). mitmproxy's own port is no longer a way in (a connection that did not
-    come through the proxy's relay speaks for no session).
+    listener, the session known by its credential, admitted from its pod's addresses,
+    here loopback's; a process of its own, not confined). mitmproxy's own port is no
+    longer a way in (a connection that did not come through the proxy's relay speaks
+    for no session).
 Each for 1 KB (`--runs`) and 10 MB (`--big-runs`); medians and p90, the ratio and the
 milliseconds added. Then the proxy process's resident memory (the Python running
 mcp_forge.egress.server, not its prlimit/bwrap wrappers): at its start, idle after the
@@ -286,8 +287,10 @@ async def main(runs: int, big_runs: int, tunnels: int) -> None:
         cluster = Process(tmp / "cluster", "--resolve", str(table), "--bandwidth-max", "0",
                           "--connections-max", str(tunnels + 8))  # fmt: skip
         stack.callback(cluster.stop)
+        # Bound to where this script dials from, as a grant binds a pod's address.
         tell(cluster.control_path, {"op": "open", "session": SESSION, "token": token,
-                                    "rules": [rule], "values": [], "ca": None})  # fmt: skip
+                                    "rules": [rule], "values": [], "ca": None,
+                                    "sources": ["127.0.0.1", "::1"]})  # fmt: skip
         proxy = EgressProxy(settings)
         pid = None
         try:
