@@ -147,6 +147,16 @@ def _discard(self: Any, event: events.Event) -> Any:
         yield commands.CloseConnection(self.conn)
 
 
+def _cut_off(self: Any, message: str, error: Any) -> Any:
+    """A connection past a bound: nothing it sent kept, the rest dropped as it comes
+    (`_discard`), closed, logged, and `error` handed to the stream that was waiting."""
+    self.buf = _http1.ReceiveBuffer()
+    self.state = functools.partial(_discard, self)
+    yield commands.CloseConnection(self.conn)
+    yield commands.Log(message)
+    yield ReceiveHttp(error)
+
+
 def _bound_client_hellos() -> None:
     """A ClientHello over HELLO_MAX bytes is not one (mitmproxy then closes the
     connection, or reads it as something else, as any bytes that are not a ClientHello)."""
@@ -192,11 +202,7 @@ def _bound_framing() -> None:
         yield from handle_event(self, event)
         if self.state == self.read_body and len(self.buf) > HEAD_MAX:
             message = f"a request's chunk framing over {HEAD_MAX} bytes (the egress proxy's bound)"
-            self.buf = _http1.ReceiveBuffer()
-            self.state = functools.partial(_discard, self)
-            yield commands.CloseConnection(self.conn)
-            yield commands.Log(message)
-            yield ReceiveHttp(RequestProtocolError(self.stream_id, message))
+            yield from _cut_off(self, message, RequestProtocolError(self.stream_id, message))
         _note(self.conn, self, len(self.buf))
 
     def from_server(self: Any, event: events.Event) -> Any:
@@ -208,11 +214,7 @@ def _bound_framing() -> None:
                 else "a response's chunk framing, trailers or bytes after its end"
             )
             message = f"{what} over {HEAD_MAX} bytes (the egress proxy's bound)"
-            self.buf = _http1.ReceiveBuffer()
-            self.state = functools.partial(_discard, self)
-            yield commands.CloseConnection(self.conn)
-            yield commands.Log(message)
-            yield ReceiveHttp(_FromServerOverBound(self.stream_id, message))
+            yield from _cut_off(self, message, _FromServerOverBound(self.stream_id, message))
 
     _http1.Http1Server._handle_event = from_client
     _http1.Http1Client._handle_event = from_server
