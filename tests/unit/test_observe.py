@@ -117,9 +117,14 @@ def test_a_kernel_that_answered_the_operator_is_ready_before_its_startup_probe()
     """control/answers.py: the operator's own kernel_info, answered, is Ready at once,
     whatever the kubelet has written so far (still creating, running not started)."""
     for state in ({"running": {"startedAt": "T1"}}, {"waiting": {"reason": "ContainerCreating"}}):
-        seen = observe(session(), pod(state, started=False), answered="T2")
+        seen = observe(session(), pod(state, started=False), answered=("T2", "10.1.2.3"))
         assert (seen.phase, seen.started_at, seen.pod_ip) == ("Ready", "T2", "10.1.2.3")
         assert seen.message == "the kernel answered the operator"
+    # A pod read from a cache that does not show its address yet: Ready carries the
+    # address the kernel answered at (a gateway connecting by pod IP needs one).
+    stale = pod({"waiting": {"reason": "ContainerCreating"}}, started=False, podIP=None)
+    seen = observe(session(), stale, answered=("T2", "10.1.2.4"))
+    assert (seen.phase, seen.pod_ip) == ("Ready", "10.1.2.4")
     # The kubelet's own Ready reads apart, so a test can tell which came first.
     probed = observe(session(), pod({"running": {"startedAt": "T1"}}))
     assert probed.message == "the kernel answered its startup probe"
@@ -127,5 +132,5 @@ def test_a_kernel_that_answered_the_operator_is_ready_before_its_startup_probe()
 
 def test_an_answer_does_not_outlive_the_kernel() -> None:
     died = pod({"terminated": {"exitCode": 1}}, phase="Failed")
-    seen = observe(session(), died, answered="T2")
+    seen = observe(session(), died, answered=("T2", "10.1.2.3"))
     assert seen.phase == "Restarting" and seen.termination is not None

@@ -72,17 +72,20 @@ class Answers:
     def __init__(self, kube: Kube, poke: Callable[[str, str], None]) -> None:
         self.kube = kube
         self.poke = poke
-        self._answered: dict[Key, tuple[str, str]] = {}
+        self._answered: dict[Key, tuple[str, str, str]] = {}  # pod uid, when, its address
         self._asking: dict[Key, tuple[str, asyncio.Task[None]]] = {}
         self._slots = asyncio.Semaphore(PROBES)
         # Its own threads: a probe waits up to ASK_MS, which must not hold up reconciles
         # in the loop's default executor; a cancelled ask's thread still counts here.
         self._threads = concurrent.futures.ThreadPoolExecutor(PROBES, "mcp-forge-ask")
 
-    def of(self, namespace: str, name: str, uid: str | None) -> str | None:
-        """When the kernel of pod `uid` answered the operator, if it has."""
+    def of(self, namespace: str, name: str, uid: str | None) -> tuple[str, str] | None:
+        """When the kernel of pod `uid` answered the operator, and at which address (a
+        pod read from a cache may not show it yet), if it has."""
         seen = self._answered.get((namespace, name))
-        return seen[1] if seen is not None and uid is not None and seen[0] == uid else None
+        if seen is None or uid is None or seen[0] != uid:
+            return None
+        return seen[1], seen[2]
 
     def consider(self, pod: Mapping[str, Any]) -> None:
         """A session's kernel pod changed: ask its kernel, if it is starting and not asked."""
@@ -138,7 +141,7 @@ class Answers:
                 while time.monotonic() < deadline:
                     asked = loop.run_in_executor(self._threads, probe.answers, info, host, ASK_MS)
                     if await asked:
-                        self._answered[key] = (uid, st.stamp())
+                        self._answered[key] = (uid, st.stamp(), host)
                         self.poke(namespace, name)
                         return
         except asyncio.CancelledError:

@@ -74,11 +74,14 @@ def _transient(message: str) -> bool:
 
 
 def observe(
-    session: KernelSession, pod: Mapping[str, Any] | None, answered: str | None = None
+    session: KernelSession,
+    pod: Mapping[str, Any] | None,
+    answered: tuple[str, str] | None = None,
 ) -> Observation:
     """The session as its kernel Pod shows it (None: there is no Pod). `answered`: when
     the pod's kernel answered the operator's own kernel_info (control/answers.py), which
-    is Ready before the kubelet's startupProbe says so."""
+    is Ready before the kubelet's startupProbe says so, and at which address: Ready
+    carries one even when the pod was read from a cache that does not show it yet."""
     if pod is None:
         return Observation(st.PENDING, "PodMissing", "the kernel's pod does not exist yet")
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
@@ -87,7 +90,8 @@ def observe(
     pod_ip = status.get("podIP") if isinstance(status.get("podIP"), str) else None
     state = kernel_status(pod).get("state") or {}
     if answered is not None and "terminated" not in state and status.get("phase") != "Failed":
-        return Observation(st.READY, st.KERNEL_READY, ANSWERED, None, answered, pod_ip)
+        when, address = answered
+        return Observation(st.READY, st.KERNEL_READY, ANSWERED, None, when, pod_ip or address)
     if "running" in state:
         # Ready (its startupProbe passed, and the kubelet has said so in full): not merely
         # started, which the kubelet writes one status update earlier.
