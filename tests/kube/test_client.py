@@ -13,7 +13,7 @@ def _idle_sockets(kube: Kube) -> list[Any]:
     pools = kube.client.rest_client.pool_manager.pools
     return [
         conn.sock
-        for key in pools.keys()
+        for key in pools.keys()  # noqa: SIM118 (urllib3 refuses to iterate it directly)
         for conn in list(pools[key].pool.queue)
         if conn is not None and conn.sock is not None
     ]

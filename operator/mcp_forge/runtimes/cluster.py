@@ -501,10 +501,16 @@ class KubernetesRuntime:
     async def _wait_ready(
         self, namespace: str, name: str, also: Callable[[KernelSession], bool], *, uid: str
     ) -> KernelSession:
-        """Wait until the session is Ready (and `also` holds); raise if it fails or goes."""
+        """Wait until the session is Ready (and `also` holds); raise if it fails or goes.
+
+        Each state is looked at as the watch brings it: the status that says Ready is
+        acted on at once, not read again (a round trip, with the API server at its
+        busiest then, on what the operator does after a claim)."""
         deadline = time.monotonic() + self.settings.kernel_ready_timeout
+        loop = asyncio.get_running_loop()
+        rv: str | None
+        body, rv = await loop.run_in_executor(self._watchers, self._listed, namespace, name)
         while True:
-            body = await asyncio.to_thread(self.kube.get, KIND, namespace, name)
             if body is None or (uid and body["metadata"].get("uid") != uid):
                 raise SessionNotFound(f"session {name!r} was deleted")
             session = self._load(body, namespace)
@@ -526,30 +532,42 @@ class KubernetesRuntime:
                     f"{self.settings.kernel_ready_timeout:.0f}s: {status.get('phase')}, "
                     f"{status.get('message', '')}"
                 )
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(
-                self._watchers, self._next_change, namespace, name, body, min(left, WATCH_CHUNK)
+            body, rv = await loop.run_in_executor(
+                self._watchers, self._next_change, namespace, name, body, rv, min(left, WATCH_CHUNK)
             )
 
-    def _next_change(self, namespace: str, name: str, seen: dict[str, Any], timeout: float) -> None:
-        """Block until the session may differ from `seen` (or `timeout` passes).
-
-        The watch starts at the list's resourceVersion (an object's own may be too old
-        for the API server to replay from: 410 Gone); a change between the two reads is
-        caught by comparing.
-        """
+    def _listed(self, namespace: str, name: str) -> tuple[dict[str, Any] | None, str]:
+        """The session as a list of one gives it (None if there is none), and the list's
+        resourceVersion: a watch can start there (an object's own may be too old for the
+        API server to replay from: 410 Gone)."""
         listed = self.kube.list(KIND, namespace, fields={"metadata.name": name})
         items = listed.get("items") or []
-        if not items or items[0]["metadata"].get("resourceVersion") != seen["metadata"].get(
-            "resourceVersion"
-        ):
-            return
-        rv = str(listed["metadata"].get("resourceVersion") or "")
+        return (items[0] if items else None), str(listed["metadata"].get("resourceVersion") or "")
+
+    def _next_change(
+        self, namespace: str, name: str, seen: dict[str, Any], rv: str | None, timeout: float
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """The session once it changed from `seen` (`seen` again if `timeout` passed
+        first, None once it is gone), and where the next watch starts (None: list first).
+
+        The watch starts at `rv`, what `seen` was read at; without one (the API server
+        could not replay from there) the session is listed again, and a change between
+        the two reads is caught by comparing."""
+        if rv is None:
+            listed, rv = self._listed(namespace, name)
+            if listed is None or listed["metadata"].get("resourceVersion") != seen["metadata"].get(
+                "resourceVersion"
+            ):
+                return listed, rv
         try:
-            for _ in self.kube.watch(
+            for event in self.kube.watch(
                 KIND, namespace, resource_version=rv, name=name, timeout=timeout
             ):
-                return
+                if event.type == "DELETED":
+                    return None, None
+                return event.object, str(event.object["metadata"].get("resourceVersion") or "")
         except ApiError as exc:
             if exc.status != 410:
                 raise
+            return seen, None
+        return seen, rv
