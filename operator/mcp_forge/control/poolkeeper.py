@@ -83,6 +83,9 @@ log = logging.getLogger(__name__)
 KIND = ksp.KIND
 STARTING_RECHECK = 15.0
 COUNT_ATTEMPTS = 8  # conflicting status writes before a count waits for the next one
+# Counts are written this long after their claim, not beside it: the claimed session's
+# status write and its client's first reads go first, and a burst's claims share a write.
+COUNT_DELAY = 0.5
 
 
 def _owner(kind: str, name: str, uid: str, api_version: str = API_VERSION) -> dict[str, Any]:
@@ -107,8 +110,10 @@ class PodClaim:
 class Tally:
     """Claims and misses added to pools' status counters, in a thread of its own.
 
-    `add` returns at once; the writes follow in order, one pool's pending counts in
-    one write. A count whose write fails is kept for the next `add` or `flush`.
+    `add` returns at once; the writes follow in order, COUNT_DELAY after the first
+    count of each (a claim's is most often written sooner, by the refill's reconcile:
+    `flush`), one pool's pending counts in one write. A count whose write fails is kept
+    for the pool's next reconcile, which flushes it.
     """
 
     def __init__(self, kube: Kube) -> None:
@@ -116,6 +121,7 @@ class Tally:
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, str, str], Counter[str]] = {}
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "mcp-forge-pool-counts")
+        self._closing = threading.Event()
 
     def add(self, pool: KernelSessionPool, field: str) -> None:
         key = (pool.namespace, pool.name, pool.uid)
@@ -123,10 +129,11 @@ class Tally:
             scheduled = key in self._pending
             self._pending.setdefault(key, Counter())[field] += 1
         if not scheduled:
-            self._writer.submit(self._flush_logged, key)
+            self._writer.submit(self._flush_logged, key, time.monotonic() + COUNT_DELAY)
 
     def close(self) -> None:
-        """Write what was added (bounded by the API's timeouts), then stop."""
+        """Write what was added (at once, bounded by the API's timeouts), then stop."""
+        self._closing.set()
         self._writer.shutdown(wait=True)
 
     def flush(self, namespace: str, name: str) -> None:
@@ -136,7 +143,8 @@ class Tally:
         for key in keys:
             self._flush(key)
 
-    def _flush_logged(self, key: tuple[str, str, str]) -> None:
+    def _flush_logged(self, key: tuple[str, str, str], due: float) -> None:
+        self._closing.wait(max(0.0, due - time.monotonic()))
         try:
             self._flush(key)
         except ApiError as exc:

@@ -57,6 +57,10 @@ from mcp_forge.settings import Settings
 log = logging.getLogger(__name__)
 
 RESIZE_RETRY = 300.0  # a claim the API server refused to grow is asked again after this
+# A pool is refilled this long after a claim: the claimed session's client reads its
+# Secret and connects meanwhile (on 2 cores, a refill's Secret and pod beside them cost
+# it tens of ms), while a new kernel takes seconds to start either way.
+REFILL_AFTER = 0.2
 CALLS = 16  # API calls of those reconciles made side by side (threads)
 
 KS = kernelsession.KIND
@@ -161,8 +165,8 @@ class Reconciler:
                 if await asyncio.to_thread(self.kube.get, "KernelSession", namespace, name):
                     raise
                 outcome = Outcome(gone=True)
-        if outcome.refill:
-            self.poke(namespace, outcome.refill, kind=POOL)
+        if outcome.refill:  # soon, not beside the client's first reads of its claim
+            self.poke(namespace, outcome.refill, time.time() + REFILL_AFTER, kind=POOL)
         if outcome.gone:
             self.forget(namespace, name)
             return outcome
