@@ -15,7 +15,9 @@ everyone else's. In one run, medians (and p90) of:
     Ready (`mcp-forge apply`'s path); and create -> a new client's kernel_info answered at
     the pod IP (the Secret and status read, then connected, as a gateway does);
   * the same with `spec.poolRef`: a kernel claimed from a KernelSessionPool of 2 (refilled
-    between runs, untimed): create -> Ready, and create -> kernel_info answered;
+    between runs, untimed), created and connected to by the gateway's own code (its
+    KubernetesRuntime: create, wait for Ready, read the Secret): create -> Ready, and
+    create -> kernel_info answered;
   * N KernelSessions created and reconciled (operatingMode Suspended: every child but the
     pod, so that N kernels need not fit in memory): the time, the operator's memory (RSS)
     and its API requests per session;
@@ -56,8 +58,19 @@ from kube.conftest import (  # noqa: E402
     install_crds,
     make_namespace,
 )
-from kube.harness import KS, _next_event, condition, eventually, kernel, session_body  # noqa: E402
+from kube.harness import (  # noqa: E402
+    KERNEL_DEADLINE,
+    KS,
+    _next_event,
+    condition,
+    eventually,
+    kernel,
+    session_body,
+)
 from mcp_forge.clients.kube import Kube  # noqa: E402
+from mcp_forge.jupyter.client import KernelConnection  # noqa: E402
+from mcp_forge.runtimes.cluster import KubernetesRuntime  # noqa: E402
+from mcp_forge.settings import Settings  # noqa: E402
 
 OPERATOR = str(Path(sys.executable).parent / "mcp-forge")
 MINIMAL = "localhost/mcp-forge-kernel:0.1.0-minimal"
@@ -244,19 +257,27 @@ async def warm_kernels(kube: Kube, ns: str, runs: int) -> tuple[list[float], lis
             for p in pods
         )  # fmt: skip
 
+    gateway = KubernetesRuntime(Settings(session_namespace=ns, kube_connect="pod-ip"), kube)
     to_ready, to_answer = [], []
-    for _ in range(runs):
-        await eventually(kube, "KernelSessionPool", ns, "bench", full, timeout=120)
-        name = f"w-{uuid.uuid4().hex[:8]}"
-        body = session_body(name, ns, image=MINIMAL, resources=small, poolRef={"name": "bench"})
-        t0 = time.perf_counter()
-        await asyncio.to_thread(kube.create, body)
-        obj = await eventually(kube, KS, ns, name, ready, timeout=60)
-        to_ready.append(time.perf_counter() - t0)
-        assert condition(obj, "WarmStart").get("status") == "True", obj
-        async with kernel(kube, ns, name):  # kernel_info answered
-            to_answer.append(time.perf_counter() - t0)
-        await asyncio.to_thread(kube.delete, KS, ns, name)
+    try:
+        for _ in range(runs):
+            await eventually(kube, "KernelSessionPool", ns, "bench", full, timeout=120)
+            name = f"w-{uuid.uuid4().hex[:8]}"
+            body = session_body(name, ns, image=MINIMAL, resources=small, poolRef={"name": "bench"})
+            t0 = time.perf_counter()
+            session = await gateway.create(body)  # the gateway's path: created, Ready
+            to_ready.append(time.perf_counter() - t0)
+            assert condition({"status": session.status}, "WarmStart").get("status") == "True"
+            info = await gateway.connection(session)
+            conn = KernelConnection(info, max_frame=16 << 20, max_message=32 << 20)
+            try:
+                await conn.wait_ready(KERNEL_DEADLINE)  # kernel_info answered
+                to_answer.append(time.perf_counter() - t0)
+            finally:
+                conn.close()
+            await asyncio.to_thread(kube.delete, KS, ns, name)
+    finally:
+        gateway.close()
     await asyncio.to_thread(kube.delete, "KernelSessionPool", ns, "bench")
     return to_ready, to_answer
 

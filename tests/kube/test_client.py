@@ -11,10 +11,12 @@ from mcp_forge.clients.kube import Kube
 def _idle_sockets(kube: Kube) -> list[Any]:
     """The sockets of the calls' idle connections (urllib3's pool, last returned last)."""
     pools = kube.client.rest_client.pool_manager.pools
+    queues = [pools[key].pool for key in pools.keys()]  # noqa: SIM118 (it refuses iteration)
     return [
         conn.sock
-        for key in pools.keys()  # noqa: SIM118 (urllib3 refuses to iterate it directly)
-        for conn in list(pools[key].pool.queue)
+        for queue in queues
+        if queue is not None
+        for conn in list(queue.queue)
         if conn is not None and conn.sock is not None
     ]
 
