@@ -5,7 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from mcp_forge.clients.kube import Kube
+from mcp_forge.errors import SessionNotFound
+from mcp_forge.runtimes.cluster import KubernetesRuntime
+from mcp_forge.settings import Settings
+
+from .harness import KS, eventually, session_body
 
 
 def _idle_sockets(kube: Kube) -> list[Any]:
@@ -41,3 +48,21 @@ async def test_a_watch_left_early_leaves_the_calls_connection_warm(kube: Kube, n
     assert await asyncio.wait_for(waiting, 30) == "MODIFIED"
     assert await asyncio.to_thread(kube.get, "Secret", ns, "w") is not None
     assert _idle_sockets(kube) == warm, "the call after the watch opened a new connection"
+
+
+async def test_the_gateways_wait_for_ready_ends_when_the_session_is_deleted(
+    kube: Kube, ns: str
+) -> None:
+    """No operator runs here, so the session never becomes Ready: the gateway's create
+    waits on the watch, and the session's deletion ends the wait at once with a clear
+    error (the watch's DELETED event, not the 60 s deadline)."""
+    runtime = KubernetesRuntime(Settings(session_namespace=ns), Kube(kube.client.configuration))
+    body = session_body("doomed", ns, image="localhost/mcp-forge-kernel:0.1.0-minimal")
+    try:
+        creating = asyncio.create_task(runtime.create(body))
+        await eventually(kube, KS, ns, "doomed", lambda o: o is not None)
+        await asyncio.to_thread(kube.delete, KS, ns, "doomed")
+        with pytest.raises(SessionNotFound, match="'doomed' was deleted"):
+            await asyncio.wait_for(creating, 15)
+    finally:
+        runtime.close()
