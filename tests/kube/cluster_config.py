@@ -13,6 +13,7 @@ Only the standard library: it runs before any virtualenv exists (tests/kube/clus
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from .cluster_common import (
@@ -48,7 +49,7 @@ def write_configs(ip: str, bins: Path) -> None:
         kubeconfig(conf / f"{user}.kubeconfig", pki, user, server)
     write_storage_config(conf, bins)
     write_cni_config(conf, ip)
-    write_containerd_config(conf)
+    write_containerd_config(conf, newer_runc())
     write_audit_policy(conf)
     write_kubelet_config(conf, pki, ip)
     write_proxy_config(conf, ip)
@@ -81,7 +82,15 @@ def write_cni_config(conf: Path, ip: str) -> None:
     (conf / "net.d" / "10-mcpforge-test.conflist").write_text(json.dumps(cni, indent=1))
 
 
-def write_containerd_config(conf: Path) -> None:
+def newer_runc() -> str:
+    """The runc of the `userns` runtime handler (tests/kube/runc/build: built once, cached)."""
+    build = Path(__file__).parent / "runc" / "build"
+    return subprocess.run([str(build)], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def write_containerd_config(conf: Path, runc: str) -> None:
+    """Pods run on Debian's runc; those of the RuntimeClass whose handler is `userns` run on
+    a newer one (`runc`), which can give a pod `hostUsers: false` (Debian's 1.1.5 cannot)."""
     cri = "plugins.'io.containerd.cri.v1.runtime'"
     (conf / "containerd.toml").write_text(
         f"""version = 3
@@ -109,6 +118,11 @@ state = '{ROOT}/containerd/state'
   runtime_type = 'io.containerd.runc.v2'
 [{cri}.containerd.runtimes.runc.options]
   BinaryName = '/usr/sbin/runc'
+  SystemdCgroup = false
+[{cri}.containerd.runtimes.userns]
+  runtime_type = 'io.containerd.runc.v2'
+[{cri}.containerd.runtimes.userns.options]
+  BinaryName = '{runc}'
   SystemdCgroup = false
 [plugins.'io.containerd.cri.v1.images'.pinned_images]
   sandbox = '{static_ref("pause", catatonit())}'

@@ -70,7 +70,11 @@ def up() -> Path:
     ip = node_ip()
     share_netns_dir()
     ROOT.mkdir(parents=True, exist_ok=True)
-    os.chmod(ROOT, 0o700)
+    # Searchable, as containerd's own directories are: the runc of a pod with a user
+    # namespace prepares its root already as that namespace's root, under this one.
+    os.chmod(ROOT, 0o711)
+    (ROOT / "containerd").mkdir(exist_ok=True)
+    os.chmod(ROOT / "containerd", 0o711)
     old = ROOT / "node-ip"
     if old.exists() and old.read_text().strip() != ip:
         raise ClusterError("this machine's address changed since the cluster was made: run down")
