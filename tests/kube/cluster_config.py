@@ -85,7 +85,8 @@ def write_cni_config(conf: Path, ip: str) -> None:
 def newer_runc() -> str:
     """The runc of the `userns` runtime handler (tests/kube/runc/build: built once, cached)."""
     build = Path(__file__).parent / "runc" / "build"
-    return subprocess.run([str(build)], check=True, capture_output=True, text=True).stdout.strip()
+    made = subprocess.run([str(build)], check=True, stdout=subprocess.PIPE, text=True)
+    return made.stdout.strip()  # what it does (apt-get, a build) shows on stderr
 
 
 def write_containerd_config(conf: Path, runc: str) -> None:

@@ -10,6 +10,7 @@ not read the kernel's limits (prlimit64) until images/criu/rlimits-from-proc.pat
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import tarfile
 import time
@@ -101,47 +102,69 @@ def _running(pod: dict[str, Any] | None) -> bool:
 async def test_the_kubelet_checkpoints_a_kernel_in_its_own_user_namespace(
     kube: Kube, ns: str
 ) -> None:
+    node: Any = await asyncio.to_thread(kubernetes.client.CoreV1Api().read_node, NODE)
+    handlers = {h.name: h.features for h in node.status.runtime_handlers or []}
+    assert "userns" in handlers, (
+        f"the node has no userns runtime handler ({sorted(handlers)}): a cluster started "
+        "before it was added; run tests/kube/cluster down, then up"
+    )
+    assert handlers["userns"].user_namespaces, handlers["userns"]
     await asyncio.to_thread(_runtime_class)
     await asyncio.to_thread(kube.create, _pod(ns))
     pod = await eventually(kube, "Pod", ns, "napper", _running, timeout=120, what="running")
     assert pod is not None
     core = kubernetes.client.CoreV1Api()
     stream: Any = core.read_namespaced_pod_log(
-        "napper", ns, container="kernel", follow=True, _preload_content=False
+        "napper",
+        ns,
+        container="kernel",
+        follow=True,
+        timestamps=True,
+        _preload_content=False,
+        _request_timeout=(10, 60),
     )
 
-    def line() -> str:  # the next line the kernel prints, as it prints it
-        return bytes(stream.readline()).decode().strip()
+    def line() -> tuple[float, str]:  # the next line the kernel prints, and when it did
+        stamp, _, text = bytes(stream.readline()).decode().strip().partition(" ")
+        assert text, f"the kernel's log ended ({stamp!r}): did its container stop?"
+        whole, _, fraction = stamp.rstrip("Z").partition(".")
+        when = datetime.datetime.fromisoformat(whole).replace(tzinfo=datetime.UTC)
+        return when.timestamp() + float(f"0.{fraction or 0}"), text
 
-    async def next_line() -> str:
+    async def next_line() -> tuple[float, str]:
         return await asyncio.wait_for(asyncio.to_thread(line), 30)
 
+    items: list[str] = []
     try:
         # Its uid 0 is not the host's: a namespace of its own (the map: 0 <host uid> 65536).
-        mapped = json.loads((await next_line()).replace("'", '"'))
+        mapped = json.loads((await next_line())[1].replace("'", '"'))
         assert mapped[0] == "0" and mapped[1] != "0" and mapped[2] == "65536", mapped
-        counted = int(await next_line())
+        while (counted := int((await next_line())[1])) < 5:  # a second of counting
+            pass
 
         path = f"checkpoint/{ns}/napper/kernel"
         answer: Any = await asyncio.to_thread(
-            core.connect_post_node_proxy_with_path, NODE, path, _preload_content=False
+            core.connect_post_node_proxy_with_path,
+            NODE,
+            path,
+            _preload_content=False,
+            _request_timeout=120,
         )
-        done = time.monotonic()
+        done = time.time()
         items = json.loads(answer.data)["items"]
         assert len(items) == 1 and items[0].endswith(".tar"), items
         names, pages = await asyncio.to_thread(_read_archive, Path(items[0]))
         assert {"checkpoint/inventory.img", "checkpoint/pstree.img"} <= names, sorted(names)
-        assert pages > 8_000_000, pages  # the million ints are in the memory it dumped
-        # The kernel ran on: the same process, counting on. A line that comes half a second
-        # after the checkpoint returned was printed after it (what it printed meanwhile
-        # comes at once).
-        while True:
-            now = int(await next_line())
-            if time.monotonic() - done > 0.5:
-                break
-        assert now > counted, (now, counted)
+        assert pages > 32 << 20, pages  # the million ints (some 40 MB) it holds were dumped
+        # The kernel ran on: a line printed after the checkpoint returned (the node's clock
+        # is this machine's), counting on from where it was, by the same container.
+        while (got := await next_line())[0] <= done:
+            pass
+        assert int(got[1]) > counted, (got, counted)
         pod = await asyncio.to_thread(kube.get, "Pod", ns, "napper")
         assert pod is not None and _running(pod), pod
         assert pod["status"]["containerStatuses"][0]["restartCount"] == 0, pod["status"]
     finally:
-        stream.release_conn()
+        stream.close()  # its connection too: a reader still blocked on it ends
+        for item in items:
+            await asyncio.to_thread(Path(item).unlink, missing_ok=True)
