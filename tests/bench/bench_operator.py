@@ -15,9 +15,9 @@ everyone else's. In one run, medians (and p90) of:
     Ready (`mcp-forge apply`'s path); and create -> a new client's kernel_info answered at
     the pod IP (the Secret and status read, then connected, as a gateway does);
   * the same with `spec.poolRef`: a kernel claimed from a KernelSessionPool of 2 (refilled
-    between runs, untimed), created and connected to by the gateway's own code (its
-    KubernetesRuntime: create, wait for Ready, read the Secret): create -> Ready, and
-    create -> kernel_info answered;
+    between runs, and the last claim's kernel gone, untimed), created and connected to by
+    the gateway's own code (its KubernetesRuntime: create, wait for Ready, read the
+    Secret): create -> Ready, and create -> kernel_info answered;
   * N KernelSessions created and reconciled (operatingMode Suspended: every child but the
     pod, so that N kernels need not fit in memory): the time, the operator's memory (RSS)
     and its API requests per session;
@@ -276,6 +276,10 @@ async def warm_kernels(kube: Kube, ns: str, runs: int) -> tuple[list[float], lis
             finally:
                 conn.close()
             await asyncio.to_thread(kube.delete, KS, ns, name)
+            # Its kernel gone before the next claim: each claim into a settled cluster,
+            # not beside the last one's teardown (the kubelet's, the garbage collector's).
+            pod = str(session.status.get("podName") or "")
+            await eventually(kube, "Pod", ns, pod, lambda p: p is None, timeout=120)
     finally:
         gateway.close()
     await asyncio.to_thread(kube.delete, "KernelSessionPool", ns, "bench")

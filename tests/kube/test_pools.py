@@ -1,10 +1,7 @@
 """Warm pools on the real test cluster: the operator (real kopf) fills KernelSessionPools
-with real kernel pods on the real kubelet, and sessions claim them.
-
-What a claim must never do is checked against the API server itself: two sessions never
-hold one pod or one key, a claimed pod is never restarted or deleted by its pool, and an
-operator that stops between its claim and its status write leaves nothing claimed twice
-or leaked.
+with real kernel pods on the real kubelet, and sessions claim them: a claimed pod is never
+restarted or deleted by its pool, a pool at its maximum or of a missing image says so.
+What a claim itself must never do is test_claims.py's.
 """
 
 from __future__ import annotations
@@ -13,15 +10,13 @@ import asyncio
 import threading
 from typing import Any
 
-import kubernetes
 import pytest
 
 from kstatus import kstatus
-from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
-from mcp_forge.control.poolkeeper import PoolKeeper, Tally
-from mcp_forge.control.render import LABEL_SESSION, TEMPLATE_HASH
+from mcp_forge.control.poolkeeper import PoolKeeper
+from mcp_forge.control.render import LABEL_SESSION
 from mcp_forge.errors import ApiError
 from mcp_forge.settings import Settings
 
@@ -42,71 +37,7 @@ from .harness import (
     running_operator,
     session_body,
 )
-
-POOL = ksp.KIND
-FILL = 120.0  # a pool of two to ready, on a busy 2-core machine
-
-
-async def members(kube: Kube, ns: str, pool: str) -> list[dict[str, Any]]:
-    listed = await asyncio.to_thread(kube.list, "Pod", ns, labels={ksp.LABEL_POOL: pool})
-    return [p for p in listed.get("items") or [] if not p["metadata"].get("deletionTimestamp")]
-
-
-async def filled(
-    kube: Kube, ns: str, pool: str, size: int, *, claimed: int = 0, hash_: str = ""
-) -> dict[str, Any]:
-    """The pool once its status counts `size` ready kernels (of template `hash_`) and
-    `claimed` claimed ones."""
-
-    def full(o: dict[str, Any] | None) -> bool:
-        status = (o or {}).get("status") or {}
-        return (
-            status.get("ready") == size
-            and status.get("claimed", 0) == claimed
-            and (not hash_ or status.get("templateHash") == hash_)
-        )
-
-    obj = await eventually(kube, POOL, ns, pool, full, timeout=FILL, what=f"{size} ready")
-    assert obj is not None
-    return obj
-
-
-async def counted(kube: Kube, ns: str, pool: str, claims: int, misses: int) -> dict[str, Any]:
-    """The pool once its status counts exactly these claims and misses (written after
-    the claims, off their path)."""
-
-    def right(o: dict[str, Any] | None) -> bool:
-        status = (o or {}).get("status") or {}
-        return (status.get("claims", 0), status.get("misses", 0)) == (claims, misses)
-
-    what = f"{claims} claims and {misses} misses counted"
-    obj = await eventually(kube, POOL, ns, pool, right, timeout=30, what=what)
-    assert obj is not None
-    return obj
-
-
-async def restarts(kube: Kube, ns: str, pod: str) -> int:
-    obj = await asyncio.to_thread(kube.get, "Pod", ns, pod)
-    assert obj is not None, f"pod {pod} is gone"
-    return sum(int(c.get("restartCount", 0)) for c in obj["status"]["containerStatuses"])
-
-
-def served_by(kube_api: KubeAPI, ns: str, service: str, pod: str, timeout: int = 30) -> bool:
-    """Whether the Service's endpoints come to be `pod` within `timeout` (a watch)."""
-    core = kubernetes.client.CoreV1Api(kube_api.api_client())
-    stream = kubernetes.watch.Watch().stream(
-        core.list_namespaced_endpoints,
-        ns,
-        field_selector=f"metadata.name={service}",
-        timeout_seconds=timeout,
-    )
-    for event in stream:
-        subsets = event["object"].subsets or []
-        if any(
-            a.target_ref and a.target_ref.name == pod for s in subsets for a in s.addresses or []
-        ):
-            return True
-    return False
+from .pooling import FILL, POOL, counted, filled, members, restarts, served_by
 
 
 async def test_a_pool_fills_with_kernels_each_with_its_own_key_and_a_claim_moves_one(
@@ -177,41 +108,6 @@ async def test_a_pool_fills_with_kernels_each_with_its_own_key_and_a_claim_moves
         await eventually(kube, kind, ns, "ks-alpha", lambda o: o is None, what=f"{kind} gone")
     left = await asyncio.to_thread(kube.list, "Secret", ns, labels={LABEL_SESSION: "alpha"})
     assert not left["items"], [s["metadata"]["name"] for s in left["items"]]
-
-
-async def test_two_claims_at_once_never_share_a_kernel(
-    kube: Kube, ns: str, operator: Any, images: dict[str, str]
-) -> None:
-    await asyncio.to_thread(kube.create, pool_body("duo", ns, 2, images["minimal"]))
-    await filled(kube, ns, "duo", 2)
-    names = ("one", "two", "three")
-    await asyncio.gather(
-        *(
-            asyncio.to_thread(
-                kube.create,
-                session_body(
-                    n, ns, image=images["minimal"], resources=SMALL, poolRef={"name": "duo"}
-                ),
-            )
-            for n in names
-        )
-    )
-    objs = [await ready(kube, ns, n) for n in names]
-    pods = [o["status"]["podName"] for o in objs]
-    assert len(set(pods)) == 3, pods
-    reasons = sorted(condition(o, ksp.WARM_START)["reason"] for o in objs)
-    # Two were in the pool; the third found it empty (or claimed a refill already ready).
-    assert reasons.count(ksp.CLAIMED) >= 2, reasons
-    assert set(reasons) <= {ksp.CLAIMED, ksp.POOL_EXHAUSTED}, reasons
-    # Claimed at once, counted exactly: a claim per warm session, a miss per cold one.
-    await counted(kube, ns, "duo", reasons.count(ksp.CLAIMED), reasons.count(ksp.POOL_EXHAUSTED))
-    secrets = [o["status"]["connection"]["secretName"] for o in objs]
-    keys = set()
-    for name in secrets:
-        secret = await asyncio.to_thread(kube.get, "Secret", ns, name)
-        assert secret is not None, name
-        keys.add(key_in(secret))
-    assert len(keys) == 3
 
 
 async def test_a_pool_at_its_maximum_keeps_fewer_ready_and_refills_when_a_claim_goes(
@@ -447,149 +343,6 @@ async def test_deleting_a_pool_leaves_claimed_sessions_alone(
     assert await asyncio.to_thread(kube.get, "Secret", ns, f"{held['podName']}-conn")
     async with kernel(kube, ns, "stay") as conn:
         assert (await run_in_kernel(conn, "print('alive')")).strip() == "alive"
-
-
-async def test_an_operator_stopped_between_claim_and_status_leaves_nothing_twice(
-    kube: Kube, ns: str, images: dict[str, str]
-) -> None:
-    """The claim is written (the pod moved) and the operator stops before the session's
-    status says so: the next operator finds that pod and neither claims another nor
-    starts a cold one. Two keepers racing for the pool's one kernel: one wins."""
-    async with running_operator(kube):
-        await asyncio.to_thread(kube.create, pool_body("race", ns, 1, images["minimal"]))
-        await filled(kube, ns, "race", 1)
-    # No operator runs now. Two sessions, and two keepers claim for them at once.
-    bodies = [
-        await asyncio.to_thread(
-            kube.create,
-            session_body(n, ns, image=images["minimal"], resources=SMALL, poolRef={"name": "race"}),
-        )
-        for n in ("left", "right")
-    ]
-    sessions = [kernelsession.load(kernelsession.validate(b, default_namespace=ns)) for b in bodies]
-    keepers = [PoolKeeper(kube, Settings.from_env()) for _ in sessions]
-    claims = await asyncio.gather(
-        *(asyncio.to_thread(k.claim, s, "h") for k, s in zip(keepers, sessions, strict=True))
-    )
-    won = [c for c in claims if c.pod is not None]
-    assert len(won) == 1, [c.reason for c in claims]
-    assert {c.reason for c in claims} == {ksp.CLAIMED, ksp.POOL_EXHAUSTED}
-    winner = sessions[claims.index(won[0])].name
-    # Two keepers, two writers of the pool's counters: both counts land.
-    await counted(kube, ns, "race", claims=1, misses=1)
-    taken = won[0].pod
-    assert taken is not None and taken["metadata"]["annotations"][TEMPLATE_HASH] == "h"
-    # The operator starts again: the winner adopts the claimed pod, the other starts cold.
-    async with running_operator(kube):
-        objs = {n: await ready(kube, ns, n) for n in ("left", "right")}
-        assert objs[winner]["status"]["podName"] == taken["metadata"]["name"]
-        assert objs[winner]["status"]["kernelId"] == taken["metadata"]["uid"]
-        loser = "right" if winner == "left" else "left"
-        assert objs[loser]["status"]["podName"] == f"ks-{loser}"
-        # The pool refills: exactly one unclaimed kernel, and no pod of either session twice.
-        await filled(kube, ns, "race", 1, claimed=1)
-        listed = await asyncio.to_thread(kube.list, "Pod", ns)
-        live = [p for p in listed["items"] if not p["metadata"].get("deletionTimestamp")]
-        owners = [r["name"] for p in live for r in p["metadata"].get("ownerReferences") or []]
-        assert sorted(owners) == sorted(["left", "right", "race"]), owners
-        # A Secret left by a pool reconcile cut short (no pod made) is collected.
-        race = await asyncio.to_thread(kube.get, POOL, ns, "race")
-        assert race is not None
-        pool_uid = race["metadata"]["uid"]
-        orphan = {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {
-                "name": "ksp-race-deadbeef-conn",
-                "namespace": ns,
-                "labels": {ksp.LABEL_POOL: "race"},
-                "ownerReferences": [
-                    {
-                        "apiVersion": "mcpforge.dev/v1alpha1",
-                        "kind": POOL,
-                        "name": "race",
-                        "uid": pool_uid,
-                        "controller": True,
-                    }
-                ],
-            },
-            "stringData": {"connection.json": "{}"},
-        }
-        await asyncio.to_thread(kube.create, orphan)
-        await asyncio.to_thread(kube.patch, POOL, ns, "race", {"spec": {"maxStarting": 3}})
-        await eventually(
-            kube, "Secret", ns, "ksp-race-deadbeef-conn", lambda s: s is None, what="collected"
-        )
-
-
-async def test_counts_written_at_once_by_many_operators_are_all_kept(
-    kube: Kube, ns: str, images: dict[str, str]
-) -> None:
-    """Eight tallies (as eight operators would) add to one pool's counters at the same
-    moment, while its status is also written: every count lands, none twice."""
-    body = await asyncio.to_thread(kube.create, pool_body("tally", ns, 0, images["minimal"]))
-    pool = ksp.load(ksp.validate(body, default_namespace=ns))
-    tallies = [Tally(kube) for _ in range(8)]
-    go = threading.Barrier(len(tallies) + 1)
-
-    def add(tally: Tally, field: str) -> None:
-        go.wait(timeout=30)
-        tally.add(pool, field)
-
-    def write_status() -> None:
-        go.wait(timeout=30)
-        for n in range(5):
-            kube.patch(POOL, ns, "tally", {"status": {"starting": n}}, status=True)
-
-    threads = [
-        threading.Thread(target=add, args=(t, "claims" if i % 4 else "misses"))
-        for i, t in enumerate(tallies)
-    ]
-    threads.append(threading.Thread(target=write_status))
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        await asyncio.to_thread(thread.join, 60)
-    await counted(kube, ns, "tally", claims=6, misses=2)
-    for tally in tallies[1:]:
-        tally.close()
-    # A count for a pool deleted and made again under its name is not the new pool's.
-    await asyncio.to_thread(kube.delete, POOL, ns, "tally")
-    await eventually(kube, POOL, ns, "tally", lambda o: o is None, what="pool gone")
-    await asyncio.to_thread(kube.create, pool_body("tally", ns, 0, images["minimal"]))
-    tallies[0].add(pool, "claims")
-    await asyncio.to_thread(tallies[0].close)  # its write is done
-    again = await asyncio.to_thread(kube.get, POOL, ns, "tally")
-    assert again is not None and "claims" not in (again.get("status") or {}), again
-
-
-async def test_a_claim_whose_secret_is_missing_takes_no_kernel_and_its_cold_pod_says_why(
-    kube: Kube, ns: str, operator: Any, images: dict[str, str]
-) -> None:
-    """The gateway gives Secret values to a claimed kernel; the operator claims only when
-    they are there. Without: a cold pod, whose kubelet names the missing Secret."""
-    await asyncio.to_thread(kube.create, pool_body("sec", ns, 1, images["minimal"]))
-    await filled(kube, ns, "sec", 1)
-    ref = {"secretKeyRef": {"name": "absent", "key": "token"}}
-    body = session_body(
-        "lacking",
-        ns,
-        image=images["minimal"],
-        resources=SMALL,
-        poolRef={"name": "sec"},
-        env=[{"name": "TOKEN", "valueFrom": ref}],
-    )
-    await asyncio.to_thread(kube.create, body)
-    obj = await eventually(
-        kube, KS, ns, "lacking", lambda o: phase(o) == "Failed", timeout=90, what="Failed"
-    )
-    assert obj is not None
-    warm = condition(obj, ksp.WARM_START)
-    assert (warm["status"], warm["reason"]) == ("False", ksp.CLAIM_FAILED), warm
-    assert "'absent'" in warm["message"], warm
-    assert obj["status"]["reason"] == "CreateContainerConfigError", obj["status"]
-    assert "absent" in obj["status"]["message"]
-    assert len(await members(kube, ns, "sec")) == 1, "the pool's kernel is still there"
 
 
 async def test_a_pool_of_a_missing_image_backs_off_stalls_and_recovers_when_fixed(

@@ -16,6 +16,7 @@ import concurrent.futures
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -34,6 +35,9 @@ BURST = 25  # Events per object at once
 REFILL = 300.0  # then one per this many seconds
 REMEMBERED = 4096  # Events whose count is kept in memory
 MESSAGE_MAX = 1024
+# An Event is written this long after it was recorded: a claim's come at once would be
+# beside the client's first reads of its kernel, on an API server with 2 cores.
+DELAY = 0.3
 
 Change = tuple[str, str, str]  # type, reason, message
 
@@ -93,21 +97,26 @@ class Recorder:
         self._counts: OrderedDict[str, int] = OrderedDict()  # by Event name
         self._tokens: dict[str, tuple[float, float]] = {}  # by "uid/type": (tokens, at)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "mcp-forge-events")
+        self._closing = threading.Event()
 
     def record(self, obj: Mapping[str, Any], found: list[Change]) -> None:
-        """Write the Events `found` for `obj`, after those recorded before; returns at once."""
+        """Write the Events `found` for `obj`, after those recorded before, DELAY from now
+        (at once when closing); returns at once."""
         if found:
+            due = time.monotonic() + DELAY
             try:
-                self._writer.submit(self._write, dict(obj), list(found))
+                self._writer.submit(self._write, dict(obj), list(found), due)
             except RuntimeError:  # closed: the operator is stopping
                 log.info("event %s on %s not written: stopping", found[0][1],
                          obj["metadata"]["name"])  # fmt: skip
 
     def close(self) -> None:
         """Write what was recorded (bounded by the API's timeouts), then stop."""
+        self._closing.set()
         self._writer.shutdown(wait=True)
 
-    def _write(self, obj: Mapping[str, Any], found: list[Change]) -> None:
+    def _write(self, obj: Mapping[str, Any], found: list[Change], due: float) -> None:
+        self._closing.wait(max(0.0, due - time.monotonic()))  # a delay, cut short by close
         for type_, reason, message in found:
             try:
                 self._one(obj, type_, reason, message[:MESSAGE_MAX])

@@ -161,8 +161,9 @@ async def child_event(
 ) -> None:
     """A kernel pod or an activity Lease changed: look at its session now; a starting
     kernel is asked whether it answers (control/answers.py)."""
-    reconciler = _reconciler(memo)
-    reconciler.poke(namespace or "default", labels[LABEL_SESSION])
+    reconciler, ns, session = _reconciler(memo), namespace or "default", labels[LABEL_SESSION]
+    if type == "DELETED" or reconciler.news(ns, session, body):
+        reconciler.poke(ns, session)
     if body.get("kind") == "Pod":
         reconciler.answers.consider(body)
         if type == "DELETED":

@@ -41,6 +41,7 @@ from mcp_forge.control.lifecycle import (
 )
 from mcp_forge.control.pods import Observation, observe
 from mcp_forge.control.poolkeeper import PodClaim, Seen
+from mcp_forge.control.poolplan import LABEL_CLAIMED_FROM
 from mcp_forge.control.render import (
     TEMPLATE_HASH,
     child_name,
@@ -77,6 +78,7 @@ class Children:
     pod: dict[str, Any] | None  # its kernel pod: its own, or one it claimed
     pool: Seen | None  # the pool it names, read for its first claim
     workspace: tuple[bool, str, str] | None  # its claim's WorkspaceSized condition, if shown
+    claim: PodClaim | None = None  # a fresh session's claim, made beside the rest (early_claim)
 
 
 @dataclass
@@ -192,6 +194,11 @@ def begin(
         log.info("deleting %s/%s: %s", session.namespace, session.name, verdict.stop.message)
         r.kube.delete("KernelSession", session.namespace, session.name, uid=session.uid)
         return None
+    claim = found.claim
+    if verdict.stop is not None and claim is not None and claim.pod is not None:
+        pod, claim = claim.pod, None  # claimed beside the rest, not to run: it goes (stop_kernel)
+    elif claim is None and pod is not None and unseen(old):
+        claim = adopted(pod)
     return Pass(
         session=session,
         body=body,
@@ -208,7 +215,27 @@ def begin(
         kernel_gen=int((old.get("connection") or {}).get("generation") or 0),
         pod=pod,
         deadline=r.settings.progress_deadline,
+        claim=claim,
     )
+
+
+def early_claim(session: KernelSession) -> bool:
+    """Whether a fresh session's claim may be made beside its children (`_children`): it
+    names a pool, asks to run, and has no allow-list (a grant's route and checks come
+    before such a claim: `_claim`)."""
+    spec = session.spec
+    return bool(spec.pool) and spec.operating_mode == "Running" and not spec.egress_rules
+
+
+def adopted(pod: dict[str, Any]) -> PodClaim | None:
+    """The claim of a kernel that a session with no status yet holds: an earlier try's
+    (its status write lost, or a call beside the claim failed), said as the claim would
+    have been (WarmStart, its start, the pool's refill). None for a pod of its own."""
+    pool = (pod["metadata"].get("labels") or {}).get(LABEL_CLAIMED_FROM)
+    if not pool:
+        return None
+    why = f"claimed kernel {pod['metadata']['name']} of pool {pool}"
+    return PodClaim(pod, ksp.CLAIMED, why)
 
 
 def stop_kernel(r: Reconciler, p: Pass) -> None:
@@ -260,6 +287,7 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
                 return _failed(p, exc)
         p.pod, _ = r.kube.ensure(want_pod, likely_new=p.fresh)
     pod = p.pod
+    r.wrote(session, pod)
     if pod["metadata"].get("uid") != old.get("kernelId"):
         if old.get("kernelId"):
             p.status["restarts"] = int(old.get("restarts") or 0) + 1
@@ -283,7 +311,7 @@ def _claim(r: Reconciler, p: Pass) -> dict[str, Any] | None:
     if session.spec.egress_rules:
         r.egress.check(session)
     template = p.found.want_pod["metadata"]["annotations"][TEMPLATE_HASH]
-    p.claim = claim = r.pools.claim(session, template, p.found.pool)
+    p.claim = claim = p.claim or r.pools.claim(session, template, p.found.pool)
     pod = claim.pod
     if pod is None or not session.spec.egress_rules:
         return pod

@@ -17,7 +17,8 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 from mcp_forge import metrics
@@ -38,11 +39,12 @@ from mcp_forge.control import workspace as ws
 from mcp_forge.control.answers import Answers
 from mcp_forge.control.baseline import Baseline
 from mcp_forge.control.egress import EgressUnavailable, Grants
-from mcp_forge.control.poolkeeper import PoolKeeper, Seen
-from mcp_forge.control.realize import Children, Outcome, host_of, realize
+from mcp_forge.control.poolkeeper import PodClaim, PoolKeeper, Seen
+from mcp_forge.control.realize import Children, Outcome, early_claim, host_of, realize
 from mcp_forge.control.render import (
     LABEL_COMPONENT,
     LABEL_SESSION,
+    TEMPLATE_HASH,
     render_kubernetes,
     render_lease,
     render_workspace_claim,
@@ -94,6 +96,10 @@ class Reconciler:
         # Workspace claims the API server refused to grow: (namespace, name) -> (size
         # asked, when, the condition said), so a refusal is asked again only now and then.
         self._refused: dict[tuple[str, str], tuple[str, float, tuple[bool, str, str]]] = {}
+        # A session's kernel pod and Lease as its reconcile wrote them (claimed, made):
+        # (namespace, name, kind) -> resourceVersion. The watch's event of that write
+        # is not news.
+        self._wrote: dict[tuple[str, str, str], str] = {}
 
     def close(self) -> None:
         # Calls already queued still run (each within the API client's timeouts), so a
@@ -121,7 +127,26 @@ class Reconciler:
         self._locks.pop((kind, namespace, name), None)
         if kind == KS:
             self._refused.pop((namespace, name), None)
+            for child in ("Pod", "Lease"):
+                self._wrote.pop((namespace, name, child), None)
             self.answers.forget(namespace, name)
+
+    def wrote(self, session: KernelSession, child: dict[str, Any]) -> None:
+        """`child` (its kernel pod, its Lease) is as the session's reconcile just wrote or
+        read it: set from that reconcile's thread as soon as the API server answers,
+        most often before the watch brings the same write (`news`)."""
+        key = (session.namespace, session.name, str(child.get("kind") or "Pod"))
+        self._wrote[key] = str(child["metadata"].get("resourceVersion") or "")
+
+    def news(self, namespace: str, name: str, child: Mapping[str, Any]) -> bool:
+        """Whether a watch event of the session's kernel pod or Lease says something its
+        reconcile has not seen: not so for the event of its own claim or creation,
+        which came while the reconcile went on to write the status from it. Skipping
+        that one spares a second reconcile, beside the client's first reads of a
+        claimed kernel."""
+        version = (child.get("metadata") or {}).get("resourceVersion")
+        key = (namespace, name, str(child.get("kind") or "Pod"))
+        return not version or self._wrote.get(key) != version
 
     async def run(self) -> None:
         """Reconcile sessions as they fall due; every session at least every resync."""
@@ -251,10 +276,18 @@ class Reconciler:
             )
         return current
 
-    def _at_once(self, *calls: Callable[[], Any]) -> list[Any]:
+    def _at_once(
+        self, *calls: Callable[[], Any], after: Callable[[list[Future[Any]]], Any] | None = None
+    ) -> list[Any]:
         """The results of independent API calls made side by side; when one fails, the
-        others still end before its error is raised (nothing of this reconcile runs on)."""
+        others still end before its error is raised (nothing of this reconcile runs on).
+
+        `after` runs beside them, given their futures, and may wait on some: they were
+        queued before it, so each is running or done when it starts (no thread of the
+        pool waits on a call still queued). Its result comes last."""
         futures = [self._calls.submit(call) for call in calls]
+        if after is not None:
+            futures.append(self._calls.submit(after, list(futures)))
         concurrent.futures.wait(futures)
         return [f.result() for f in futures]
 
@@ -306,9 +339,11 @@ class Reconciler:
         kernel pod found: side by side, as none needs another. A `fresh` session (no status
         yet) most likely has none of them: they are created first, read only if there.
 
-        The NetworkPolicy is in place when this returns, before any pod is claimed: the
-        claim moves the pod out of its pool's NetworkPolicy into this one. So is the
-        namespace's baseline policy, which keeps the pod closed while it moves.
+        The NetworkPolicy is in place when this returns, so before the status that says
+        Ready. A fresh session's claim is made beside it (`early_claim`): the claim moves
+        the pod out of its pool's NetworkPolicy, and the namespace's baseline policy,
+        looked at before the claim, keeps it closed until this one is there. Nothing of
+        the client reaches a claimed kernel before Ready (docs/security.md).
         """
         ns = session.namespace
         # Only the Secret holds keys: these need none (no key made to be thrown away).
@@ -335,10 +370,11 @@ class Reconciler:
                 return self._ensure(self._render(session, None)[0], session, likely_new=True)
             return self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
 
+        early = bool(pool) and early_claim(session)
         got = self._at_once(
             spec_of(service),
             spec_of(policy),
-            lambda: self._ensure(render_lease(session), session, likely_new=fresh),
+            lambda: self._lease(session, fresh=fresh),
             secret,
             lambda: self._kernel_pod(session, old, cached=fresh),
             lambda: self.kube.get(POOL, ns, pool) if pool else None,
@@ -346,11 +382,41 @@ class Reconciler:
             lambda: self._workspace(session, old, fresh=fresh),
             # Looked at afresh before a claim: it is what keeps the claimed pod closed.
             lambda: self.baseline.ensure(ns, look=pool is not None),
+            after=(lambda made: self._claim_early(session, want_pod, made)) if early else None,
         )
         seen = Seen(got[5], got[6]) if pool else None
         return Children(
-            want_pod, secret=got[3], lease=got[2], pod=got[4], pool=seen, workspace=got[7]
+            want_pod,
+            secret=got[3],
+            lease=got[2],
+            pod=got[4],
+            pool=seen,
+            workspace=got[7],
+            claim=got[9] if len(got) > 9 else None,
         )
+
+    def _lease(self, session: KernelSession, *, fresh: bool) -> dict[str, Any]:
+        lease = self._ensure(render_lease(session), session, likely_new=fresh)
+        self.wrote(session, {"kind": "Lease", **lease})
+        return lease
+
+    def _claim_early(
+        self, session: KernelSession, want_pod: dict[str, Any], made: list[Future[Any]]
+    ) -> PodClaim | None:
+        """A fresh session's claim, made beside its Service, NetworkPolicy and Lease
+        rather than after them (one API round trip sooner Ready; docs/security.md says
+        why that is safe): once the session is known to hold no kernel yet, the pool is
+        read and the namespace's baseline policy is in place. `made`: `_children`'s
+        calls (`_at_once`'s `after`)."""
+        if made[4].result() is not None:  # a claim of an earlier try, its status not written
+            return None
+        made[8].result()
+        seen = Seen(made[5].result(), made[6].result())
+        template = want_pod["metadata"]["annotations"][TEMPLATE_HASH]
+        claim = self.pools.claim(session, template, seen)
+        if claim.pod is not None:
+            self.wrote(session, claim.pod)
+        return claim
 
     def _workspace(
         self, session: KernelSession, old: dict[str, Any], *, fresh: bool
