@@ -195,10 +195,10 @@ def begin(
         r.kube.delete("KernelSession", session.namespace, session.name, uid=session.uid)
         return None
     claim = found.claim
-    if verdict.stop is not None and claim is not None and claim.pod is not None:
-        pod, claim = claim.pod, None  # claimed beside the rest, not to run: it goes (stop_kernel)
-    elif claim is None and pod is not None and unseen(old):
+    if claim is None and pod is not None and unseen(old):
         claim = adopted(pod)
+    if verdict.stop is not None and claim is not None:
+        pod, claim = pod or claim.pod, None  # a claimed kernel not to run: it goes (stop_kernel)
     return Pass(
         session=session,
         body=body,
@@ -219,20 +219,30 @@ def begin(
     )
 
 
-def early_claim(session: KernelSession) -> bool:
+def early_claim(session: KernelSession, now: float) -> bool:
     """Whether a fresh session's claim may be made beside its children (`_children`): it
-    names a pool, asks to run, and has no allow-list (a grant's route and checks come
-    before such a claim: `_claim`)."""
+    names a pool, asks to run and is not past its maxLifetime or idleTimeout already (a
+    session made while no operator ran: it stops, `stop_of`), and has no allow-list (a
+    grant's route and checks come before such a claim: `_claim`)."""
     spec = session.spec
-    return bool(spec.pool) and spec.operating_mode == "Running" and not spec.egress_rules
+    created = parse_time(session.body["metadata"].get("creationTimestamp")) or now
+    ends = [created + t for t in (spec.max_lifetime, spec.idle_timeout) if t]
+    return (
+        bool(spec.pool)
+        and spec.operating_mode == "Running"
+        and not spec.egress_rules
+        and all(now < end for end in ends)
+    )
 
 
 def adopted(pod: dict[str, Any]) -> PodClaim | None:
     """The claim of a kernel that a session with no status yet holds: an earlier try's
     (its status write lost, or a call beside the claim failed), said as the claim would
-    have been (WarmStart, its start, the pool's refill). None for a pod of its own."""
-    pool = (pod["metadata"].get("labels") or {}).get(LABEL_CLAIMED_FROM)
-    if not pool:
+    have been (WarmStart, its start, the pool's refill). None for a pod of its own, and
+    for one being deleted (a claim undone: its grant could not be written)."""
+    meta = pod["metadata"]
+    pool = (meta.get("labels") or {}).get(LABEL_CLAIMED_FROM)
+    if not pool or meta.get("deletionTimestamp"):
         return None
     why = f"claimed kernel {pod['metadata']['name']} of pool {pool}"
     return PodClaim(pod, ksp.CLAIMED, why)

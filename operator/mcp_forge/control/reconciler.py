@@ -127,9 +127,12 @@ class Reconciler:
         self._locks.pop((kind, namespace, name), None)
         if kind == KS:
             self._refused.pop((namespace, name), None)
-            for child in ("Pod", "Lease"):
-                self._wrote.pop((namespace, name, child), None)
+            self._unwrote(namespace, name)
             self.answers.forget(namespace, name)
+
+    def _unwrote(self, namespace: str, name: str) -> None:
+        for child in ("Pod", "Lease"):
+            self._wrote.pop((namespace, name, child), None)
 
     def wrote(self, session: KernelSession, child: dict[str, Any]) -> None:
         """`child` (its kernel pod, its Lease) is as the session's reconcile just wrote or
@@ -183,9 +186,10 @@ class Reconciler:
             try:
                 with metrics.timed(metrics.RECONCILE_SECONDS, metrics.RECONCILE_ERRORS, kind=KS):
                     outcome = await asyncio.to_thread(self._reconcile, namespace, name)
-            except ApiError as exc:
+            except Exception as exc:
+                self._unwrote(namespace, name)  # what it saw was not acted on: news again
                 # Deleted while we were at it: nothing left to do (its children are GC'd).
-                if not exc.not_found:
+                if not isinstance(exc, ApiError) or not exc.not_found:
                     raise
                 if await asyncio.to_thread(self.kube.get, "KernelSession", namespace, name):
                     raise
@@ -370,7 +374,7 @@ class Reconciler:
                 return self._ensure(self._render(session, None)[0], session, likely_new=True)
             return self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
 
-        early = bool(pool) and early_claim(session)
+        early = bool(pool) and early_claim(session, time.time())
         got = self._at_once(
             spec_of(service),
             spec_of(policy),
@@ -382,7 +386,15 @@ class Reconciler:
             lambda: self._workspace(session, old, fresh=fresh),
             # Looked at afresh before a claim: it is what keeps the claimed pod closed.
             lambda: self.baseline.ensure(ns, look=pool is not None),
-            after=(lambda made: self._claim_early(session, want_pod, made)) if early else None,
+            after=(
+                (
+                    lambda made: self._claim_early(
+                        session, want_pod, *(made[i] for i in (4, 5, 6, 8))
+                    )
+                )
+                if early
+                else None
+            ),
         )
         seen = Seen(got[5], got[6]) if pool else None
         return Children(
@@ -401,17 +413,23 @@ class Reconciler:
         return lease
 
     def _claim_early(
-        self, session: KernelSession, want_pod: dict[str, Any], made: list[Future[Any]]
+        self,
+        session: KernelSession,
+        want_pod: dict[str, Any],
+        pod: Future[Any],
+        pool: Future[Any],
+        members: Future[Any],
+        baseline: Future[Any],
     ) -> PodClaim | None:
         """A fresh session's claim, made beside its Service, NetworkPolicy and Lease
         rather than after them (one API round trip sooner Ready; docs/security.md says
         why that is safe): once the session is known to hold no kernel yet, the pool is
-        read and the namespace's baseline policy is in place. `made`: `_children`'s
-        calls (`_at_once`'s `after`)."""
-        if made[4].result() is not None:  # a claim of an earlier try, its status not written
+        read and the namespace's baseline policy is in place: the futures of those calls
+        of `_children` (`_at_once`'s `after`)."""
+        if pod.result() is not None:  # a claim of an earlier try, its status not written
             return None
-        made[8].result()
-        seen = Seen(made[5].result(), made[6].result())
+        baseline.result()
+        seen = Seen(pool.result(), members.result())
         template = want_pod["metadata"]["annotations"][TEMPLATE_HASH]
         claim = self.pools.claim(session, template, seen)
         if claim.pod is not None:
