@@ -322,15 +322,8 @@ async def many(kube: Kube, ns: str, count: int) -> float:
 
 
 async def settled(kube: Kube, ns: str, count: int) -> None:
-    """The operator's last writes for the `count` sessions `many` made are in: kopf's
-    annotation on each, and each one's Suspended Event (written in a thread of its own)."""
-
-    def handled(o: dict[str, Any] | None) -> bool:
-        notes = ((o or {}).get("metadata") or {}).get("annotations") or {}
-        return "mcpforge.dev/last-handled-configuration" in notes
-
-    for i in range(count):
-        await eventually(kube, KS, ns, f"m-{i:04d}", handled, timeout=300)
+    """The operator's last writes for the `count` sessions `many` made are in: each
+    one's Suspended Event (written in a thread of its own, after its status)."""
     deadline = time.monotonic() + 300
     while True:
         listed = await asyncio.to_thread(kube.list, "Event", ns)

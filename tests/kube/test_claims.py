@@ -8,14 +8,15 @@ once.
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import threading
-from collections.abc import Callable
+import time
 from typing import Any
 
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
+from mcp_forge.control.events import RECONCILE_ERROR
 from mcp_forge.control.poolkeeper import PoolKeeper, Tally
 from mcp_forge.control.render import LABEL_SESSION, TEMPLATE_HASH
 from mcp_forge.settings import Settings
@@ -147,19 +148,22 @@ async def test_an_operator_stopped_between_claim_and_status_leaves_nothing_twice
         )
 
 
-def retried(times: int) -> Callable[[dict[str, Any] | None], bool]:
-    """Whether kopf's progress annotation on the session counts `times` failed tries."""
-
-    def check(obj: dict[str, Any] | None) -> bool:
-        notes = ((obj or {}).get("metadata") or {}).get("annotations") or {}
-        return any(
-            k.startswith(f"{kernelsession.GROUP}/reconcile_session")
-            and int(json.loads(v).get("retries") or 0) >= times
-            for k, v in notes.items()
-            if v.startswith("{")
+async def failed_tries(kube: Kube, ns: str, name: str, times: int, timeout: float) -> None:
+    """Once the session's ReconcileError Events count `times` failed tries."""
+    deadline = time.monotonic() + timeout
+    while True:
+        listed = await asyncio.to_thread(
+            kube.list, "Event", ns, fields={"involvedObject.name": name}
         )
-
-    return check
+        told = [e for e in listed.get("items") or [] if e.get("reason") == RECONCILE_ERROR]
+        if sum(int(e.get("count") or 1) for e in told) >= times:
+            return
+        left = deadline - time.monotonic()
+        assert left > 0, f"fewer than {times} failed tries told: {told}"
+        rv = str(listed["metadata"]["resourceVersion"])
+        events = kube.watch("Event", ns, resource_version=rv, timeout=min(left, 5.0))
+        with contextlib.closing(events):
+            await asyncio.to_thread(next, events, None)  # the next Event in the namespace
 
 
 async def test_a_claim_made_beside_a_policy_not_made_yet_is_kept_not_made_twice(
@@ -168,9 +172,10 @@ async def test_a_claim_made_beside_a_policy_not_made_yet_is_kept_not_made_twice(
     """A fresh session's claim is made beside its Service, NetworkPolicy and Lease. Its
     NetworkPolicy cannot be made while an earlier one of that name is still being
     removed (held here by a finalizer): the claim is written, the reconcile fails and is
-    tried again. No try claims a second kernel, the session is not Ready while the
-    policy is missing, and once it can be made the session is Ready on the kernel first
-    claimed, saying it started warm; the pool counts one claim."""
+    tried again (each failed try a ReconcileError Event). No try claims a second kernel,
+    the session is not Ready while the policy is missing, and once it can be made the
+    session is Ready on the kernel first claimed, saying it started warm; the pool
+    counts one claim."""
     await asyncio.to_thread(kube.create, pool_body("beside", ns, 2, images["minimal"]))
     await filled(kube, ns, "beside", 2)
     pool_pods = {p["metadata"]["name"] for p in await members(kube, ns, "beside")}
@@ -192,9 +197,8 @@ async def test_a_claim_made_beside_a_policy_not_made_yet_is_kept_not_made_twice(
             ),
         )
         # Two tries failed: the first claimed, the second found that claim.
-        obj = await eventually(
-            kube, KS, ns, "gamma", retried(2), timeout=60, what="two failed tries"
-        )
+        await failed_tries(kube, ns, "gamma", 2, timeout=60)
+        obj = await asyncio.to_thread(kube.get, KS, ns, "gamma")
         assert phase(obj) != "Ready", obj
         listed = await asyncio.to_thread(kube.list, "Pod", ns, labels={LABEL_SESSION: "gamma"})
         holding = [p["metadata"]["name"] for p in listed["items"]]

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import datetime as dt
 import json
 import subprocess
 import time
 from typing import Any
 
-import kubernetes
 import pytest
 import yaml
 
 from kstatus import kstatus
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART, Kube
-from mcp_forge.control.reconciler import Reconciler
 from mcp_forge.control.render import BASELINE_POLICY, connection_secret_in
-from mcp_forge.settings import Settings
 
 from .conftest import CRD_PATH, KubeAPI, install_crd
 from .harness import (
@@ -36,7 +32,6 @@ from .harness import (
     kernel_dies,
     key_in,
     phase,
-    pod_ready,
     ready,
     running_operator,
     session_body,
@@ -494,96 +489,6 @@ async def test_an_invalid_session_stored_before_the_schema_refused_it_fails_nami
     assert "spec.idleTimeout" in ready_cond["message"], ready_cond["message"]
     for kind, name in [("Pod", "ks-bad"), ("Secret", "ks-bad-conn"), ("Service", "ks-bad")]:
         assert await asyncio.to_thread(kube.get, kind, ns, name) is None
-
-
-def events_after(kube: Kube, kind: str, ns: str, name: str, rv: str, n: int) -> list[Any]:
-    """The first `n` watch events of one object after `rv` (fewer if a 30 s wait ends)."""
-    got: list[Any] = []
-    for event in kube.watch(kind, ns, resource_version=rv, name=name, timeout=30):
-        got.append(event.object)
-        if len(got) == n:
-            break
-    return got
-
-
-async def test_a_reconcile_s_own_writes_are_not_news_and_later_ones_are(
-    kube: Kube, kube_api: KubeAPI, ns: str, images: dict[str, str]
-) -> None:
-    """The watch's events of what a reconcile wrote itself (the kernel pod it made, the
-    Lease it made) start no second reconcile: `Reconciler.news` says no to them, as the
-    watch brings them. The next writes, by others (the scheduler's binding of the pod, a
-    gateway renewing the Lease), are news."""
-    await create(kube, ns, "own", image=images["minimal"], resources={"memory": "256Mi"})
-    before = await asyncio.to_thread(kube.list, "Lease", ns)
-    rv = str(before["metadata"]["resourceVersion"])
-    config = kubernetes.client.Configuration()  # its own client: close() closes it
-    kubernetes.config.load_kube_config(str(kube_api.kubeconfig), client_configuration=config)
-    reconciler = Reconciler(Kube(config), Settings.from_env())
-    try:
-        await reconciler.reconcile(ns, "own")
-        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        await asyncio.to_thread(kube.patch, "Lease", ns, "ks-own", {"spec": {"renewTime": now}})
-        for kind in ("Lease", "Pod"):
-            made, then = await asyncio.to_thread(events_after, kube, kind, ns, "ks-own", rv, 2)
-            assert not reconciler.news(ns, "own", made), f"the {kind} as the reconcile made it"
-            assert reconciler.news(ns, "own", then), f"the {kind} as another wrote it since"
-    finally:
-        reconciler.close()
-
-
-QUIET = 20.0  # ten resyncs
-
-
-CLUSTER_WRITERS = {"kubelet", "kube-scheduler", "kube-controller-manager"}  # not ours
-
-
-async def test_a_steady_cluster_gets_no_writes_from_the_operator_in_ten_quiet_resyncs(
-    kube: Kube, ns: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every reconcile (one per 2 s here) compares what it wants with what the server stored,
-    normalized as the server normalizes (empty values, empty lists): no difference, no write."""
-    monkeypatch.setenv("MCPFORGE_OPERATOR_RESYNC", "2")
-    async with running_operator(kube):
-        await create(
-            kube,
-            ns,
-            "steady",
-            env=[{"name": "EMPTY"}, {"name": "FULL", "value": "x"}],
-            network={"egress": "None"},
-        )
-        await ready(kube, ns, "steady")
-        # The session is Ready when its kernel answered the operator, which may be
-        # before the kubelet's startupProbe passes: the kubelet's own writes come first.
-        await eventually(kube, "Pod", ns, "ks-steady", pod_ready, what="the kubelet's Ready")
-        writes: list[str] = []
-        deadline = time.monotonic() + QUIET
-        kinds = ["KernelSession", "Pod", "Secret", "Service", "NetworkPolicy", "Lease"]
-        versions = {k: await asyncio.to_thread(kube.list, k, ns) for k in kinds}
-        # Who made each change: the managedFields entries it added or changed. The
-        # kubelet's status writes (a probe's result, which may land just after Ready) are
-        # not the operator's; a change that names no writer counts.
-        fields = {
-            (k, i["metadata"]["name"]): i["metadata"].get("managedFields", [])
-            for k in kinds
-            for i in versions[k].get("items") or []
-        }
-
-        def watch(kind: str) -> None:
-            rv = str(versions[kind]["metadata"]["resourceVersion"])
-            while (left := deadline - time.monotonic()) > 0:
-                for event in kube.watch(kind, ns, resource_version=rv, timeout=left):
-                    meta = event.object["metadata"]
-                    rv = str(meta["resourceVersion"])
-                    now = meta.get("managedFields", [])
-                    before = fields.get((kind, meta["name"]), [])
-                    fields[(kind, meta["name"])] = now
-                    writers = sorted({str(m.get("manager")) for m in now if m not in before})
-                    if writers and set(writers) <= CLUSTER_WRITERS:
-                        continue
-                    writes.append(f"{event.type} {kind} {meta['name']} by {writers}")
-
-        await asyncio.gather(*(asyncio.to_thread(watch, k) for k in kinds))
-    assert writes == [], f"{len(writes)} writes in {QUIET:.0f} quiet seconds: {writes}"
 
 
 async def test_a_namespace_s_baseline_policy_goes_with_its_last_kernel(

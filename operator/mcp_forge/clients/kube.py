@@ -13,7 +13,7 @@ import base64
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -348,7 +348,7 @@ class Kube:
         name: str | None = None,
         labels: dict[str, str] | None = None,
         timeout: float = 30.0,
-    ) -> Iterator[Event]:
+    ) -> Generator[Event, None, None]:
         """Events after `resource_version`, until `timeout` passes without one. With
         `labels`, of objects with them only (one that loses them is DELETED).
 

@@ -30,6 +30,9 @@ from mcp_forge.errors import ApiError
 log = logging.getLogger(__name__)
 
 NORMAL, WARNING = "Normal", "Warning"
+# A reconcile that failed and will be tried again: counted apart, so a session failing for
+# long never uses up the Warnings its kernel's death or an OOM kill would need.
+RECONCILE_ERROR = "ReconcileError"
 COMPONENT = "mcp-forge-operator"
 BURST = 25  # Events per object at once
 REFILL = 300.0  # then one per this many seconds
@@ -140,7 +143,10 @@ class Recorder:
     def _one(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         meta = obj["metadata"]
         uid = str(meta.get("uid") or "")
-        if not self._allowed(f"{uid}/{type_}"):  # a busy pool's Normal ones spare its Warnings
+        bucket = (
+            f"{uid}/{type_}/{RECONCILE_ERROR}" if reason == RECONCILE_ERROR else f"{uid}/{type_}"
+        )
+        if not self._allowed(bucket):  # a busy pool's Normal ones spare its Warnings
             return
         digest = hashlib.sha256(f"{uid}\0{type_}\0{reason}\0{message}".encode()).hexdigest()
         name = f"{meta['name']}.{digest[:16]}"

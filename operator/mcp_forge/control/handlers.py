@@ -34,7 +34,6 @@ from mcp_forge.clients.kube import Kube
 from mcp_forge.control.poolplan import LABEL_CLAIMED_FROM
 from mcp_forge.control.reconciler import Reconciler
 from mcp_forge.control.render import LABEL_COMPONENT, LABEL_SESSION, MANAGED_BY
-from mcp_forge.control.schedule import BACKOFF_MAX
 from mcp_forge.errors import ApiError
 from mcp_forge.settings import Settings
 
@@ -49,6 +48,18 @@ CHILD_LABELS: dict[str, Any] = {
 }
 
 POOL = ksp.KIND
+# What kopf's change handlers kept on each object until the operator stopped using them
+# (the last spec handled, a mark, a failed handler's retries): taken away when an object
+# carrying them is seen.
+KOPF_NOTES = tuple(
+    f"{GROUP}/{k}" for k in ("last-handled-configuration", "kopf-managed", "touch-dummy")
+)
+KOPF_RETRIES = (f"{GROUP}/reconcile_session", f"{GROUP}/reconcile_pool")  # key prefixes
+
+
+def kopf_notes(annotations: Mapping[str, Any]) -> list[str]:
+    """The annotations of `annotations` that an older operator's kopf wrote."""
+    return [k for k in annotations if k in KOPF_NOTES or k.startswith(KOPF_RETRIES)]
 
 
 # ---- kopf ------------------------------------------------------------------------------
@@ -70,10 +81,6 @@ def _reconciler(memo: Any) -> Reconciler:
 
 @kopf.on.startup()
 async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
-    )
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -111,28 +118,49 @@ async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
         memo.reconciler.close()
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-async def reconcile_session(
-    *, name: str, namespace: str | None, memo: Any, retry: int, **_: Any
+def unhandled(type: str | None, body: Mapping[str, Any]) -> bool:
+    """Whether a KernelSession's or a pool's watch event asks for a reconcile: found at
+    start-up (no type) or made, or a spec its status has not caught up with.
+
+    Change is told by `metadata.generation` against `status.observedGeneration`, which
+    every reconcile writes, not by kopf's change handlers: those keep a copy of the
+    last spec handled in an annotation, one more write to the object beside a session's
+    first reads (and an annotation git does not own). The events of the operator's own
+    status writes carry the generation they observed, so they start nothing."""
+    if type in (None, "ADDED"):
+        return True
+    if type != "MODIFIED":
+        return False
+    generation = (body.get("metadata") or {}).get("generation")
+    return generation != (body.get("status") or {}).get("observedGeneration")
+
+
+async def _unnote(
+    reconciler: Reconciler, kind: str, namespace: str, name: str, body: Mapping[str, Any]
 ) -> None:
-    """Create, resume and spec change: one idempotent reconcile."""
+    """What an older operator's kopf kept on the object (KOPF_NOTES) taken off it."""
+    stale = dict.fromkeys(kopf_notes((body.get("metadata") or {}).get("annotations") or {}))
+    if not stale:
+        return
+    patch = {"metadata": {"annotations": stale}}
     try:
-        outcome = await _reconciler(memo).reconcile(namespace or "default", name)
-    except ApiError as exc:
-        raise kopf.TemporaryError(str(exc), delay=min(BACKOFF_MAX, 2.0 ** (retry + 1))) from exc
-    if outcome.invalid:
-        raise kopf.PermanentError(outcome.invalid)
+        await asyncio.to_thread(reconciler.kube.patch, kind, namespace, name, patch)
+    except ApiError as exc:  # seen again at the next event or start-up
+        log.info("%s %s/%s keeps kopf's annotations: %s", kind, namespace, name, exc)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def session_event(
-    *, type: str, name: str, namespace: str | None, body: Any, memo: Any, **_: Any
+    *, type: str | None, name: str, namespace: str | None, body: Any, memo: Any, **_: Any
 ) -> None:
-    if type != "DELETED":
-        return
+    """Made, found at start-up or its spec changed: reconciled now (retried with backoff
+    by control/schedule.py). Deleted: its grant and its pool's count let go."""
     reconciler, ns = _reconciler(memo), namespace or "default"
+    if type != "DELETED":
+        if unhandled(type, body):
+            reconciler.poke(ns, name)
+        await _unnote(reconciler, "KernelSession", ns, name, body)
+        return
     try:  # its grant with the egress proxy (control/egress.py), after a reconcile under way
         async with reconciler.lock(ns, name):
             await asyncio.to_thread(reconciler.egress.remove, ns, name, known=True)
@@ -162,7 +190,7 @@ async def child_event(
     """A kernel pod or an activity Lease changed: look at its session now; a starting
     kernel is asked whether it answers (control/answers.py)."""
     reconciler, ns, session = _reconciler(memo), namespace or "default", labels[LABEL_SESSION]
-    if type == "DELETED" or reconciler.news(ns, session, body):
+    if type == "DELETED" or reconciler.heard.news(ns, session, body):
         reconciler.poke(ns, session)
     if body.get("kind") == "Pod":
         reconciler.answers.consider(body)
@@ -170,19 +198,18 @@ async def child_event(
             await _release(reconciler, namespace or "default")
 
 
-@kopf.on.resume(GROUP, VERSION, ksp.PLURAL)
-@kopf.on.create(GROUP, VERSION, ksp.PLURAL)
-@kopf.on.update(GROUP, VERSION, ksp.PLURAL, field="spec")
-async def reconcile_pool(*, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
-    """A pool made, found at start-up or changed: fill it (in the deadlines' task)."""
-    _reconciler(memo).poke(namespace or "default", name, kind=POOL)
-
-
 @kopf.on.event(GROUP, VERSION, ksp.PLURAL)
-async def pool_event(*, type: str, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+async def pool_event(
+    *, type: str | None, name: str, namespace: str | None, body: Any, memo: Any, **_: Any
+) -> None:
+    """A pool made, found at start-up or changed: filled (in the deadlines' task)."""
     if type == "DELETED":
         _reconciler(memo).forget(namespace or "default", name, kind=POOL)
         await _release(_reconciler(memo), namespace or "default")
+    else:
+        if unhandled(type, body):
+            _reconciler(memo).poke(namespace or "default", name, kind=POOL)
+        await _unnote(_reconciler(memo), POOL, namespace or "default", name, body)
 
 
 @kopf.on.event(

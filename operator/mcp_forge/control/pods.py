@@ -134,3 +134,30 @@ def observe(
             why = str(cond.get("message") or "the pod cannot be scheduled")
             return Observation(st.STARTING, str(cond.get("reason") or "Unschedulable"), why[:1000])
     return Observation(st.STARTING, reason, message[:1000], None, None, pod_ip)
+
+
+def signature(
+    session: KernelSession, pod: Mapping[str, Any], answered: tuple[str, str] | None
+) -> tuple[Any, ...]:
+    """All a reconcile acts on in a kernel pod: which pod it is (uid, name, owners,
+    labels, annotations, node, being deleted), its phase and addresses, and what
+    `observe` makes of its state. Two
+    versions of a pod with one signature lead to the same reconcile: the kubelet's
+    writes of a starting pod that change neither (a condition that only it reads, its
+    host's IP, a start time) are not worth one."""
+    meta = pod.get("metadata") or {}
+    owners = sorted(
+        (str(r.get("uid")), bool(r.get("controller"))) for r in meta.get("ownerReferences") or []
+    )
+    return (
+        meta.get("uid"),
+        meta.get("name"),
+        meta.get("deletionTimestamp"),
+        tuple(sorted((meta.get("labels") or {}).items())),
+        tuple(sorted((meta.get("annotations") or {}).items())),
+        tuple(owners),
+        (pod.get("spec") or {}).get("nodeName"),
+        (pod.get("status") or {}).get("phase"),
+        repr((pod.get("status") or {}).get("podIPs")),  # an egress grant's addresses
+        observe(session, pod, answered),
+    )

@@ -165,6 +165,8 @@ def realize(
     fill_status(p)
     add_conditions(p)
     r._write(body, p.status)
+    if p.pod is not None:  # acted on: a later version alike is no news (control/heard.py)
+        r.heard.wrote(session, p.pod)
     return outcome(p)
 
 
@@ -297,7 +299,7 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
                 return _failed(p, exc)
         p.pod, _ = r.kube.ensure(want_pod, likely_new=p.fresh)
     pod = p.pod
-    r.wrote(session, pod)
+    r.heard.wrote(session, pod)
     if pod["metadata"].get("uid") != old.get("kernelId"):
         if old.get("kernelId"):
             p.status["restarts"] = int(old.get("restarts") or 0) + 1

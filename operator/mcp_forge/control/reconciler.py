@@ -17,7 +17,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -39,6 +39,7 @@ from mcp_forge.control import workspace as ws
 from mcp_forge.control.answers import Answers
 from mcp_forge.control.baseline import Baseline
 from mcp_forge.control.egress import EgressUnavailable, Grants
+from mcp_forge.control.heard import Heard
 from mcp_forge.control.poolkeeper import PodClaim, PoolKeeper, Seen
 from mcp_forge.control.realize import Children, Outcome, early_claim, host_of, realize
 from mcp_forge.control.render import (
@@ -53,7 +54,7 @@ from mcp_forge.control.render import (
 from mcp_forge.control.render_egress import Route, ca_of
 from mcp_forge.control.schedule import Key, Scheduler
 from mcp_forge.egress import grant
-from mcp_forge.errors import ApiError, InvalidSession
+from mcp_forge.errors import ApiError, ForgeError, InvalidSession
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,7 @@ class Reconciler:
         # Workspace claims the API server refused to grow: (namespace, name) -> (size
         # asked, when, the condition said), so a refusal is asked again only now and then.
         self._refused: dict[tuple[str, str], tuple[str, float, tuple[bool, str, str]]] = {}
-        # A session's kernel pod and Lease as its reconcile wrote them (claimed, made):
-        # (namespace, name, kind) -> resourceVersion. The watch's event of that write
-        # is not news.
-        self._wrote: dict[tuple[str, str, str], str] = {}
+        self.heard = Heard(self.answers.of)  # the watch's events of its own writes are not news
 
     def close(self) -> None:
         # Calls already queued still run (each within the API client's timeouts), so a
@@ -127,29 +125,8 @@ class Reconciler:
         self._locks.pop((kind, namespace, name), None)
         if kind == KS:
             self._refused.pop((namespace, name), None)
-            self._unwrote(namespace, name)
+            self.heard.forget(namespace, name)
             self.answers.forget(namespace, name)
-
-    def _unwrote(self, namespace: str, name: str) -> None:
-        for child in ("Pod", "Lease"):
-            self._wrote.pop((namespace, name, child), None)
-
-    def wrote(self, session: KernelSession, child: dict[str, Any]) -> None:
-        """`child` (its kernel pod, its Lease) is as the session's reconcile just wrote or
-        read it: set from that reconcile's thread as soon as the API server answers,
-        most often before the watch brings the same write (`news`)."""
-        key = (session.namespace, session.name, str(child.get("kind") or "Pod"))
-        self._wrote[key] = str(child["metadata"].get("resourceVersion") or "")
-
-    def news(self, namespace: str, name: str, child: Mapping[str, Any]) -> bool:
-        """Whether a watch event of the session's kernel pod or Lease says something its
-        reconcile has not seen: not so for the event of its own claim or creation,
-        which came while the reconcile went on to write the status from it. Skipping
-        that one spares a second reconcile, beside the client's first reads of a
-        claimed kernel."""
-        version = (child.get("metadata") or {}).get("resourceVersion")
-        key = (namespace, name, str(child.get("kind") or "Pod"))
-        return not version or self._wrote.get(key) != version
 
     async def run(self) -> None:
         """Reconcile sessions as they fall due; every session at least every resync."""
@@ -187,13 +164,15 @@ class Reconciler:
                 with metrics.timed(metrics.RECONCILE_SECONDS, metrics.RECONCILE_ERRORS, kind=KS):
                     outcome = await asyncio.to_thread(self._reconcile, namespace, name)
             except Exception as exc:
-                self._unwrote(namespace, name)  # what it saw was not acted on: news again
+                self.heard.forget(namespace, name)  # what it saw was not acted on: news again
                 # Deleted while we were at it: nothing left to do (its children are GC'd).
                 if not isinstance(exc, ApiError) or not exc.not_found:
                     raise
                 if await asyncio.to_thread(self.kube.get, "KernelSession", namespace, name):
                     raise
                 outcome = Outcome(gone=True)
+        if self.heard.missed(namespace, name):  # its pod changed while it ran
+            self.poke(namespace, name)
         if outcome.refill:  # soon, not beside the client's first reads of its claim
             self.poke(namespace, outcome.refill, time.time() + REFILL_AFTER, kind=POOL)
         if outcome.gone:
@@ -219,9 +198,16 @@ class Reconciler:
                 kernelsession.validate(spec_only, default_namespace=namespace)
             )
         except InvalidSession as exc:
+            if old.get("reason") != st.INVALID_SPEC or old.get("observedGeneration") != generation:
+                log.warning("KernelSession %s/%s is not valid: %s", namespace, name, exc)
             self._write(body, self._invalid(old, str(exc), generation, stamp(now)))
             return Outcome(invalid=str(exc))
-        return realize(self, session, body, old, generation, now)
+        try:
+            return realize(self, session, body, old, generation, now)
+        except ForgeError as exc:  # said on the session too, for `kubectl describe`; retried
+            if not (isinstance(exc, ApiError) and exc.not_found):
+                self.events.record(body, [(events.WARNING, events.RECONCILE_ERROR, str(exc))])
+            raise
 
     @staticmethod
     def _invalid(old: dict[str, Any], why: str, generation: int, now: str) -> dict[str, Any]:
@@ -409,7 +395,7 @@ class Reconciler:
 
     def _lease(self, session: KernelSession, *, fresh: bool) -> dict[str, Any]:
         lease = self._ensure(render_lease(session), session, likely_new=fresh)
-        self.wrote(session, {"kind": "Lease", **lease})
+        self.heard.wrote(session, {"kind": "Lease", **lease})
         return lease
 
     def _claim_early(
@@ -433,7 +419,7 @@ class Reconciler:
         template = want_pod["metadata"]["annotations"][TEMPLATE_HASH]
         claim = self.pools.claim(session, template, seen)
         if claim.pod is not None:
-            self.wrote(session, claim.pod)
+            self.heard.wrote(session, claim.pod)
         return claim
 
     def _workspace(
