@@ -64,7 +64,7 @@ OPERATOR_RULES = {
     # delete: a session idle past its idleTimeout with idleAction Delete is deleted.
     ("mcpforge.dev", "kernelsessions"): "get list watch patch delete",
     ("mcpforge.dev", "kernelsessions/status"): "get patch",
-    # Pools: filled and counted (status); kopf's own annotations are patches.
+    # Pools: filled and counted (status); patched only to take an older kopf's notes off.
     ("mcpforge.dev", "kernelsessionpools"): "get list watch patch",
     ("mcpforge.dev", "kernelsessionpools/status"): "get patch",
     ("", "pods"): "get list watch create patch delete",
@@ -75,7 +75,8 @@ OPERATOR_RULES = {
     # A persistent workspace's claim: made, its owner set per reclaimPolicy; deleted by the
     # garbage collector with its session, never by the operator.
     ("", "persistentvolumeclaims"): "get create patch",
-    ("", "events"): "create patch",
+    # get: an Event's count, read when it happens again after a restart (control/events.py).
+    ("", "events"): "get create patch",
 }
 # The egress proxy's namespace: a grant (a Secret) per session, listed at start to delete
 # orphans (control/egress.py); the proxy's Service read for its address.
