@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import REGISTRY
 
 from kstatus import kstatus
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART, Kube
@@ -295,6 +296,12 @@ async def test_a_session_no_node_can_hold_stalls_at_its_progress_deadline(
     assert kstatus(obj) == ["Failed"]
 
 
+def reconciles() -> float:
+    """KernelSession reconciles this process's operator ran (its metrics)."""
+    count = REGISTRY.get_sample_value("mcpforge_reconcile_seconds_count", {"kind": KS})
+    return count or 0.0
+
+
 async def test_operating_mode_suspended_and_back(kube: Kube, ns: str, operator: Any) -> None:
     await create(kube, ns, "mode")
     first = await ready(kube, ns, "mode")
@@ -303,6 +310,15 @@ async def test_operating_mode_suspended_and_back(kube: Kube, ns: str, operator: 
     assert obj is not None and obj["status"]["reason"] == "UserRequested"
     assert kstatus(obj) == ["Current"]
     await eventually(kube, "Pod", ns, "ks-mode", lambda p: p is None, timeout=60)
+    # Stopped, it is looked at as its events and deadlines ask, not again and again: a
+    # window of 3 s with no write to any session (the one resync of 60 s, if it falls in).
+    before = reconciles()
+    listed = await asyncio.to_thread(kube.list, KS, ns)
+    rv = str(listed["metadata"]["resourceVersion"])
+    writes = await asyncio.to_thread(
+        lambda: list(kube.watch(KS, ns, resource_version=rv, timeout=3))
+    )
+    assert reconciles() - before <= 2 + len(writes), (reconciles() - before, writes)
     await asyncio.to_thread(kube.patch, KS, ns, "mode", {"spec": {"operatingMode": "Running"}})
     await ready(kube, ns, "mode", other_than=first["status"]["kernelId"])
 

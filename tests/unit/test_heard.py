@@ -139,3 +139,27 @@ def test_a_lease_is_news_at_every_version_but_its_own() -> None:
     h.wrote(session(), lease)
     assert not h.news("ns", "s", lease)
     assert h.news("ns", "s", {**lease, "metadata": {"name": "ks-s", "resourceVersion": "6"}})
+
+
+def test_a_reconcile_that_stopped_the_kernel_misses_nothing() -> None:
+    """It deleted the pod and acted on no pod: the events of the pod on its way out are
+    news (each looked at once as it comes), never `missed` after each reconcile, which
+    would reconcile a suspended session again and again."""
+    h = heard()
+    leaving = later()
+    leaving["metadata"]["deletionTimestamp"] = "2026-12-05T10:00:05Z"
+    assert h.news("ns", "s", leaving)
+    h.acted(session(), None)
+    assert not h.missed("ns", "s")
+    assert h.news("ns", "s", leaving)
+    h.gone("ns", "s", leaving)
+    assert not h.missed("ns", "s")
+
+
+def test_another_pods_event_is_news_when_it_comes_and_never_missed() -> None:
+    h = heard()
+    other = later()
+    other["metadata"]["uid"] = "a-replacement"
+    assert h.news("ns", "s", other)
+    h.acted(session(), PENDING)  # a reconcile that read the first pod ends
+    assert not h.missed("ns", "s")

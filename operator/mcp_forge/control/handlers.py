@@ -156,7 +156,10 @@ async def session_event(
     """Made, found at start-up or its spec changed: reconciled now (retried with backoff
     by control/schedule.py). Deleted: its grant and its pool's count let go."""
     reconciler, ns = _reconciler(memo), namespace or "default"
+    uid = (body.get("metadata") or {}).get("uid")
+    current: dict[tuple[str, str], Any] = memo.setdefault("uids", {})  # the newest of a name
     if type != "DELETED":
+        current[(ns, name)] = uid
         if unhandled(type, body):
             reconciler.poke(ns, name)
         await _unnote(reconciler, "KernelSession", ns, name, body)
@@ -168,6 +171,12 @@ async def session_event(
         log.warning("the egress grant of %s/%s is left (%s): the next sweep removes it",
                     ns, name, exc)  # fmt: skip
     reconciler.forget(ns, name)
+    # kopf handles each object apart: a new session of that name, made meanwhile, was
+    # poked while this one's grant went, and `forget` dropped that poke.
+    if current.get((ns, name), uid) != uid:
+        reconciler.poke(ns, name)
+    else:
+        current.pop((ns, name), None)
     await _release(reconciler, ns)
     # A session that claimed a kernel counted against its pool's maxSize until now,
     # whichever pod ran it (a replaced one carries no claimed-from label to be heard).
@@ -190,7 +199,11 @@ async def child_event(
     """A kernel pod or an activity Lease changed: look at its session now; a starting
     kernel is asked whether it answers (control/answers.py)."""
     reconciler, ns, session = _reconciler(memo), namespace or "default", labels[LABEL_SESSION]
-    if type == "DELETED" or reconciler.heard.news(ns, session, body):
+    if type == "DELETED":
+        if body.get("kind") == "Pod":
+            reconciler.heard.gone(ns, session, body)
+        reconciler.poke(ns, session)
+    elif reconciler.heard.news(ns, session, body):
         reconciler.poke(ns, session)
     if body.get("kind") == "Pod":
         reconciler.answers.consider(body)

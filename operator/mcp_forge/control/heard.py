@@ -62,12 +62,33 @@ class Heard:
         session, was = seen
         return signature(session, child, self.answered(namespace, name, meta.get("uid"))) != was
 
+    def acted(self, session: KernelSession, pod: Mapping[str, Any] | None) -> None:
+        """A reconcile ended having acted on `pod`, or on no pod (it stopped the kernel,
+        or waits before starting one): then every pod event is news again."""
+        if pod is not None:
+            self.wrote(session, pod)
+        else:
+            self._last[(session.namespace, session.name, "Pod")] = ("", None)
+
     def missed(self, namespace: str, name: str) -> bool:
-        """Whether the latest event of the session's pod is news to the reconcile that
-        just ended. An event that came while it ran was weighed against the one before:
-        a pod that went from A to B and back to A while it read B would be left at B."""
+        """Whether the latest event of the pod a reconcile just acted on is news to it.
+        An event that came while it ran was weighed against the one before: a pod that
+        went from A to B and back to A while it read B would be left at B. Only that same
+        pod's: another pod's event was news when it came (another uid), and a reconcile
+        that acted on no pod has nothing to weigh it against."""
         latest = self._latest.get((namespace, name))
-        return latest is not None and self.news(namespace, name, latest)
+        _, seen = self._last.get((namespace, name, "Pod"), ("", None))
+        if latest is None or seen is None:
+            return False
+        uid = (latest.get("metadata") or {}).get("uid")
+        return uid == seen[1][0] and self.news(namespace, name, latest)  # [0]: its uid
+
+    def gone(self, namespace: str, name: str, pod: Mapping[str, Any]) -> None:
+        """The session's pod `pod` was deleted: its last event is not kept."""
+        latest = self._latest.get((namespace, name))
+        uid = (pod.get("metadata") or {}).get("uid")
+        if latest is not None and (latest.get("metadata") or {}).get("uid") == uid:
+            del self._latest[(namespace, name)]
 
     def forget(self, namespace: str, name: str) -> None:
         """Nothing is known of the session's children: each next event is news (its

@@ -165,8 +165,7 @@ def realize(
     fill_status(p)
     add_conditions(p)
     r._write(body, p.status)
-    if p.pod is not None:  # acted on: a later version alike is no news (control/heard.py)
-        r.heard.wrote(session, p.pod)
+    r.heard.acted(session, p.pod)  # a later version alike is no news (control/heard.py)
     return outcome(p)
 
 
