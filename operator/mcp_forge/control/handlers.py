@@ -157,7 +157,7 @@ async def session_event(
     by control/schedule.py). Deleted: its grant and its pool's count let go."""
     reconciler, ns = _reconciler(memo), namespace or "default"
     uid = (body.get("metadata") or {}).get("uid")
-    current: dict[tuple[str, str], Any] = memo.setdefault("uids", {})  # the newest of a name
+    current = reconciler.newest  # kopf's memo is each object's own: this is shared
     if type != "DELETED":
         current[(ns, name)] = uid
         if unhandled(type, body):

@@ -97,6 +97,8 @@ class Reconciler:
         # Workspace claims the API server refused to grow: (namespace, name) -> (size
         # asked, when, the condition said), so a refusal is asked again only now and then.
         self._refused: dict[tuple[str, str], tuple[str, float, tuple[bool, str, str]]] = {}
+        # The uid of the newest KernelSession seen under each name (handlers.session_event).
+        self.newest: dict[tuple[str, str], str | None] = {}
         self.heard = Heard(self.answers.of)  # the watch's events of its own writes are not news
 
     def close(self) -> None:
