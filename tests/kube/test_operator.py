@@ -310,15 +310,16 @@ async def test_operating_mode_suspended_and_back(kube: Kube, ns: str, operator: 
     assert obj is not None and obj["status"]["reason"] == "UserRequested"
     assert kstatus(obj) == ["Current"]
     await eventually(kube, "Pod", ns, "ks-mode", lambda p: p is None, timeout=60)
-    # Stopped, it is looked at as its events and deadlines ask, not again and again: a
-    # window of 3 s with no write to any session (the one resync of 60 s, if it falls in).
+    # Stopped, it is looked at as its events and deadlines ask, not again and again (a
+    # leaving pod's last event weighed after each reconcile made ~75 a second). The count
+    # is the process's: other tests' sessions, their namespaces going, may reconcile too.
     before = reconciles()
     listed = await asyncio.to_thread(kube.list, KS, ns)
     rv = str(listed["metadata"]["resourceVersion"])
     writes = await asyncio.to_thread(
         lambda: list(kube.watch(KS, ns, resource_version=rv, timeout=3))
     )
-    assert reconciles() - before <= 2 + len(writes), (reconciles() - before, writes)
+    assert reconciles() - before <= 20 + len(writes), (reconciles() - before, writes)
     await asyncio.to_thread(kube.patch, KS, ns, "mode", {"spec": {"operatingMode": "Running"}})
     await ready(kube, ns, "mode", other_than=first["status"]["kernelId"])
 
