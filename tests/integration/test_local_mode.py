@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
@@ -117,65 +116,6 @@ async def test_two_sessions_cannot_see_each_others_files_or_reach_each_others_po
     state = Path(a_paths.run).parent.parent
     assert oct(state.stat().st_mode & 0o777) == "0o700"
     assert Path(a_paths.run, "kernel-5555").is_socket()  # noqa: ASYNC240
-
-
-async def test_sessions_of_one_shared_group_share_a_volume(gateway, make_session) -> None:
-    a = await make_session(sharedGroup="team")
-    b = await make_session(sharedGroup="team")
-    c = await make_session()
-    await gateway.execute(a, "open('/shared/hello.txt', 'w').write('from a')")
-    assert (
-        await gateway.execute(b, "print(open('/shared/hello.txt').read())")
-    ).stdout == "from a\n"
-    r = await gateway.execute(c, "import os; print(os.path.exists('/shared'))")
-    assert r.stdout == "False\n"
-
-
-async def test_sessions_of_a_new_group_started_at_once_share_one_user_namespace(
-    gateway, runtime, settings, images
-) -> None:
-    """Two processes apply a session of a new group at the same moment: neither may miss
-    the other's namespace (the group's lookup and the claim of a new range are one
-    transaction of the store), so both end in one user namespace and each can write what
-    the other made in /shared."""
-    names = [f"t-{uuid.uuid4().hex[:10]}" for _ in range(2)]
-    env = {**os.environ, "MCPFORGE_STATE_DIR": str(settings.state_dir)}
-    cli = str(Path(sys.executable).parent / "mcp-forge")
-    try:
-        procs = [
-            await asyncio.create_subprocess_exec(
-                cli, "apply", "-f", "-", stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env
-            )
-            for _ in names
-        ]
-        docs = [
-            yaml.safe_dump(
-                {
-                    "apiVersion": "mcpforge.dev/v1alpha1",
-                    "kind": "KernelSession",
-                    "metadata": {"name": name},
-                    "spec": {"image": images["minimal"], "sharedGroup": "crew"},
-                }
-            ).encode()
-            for name in names
-        ]
-        results = await asyncio.gather(
-            *(p.communicate(d) for p, d in zip(procs, docs, strict=True))
-        )
-        assert [p.returncode for p in procs] == [0, 0], results
-        a, b = names
-        ids = [runtime.kernel_ids(await runtime.get(n)) for n in names]
-        assert ids[0] == ids[1], ids
-        await gateway.execute(a, "open('/shared/from-a.txt', 'w').write('a')")
-        r = await gateway.execute(b, "open('/shared/from-a.txt', 'a').write('b'); print('ok')")
-        assert r.stdout == "ok\n", r
-        assert (
-            await gateway.execute(a, "print(open('/shared/from-a.txt').read())")
-        ).stdout == "ab\n"
-    finally:
-        for name in names:
-            with contextlib.suppress(SessionNotFound):
-                await runtime.delete(name)
 
 
 async def test_files_round_trip_and_stay_inside_the_workspace(gateway, make_session) -> None:

@@ -47,7 +47,7 @@ from mcp_forge.errors import (
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.runtimes import spec_packages
 from mcp_forge.runtimes.guard import GuardProgram, guard_program
-from mcp_forge.runtimes.local import egress, orphans, userns, volumes
+from mcp_forge.runtimes.local import egress, locks, orphans, userns, volumes
 from mcp_forge.runtimes.local.containers import Containers
 from mcp_forge.runtimes.local.secrets import Secrets
 from mcp_forge.runtimes.local.store import Claimed, Store
@@ -70,7 +70,7 @@ class KernelPods:
     containers: Containers
     secrets: Secrets
     egress: EgressProxy  # started when a session first has an allow-list
-    _playing: asyncio.Lock  # one `podman kube play` at a time (see _realize)
+    _playing: locks.PodmanPlays  # one `podman kube play` at a time on this host
     _guard: GuardProgram | None = None  # the output guard new kernels get (_give_guard)
 
     # ---- where a session's pod and files are -------------------------------------------
@@ -247,14 +247,10 @@ class KernelPods:
         self._patch(session, phase=phase, podName=pod, **cleared)
         try:
             await self._mount(session)
-            # This runtime's plays run one at a time. Podman 4.3.1's containers/storage
-            # takes its locks in different orders on the way through a --userns=auto play:
-            # ten played at once (tests/drills/neighbours.py) now and then all stuck until
-            # podman_timeout (120 s). /proc/locks showed one play holding storage.lock,
-            # layers.lock and userns.lock, sleeping between tries of another lock that a
-            # second play held while it waited for layers.lock. Only the play itself is
-            # serialized: the kernels it starts get ready side by side (_started).
-            async with self._playing:
+            # The host's plays run one at a time: Podman's storage locks stall plays at
+            # once (locks.PodmanPlays). Only the play itself is serialized: the kernels
+            # it starts get ready side by side (_started).
+            async with self._playing():
                 await self._play(session, idmap)
         except (PodmanError, volumes.VolumeError) as exc:
             self._fail(session, "PlayFailed", str(exc))

@@ -1,6 +1,7 @@
-"""A session's lock, within this process and across processes (LocalRuntime._locked).
+"""Locks within this process and across processes: a session's (LocalRuntime._locked),
+and the host's one `podman kube play` at a time (`PodmanPlays`).
 
-Within this process the lock is first an asyncio lock (`in_process`), so only one task at
+Within this process a lock is first an asyncio lock (`in_process`), so only one task at
 a time opens and waits on the lock file: tasks queue on the loop, and the file lock
 (`flock`) is contended only by other processes.
 """
@@ -11,9 +12,17 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import stat
 import threading
 import weakref
+from collections.abc import AsyncIterator
 from pathlib import Path
+
+from mcp_forge.errors import ForgeError
+
+# Where root's plays meet: every store of this host shares Podman's one storage. A
+# directory of root's own, not /run/lock, where any user may make the file and hold it.
+HOST_LOCKS = Path("/run/mcp-forge")
 
 # Per lock file, the asyncio lock its holder or waiter of this process holds. Weak: an
 # entry lives as long as a task holds or awaits it.
@@ -81,5 +90,49 @@ async def flock(fd: int) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(settle, error)
 
-    threading.Thread(target=wait, name="mcp-forge-session-lock", daemon=True).start()
+    threading.Thread(target=wait, name="mcp-forge-lock-wait", daemon=True).start()
     await taken
+
+
+@contextlib.asynccontextmanager
+async def held(path: Path) -> AsyncIterator[None]:
+    """Hold the lock file at `path` (made if missing), within this process and across
+    processes. Closing the descriptor releases it, also when cancelled while waiting."""
+    async with in_process(path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            await flock(fd)
+            yield
+        finally:
+            os.close(fd)
+
+
+class PodmanPlays:
+    """One `podman kube play` (or pod create) at a time on this host.
+
+    Podman 4.3.1's containers/storage takes its locks in different orders on the way
+    through a play in a user namespace: plays at once now and then all stall until the
+    podman timeout (120 s). /proc/locks showed one play holding storage.lock, layers.lock
+    and userns.lock, sleeping between tries of another lock that a second play held while
+    it waited for layers.lock. Ten plays of one gateway stalled so (tests/drills/
+    neighbours.py), and so did two `mcp-forge apply` processes (CI, December 5): the lock
+    is the host's, not one runtime's, since every process of root plays into one storage.
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = self._where(state_dir) / "podman-play.lock"
+
+    @staticmethod
+    def _where(state_dir: Path) -> Path:
+        if os.geteuid() != 0:  # a user's own storage: their store's directory will do
+            return state_dir
+        HOST_LOCKS.mkdir(mode=0o700, exist_ok=True)
+        st = HOST_LOCKS.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            raise ForgeError(
+                f"{HOST_LOCKS} must be a directory of root's that no one else may write"
+            )
+        return HOST_LOCKS
+
+    def __call__(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return held(self.path)

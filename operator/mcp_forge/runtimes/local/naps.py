@@ -248,7 +248,7 @@ class Naps(KernelPods):
         labels = pod_labels(
             orphans.manifest(session, paths, orphans.store_tag(self.settings.state_dir))
         )
-        async with self._playing:  # Podman's storage locks, as a play takes them
+        async with self._playing():  # Podman's storage locks, as a play takes them
             await podman.run(
                 "pod", "create", f"--name={pod}", "--share=uts,pid,ipc,net", userns_flag(idmap),
                 "--network=none", "--exit-policy=stop", *(f"--label={k}={v}" for k, v in labels),

@@ -159,7 +159,7 @@ async def remove_storage_only(runtime: LocalRuntime) -> list[str]:
                 continue
             # Not beside a play of this runtime's: storage locks taken in different orders
             # by two podman processes can stall both (kernelpods.py, _realize).
-            async with runtime._playing:
+            async with runtime._playing():
                 if await free_name(name):
                     removed.append(name)
     return removed

@@ -124,7 +124,7 @@ class LocalRuntime(Forks):
         self.pools = Pools(self)
         self.secrets = Secrets(self.store)
         self.egress = EgressProxy(self.settings)
-        self._playing = asyncio.Lock()  # one `podman kube play` at a time (see _realize)
+        self._playing = locks.PodmanPlays(self.settings.state_dir)  # the host's one play
         self.releasers = []  # gateways of this process, told before a checkpoint (naps.py)
 
     # ---- paths and locks -----------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""Local sessions side by side: a sharedGroup's volume and user namespace, and the host's
+one `podman kube play` at a time (locks.PodmanPlays), which every process of root takes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mcp_forge.clients import podman
+from mcp_forge.control.render import podman_pod_name
+from mcp_forge.errors import SessionNotFound
+from mcp_forge.runtimes.local.runtime import LocalRuntime
+
+pytestmark = pytest.mark.podman
+
+HOLD = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+async def test_sessions_of_one_shared_group_share_a_volume(gateway, make_session) -> None:
+    a = await make_session(sharedGroup="team")
+    b = await make_session(sharedGroup="team")
+    c = await make_session()
+    await gateway.execute(a, "open('/shared/hello.txt', 'w').write('from a')")
+    assert (
+        await gateway.execute(b, "print(open('/shared/hello.txt').read())")
+    ).stdout == "from a\n"
+    r = await gateway.execute(c, "import os; print(os.path.exists('/shared'))")
+    assert r.stdout == "False\n"
+
+
+async def test_sessions_of_a_new_group_started_at_once_share_one_user_namespace(
+    gateway, runtime, settings, images
+) -> None:
+    """Two processes apply a session of a new group at the same moment: neither may miss
+    the other's namespace (the group's lookup and the claim of a new range are one
+    transaction of the store), so both end in one user namespace and each can write what
+    the other made in /shared."""
+    names = [f"t-{uuid.uuid4().hex[:10]}" for _ in range(2)]
+    env = {**os.environ, "MCPFORGE_STATE_DIR": str(settings.state_dir)}
+    cli = str(Path(sys.executable).parent / "mcp-forge")
+    try:
+        procs = [
+            await asyncio.create_subprocess_exec(
+                cli, "apply", "-f", "-", stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+            )
+            for _ in names
+        ]
+        docs = [
+            yaml.safe_dump(
+                {
+                    "apiVersion": "mcpforge.dev/v1alpha1",
+                    "kind": "KernelSession",
+                    "metadata": {"name": name},
+                    "spec": {"image": images["minimal"], "sharedGroup": "crew"},
+                }
+            ).encode()
+            for name in names
+        ]
+        results = await asyncio.gather(
+            *(p.communicate(d) for p, d in zip(procs, docs, strict=True))
+        )
+        assert [p.returncode for p in procs] == [0, 0], results
+        a, b = names
+        ids = [runtime.kernel_ids(await runtime.get(n)) for n in names]
+        assert ids[0] == ids[1], ids
+        await gateway.execute(a, "open('/shared/from-a.txt', 'w').write('a')")
+        r = await gateway.execute(b, "open('/shared/from-a.txt', 'a').write('b'); print('ok')")
+        assert r.stdout == "ok\n", r
+        assert (
+            await gateway.execute(a, "print(open('/shared/from-a.txt').read())")
+        ).stdout == "ab\n"
+    finally:
+        for name in names:
+            with contextlib.suppress(SessionNotFound):
+                await runtime.delete(name)
+
+
+async def test_a_play_waits_for_another_process_s_play_of_any_store(
+    runtime, settings, images, tmp_path
+) -> None:
+    """Two podman plays at once can stall each other for good (locks.PodmanPlays): a play
+    waits while any other process of this host plays, whatever its store."""
+    other = LocalRuntime(dataclasses.replace(settings, state_dir=tmp_path / "state"))
+    assert other._playing.path == runtime._playing.path
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HOLD, str(runtime._playing.path),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    body = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": name},
+        "spec": {"image": images["minimal"]},
+    }
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        async with asyncio.timeout(10):
+            assert await holder.stdout.readline() == b"held\n"
+        applying = asyncio.create_task(runtime.apply(body))
+        done, _ = await asyncio.wait({applying}, timeout=2)
+        assert not done, "the play did not wait for the other process"
+        assert (await runtime.get(name)).status.get("phase") in ("Pending", "Starting")
+        pod = podman_pod_name("default", name)
+        assert (await podman.run("pod", "exists", pod, check=False)).returncode == 1
+        holder.stdin.close()
+        async with asyncio.timeout(90):
+            await applying
+        assert (await runtime.get(name)).status.get("phase") == "Ready"
+    finally:
+        if holder.returncode is None:
+            holder.kill()
+        await holder.wait()
+        with contextlib.suppress(SessionNotFound):
+            await runtime.delete(name)
