@@ -49,7 +49,8 @@ def write_configs(ip: str, bins: Path) -> None:
         kubeconfig(conf / f"{user}.kubeconfig", pki, user, server)
     write_storage_config(conf, bins)
     write_cni_config(conf, ip)
-    write_containerd_config(conf, newer_runc())
+    runc = newer_runc()
+    write_containerd_config(conf, runc, restore_runc(conf, runc))
     write_audit_policy(conf)
     write_kubelet_config(conf, pki, ip)
     write_proxy_config(conf, ip)
@@ -89,9 +90,31 @@ def newer_runc() -> str:
     return made.stdout.strip()  # what it does (apt-get, a build) shows on stderr
 
 
-def write_containerd_config(conf: Path, runc: str) -> None:
+def restore_runc(conf: Path, runc: str) -> str:
+    """The program of the `mcpforge-restore` runtime handler: mcpforge-runc (images/node/
+    build), told the newer runc and the kubelet's checkpoint directory by a script."""
+    built = subprocess.run(
+        [str(Path(__file__).parents[2] / "images" / "node" / "build")],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout.strip()
+    script = conf / "mcpforge-runc"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"export MCPFORGE_RUNC='{runc}'\n"
+        f"export MCPFORGE_CHECKPOINTS='{ROOT}/kubelet/checkpoints'\n"
+        f"exec '{built}' \"$@\"\n"
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+def write_containerd_config(conf: Path, runc: str, restore: str) -> None:
     """Pods run on Debian's runc; those of the RuntimeClass whose handler is `userns` run on
-    a newer one (`runc`), which can give a pod `hostUsers: false` (Debian's 1.1.5 cannot)."""
+    a newer one (`runc`), which can give a pod `hostUsers: false` (Debian's 1.1.5 cannot);
+    those whose handler is `mcpforge-restore` on `restore`, which wakes a pod from a
+    checkpoint the kubelet took (its annotation mcpforge.dev/restore-from is passed on)."""
     cri = "plugins.'io.containerd.cri.v1.runtime'"
     (conf / "containerd.toml").write_text(
         f"""version = 3
@@ -124,6 +147,12 @@ state = '{ROOT}/containerd/state'
   runtime_type = 'io.containerd.runc.v2'
 [{cri}.containerd.runtimes.userns.options]
   BinaryName = '{runc}'
+  SystemdCgroup = false
+[{cri}.containerd.runtimes.mcpforge-restore]
+  runtime_type = 'io.containerd.runc.v2'
+  pod_annotations = ['mcpforge.dev/restore-from']
+[{cri}.containerd.runtimes.mcpforge-restore.options]
+  BinaryName = '{restore}'
   SystemdCgroup = false
 [plugins.'io.containerd.cri.v1.images'.pinned_images]
   sandbox = '{static_ref("pause", catatonit())}'

@@ -1,0 +1,3 @@
+module mcpforge.dev/runc-restore
+
+go 1.22
