@@ -104,6 +104,7 @@ def restore_runc(conf: Path, runc: str) -> str:
         "#!/bin/sh\n"
         f"export MCPFORGE_RUNC='{runc}'\n"
         f"export MCPFORGE_CHECKPOINTS='{ROOT}/kubelet/checkpoints'\n"
+        f"export MCPFORGE_RESTORE_DIR='{ROOT}/restore'\n"
         f"exec '{built}' \"$@\"\n"
     )
     script.chmod(0o755)
@@ -151,6 +152,7 @@ state = '{ROOT}/containerd/state'
 [{cri}.containerd.runtimes.mcpforge-restore]
   runtime_type = 'io.containerd.runc.v2'
   pod_annotations = ['mcpforge.dev/restore-from']
+  container_annotations = ['io.kubernetes.container.restartCount']
 [{cri}.containerd.runtimes.mcpforge-restore.options]
   BinaryName = '{restore}'
   SystemdCgroup = false

@@ -276,7 +276,8 @@ async def test_a_pod_wakes_from_a_checkpoint_in_a_user_namespace_of_its_own(
 
 async def test_the_restore_handler_opens_only_the_kubelets_checkpoints(kube: Kube, ns: str) -> None:
     """A name that climbs out of the kubelet's checkpoint directory, or names a file that
-    is not there, is refused before anything is read, and said in the pod's status."""
+    is not there, or a pod in the host's user namespace, is refused before anything is
+    read, and said in the pod's status."""
     await asyncio.to_thread(_runtime_class, RESTORE_CLASS, RESTORE_CLASS)
     refusals = {
         "climb": ("../../../../etc/shadow", "is not a checkpoint archive's name"),
@@ -285,6 +286,11 @@ async def test_the_restore_handler_opens_only_the_kubelets_checkpoints(kube: Kub
     }
     for name, (value, _) in refusals.items():
         await asyncio.to_thread(kube.create, _pod(ns, name, RESTORE_CLASS, restore=value))
+    # A restored process keeps its ids: never in the host's user namespace.
+    shared = _pod(ns, "host-users", RESTORE_CLASS, restore=refusals["missing"][0])
+    shared["spec"]["hostUsers"] = True
+    await asyncio.to_thread(kube.create, shared)
+    refusals["host-users"] = ("", "only in a user namespace of its own")
     for name, (_, said) in refusals.items():
         pod = await eventually(
             kube, "Pod", ns, name, lambda p: bool(_refused(p)), timeout=60, what="refused"

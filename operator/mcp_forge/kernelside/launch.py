@@ -71,7 +71,10 @@ def main() -> None:
     # As sandbox.KERNEL_LAUNCH: every port is fixed and the file is the Secret's, so
     # ipykernel never rewrites it (7.4 does whenever it holds Curve keys).
     IPKernelApp.write_connection_file = lambda self, **kw: None  # type: ignore[method-assign]
-    IPKernelApp.launch_instance(argv=["-f", FILE])
+    # IPython's history in memory, not in an SQLite file: its directory is one the kernel
+    # cannot write, so the file would be a temporary one in this pod's /tmp, gone with
+    # the pod, and a kernel woken from a checkpoint in a new pod could not open it again.
+    IPKernelApp.launch_instance(argv=["-f", FILE, "--HistoryManager.hist_file=:memory:"])
 
 
 if __name__ == "__main__":

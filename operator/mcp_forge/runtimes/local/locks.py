@@ -108,7 +108,7 @@ async def held(path: Path) -> AsyncIterator[None]:
 
 
 class PodmanPlays:
-    """One `podman kube play` (or pod create) at a time on this host.
+    """One `podman kube play` (or pod create, or keeper's run) at a time on this host.
 
     Podman 4.3.1's containers/storage takes its locks in different orders on the way
     through a play in a user namespace: plays at once now and then all stall until the
@@ -116,18 +116,33 @@ class PodmanPlays:
     and userns.lock, sleeping between tries of another lock that a second play held while
     it waited for layers.lock. Ten plays of one gateway stalled so (tests/drills/
     neighbours.py), and so did two `mcp-forge apply` processes (CI, December 5): the lock
-    is the host's, not one runtime's, since every process of root plays into one storage.
+    is the storage's, not one runtime's, since every process of a user plays into one
+    storage. A process killed mid-play releases it while its podman may still run.
+
+    Restores (`podman container restore`) do not take it: a fork restores its copies side
+    by side, and none has stalled so.
     """
 
     def __init__(self, state_dir: Path) -> None:
-        self.path = self._where(state_dir) / "podman-play.lock"
+        self._state_dir = state_dir
+        self._path: Path | None = None
 
-    @staticmethod
-    def _where(state_dir: Path) -> Path:
-        if os.geteuid() != 0:  # a user's own storage: their store's directory will do
-            return state_dir
-        HOST_LOCKS.mkdir(mode=0o700, exist_ok=True)
-        st = HOST_LOCKS.lstat()
+    @property
+    def path(self) -> Path:
+        """The lock file, its directory made at first use (not when a runtime is made)."""
+        if self._path is None:
+            self._path = self._where() / "podman-play.lock"
+        return self._path
+
+    def _where(self) -> Path:
+        if os.geteuid() != 0:  # a user's own storage: their runtime directory, else the store's
+            runtime = os.environ.get("XDG_RUNTIME_DIR")
+            return Path(runtime) if runtime and os.path.isdir(runtime) else self._state_dir
+        try:
+            HOST_LOCKS.mkdir(mode=0o700, exist_ok=True)
+            st = HOST_LOCKS.lstat()
+        except OSError as exc:
+            raise ForgeError(f"{HOST_LOCKS}: {exc.strerror}") from None
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
             raise ForgeError(
                 f"{HOST_LOCKS} must be a directory of root's that no one else may write"

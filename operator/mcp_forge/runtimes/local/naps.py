@@ -114,12 +114,13 @@ class Naps(KernelPods):
         keeper = f"{pod}-{KEEPER}"
         user = f"{KERNEL_UID}:{KERNEL_UID}"
         image = session.spec.image
-        await podman.run(
-            "run", "-d", "--replace", f"--pod={pod}", f"--name={keeper}", f"--user={user}",
-            "--read-only", "--cap-drop=all", "--security-opt=no-new-privileges",
-            "--memory=32m", "--pids-limit=8", image, "sleep", "infinity",
-            timeout=self.settings.podman_timeout,
-        )  # fmt: skip
+        async with self._playing():  # a container in the pod's user namespace, as a play
+            await podman.run(
+                "run", "-d", "--replace", f"--pod={pod}", f"--name={keeper}", f"--user={user}",
+                "--read-only", "--cap-drop=all", "--security-opt=no-new-privileges",
+                "--memory=32m", "--pids-limit=8", image, "sleep", "infinity",
+                timeout=self.settings.podman_timeout,
+            )  # fmt: skip
         try:
             return await self._checkpoint(lambda: snapshots.keep(self.container_name(session)))
         except BaseException:

@@ -1,0 +1,172 @@
+package main
+
+import (
+	"archive/tar"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+)
+
+const (
+	maxFiles = 10000    // CRIU images in one archive
+	headroom = 64 << 20 // free bytes left on the restore directory's disk after extracting
+)
+
+// An archive's name as the kubelet makes it: checkpoint-<pod>_<namespace>-<container>-<time>.tar,
+// the time in RFC 3339, in the node's zone (`+01:00`) or UTC (`Z`).
+var archiveName = regexp.MustCompile(`^checkpoint-[A-Za-z0-9._:+-]{1,400}\.tar$`)
+
+// openArchive opens the archive `name` names, if it is a regular file of the kubelet's
+// checkpoint directory (a link there is not followed).
+func openArchive(name string) (*os.File, error) {
+	if !archiveName.MatchString(name) || strings.Contains(name, "..") {
+		return nil, fmt.Errorf("%s=%q is not a checkpoint archive's name", annotation, name)
+	}
+	path := filepath.Join(env("MCPFORGE_CHECKPOINTS", "/var/lib/kubelet/checkpoints"), name)
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint %s: %w", name, errors.Unwrap(err))
+	}
+	if info, err := f.Stat(); err != nil || !info.Mode().IsRegular() {
+		f.Close()
+		return nil, fmt.Errorf("checkpoint %s is not a regular file", name)
+	}
+	return f, nil
+}
+
+// scan reads the archive's spec.dump (the spec the checkpointed container ran with) and
+// the size of its CRIU images, writing nothing.
+func scan(archive *os.File) (*spec, int64, error) {
+	var old *spec
+	var size int64
+	files := 0
+	err := members(archive, func(h *tar.Header, r io.Reader) error {
+		switch {
+		case h.Name == "spec.dump":
+			old = &spec{}
+			if err := json.NewDecoder(io.LimitReader(r, maxSpec)).Decode(old); err != nil {
+				return fmt.Errorf("its spec.dump: %w", err)
+			}
+		case image(h) != "":
+			if files++; files > maxFiles {
+				return fmt.Errorf("more than %d images", maxFiles)
+			}
+			size += h.Size
+		}
+		return nil
+	})
+	if err == nil && old == nil {
+		err = errors.New("it has no spec.dump")
+	}
+	return old, size, err
+}
+
+// image is the name of a CRIU image the member holds ("" if it is none): a regular file
+// directly under checkpoint/.
+func image(h *tar.Header) string {
+	base, ok := strings.CutPrefix(h.Name, "checkpoint/")
+	if !ok || h.Typeflag != tar.TypeReg || base == "" || base == "." || base == ".." ||
+		strings.ContainsAny(base, "/\x00") {
+		return ""
+	}
+	return base
+}
+
+// members calls each for every member of the archive, from its start.
+func members(archive *os.File, each func(*tar.Header, io.Reader) error) error {
+	if _, err := archive.Seek(0, io.SeekStart); err != nil {
+		return err
+	}
+	r := tar.NewReader(archive) // it seeks past the members it is not asked to read
+	for {
+		h, err := r.Next()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if err := each(h, r); err != nil {
+			return err
+		}
+	}
+}
+
+// room is a directory of its own for the container's images, on the restore directory's
+// disk if `size` bytes fit there, and the function that removes it. One restore at a time
+// on the node: the lock is held until release.
+func room(id string, size int64) (string, func(), error) {
+	base := env("MCPFORGE_RESTORE_DIR", "/var/lib/mcp-forge/restore")
+	// Searchable by the pods' namespaces' roots, who open some images: readable by none.
+	if err := os.MkdirAll(base, 0o711); err != nil {
+		return "", nil, err
+	}
+	lock, err := os.OpenFile(filepath.Join(base, ".lock"), os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return "", nil, err
+	}
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		lock.Close()
+		return "", nil, err
+	}
+	dir := filepath.Join(base, id)
+	release := func() {
+		os.RemoveAll(dir)
+		lock.Close()
+	}
+	var fs syscall.Statfs_t
+	if err := syscall.Statfs(base, &fs); err != nil {
+		release()
+		return "", nil, err
+	}
+	if free := int64(fs.Bavail) * int64(fs.Bsize); size+headroom > free {
+		release()
+		return "", nil, fmt.Errorf("%d bytes of images do not fit in %s (%d free)", size, base, free)
+	}
+	os.RemoveAll(dir) // a restore of this container that was killed
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		release()
+		return "", nil, err
+	}
+	return dir, release, nil
+}
+
+// extract writes the archive's CRIU images into dir (scan checked them), root's alone
+// until they are given (give).
+func extract(archive *os.File, dir string) error {
+	return members(archive, func(h *tar.Header, r io.Reader) error {
+		base := image(h)
+		if base == "" {
+			return nil
+		}
+		out, err := os.OpenFile(filepath.Join(dir, base), os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+		if err != nil {
+			return err
+		}
+		if _, err := io.Copy(out, io.LimitReader(r, h.Size)); err != nil {
+			out.Close()
+			return err
+		}
+		return out.Close()
+	})
+}
+
+// give hands the images' directory and files (extract's, all regular) to uid:gid.
+func give(dir string, uid, gid int) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if err := os.Lchown(filepath.Join(dir, e.Name()), uid, gid); err != nil {
+			return err
+		}
+	}
+	return os.Chown(dir, uid, gid)
+}

@@ -1,0 +1,210 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+)
+
+const (
+	annotation = "mcpforge.dev/restore-from"
+	// The kubelet's count of the container's starts (the handler's container_annotations):
+	// a checkpoint is woken from at the first only; a restart is a fresh start.
+	restartCount = "io.kubernetes.container.restartCount"
+	// runc gives CRIU the options of the file this annotation names (criuConfig).
+	criuAnnotation = "org.criu.config"
+	criuFile       = "mcpforge-criu.conf"
+	marker         = "mcpforge-restored" // in the bundle of a container this program restored
+	workDir        = "mcpforge-restore-work"
+	maxSpec        = 16 << 20 // config.json and spec.dump, read whole
+)
+
+// The spec's fields an archive must share with the new container.
+var sameAs = []string{
+	"io.kubernetes.cri.sandbox-namespace",
+	"io.kubernetes.cri.container-name",
+	"io.kubernetes.cri.image-name",
+}
+
+var containerID = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,128}$`)
+
+type spec struct {
+	Annotations map[string]string `json:"annotations"`
+	Linux       struct {
+		UIDMappings []idMap `json:"uidMappings"`
+		GIDMappings []idMap `json:"gidMappings"`
+	} `json:"linux"`
+}
+
+type idMap struct {
+	ContainerID int `json:"containerID"`
+	HostID      int `json:"hostID"`
+	Size        int `json:"size"`
+}
+
+// create restores the container if its spec asks for it: true if it did.
+func create(runc string, global, rest []string) (bool, error) {
+	bundle := option(rest, "--bundle")
+	if bundle == "" {
+		bundle = option(rest, "-b")
+	}
+	if bundle == "" || len(rest) == 0 {
+		return false, nil
+	}
+	var new spec
+	if err := readJSON(filepath.Join(bundle, "config.json"), maxSpec, &new); err != nil {
+		return false, err
+	}
+	if new.Annotations["io.kubernetes.cri.container-type"] != "container" {
+		return false, nil
+	}
+	if err := criuConfig(bundle, new.Annotations); err != nil {
+		return false, err
+	}
+	name, ok := new.Annotations[annotation]
+	if !ok || (new.Annotations[restartCount] != "" && new.Annotations[restartCount] != "0") {
+		return false, nil
+	}
+	id := rest[len(rest)-1]
+	uid, gid := rootOf(new.Linux.UIDMappings), rootOf(new.Linux.GIDMappings)
+	if uid <= 0 || gid <= 0 || !containerID.MatchString(id) {
+		return false, fmt.Errorf("a pod wakes from a checkpoint only in a user namespace of its own (hostUsers: false)")
+	}
+	archive, err := openArchive(name)
+	if err != nil {
+		return false, err
+	}
+	defer archive.Close()
+	old, size, err := scan(archive)
+	if err != nil {
+		return false, fmt.Errorf("checkpoint %s: %w", name, err)
+	}
+	for _, key := range sameAs {
+		if old.Annotations[key] != new.Annotations[key] {
+			return false, fmt.Errorf("checkpoint %s is of %s %q, not this container's %q",
+				name, key, old.Annotations[key], new.Annotations[key])
+		}
+	}
+	images, release, err := room(id, size)
+	if err != nil {
+		return false, err
+	}
+	defer release() // the images go once restored (the pages live in the process), or not
+	if err := extract(archive, images); err != nil {
+		return false, fmt.Errorf("checkpoint %s: %w", name, err)
+	}
+	if err := give(images, uid, gid); err != nil {
+		return false, err
+	}
+	if err := restore(runc, global, rest, bundle, images, name); err != nil {
+		return false, err
+	}
+	return true, os.WriteFile(filepath.Join(bundle, marker), nil, 0o600)
+}
+
+// restore runs `runc restore --detach` with create's options, its stdio the shim's (runc
+// maps the process's old stdout and stderr to them: descriptors.json). It dies with this
+// program (a timeout of containerd's kills it): no restored process containerd disowned.
+func restore(runc string, global, rest []string, bundle, images, name string) error {
+	work := filepath.Join(bundle, workDir)
+	if err := os.MkdirAll(work, 0o700); err != nil {
+		return err
+	}
+	argv := append(append([]string{}, global...), "restore", "--detach",
+		"--image-path", images, "--work-path", work, "--bundle", bundle)
+	if pid := option(rest, "--pid-file"); pid != "" {
+		argv = append(argv, "--pid-file", pid)
+	}
+	if socket := option(rest, "--console-socket"); socket != "" {
+		argv = append(argv, "--console-socket", socket)
+	}
+	if contains(rest, "--no-pivot") {
+		argv = append(argv, "--no-pivot")
+	}
+	cmd := exec.Command(runc, append(argv, rest[len(rest)-1])...)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("runc restore from %s: %v; CRIU said: %s", name, err,
+			tail(filepath.Join(work, "restore.log"), 600))
+	}
+	return nil
+}
+
+// criuConfig has runc give CRIU our options for this container, at its checkpoint and its
+// restore: runc reads them from the file its annotation org.criu.config names. A kernel's
+// channels are TCP connections from the gateway, which CRIU refuses to dump unless told
+// what to do with them: `tcp-close` dumps them as closed and restores them closed (the
+// old peers are gone with the old pod; ZMQ's peers connect again).
+func criuConfig(bundle string, annotations map[string]string) error {
+	if _, set := annotations[criuAnnotation]; set {
+		return nil // the pod's own choice, which containerd passed on
+	}
+	conf := filepath.Join(bundle, criuFile)
+	if err := os.WriteFile(conf, []byte("tcp-close\n"), 0o600); err != nil {
+		return err
+	}
+	path := filepath.Join(bundle, "config.json")
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	var whole map[string]any
+	if err := json.Unmarshal(raw, &whole); err != nil {
+		return err
+	}
+	notes, _ := whole["annotations"].(map[string]any)
+	if notes == nil {
+		notes = map[string]any{}
+	}
+	notes[criuAnnotation] = conf
+	whole["annotations"] = notes
+	out, err := json.Marshal(whole)
+	if err != nil {
+		return err
+	}
+	tmp := path + ".mcpforge"
+	if err := os.WriteFile(tmp, out, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+// rootOf is the host id that a user namespace's mapping gives its root (0: none).
+func rootOf(maps []idMap) int {
+	for _, m := range maps {
+		if m.ContainerID == 0 {
+			return m.HostID
+		}
+	}
+	return 0
+}
+
+func readJSON(path string, limit int64, into any) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return json.NewDecoder(io.LimitReader(f, limit)).Decode(into)
+}
+
+// tail is the end of a file, at most n bytes, on one line.
+func tail(path string, n int64) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return "(no log)"
+	}
+	defer f.Close()
+	if info, err := f.Stat(); err == nil && info.Size() > n {
+		f.Seek(info.Size()-n, io.SeekStart)
+	}
+	b, _ := io.ReadAll(io.LimitReader(f, n))
+	return strings.Join(strings.Fields(string(b)), " ")
+}
