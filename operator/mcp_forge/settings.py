@@ -65,6 +65,11 @@ class Settings:
     session_namespace: str = ""  # where the gateway makes sessions; "" is the mode's default
     gateway_namespace: str = ""  # kernel NetworkPolicies admit gateways of it ("" = their own)
     runtime_class: str = ""  # runtimeClassName of every kernel pod (gVisor, Kata); "" = none
+    # Live snapshots on a cluster (control/snapshots.py): the RuntimeClass of the nodes'
+    # mcpforge-restore handler (images/node). Set, kernel pods run on it with a user
+    # namespace of their own, and a suspend keeps the kernel's memory; it takes the place
+    # of runtime_class. "" = a suspend stops the kernel.
+    snapshot_runtime_class: str = ""
     # Kernel pods' Localhost seccomp profile below the kubelet's seccomp root, as installed
     # on every node (docs/seccomp.md); "" = RuntimeDefault. Local mode always uses ours.
     seccomp_profile: str = ""
@@ -151,6 +156,11 @@ class Settings:
                     raise InvalidRequest(f"MCPFORGE_{f.name.upper()} must be positive, got {raw}")
                 values[f.name] = number
         return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def kernel_runtime_class(self) -> str | None:
+        """The runtimeClassName of a cluster's kernel pods (None: the cluster's default)."""
+        return self.snapshot_runtime_class or self.runtime_class or None
 
     @property
     def store_path(self) -> Path:

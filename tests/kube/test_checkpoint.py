@@ -238,23 +238,14 @@ async def test_the_kubelet_checkpoints_a_kernel_in_its_own_user_namespace(
 async def test_a_pod_wakes_from_a_checkpoint_in_a_user_namespace_of_its_own(
     kube: Kube, kube_api: Any
 ) -> None:
-    """The woken pod's kernel goes on from the checkpoint, in its own user namespace, while
-    napper goes on too (a fork); a pod of another namespace naming it is refused."""
+    """A pod of another namespace naming the checkpoint is refused; the woken pod's kernel
+    goes on from it, in its own user namespace, while napper goes on too (a fork), and
+    the archive is spent."""
     ns, kubeconfig = kube_api.namespace, kube_api.kubeconfig
     log, counted = await _napper(kube, ns)
     archive, woken, other = None, None, f"{ns[:50]}-other"
     try:
         archive, done = await _checkpoint(ns)
-        await asyncio.to_thread(kube.create, _pod(ns, "woken", RESTORE_CLASS, restore=archive.name))
-        await eventually(kube, "Pod", ns, "woken", _running, timeout=60, what="running")
-        woken = Log(ns, "woken")
-        # Its first line is the next count after the checkpoint's (a kernel started afresh
-        # would print its uid map first), and it has a host uid of its own.
-        first = int((await woken.next())[1])
-        assert counted <= first < counted + 50, (first, counted)
-        theirs, ours = _uid_map(ns, "napper"), _uid_map(ns, "woken")
-        assert ours[0] == "0" and ours[1] not in ("0", theirs[1]), (ours, theirs)
-        await _runs_on(kube, ns, log, counted, done)
         # Another namespace's pod may not wake from it (its memory holds the session's keys).
         await asyncio.to_thread(make_namespace, kubeconfig, other, RESTRICTED)
         await asyncio.to_thread(
@@ -265,6 +256,17 @@ async def test_a_pod_wakes_from_a_checkpoint_in_a_user_namespace_of_its_own(
         )
         assert f'sandbox-namespace "{ns}", not this container\'s "{other}"' in _refused(pod)
         assert not _running(pod)
+        await asyncio.to_thread(kube.create, _pod(ns, "woken", RESTORE_CLASS, restore=archive.name))
+        await eventually(kube, "Pod", ns, "woken", _running, timeout=60, what="running")
+        woken = Log(ns, "woken")
+        # Its first line is the next count after the checkpoint's (a kernel started afresh
+        # would print its uid map first), and it has a host uid of its own.
+        first = int((await woken.next())[1])
+        assert counted <= first < counted + 50, (first, counted)
+        theirs, ours = _uid_map(ns, "napper"), _uid_map(ns, "woken")
+        assert ours[0] == "0" and ours[1] not in ("0", theirs[1]), (ours, theirs)
+        await _runs_on(kube, ns, log, counted, done)
+        assert not archive.exists(), "woken from, a checkpoint is spent"
     finally:
         log.close()
         if woken is not None:

@@ -47,7 +47,7 @@ KUSTOMIZATIONS = sorted(  # of the install; examples/ hold sessions (checked as 
     for p in MANIFESTS.rglob("kustomization.yaml")
     if "examples" not in p.relative_to(MANIFESTS).parts
 )
-INSTALLS = ["base", "overlays/gvisor", "overlays/namespace-scoped"]
+INSTALLS = ["base", "overlays/gvisor", "overlays/namespace-scoped", "overlays/snapshots"]
 EXAMPLES = sorted((MANIFESTS / "examples").glob("*.yaml"))
 
 

@@ -54,7 +54,13 @@ def test_every_kustomization_builds_into_objects_valid_for_kubernetes(name: str)
 
 @pytest.mark.parametrize("name", INSTALLS)
 def test_every_namespaced_object_names_one_of_the_three_namespaces(name: str) -> None:
-    cluster_scoped = {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
+    cluster_scoped = {
+        "Namespace",
+        "CustomResourceDefinition",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "RuntimeClass",
+    }
     for obj in build(name):
         namespace = obj["metadata"].get("namespace")
         if obj["kind"] in cluster_scoped:

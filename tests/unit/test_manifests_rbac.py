@@ -130,6 +130,17 @@ def test_the_cluster_wide_operator_has_exactly_its_rules_everywhere() -> None:
         assert expand(CLUSTER, OPERATOR_EGRESS_RULES) <= granted, "the egress grants"
 
 
+def test_the_snapshots_operator_may_checkpoint_at_the_kubelet_and_no_more() -> None:
+    """nodes/checkpoint, not nodes/proxy (which runs commands in any pod of a node)."""
+    granted = grants(build("overlays/snapshots"), OPERATOR_SA)
+    base = expand(CLUSTER, OPERATOR_RULES | OPERATOR_SCANNING)
+    assert granted - base == {
+        (CLUSTER, "", "nodes", "get"),
+        (CLUSTER, "", "nodes/checkpoint", "create"),
+    }
+    assert base <= granted
+
+
 def test_the_namespace_scoped_operator_has_no_cluster_wide_grant() -> None:
     granted = grants(build("overlays/namespace-scoped"), OPERATOR_SA)
     assert granted == expand(SESSIONS, OPERATOR_RULES) | expand(EGRESS, OPERATOR_EGRESS_RULES)

@@ -105,6 +105,9 @@ func create(runc string, global, rest []string) (bool, error) {
 	if err := restore(runc, global, rest, bundle, images, name); err != nil {
 		return false, err
 	}
+	// Woken from, it is spent: a session's snapshot is restored once (a kernel that went
+	// on from it has moved past it), and the node's disk is not a store of old memories.
+	os.Remove(archive.Name())
 	return true, os.WriteFile(filepath.Join(bundle, marker), nil, 0o600)
 }
 

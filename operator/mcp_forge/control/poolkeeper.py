@@ -338,8 +338,9 @@ class PoolKeeper:
                 new_bridge_cert(f"{ns}/{pod_name}"),
             ),
             gateway_namespace=self.settings.gateway_namespace or None,
-            runtime_class=self.settings.runtime_class or None,
+            runtime_class=self.settings.kernel_runtime_class,
             seccomp_profile=self.settings.seccomp_profile or None,
+            snapshots=bool(self.settings.snapshot_runtime_class),
         )
 
     def _start_member(self, pool: KernelSessionPool) -> str:

@@ -27,6 +27,7 @@ from mcp_forge.api.connection import PORTS
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART
+from mcp_forge.control import snapshots
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.egress import EgressUnavailable, pod_addresses
 from mcp_forge.control.lifecycle import (
@@ -251,6 +252,10 @@ def adopted(pod: dict[str, Any]) -> PodClaim | None:
 
 def stop_kernel(r: Reconciler, p: Pass) -> None:
     """A stopped session: its kernel pod goes; its Secret stays, for the next kernel."""
+    if p.stop is not None and p.stop.phase == st.SUSPENDED:
+        snapshots.take(r, p)  # its memory kept, where it can be
+    else:
+        snapshots.discard(p, f"the session is {p.stop.phase if p.stop else 'stopped'}")
     stop = p.stop
     assert stop is not None
     pod = p.pod
@@ -395,7 +400,13 @@ def follow_kernel(r: Reconciler, p: Pass) -> None:
     uid = pod["metadata"].get("uid")
     if uid != old.get("kernelId"):  # made by a reconcile whose status write was lost
         p.kernel_gen += 1
-    seen = observe(session, pod, r.answers.of(session.namespace, session.name, uid))
+    seen = snapshots.follow(
+        r, p, observe(session, pod, r.answers.of(session.namespace, session.name, uid))
+    )
+    if seen.reason == "RestoreFailed":  # its pod goes: the next one starts afresh
+        p.seen = seen
+        p.due.append(p.now + STARTING_RECHECK)
+        return
     hashes = (pod["metadata"].get("annotations") or {}).get(TEMPLATE_HASH)
     kernel = Kernel(
         uid,

@@ -34,7 +34,8 @@ from mcp_forge.clients.kube import (
     connection_file_of,
     key_of,
 )
-from mcp_forge.control import events
+from mcp_forge.clients.kubelet import Kubelet
+from mcp_forge.control import events, snapshots
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.answers import Answers
 from mcp_forge.control.baseline import Baseline
@@ -100,6 +101,7 @@ class Reconciler:
         # The uid of the newest KernelSession seen under each name (handlers.session_event).
         self.newest: dict[tuple[str, str], str | None] = {}
         self.heard = Heard(self.answers.of)  # the watch's events of its own writes are not news
+        self.kubelet = Kubelet(kube)  # checkpoints (control/snapshots.py)
 
     def close(self) -> None:
         # Calls already queued still run (each within the API client's timeouts), so a
@@ -340,6 +342,8 @@ class Reconciler:
         ns = session.namespace
         # Only the Secret holds keys: these need none (no key made to be thrown away).
         _, service, policy, want_pod = self._rendered(session, ConnectionInfo("tcp", "", ""))
+        if self.settings.snapshot_runtime_class:  # its next pod wakes from its snapshot
+            snapshots.waking(old, want_pod)
 
         def spec_of(child: dict[str, Any]) -> Callable[[], dict[str, Any]]:
             def made() -> dict[str, Any]:
@@ -506,10 +510,11 @@ class Reconciler:
             session,
             conn,
             gateway_namespace=self.settings.gateway_namespace or None,
-            runtime_class=self.settings.runtime_class or None,
+            runtime_class=self.settings.kernel_runtime_class,
             seccomp_profile=self.settings.seccomp_profile or None,
             egress=self.egress_route(session),
             egress_ca=egress_ca,
+            snapshots=bool(self.settings.snapshot_runtime_class),
         )
 
     def egress_route(self, session: KernelSession) -> Route | None:

@@ -383,6 +383,7 @@ def render_kubernetes(
     seccomp_profile: str | None = None,
     egress: Route | None = None,
     egress_ca: BridgeCert | None = None,
+    snapshots: bool = False,
 ) -> list[dict[str, Any]]:
     """Secret, Service, NetworkPolicy and Pod for a cluster.
 
@@ -393,7 +394,9 @@ def render_kubernetes(
     `seccomp_profile`, the project's profile as installed on every node (a path below
     the kubelet's seccomp root, docs/seccomp.md); None keeps the runtime's default.
     `egress` is where the cluster's egress proxy is, for a session with an allow-list
-    (control/render_egress.py), and `egress_ca` its CA, kept in its Secret.
+    (control/render_egress.py), and `egress_ca` its CA, kept in its Secret. With
+    `snapshots` the pod has a user namespace of its own (`hostUsers: false`), as a
+    checkpoint and a restore on the node's restore handler need (control/snapshots.py).
     """
     route = egress if session.spec.egress_rules else None
     data = {CONNECTION_KEY: connection.to_file()}
@@ -414,6 +417,8 @@ def render_kubernetes(
     pod = _pod(session, "kubernetes", _kubernetes_volumes(session), seccomp)
     if runtime_class:
         pod["spec"]["runtimeClassName"] = runtime_class
+    if snapshots:
+        pod["spec"]["hostUsers"] = False
     policy = _network_policy(session, gateway_namespace)
     if route is not None:
         reads = any(rule.reads_requests for rule in session.spec.egress_rules)

@@ -1,0 +1,100 @@
+"""The kubelet's checkpoint API, called on the node itself (issue 27, docs/design.md §14).
+
+`POST https://<node>:<kubelet port>/checkpoint/<namespace>/<pod>/<container>` has the
+kubelet checkpoint a running container with CRIU; it answers with the archive's path on
+that node. Called at the kubelet directly, the operator needs only `create` on
+`nodes/checkpoint` (the kubelet asks the API server whether the caller may); through the
+API server's node proxy it would need `nodes/proxy`, which also lets its holder run
+commands in every pod of the node.
+
+The kubelet is dialled with the operator's own credentials (its ServiceAccount's token,
+or a kubeconfig's) and its serving certificate is checked against the cluster's CA: a
+node's kubelet must serve a certificate the cluster signed (`serverTLSBootstrap`, or one
+signed by hand as on the test node), for its node's name or address.
+"""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from mcp_forge.clients.kube import Kube
+from mcp_forge.errors import ApiError
+
+CHECKPOINT_TIMEOUT = 300.0  # seconds: CRIU writes the kernel's memory to the node's disk
+ANSWER_MAX = 64 << 10
+
+
+@dataclass(frozen=True)
+class Taken:
+    node: str
+    archive: str  # its path on the node
+
+
+def endpoint(node: dict[str, Any]) -> str:
+    """The kubelet's URL of a Node object: its InternalIP (else any address) and port."""
+    status = node.get("status") or {}
+    addresses = status.get("addresses") or []
+    chosen = next((a["address"] for a in addresses if a.get("type") == "InternalIP"), None)
+    chosen = chosen or next((a["address"] for a in addresses if a.get("address")), None)
+    if not chosen:
+        raise ApiError(0, "NoAddress", f"node {node['metadata']['name']} has no address")
+    port = int(
+        ((status.get("daemonEndpoints") or {}).get("kubeletEndpoint") or {}).get("Port") or 10250
+    )
+    try:
+        host = f"[{chosen}]" if ipaddress.ip_address(chosen).version == 6 else chosen
+    except ValueError:
+        host = chosen  # a name
+    return f"https://{host}:{port}"
+
+
+class Kubelet:
+    """Calls to nodes' kubelets with the credentials and CA of `kube`."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+
+    def checkpoint(self, node: str, namespace: str, pod: str, container: str) -> Taken:
+        """Checkpoint the container; where the archive is. ApiError says why not (the
+        kubelet's answer: CRIU's failure, a container not running, a refusal)."""
+        body = self.kube._call("GET", f"/api/v1/nodes/{quote(node, safe='')}")
+        config = copy.copy(self.kube.client.configuration)
+        config.host = endpoint(body)
+        client = kubernetes.client.ApiClient(config)
+        path = "/checkpoint/" + "/".join(quote(p, safe="") for p in (namespace, pod, container))
+        try:
+            method, url, headers, payload, _ = client.param_serialize(
+                "POST", path, header_params={"Accept": "application/json"},
+                auth_settings=["BearerToken"],
+            )  # fmt: skip
+            resp = client.call_api(
+                method, url, headers, payload, _request_timeout=(10, CHECKPOINT_TIMEOUT)
+            )
+            data = resp.read()  # type: ignore[no-untyped-call]
+            if resp.status >= 300:
+                raise ApiException(http_resp=resp)
+        except ApiException as exc:
+            said = (
+                (exc.body or b"").decode(errors="replace")
+                if isinstance(exc.body, bytes)
+                else str(exc.body or exc.reason)
+            )
+            raise ApiError(int(exc.status or 0), "CheckpointFailed", said[:2000]) from None
+        except Exception as exc:  # urllib3: refused, reset, timed out, a certificate refused
+            raise ApiError(0, type(exc).__name__, f"kubelet of {node}: {exc}"[:2000]) from None
+        finally:
+            client.close()  # type: ignore[no-untyped-call]
+        try:
+            items = json.loads(data[:ANSWER_MAX])["items"]
+            archive = str(items[0])
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ApiError(0, "CheckpointFailed", f"the kubelet answered {data[:200]!r}") from None
+        return Taken(node, archive)

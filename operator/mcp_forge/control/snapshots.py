@@ -1,0 +1,153 @@
+"""Live snapshots on a cluster (issue 27): a suspend keeps the kernel's memory.
+
+With `snapshot_runtime_class` set (settings.py), kernel pods run on the nodes'
+`mcpforge-restore` runtime handler (images/node/runc-restore) with a user namespace of
+their own. Then:
+
+- a suspend (`operatingMode: Suspended`, or idleness with `idleAction: Suspend`) has the
+  kubelet checkpoint the running kernel (clients/kubelet.py: the archive stays on that
+  node) before its pod goes; `status.snapshot` names the node and the archive;
+- the next kernel pod wakes from it: it carries the annotation the handler reads and runs
+  on that node, and once its kernel answers, `status.lastRestore` says Restored;
+- a restore the handler refuses or CRIU fails (the pod's container never starts, the
+  reason in its status) deletes that pod: the next one starts afresh, and
+  `status.lastRestore` says Failed and why, as does the session's message;
+- a checkpoint that fails stops the kernel all the same: the suspend says the variables
+  are lost.
+
+What a snapshot keeps and what it cannot is in docs/design.md §14.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from mcp_forge.api import status as st
+from mcp_forge.api.status import stamp
+from mcp_forge.control.pods import Observation
+from mcp_forge.control.render import CONTAINER
+from mcp_forge.errors import ApiError
+
+if TYPE_CHECKING:
+    from mcp_forge.control.realize import Pass
+    from mcp_forge.control.reconciler import Reconciler
+
+log = logging.getLogger(__name__)
+
+RESTORE_FROM = "mcpforge.dev/restore-from"  # read by the node's handler
+HANDLER = "mcpforge-runc"  # how the handler's refusals and failures begin
+
+
+def waking(status: dict[str, Any], pod: dict[str, Any]) -> None:
+    """Have `pod` (a rendered kernel pod) wake from the snapshot `status` holds, if any:
+    the handler's annotation, and the node that has the archive."""
+    snap = status.get("snapshot") or {}
+    if not snap.get("archive") or not snap.get("node"):
+        return
+    pod["metadata"].setdefault("annotations", {})[RESTORE_FROM] = snap["archive"]
+    pod["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchFields": [
+                            {"key": "metadata.name", "operator": "In", "values": [snap["node"]]}
+                        ]
+                    }
+                ]
+            }
+        }
+    }
+
+
+def take(r: Reconciler, p: Pass) -> None:
+    """Before a suspend's delete: checkpoint the running kernel if it can be (its pod on
+    the restore handler, in a namespace of its own, its kernel answering)."""
+    stop, pod = p.stop, p.pod
+    if stop is None or stop.phase != st.SUSPENDED or pod is None:
+        return
+    if not _checkpointable(r, p, pod):
+        return
+    meta, node = pod["metadata"], pod["spec"].get("nodeName") or ""
+    started = time.monotonic()
+    try:
+        taken = r.kubelet.checkpoint(node, p.session.namespace, meta["name"], CONTAINER)
+    except ApiError as exc:
+        log.warning("%s/%s: no snapshot: %s", p.session.namespace, p.session.name, exc)
+        p.stop = replace(stop, message=f"{stop.message}; variables lost: the checkpoint failed")
+        p.notes.append(f"the checkpoint failed: {exc}")
+        return
+    seconds = round(time.monotonic() - started, 3)
+    p.status["snapshot"] = {
+        "node": node,
+        "archive": os.path.basename(taken.archive),
+        "takenAt": stamp(p.now),
+        "seconds": seconds,
+        "inPod": False,
+    }
+    p.stop = replace(stop, message=f"{stop.message}; its memory is kept in a snapshot")
+    log.info("%s/%s: checkpointed in %.2fs", p.session.namespace, p.session.name, seconds)
+
+
+def _checkpointable(r: Reconciler, p: Pass, pod: dict[str, Any]) -> bool:
+    spec = pod.get("spec") or {}
+    return (
+        bool(r.settings.snapshot_runtime_class)
+        and spec.get("runtimeClassName") == r.settings.snapshot_runtime_class
+        and spec.get("hostUsers") is False
+        and bool(spec.get("nodeName"))
+        and not pod["metadata"].get("deletionTimestamp")
+        and p.old.get("phase") == st.READY
+    )
+
+
+def discard(p: Pass, why: str) -> None:
+    """A snapshot that will not be woken from (the session expired, or its kernel is
+    replaced): dropped, and said so."""
+    if p.old.get("snapshot"):
+        p.status["snapshot"] = None
+        p.status["lastRestore"] = {"outcome": "Discarded", "at": stamp(p.now), "message": why}
+
+
+def follow(r: Reconciler, p: Pass, seen: Observation) -> Observation:
+    """A pod that was to wake from the snapshot: Restored once its kernel answers; a
+    restore that failed deletes it (the next pod starts afresh) and says why."""
+    pod = p.pod
+    assert pod is not None
+    meta = pod["metadata"]
+    if not (meta.get("annotations") or {}).get(RESTORE_FROM) or not p.old.get("snapshot"):
+        return seen
+    failed = refusal(pod)
+    if failed:
+        log.warning("%s/%s: restore failed: %s", p.session.namespace, p.session.name, failed)
+        if not meta.get("deletionTimestamp"):
+            r.kube.delete("Pod", p.session.namespace, meta["name"], uid=meta.get("uid"))
+        p.status["snapshot"] = None
+        p.status["lastRestore"] = {"outcome": "Failed", "at": stamp(p.now), "message": failed}
+        message = "its snapshot could not be restored: a new kernel starts; variables lost"
+        return Observation(st.RESTARTING, "RestoreFailed", message)
+    if seen.ready:
+        made = st.parse_time(meta.get("creationTimestamp")) or p.now
+        p.status["snapshot"] = None
+        p.status["lastRestore"] = {
+            "outcome": "Restored",
+            "at": stamp(p.now),
+            "seconds": round(max(0.0, p.now - made), 3),
+        }
+    return seen
+
+
+def refusal(pod: dict[str, Any]) -> str:
+    """What the node's handler said when it would not wake the pod's kernel ("" if it
+    did not refuse)."""
+    for c in (pod.get("status") or {}).get("containerStatuses") or []:
+        for state in ((c.get("state") or {}), (c.get("lastState") or {})):
+            for why in state.values():
+                message = str((why or {}).get("message") or "")
+                if HANDLER in message:
+                    return message[message.index(HANDLER) :][:1000]
+    return ""

@@ -1,0 +1,122 @@
+"""A cluster's live snapshots, the parts that are pure: the kernel pod as rendered for
+them (control/render.py, control/snapshots.py), the handler's refusals read from a pod,
+and the kubelet's address (clients/kubelet.py). tests/kube/test_snapshots.py runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from test_render import CONN, K8S_VERSION, by_kind, session
+
+from mcp_forge.clients.kubelet import endpoint
+from mcp_forge.control import snapshots
+from mcp_forge.control.render import TEMPLATE_HASH, render_kubernetes
+from mcp_forge.errors import ApiError
+from mcp_forge.settings import Settings
+
+
+def pod(snapshots_on: bool) -> dict[str, Any]:
+    objs = render_kubernetes(
+        session(), CONN, runtime_class="mcpforge-restore", snapshots=snapshots_on
+    )
+    return by_kind(objs)["Pod"]
+
+
+def test_a_pod_for_snapshots_has_a_user_namespace_of_its_own() -> None:
+    on, off = pod(True), pod(False)
+    assert on["spec"]["hostUsers"] is False and "hostUsers" not in off["spec"]
+    assert on["spec"]["runtimeClassName"] == "mcpforge-restore"
+    # A change of the setting is a change of the pod: kernels made before are outdated.
+    assert (
+        on["metadata"]["annotations"][TEMPLATE_HASH]
+        != off["metadata"]["annotations"][TEMPLATE_HASH]
+    )
+    kubernetes_validate.validate(on, K8S_VERSION, strict=True)
+
+
+def test_a_pod_wakes_on_the_node_that_holds_the_snapshot_and_is_not_outdated_for_it() -> None:
+    woken, plain = pod(True), pod(True)
+    status: dict[str, Any] = {
+        "snapshot": {"node": "node-7", "archive": "checkpoint-ks-demo_team-kernel-1.tar"}
+    }
+    snapshots.waking(status, woken)
+    assert woken["metadata"]["annotations"][snapshots.RESTORE_FROM] == (
+        "checkpoint-ks-demo_team-kernel-1.tar"
+    )
+    terms = woken["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms == [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-7"]}]}
+    ]
+    assert (
+        woken["metadata"]["annotations"][TEMPLATE_HASH]
+        == (plain["metadata"]["annotations"][TEMPLATE_HASH])
+    )
+    kubernetes_validate.validate(woken, K8S_VERSION, strict=True)
+    nothing: list[dict[str, Any]] = [{}, {"snapshot": None}, {"snapshot": {"node": "n"}}]
+    for status in nothing:
+        untouched = pod(True)
+        snapshots.waking(status, untouched)
+        assert untouched == plain
+
+
+def _with_state(state: dict[str, Any], last: dict[str, Any] | None = None) -> dict[str, Any]:
+    status = {"name": "kernel", "state": state, "lastState": last or {}}
+    return {"status": {"containerStatuses": [status]}}
+
+
+def test_the_handlers_refusal_is_read_from_the_pods_status() -> None:
+    said = (
+        "failed to create containerd task: failed to create shim task: OCI runtime create "
+        "failed: mcpforge-runc: checkpoint x.tar: unexpected EOF"
+    )
+    waiting = _with_state({"waiting": {"reason": "RunContainerError", "message": said}})
+    assert snapshots.refusal(waiting) == "mcpforge-runc: checkpoint x.tar: unexpected EOF"
+    earlier = _with_state(
+        {"waiting": {"reason": "CrashLoopBackOff"}}, {"terminated": {"message": said}}
+    )
+    assert snapshots.refusal(earlier).startswith("mcpforge-runc: ")
+    others: list[dict[str, Any]] = [
+        _with_state({"running": {"startedAt": "2026-12-05T00:00:00Z"}}),
+        _with_state({"waiting": {"reason": "ErrImagePull", "message": "not found"}}),
+        {"status": {}},
+    ]
+    for other in others:
+        assert snapshots.refusal(other) == ""
+
+
+@pytest.mark.parametrize(
+    ("addresses", "port", "url"),
+    [
+        (
+            [{"type": "Hostname", "address": "n1"}, {"type": "InternalIP", "address": "10.0.0.5"}],
+            10250,
+            "https://10.0.0.5:10250",
+        ),
+        ([{"type": "InternalIP", "address": "fd00::5"}], 10255, "https://[fd00::5]:10255"),
+        ([{"type": "Hostname", "address": "n1"}], None, "https://n1:10250"),
+    ],
+)
+def test_the_kubelet_is_dialled_at_its_nodes_internal_address(
+    addresses: list[dict[str, str]], port: int | None, url: str
+) -> None:
+    ends = {"kubeletEndpoint": {"Port": port}} if port else {}
+    node = {"metadata": {"name": "n1"}, "status": {"addresses": addresses, "daemonEndpoints": ends}}
+    assert endpoint(node) == url
+
+
+def test_a_node_without_an_address_is_named() -> None:
+    with pytest.raises(ApiError, match="node n1 has no address"):
+        endpoint({"metadata": {"name": "n1"}, "status": {}})
+
+
+def test_the_snapshot_runtime_class_takes_the_place_of_the_runtime_class() -> None:
+    base = Settings()
+    assert base.kernel_runtime_class is None
+    assert dataclasses.replace(base, runtime_class="gvisor").kernel_runtime_class == "gvisor"
+    both = dataclasses.replace(base, runtime_class="gvisor", snapshot_runtime_class="restore")
+    assert both.kernel_runtime_class == "restore"
