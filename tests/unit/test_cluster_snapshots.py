@@ -5,13 +5,16 @@ and the kubelet's address (clients/kubelet.py). tests/kube/test_snapshots.py run
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
+import kubernetes
 import kubernetes_validate
 import pytest
+from kubernetes.config.incluster_config import InClusterConfigLoader
 from test_render import CONN, K8S_VERSION, by_kind, session
 
-from mcp_forge.clients.kubelet import endpoint
+from mcp_forge.clients.kubelet import dial, endpoint
 from mcp_forge.control import snapshots
 from mcp_forge.control.render import TEMPLATE_HASH, render_kubernetes
 from mcp_forge.errors import ApiError
@@ -120,3 +123,30 @@ def test_the_snapshot_runtime_class_takes_the_place_of_the_runtime_class() -> No
     assert dataclasses.replace(base, runtime_class="gvisor").kernel_runtime_class == "gvisor"
     both = dataclasses.replace(base, runtime_class="gvisor", snapshot_runtime_class="restore")
     assert both.kernel_runtime_class == "restore"
+
+
+def test_the_kubelet_is_dialled_with_an_in_cluster_token_not_at_the_api_server(
+    tmp_path: Path,
+) -> None:
+    """An in-cluster configuration's refresh hook sets its host back to the API server's
+    at every call: the kubelet's configuration is a new one, with the token read."""
+    (tmp_path / "token").write_text("secret-token")
+    (tmp_path / "ca.crt").write_text("not checked here")
+    api = kubernetes.client.Configuration()
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    InClusterConfigLoader(
+        token_filename=str(tmp_path / "token"),
+        cert_filename=str(tmp_path / "ca.crt"),
+        environ=env,
+    ).load_and_set(api)
+    config = dial(api, "https://10.0.0.5:10250")
+    client = kubernetes.client.ApiClient(config)
+    try:
+        _, url, headers, _, _ = client.param_serialize(
+            "POST", "/checkpoint/a/b/c", auth_settings=["BearerToken"]
+        )
+    finally:
+        client.close()
+    assert url == "https://10.0.0.5:10250/checkpoint/a/b/c"
+    assert headers["authorization"].lower() == "bearer secret-token"
+    assert config.ssl_ca_cert == str(tmp_path / "ca.crt")

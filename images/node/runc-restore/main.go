@@ -13,7 +13,8 @@
 //     must have a user namespace of its own. Its CRIU images are extracted to disk,
 //     given to the pod's user namespace's root (who opens some of them), and
 //     `runc restore --detach` brings the process back in the new container (restore.go).
-//     The archive is then removed: a checkpoint wakes one pod.
+//     The archive is then removed, whether the restore worked or not: a checkpoint wakes
+//     one pod, once.
 //   - `start` of a container restored so: it runs already; nothing to do.
 //
 // A refusal or a failed restore is written to runc's log, which containerd reports in the

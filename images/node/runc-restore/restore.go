@@ -91,6 +91,10 @@ func create(runc string, global, rest []string) (bool, error) {
 				name, key, old.Annotations[key], new.Annotations[key])
 		}
 	}
+	// From here the archive is this pod's: whether it wakes from it or cannot, it is spent
+	// (a session's snapshot is restored once; one that failed starts its kernel afresh),
+	// and the node's disk is not a store of old memories.
+	defer os.Remove(archive.Name())
 	images, release, err := room(id, size)
 	if err != nil {
 		return false, err
@@ -105,9 +109,6 @@ func create(runc string, global, rest []string) (bool, error) {
 	if err := restore(runc, global, rest, bundle, images, name); err != nil {
 		return false, err
 	}
-	// Woken from, it is spent: a session's snapshot is restored once (a kernel that went
-	// on from it has moved past it), and the node's disk is not a store of old memories.
-	os.Remove(archive.Name())
 	return true, os.WriteFile(filepath.Join(bundle, marker), nil, 0o600)
 }
 

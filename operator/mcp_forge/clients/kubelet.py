@@ -10,12 +10,11 @@ commands in every pod of the node.
 The kubelet is dialled with the operator's own credentials (its ServiceAccount's token,
 or a kubeconfig's) and its serving certificate is checked against the cluster's CA: a
 node's kubelet must serve a certificate the cluster signed (`serverTLSBootstrap`, or one
-signed by hand as on the test node), for its node's name or address.
+signed by hand as on the test node) for the node's address, which is what is dialled.
 """
 
 from __future__ import annotations
 
-import copy
 import ipaddress
 import json
 from dataclasses import dataclass
@@ -28,7 +27,9 @@ from kubernetes.client.exceptions import ApiException
 from mcp_forge.clients.kube import Kube
 from mcp_forge.errors import ApiError
 
-CHECKPOINT_TIMEOUT = 300.0  # seconds: CRIU writes the kernel's memory to the node's disk
+# Seconds: CRIU writes the kernel's memory to the node's disk. The kubelet's own bound on
+# a runtime call is 2 minutes by default (runtimeRequestTimeout): asked for as much.
+CHECKPOINT_TIMEOUT = 120
 ANSWER_MAX = 64 << 10
 
 
@@ -56,6 +57,22 @@ def endpoint(node: dict[str, Any]) -> str:
     return f"https://{host}:{port}"
 
 
+def dial(api: kubernetes.client.Configuration, host: str) -> kubernetes.client.Configuration:
+    """A configuration for the kubelet at `host`: the API server's credentials and CA, and
+    nothing else of `api`. Not a copy: an in-cluster configuration's token refresh hook
+    sets `host` back to the API server's at every call, and a kubeconfig's proxy or TLS
+    server name are the API server's."""
+    config = kubernetes.client.Configuration()
+    config.host = host
+    config.ssl_ca_cert = api.ssl_ca_cert
+    config.cert_file, config.key_file = api.cert_file, api.key_file
+    config.verify_ssl = api.verify_ssl
+    token = api.get_api_key_with_prefix("BearerToken", alias="authorization")
+    if token:  # "Bearer <token>", read now (the hook refreshes an expiring one)
+        config.api_key = {"BearerToken": token}
+    return config
+
+
 class Kubelet:
     """Calls to nodes' kubelets with the credentials and CA of `kube`."""
 
@@ -66,17 +83,15 @@ class Kubelet:
         """Checkpoint the container; where the archive is. ApiError says why not (the
         kubelet's answer: CRIU's failure, a container not running, a refusal)."""
         body = self.kube._call("GET", f"/api/v1/nodes/{quote(node, safe='')}")
-        config = copy.copy(self.kube.client.configuration)
-        config.host = endpoint(body)
-        client = kubernetes.client.ApiClient(config)
+        client = kubernetes.client.ApiClient(dial(self.kube.client.configuration, endpoint(body)))
         path = "/checkpoint/" + "/".join(quote(p, safe="") for p in (namespace, pod, container))
         try:
             method, url, headers, payload, _ = client.param_serialize(
-                "POST", path, header_params={"Accept": "application/json"},
-                auth_settings=["BearerToken"],
+                "POST", path, query_params=[("timeout", str(CHECKPOINT_TIMEOUT))],
+                header_params={"Accept": "application/json"}, auth_settings=["BearerToken"],
             )  # fmt: skip
             resp = client.call_api(
-                method, url, headers, payload, _request_timeout=(10, CHECKPOINT_TIMEOUT)
+                method, url, headers, payload, _request_timeout=(10, CHECKPOINT_TIMEOUT + 10)
             )
             data = resp.read()  # type: ignore[no-untyped-call]
             if resp.status >= 300:

@@ -254,6 +254,7 @@ def stop_kernel(r: Reconciler, p: Pass) -> None:
     """A stopped session: its kernel pod goes; its Secret stays, for the next kernel."""
     if p.stop is not None and p.stop.phase == st.SUSPENDED:
         snapshots.take(r, p)  # its memory kept, where it can be
+        snapshots.said(r, p)
     else:
         snapshots.discard(p, f"the session is {p.stop.phase if p.stop else 'stopped'}")
     stop = p.stop
@@ -279,7 +280,7 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
     egress = bool(session.spec.egress_rules)
     if egress and r.egress_route(session) is None:
         return _waiting(p, "EgressUnavailable", egress_missing(r))
-    if session.spec.pool and not old.get("kernelId"):  # a warm start?
+    if session.spec.pool and not old.get("kernelId") and not old.get("snapshot"):  # warm?
         try:
             p.pod = _claim(r, p)
         except SecretError as exc:  # a Secret its rules name: no kernel without it

@@ -13,7 +13,11 @@ their own. Then:
   reason in its status) deletes that pod: the next one starts afresh, and
   `status.lastRestore` says Failed and why, as does the session's message;
 - a checkpoint that fails stops the kernel all the same: the suspend says the variables
-  are lost.
+  are lost;
+- a pod that cannot be scheduled because the node holding the snapshot is gone is
+  deleted as a failed restore is;
+- a session of a pool wakes from its snapshot, not from a warm kernel; a pool's kernel it
+  runs on (claimed, keyed as its pool's) is not checkpointed.
 
 What a snapshot keeps and what it cannot is in docs/design.md §14.
 """
@@ -25,11 +29,12 @@ import os
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from mcp_forge.api import status as st
 from mcp_forge.api.status import stamp
-from mcp_forge.control.pods import Observation
-from mcp_forge.control.render import CONTAINER
+from mcp_forge.control.pods import Observation, observe
+from mcp_forge.control.render import CONTAINER, child_name
 from mcp_forge.errors import ApiError
 
 if TYPE_CHECKING:
@@ -65,44 +70,66 @@ def waking(status: dict[str, Any], pod: dict[str, Any]) -> None:
 
 
 def take(r: Reconciler, p: Pass) -> None:
-    """Before a suspend's delete: checkpoint the running kernel if it can be (its pod on
-    the restore handler, in a namespace of its own, its kernel answering)."""
+    """Before a suspend's delete: checkpoint the running kernel if it can be (the
+    session's own pod on the restore handler, in a namespace of its own, its kernel
+    answering). The snapshot is written to status at once, before the pod goes: a pass
+    that fails after it neither loses it nor takes another."""
     stop, pod = p.stop, p.pod
     if stop is None or stop.phase != st.SUSPENDED or pod is None:
         return
+    held = p.old.get("snapshot") or {}
+    if held:
+        woke = (pod["metadata"].get("annotations") or {}).get(RESTORE_FROM)
+        if woke != held.get("archive"):
+            return  # taken by an earlier pass whose delete or write failed: kept
+        p.status["snapshot"] = None  # this pod woke from it (or was to): it is spent
     if not _checkpointable(r, p, pod):
         return
-    meta, node = pod["metadata"], pod["spec"].get("nodeName") or ""
+    meta, node = pod["metadata"], pod["spec"]["nodeName"]
+    ns, name = p.session.namespace, p.session.name
     started = time.monotonic()
     try:
-        taken = r.kubelet.checkpoint(node, p.session.namespace, meta["name"], CONTAINER)
+        taken = r.kubelet.checkpoint(node, ns, meta["name"], CONTAINER)
     except ApiError as exc:
-        log.warning("%s/%s: no snapshot: %s", p.session.namespace, p.session.name, exc)
-        p.stop = replace(stop, message=f"{stop.message}; variables lost: the checkpoint failed")
+        log.warning("%s/%s: no snapshot: %s", ns, name, exc)
         p.notes.append(f"the checkpoint failed: {exc}")
         return
     seconds = round(time.monotonic() - started, 3)
-    p.status["snapshot"] = {
+    snap = {
         "node": node,
         "archive": os.path.basename(taken.archive),
         "takenAt": stamp(p.now),
         "seconds": seconds,
         "inPod": False,
     }
-    p.stop = replace(stop, message=f"{stop.message}; its memory is kept in a snapshot")
-    log.info("%s/%s: checkpointed in %.2fs", p.session.namespace, p.session.name, seconds)
+    r.kube.patch("KernelSession", ns, name, {"status": {"snapshot": snap}}, status=True)
+    p.status["snapshot"] = snap
+    log.info("%s/%s: checkpointed in %.2fs", ns, name, seconds)
+
+
+def said(r: Reconciler, p: Pass) -> None:
+    """A suspend says whether the memory is kept (every pass, from the status)."""
+    stop = p.stop
+    if stop is None or stop.phase != st.SUSPENDED or not r.settings.snapshot_runtime_class:
+        return
+    kept = bool(p.status.get("snapshot"))
+    tail = "its memory is kept in a snapshot" if kept else "its variables are lost (no snapshot)"
+    p.stop = replace(stop, message=f"{stop.message}; {tail}")
 
 
 def _checkpointable(r: Reconciler, p: Pass, pod: dict[str, Any]) -> bool:
-    spec = pod.get("spec") or {}
-    return (
-        bool(r.settings.snapshot_runtime_class)
-        and spec.get("runtimeClassName") == r.settings.snapshot_runtime_class
+    spec, meta = pod.get("spec") or {}, pod["metadata"]
+    if not (
+        spec.get("runtimeClassName") == r.settings.snapshot_runtime_class
         and spec.get("hostUsers") is False
-        and bool(spec.get("nodeName"))
-        and not pod["metadata"].get("deletionTimestamp")
-        and p.old.get("phase") == st.READY
-    )
+        and spec.get("nodeName")
+        and meta["name"] == child_name(p.session)  # not a pool's kernel, keyed as its pool's
+        and not meta.get("deletionTimestamp")
+        and r.settings.snapshot_runtime_class
+    ):
+        return False
+    answers = r.answers.of(p.session.namespace, p.session.name, meta.get("uid"))
+    return observe(p.session, pod, answers).ready
 
 
 def discard(p: Pass, why: str) -> None:
@@ -121,7 +148,7 @@ def follow(r: Reconciler, p: Pass, seen: Observation) -> Observation:
     meta = pod["metadata"]
     if not (meta.get("annotations") or {}).get(RESTORE_FROM) or not p.old.get("snapshot"):
         return seen
-    failed = refusal(pod)
+    failed = refusal(pod) or _node_gone(r, pod, p.old["snapshot"])
     if failed:
         log.warning("%s/%s: restore failed: %s", p.session.namespace, p.session.name, failed)
         if not meta.get("deletionTimestamp"):
@@ -150,4 +177,20 @@ def refusal(pod: dict[str, Any]) -> str:
                 message = str((why or {}).get("message") or "")
                 if HANDLER in message:
                     return message[message.index(HANDLER) :][:1000]
+    return ""
+
+
+def _node_gone(r: Reconciler, pod: dict[str, Any], snap: dict[str, Any]) -> str:
+    """Why a pod that cannot be scheduled will never wake: the node that holds its
+    snapshot is gone ("" while it is there, or the pod is scheduled)."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    if not any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in conditions):
+        return ""
+    node = str(snap.get("node") or "")
+    try:
+        r.kube._call("GET", f"/api/v1/nodes/{quote(node, safe='')}")
+    except ApiError as exc:
+        if exc.not_found:
+            return f"the node {node} that held the snapshot is gone"
+        raise
     return ""
