@@ -25,7 +25,9 @@ const (
 	maxSpec        = 16 << 20 // config.json and spec.dump, read whole
 )
 
-// The spec's fields an archive must share with the new container.
+// The spec's fields an archive must share with the new container. Not the pod's name: the
+// namespace is the boundary (whoever may make pods in it may read its Secrets), and a
+// fork wakes a pod of another name from a session's checkpoint.
 var sameAs = []string{
 	"io.kubernetes.cri.sandbox-namespace",
 	"io.kubernetes.cri.container-name",

@@ -157,6 +157,7 @@ def realize(
         return Outcome(gone=True)
     if not session.spec.egress_rules:  # an allow-list taken away: its grant goes
         r.egress.remove(session.namespace, session.name)
+    snapshots.settle(r, p)
     if p.stop is not None:
         stop_kernel(r, p)
     elif p.pod is None:
@@ -280,7 +281,7 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
     egress = bool(session.spec.egress_rules)
     if egress and r.egress_route(session) is None:
         return _waiting(p, "EgressUnavailable", egress_missing(r))
-    if session.spec.pool and not old.get("kernelId") and not old.get("snapshot"):  # warm?
+    if session.spec.pool and not old.get("kernelId") and not p.status.get("snapshot"):  # warm?
         try:
             p.pod = _claim(r, p)
         except SecretError as exc:  # a Secret its rules name: no kernel without it

@@ -14,8 +14,8 @@ their own. Then:
   `status.lastRestore` says Failed and why, as does the session's message;
 - a checkpoint that fails stops the kernel all the same: the suspend says the variables
   are lost;
-- a pod that cannot be scheduled because the node holding the snapshot is gone is
-  deleted as a failed restore is;
+- a pod that cannot be scheduled on the node holding the snapshot (gone, or taking no
+  pod past the progress deadline) is deleted as a failed restore is;
 - a session of a pool wakes from its snapshot, not from a warm kernel; a pool's kernel it
   runs on (claimed, keyed as its pool's) is not checkpointed.
 
@@ -80,9 +80,9 @@ def take(r: Reconciler, p: Pass) -> None:
     held = p.old.get("snapshot") or {}
     if held:
         woke = (pod["metadata"].get("annotations") or {}).get(RESTORE_FROM)
-        if woke != held.get("archive"):
-            return  # taken by an earlier pass whose delete or write failed: kept
-        p.status["snapshot"] = None  # this pod woke from it (or was to): it is spent
+        if woke != held.get("archive") or not _tried(pod):
+            return  # taken by an earlier pass, or its pod has not tried to wake: kept
+        p.status["snapshot"] = None  # this pod woke from it, or failed to: it is spent
     if not _checkpointable(r, p, pod):
         return
     meta, node = pod["metadata"], pod["spec"]["nodeName"]
@@ -132,6 +132,13 @@ def _checkpointable(r: Reconciler, p: Pass, pod: dict[str, Any]) -> bool:
     return observe(p.session, pod, answers).ready
 
 
+def settle(r: Reconciler, p: Pass) -> None:
+    """With snapshots turned off, a snapshot held from before is dropped: no pod wakes
+    from it any more, and a session of a pool may claim a warm kernel again."""
+    if not r.settings.snapshot_runtime_class:
+        discard(p, "snapshots are off")
+
+
 def discard(p: Pass, why: str) -> None:
     """A snapshot that will not be woken from (the session expired, or its kernel is
     replaced): dropped, and said so."""
@@ -146,9 +153,13 @@ def follow(r: Reconciler, p: Pass, seen: Observation) -> Observation:
     pod = p.pod
     assert pod is not None
     meta = pod["metadata"]
-    if not (meta.get("annotations") or {}).get(RESTORE_FROM) or not p.old.get("snapshot"):
+    if (
+        not r.settings.snapshot_runtime_class
+        or not (meta.get("annotations") or {}).get(RESTORE_FROM)
+        or not p.old.get("snapshot")
+    ):
         return seen
-    failed = refusal(pod) or _node_gone(r, pod, p.old["snapshot"])
+    failed = refusal(pod) or _unplaced(r, p, pod, p.old["snapshot"])
     if failed:
         log.warning("%s/%s: restore failed: %s", p.session.namespace, p.session.name, failed)
         if not meta.get("deletionTimestamp"):
@@ -180,11 +191,26 @@ def refusal(pod: dict[str, Any]) -> str:
     return ""
 
 
-def _node_gone(r: Reconciler, pod: dict[str, Any], snap: dict[str, Any]) -> str:
-    """Why a pod that cannot be scheduled will never wake: the node that holds its
-    snapshot is gone ("" while it is there, or the pod is scheduled)."""
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    if not any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in conditions):
+def _tried(pod: dict[str, Any]) -> bool:
+    """Whether the node's handler has run for the pod's kernel: its container ran, ended,
+    or was refused. Until then the archive is untouched."""
+    for c in (pod.get("status") or {}).get("containerStatuses") or []:
+        state, last = c.get("state") or {}, c.get("lastState") or {}
+        if "running" in state or "terminated" in state or last:
+            return True
+    return bool(refusal(pod))
+
+
+def _unplaced(r: Reconciler, p: Pass, pod: dict[str, Any], snap: dict[str, Any]) -> str:
+    """Why a pod that cannot be scheduled on the node holding its snapshot will not wake:
+    the node is gone, or the pod has waited for it past the progress deadline (the node
+    cordoned, full, not ready). "" while it may still be placed."""
+    unscheduled = [
+        c
+        for c in (pod.get("status") or {}).get("conditions") or []
+        if c.get("type") == "PodScheduled" and c.get("status") == "False"
+    ]
+    if not unscheduled:
         return ""
     node = str(snap.get("node") or "")
     try:
@@ -193,4 +219,10 @@ def _node_gone(r: Reconciler, pod: dict[str, Any], snap: dict[str, Any]) -> str:
         if exc.not_found:
             return f"the node {node} that held the snapshot is gone"
         raise
+    since = st.parse_time(unscheduled[0].get("lastTransitionTime")) or p.now
+    deadline = r.settings.progress_deadline
+    if deadline > 0 and p.now - since >= deadline:
+        return f"the node {node} that holds the snapshot took no pod for {deadline:.0f}s"
+    if deadline > 0:
+        p.due.append(since + deadline)
     return ""

@@ -1,0 +1,177 @@
+"""Benchmark: a cluster's suspend and resume with memory (control/snapshots.py) next to
+what it saves, in one run, on the real test cluster.
+
+    sudo .venv/bin/python tests/bench/bench_cluster_snapshots.py [--sizes 50,500] [--runs 3]
+
+It uses the running test cluster (tests/kube/cluster up), or starts one and stops it at
+the end, and runs the operator in this process (as tests/kube do) with its snapshot
+RuntimeClass set. For kernels holding about 50 MB and 500 MB of resident memory (a numpy
+array of that many bytes, filled), medians of:
+  * suspend: operatingMode Suspended applied, until the session is Suspended with its
+    snapshot; the kubelet's checkpoint alone (status.snapshot.seconds); the archive's size;
+  * resume: operatingMode Running applied, until the woken kernel answers a call that
+    reads the array (its pod made on the node, restored, the client connected again);
+next to the baselines, timed the same way: a new session until its kernel answers `1`,
+and a new session plus re-running the cell that built the state. The machines are shared
+and noisy: compare ratios, not absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "bench"))
+os.environ["MCPFORGE_SNAPSHOT_RUNTIME_CLASS"] = "mcpforge-restore"  # read at the operator's start
+
+import kubernetes  # noqa: E402
+from bench_operator import cluster  # noqa: E402
+
+from kube.conftest import RESTRICTED, delete_namespace, make_namespace  # noqa: E402
+from kube.harness import (  # noqa: E402
+    KS,
+    eventually,
+    kernel,
+    phase,
+    ready,
+    run_in_kernel,
+    running_operator,
+    session_body,
+)
+from kube.test_checkpoint import RESTORE_CLASS, _runtime_class  # noqa: E402
+from kube.testcluster import ROOT as NODE_ROOT  # noqa: E402
+from mcp_forge.clients.kube import Kube  # noqa: E402
+
+IMAGE = "localhost/mcp-forge-kernel:0.1.0"  # numpy
+BUILD = "import numpy as np\nstate = np.ones({n} // 8)\nprint('built')"
+READ = "print(float(state[-1]))"
+CHECKPOINTS = NODE_ROOT / "kubelet" / "checkpoints"
+
+
+def spec(megabytes: int) -> dict[str, Any]:
+    return {
+        "image": IMAGE,
+        "resources": {"memory": f"{max(1024, megabytes * 2 + 512)}Mi", "cpu": "1"},
+    }
+
+
+async def timed(step: Any) -> float:
+    started = time.perf_counter()
+    await step
+    return time.perf_counter() - started
+
+
+async def new_session(kube: Kube, ns: str, megabytes: int, cell: str) -> float:
+    """A new session, until its kernel ran `cell`; then it goes."""
+    name = f"c{uuid.uuid4().hex[:8]}"
+
+    async def start() -> None:
+        await asyncio.to_thread(kube.create, session_body(name, ns, **spec(megabytes)))
+        await ready(kube, ns, name)
+        async with kernel(kube, ns, name) as conn:
+            await run_in_kernel(conn, cell, timeout=600)
+
+    try:
+        return await timed(start())
+    finally:
+        await asyncio.to_thread(kube.delete, KS, ns, name)
+
+
+async def one_size(kube: Kube, ns: str, megabytes: int, runs: int) -> dict[str, float]:
+    build = BUILD.format(n=megabytes * 1_000_000)
+    out: dict[str, list[float]] = {
+        k: [] for k in ("suspend", "checkpoint", "size", "resume", "new", "cold")
+    }
+    name = f"b{uuid.uuid4().hex[:8]}"
+    await asyncio.to_thread(kube.create, session_body(name, ns, **spec(megabytes)))
+    obj = await ready(kube, ns, name)
+    async with kernel(kube, ns, name) as conn:
+        await run_in_kernel(conn, build, timeout=600)
+    for _ in range(runs):
+
+        async def suspend() -> None:
+            mode = {"spec": {"operatingMode": "Suspended"}}
+            await asyncio.to_thread(kube.patch, KS, ns, name, mode)
+            await eventually(
+                kube, KS, ns, name,
+                lambda o: phase(o) == "Suspended" and bool((o or {})["status"].get("snapshot")),
+                timeout=600, what="Suspended with a snapshot",
+            )  # fmt: skip
+
+        out["suspend"].append(await timed(suspend()))
+        snap = (await asyncio.to_thread(kube.get, KS, ns, name) or {})["status"]["snapshot"]
+        out["checkpoint"].append(float(snap["seconds"]))
+        out["size"].append((CHECKPOINTS / snap["archive"]).stat().st_size / 1e6)
+        before = str(obj["status"].get("kernelId") or "")
+
+        async def resume(before: str = before) -> None:
+            patch = {"spec": {"operatingMode": "Running"}}
+            await asyncio.to_thread(kube.patch, KS, ns, name, patch)
+            await ready(kube, ns, name, other_than=before)
+            async with kernel(kube, ns, name) as conn:
+                await run_in_kernel(conn, READ, timeout=600)
+
+        out["resume"].append(await timed(resume()))
+        now: dict[str, Any] | None = await asyncio.to_thread(kube.get, KS, ns, name)
+        obj = now or obj
+        last = obj["status"].get("lastRestore") or {}
+        if last.get("outcome") != "Restored":
+            raise RuntimeError(f"{name}: not restored: {last}")
+    await asyncio.to_thread(kube.delete, KS, ns, name)
+    for _ in range(runs):
+        out["new"].append(await new_session(kube, ns, megabytes, "1"))
+        out["cold"].append(await new_session(kube, ns, megabytes, build + "\n" + READ))
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="50,500", help="resident MB of each kernel")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    with cluster() as kubeconfig:
+        # The library read $KUBECONFIG at its import: its copies too (kopf's Kube uses them).
+        os.environ["KUBECONFIG"] = str(kubeconfig)
+        kubernetes.config.KUBE_CONFIG_DEFAULT_LOCATION = str(kubeconfig)
+        kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(kubeconfig)
+        kubernetes.config.load_kube_config(str(kubeconfig))
+        config = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(str(kubeconfig), client_configuration=config)
+        kube = Kube(config)
+        ns = f"bench-snap-{uuid.uuid4().hex[:6]}"
+        await asyncio.to_thread(make_namespace, kubeconfig, ns, RESTRICTED)
+        await asyncio.to_thread(_runtime_class, RESTORE_CLASS, RESTORE_CLASS)
+        print(
+            f"{'kernel':>8} {'archive':>8} {'suspend':>8} {'(ckpt)':>7} {'resume':>8} "
+            f"{'new':>6} {'new+cell':>9} {'ratio':>6}"
+        )
+        try:
+            async with running_operator(kube):
+                for mb in (int(x) for x in args.sizes.split(",")):
+                    m = await one_size(kube, ns, mb, args.runs)
+                    print(
+                        f"{mb:>6}MB {m['size']:>6.0f}MB {m['suspend']:>7.2f}s "
+                        f"{m['checkpoint']:>6.2f}s {m['resume']:>7.2f}s {m['new']:>5.2f}s "
+                        f"{m['cold']:>8.2f}s {m['resume'] / m['cold']:>6.2f}",
+                        flush=True,
+                    )
+        finally:
+            await asyncio.to_thread(delete_namespace, kubeconfig, ns)
+            kube.close()
+    print("suspend: applied Suspended until Suspended with a snapshot (ckpt: the kubelet's")
+    print("checkpoint); resume: applied Running until the woken kernel answers a call that")
+    print("reads the state; new: a new session until it runs `1`; new+cell: until it has")
+    print("built the state again; ratio: resume / new+cell; medians of", args.runs)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
