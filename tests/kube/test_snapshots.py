@@ -17,20 +17,24 @@ from typing import Any
 
 import pytest
 
+from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
 
 from .cluster_common import ROOT
 from .harness import (
     KS,
     SMALL,
+    condition,
     eventually,
     kernel,
     phase,
+    pool_body,
     ready,
     run_in_kernel,
     running_operator,
     session_body,
 )
+from .pooling import filled, members
 from .test_checkpoint import IMAGE, RESTORE_CLASS, _runtime_class
 
 CHECKPOINTS = ROOT / "kubelet" / "checkpoints"
@@ -118,3 +122,28 @@ def _damage(archive: Path) -> None:
     assert archive.is_relative_to(ROOT), archive
     with archive.open("r+b") as f:
         f.truncate(4096)
+
+
+async def test_a_pools_warm_kernel_is_not_checkpointed_and_the_suspend_says_so(
+    kube: Kube, ns: str, snapshotting: Any
+) -> None:
+    """A claimed kernel's memory holds its pool's keys, not the session's Secret's: it is
+    suspended without a snapshot, and says its variables are lost."""
+    await asyncio.to_thread(kube.create, pool_body("warm", ns, 1, IMAGE))
+    pool = await filled(kube, ns, "warm", 1)
+    assert pool is not None
+    [member] = await members(kube, ns, "warm")
+    assert member["spec"]["hostUsers"] is False, "a pool's kernels run as sessions' do"
+    body = session_body("claimer", ns, image=IMAGE, resources=SMALL, poolRef={"name": "warm"})
+    await asyncio.to_thread(kube.create, body)
+    obj = await ready(kube, ns, "claimer")
+    assert condition(obj, ksp.WARM_START)["reason"] == ksp.CLAIMED, obj["status"]
+    before = set(CHECKPOINTS.iterdir())
+    await asyncio.to_thread(kube.patch, KS, ns, "claimer", {"spec": {"operatingMode": "Suspended"}})
+    obj = await eventually(
+        kube, KS, ns, "claimer", lambda o: phase(o) == "Suspended", timeout=60, what="Suspended"
+    )
+    assert obj is not None
+    assert not obj["status"].get("snapshot"), obj["status"]
+    assert "variables are lost (no snapshot)" in obj["status"]["message"], obj["status"]
+    assert set(CHECKPOINTS.iterdir()) == before
