@@ -136,8 +136,8 @@ async def test_a_pools_warm_kernel_is_not_checkpointed_and_the_suspend_says_so(
     assert member["spec"]["hostUsers"] is False, "a pool's kernels run as sessions' do"
     body = session_body("claimer", ns, image=IMAGE, resources=SMALL, poolRef={"name": "warm"})
     await asyncio.to_thread(kube.create, body)
-    obj = await ready(kube, ns, "claimer")
-    assert condition(obj, ksp.WARM_START)["reason"] == ksp.CLAIMED, obj["status"]
+    claimed = await ready(kube, ns, "claimer")
+    assert condition(claimed, ksp.WARM_START)["reason"] == ksp.CLAIMED, claimed["status"]
     before = set(CHECKPOINTS.iterdir())
     await asyncio.to_thread(kube.patch, KS, ns, "claimer", {"spec": {"operatingMode": "Suspended"}})
     obj = await eventually(
