@@ -195,10 +195,11 @@ class KubernetesRuntime:
     async def fork(
         self, name: str, namespace: str, bodies: builtins.list[dict[str, Any]]
     ) -> builtins.list[KernelSession]:
-        """Not on a cluster yet (issue 27: the kubelet's checkpoint API): said plainly."""
+        """Not on a cluster yet (issue 27: a suspend keeps the memory, forks are to come):
+        said plainly."""
         raise InvalidRequest(
             f"session {name!r} cannot be forked: forks are made by local gateways only for "
-            "now (on a cluster, live snapshots are not built yet)"
+            "now (on a cluster, a suspend can keep a kernel's memory, but forks are not built)"
         )
 
     async def delete(self, name: str, namespace: str = "default") -> None:
