@@ -99,6 +99,13 @@ ipykernel 7's shell-channel thread (a message crosses it to and from the main th
 not what the wait is made of: a bare ipykernel 7.4.0 on this host, 300 `1+1` beside six
 busy-looping processes, had p99 25.0/27.1 ms with the thread and 25.5/26.7 ms with it
 taken out (`shell_channel_thread = None`), from 5.5-6.9 ms idle.
+
+December 5, evening (one 30 s run): execute_code 1+1 +102.9 ms (idle p99 16.7 ms),
+list_sessions +12.9 ms, the host 99% busy. The kernel's own threads (kworkers, loop
+devices' writeback) used 0.34 s of CPU over the whole run (/proc/PID/stat of kthreadd's
+children, before and after): the writeback of the flood's spill files is no longer a
+cause (the 40% above was before the guard kept floods off the gateway), so a direct-I/O
+loop device for workspaces would not help.
 """
 
 from __future__ import annotations
