@@ -9,8 +9,9 @@ RuntimeClass set. For kernels holding about 50 MB and 500 MB of resident memory 
 array of that many bytes, filled), medians of:
   * suspend: operatingMode Suspended applied, until the session is Suspended with its
     snapshot; the kubelet's checkpoint alone (status.snapshot.seconds); the archive's size;
-  * resume: operatingMode Running applied, until the woken kernel answers a call that
-    reads the array (its pod made on the node, restored, the client connected again);
+  * resume: operatingMode Running applied (once the suspended pod is gone, as it is by an
+    idle session's next use), until the woken kernel answers a call that reads the array
+    (its pod made on the node, restored, the client connected again);
 next to the baselines, timed the same way: a new session until its kernel answers `1`,
 and a new session plus re-running the cell that built the state. The machines are shared
 and noisy: compare ratios, not absolute numbers.
@@ -108,6 +109,10 @@ async def one_size(kube: Kube, ns: str, megabytes: int, runs: int) -> dict[str, 
             )  # fmt: skip
 
         out["suspend"].append(await timed(suspend()))
+        # A resume comes later than this (an idle session's next use): the old pod has
+        # gone by then, and its successor, of the same name, is not made before it has.
+        pod = str(obj["status"]["podName"])
+        await eventually(kube, "Pod", ns, pod, lambda o: o is None, timeout=120, what="gone")
         snap = (await asyncio.to_thread(kube.get, KS, ns, name) or {})["status"]["snapshot"]
         out["checkpoint"].append(float(snap["seconds"]))
         out["size"].append((CHECKPOINTS / snap["archive"]).stat().st_size / 1e6)
