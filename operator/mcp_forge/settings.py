@@ -68,7 +68,8 @@ class Settings:
     # Live snapshots on a cluster (control/snapshots.py): the RuntimeClass of the nodes'
     # mcpforge-restore handler (images/node). Set, kernel pods run on it with a user
     # namespace of their own, and a suspend keeps the kernel's memory; it takes the place
-    # of runtime_class. "" = a suspend stops the kernel.
+    # of runtime_class. "" = a suspend stops the kernel. snapshot_max_age (below) holds
+    # there too: an older snapshot is discarded, and the nodes' sweepers remove it.
     snapshot_runtime_class: str = ""
     # Kernel pods' Localhost seccomp profile below the kubelet's seccomp root, as installed
     # on every node (docs/seccomp.md); "" = RuntimeDefault. Local mode always uses ours.

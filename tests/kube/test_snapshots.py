@@ -11,16 +11,24 @@ fresh kernel that says so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
+from mcp_forge.control import snapshots
+from mcp_forge.image.control_plane import build_control_plane, image_ref
 
 from .cluster_common import ROOT
+from .conftest import ClusterUnderTest
 from .harness import (
     KS,
     SMALL,
@@ -36,8 +44,10 @@ from .harness import (
 )
 from .pooling import filled, members
 from .test_checkpoint import IMAGE, RESTORE_CLASS, _runtime_class
+from .test_install import kubectl
 
 CHECKPOINTS = ROOT / "kubelet" / "checkpoints"
+ROOT_REPO = Path(__file__).resolve().parents[2]
 STATE = """
 x = 41
 import threading, time
@@ -117,6 +127,45 @@ async def test_a_snapshot_that_cannot_be_restored_gives_a_fresh_kernel_that_says
         await asyncio.to_thread(archive.unlink, missing_ok=True)
 
 
+@pytest.fixture
+async def brief_snapshots(kube: Kube, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any]:
+    """The operator, keeping suspended kernels' memory for 6 seconds."""
+    monkeypatch.setenv("MCPFORGE_SNAPSHOT_MAX_AGE", "6")
+    monkeypatch.setenv("MCPFORGE_SNAPSHOT_RUNTIME_CLASS", RESTORE_CLASS)
+    await asyncio.to_thread(_runtime_class, RESTORE_CLASS, RESTORE_CLASS)
+    async with running_operator(kube) as op:
+        yield op
+
+
+async def test_a_snapshot_past_its_age_is_dropped_by_itself_and_the_session_wakes_afresh(
+    kube: Kube, ns: str, brief_snapshots: Any
+) -> None:
+    """Nothing else happens to the suspended session: the operator looks at it again
+    when its snapshot is due to go, and the node's sweeper may then remove the archive."""
+    obj = await _suspended(kube, ns, "aged")
+    archive = CHECKPOINTS / str((obj["status"].get("snapshot") or {}).get("archive"))
+    try:
+        assert archive.is_file(), obj["status"]
+
+        def dropped(o: dict[str, Any] | None) -> bool:
+            last = ((o or {}).get("status") or {}).get("lastRestore") or {}
+            return last.get("outcome") == "Discarded"
+
+        obj = await eventually(kube, KS, ns, "aged", dropped, timeout=60, what="Discarded")
+        assert obj is not None and not obj["status"].get("snapshot"), obj
+        assert "kept for its longest" in obj["status"]["lastRestore"]["message"], obj["status"]
+        assert "variables are lost (no snapshot)" in obj["status"]["message"], obj["status"]
+        assert phase(obj) == "Suspended"
+        obj = await _resumed(kube, ns, "aged", before="")
+        pod = await asyncio.to_thread(kube.get, "Pod", ns, obj["status"]["podName"])
+        assert pod is not None, obj
+        assert snapshots.RESTORE_FROM not in (pod["metadata"].get("annotations") or {}), pod
+        async with kernel(kube, ns, "aged") as conn:
+            assert await run_in_kernel(conn, "print('x' in globals())") == "False\n"
+    finally:
+        await asyncio.to_thread(archive.unlink, missing_ok=True)
+
+
 def _damage(archive: Path) -> None:
     """Cut the archive short, as a full disk or a crash while it was written would."""
     assert archive.is_relative_to(ROOT), archive
@@ -147,3 +196,103 @@ async def test_a_pools_warm_kernel_is_not_checkpointed_and_the_suspend_says_so(
     assert not obj["status"].get("snapshot"), obj["status"]
     assert "variables are lost (no snapshot)" in obj["status"]["message"], obj["status"]
     assert set(CHECKPOINTS.iterdir()) == before
+
+
+SWEEPER = "mcp-forge-snapshot-sweeper"
+NODE_NS = "mcp-forge-node"
+
+
+async def test_the_nodes_sweeper_removes_the_archives_no_session_holds(
+    kube: Kube, ns: str, snapshotting: Any, test_cluster: ClusterUnderTest
+) -> None:
+    """manifests/overlays/snapshots' sweeper, as installed (but for the kubelet's
+    directory, the test node's, and a round a second): an archive a session holds stays,
+    however old; one no session holds goes once past its grace, as does the held one when
+    its session is deleted; nothing else in the directory is touched."""
+    obj = await _suspended(kube, ns, "held")
+    held = CHECKPOINTS / str((obj["status"].get("snapshot") or {}).get("archive"))
+    stray = CHECKPOINTS / f"checkpoint-ks-gone_{ns}-kernel-2026-12-01T00:00:00Z.tar"
+    young = CHECKPOINTS / f"checkpoint-ks-young_{ns}-kernel-2026-12-01T00:00:00Z.tar"
+    other = CHECKPOINTS / f"checkpoint-web_{ns}-kernel-2026-12-01T00:00:00Z.tar"
+    files = (held, stray, young, other)
+    try:
+        assert held.is_file(), obj["status"]
+        async with sweeping(test_cluster) as removed:
+            hour_ago = time.time() - 3600
+            for f in (stray, young, other):
+                f.write_bytes(b"not an archive")
+            for f in (held, stray, other):
+                os.utime(f, (hour_ago, hour_ago))
+            await removed(stray.name)
+            assert held.is_file() and young.is_file() and other.is_file()
+            await asyncio.to_thread(kube.delete, KS, ns, "held")
+            await removed(held.name)
+            assert not held.exists() and not stray.exists()
+            assert young.is_file() and other.is_file()
+    finally:
+        for f in files:
+            f.unlink(missing_ok=True)
+
+
+@contextlib.asynccontextmanager
+async def sweeping(cluster: ClusterUnderTest) -> AsyncIterator[Any]:
+    """The overlay's sweeper objects applied, its pod running; in the block, a call that
+    waits (under a deadline) until its log says it removed the archive named."""
+    await build_control_plane(progress=lambda line: None)
+    imported = await asyncio.to_thread(
+        subprocess.run,
+        [str(Path(__file__).parent / "cluster"), "import", image_ref("operator")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert imported.returncode == 0, imported.stderr
+    built = kubectl(cluster, "kustomize", str(ROOT_REPO / "manifests" / "overlays" / "snapshots"))
+    objects = [o for o in yaml.safe_load_all(built) if o and _sweepers(o)]
+    (ds,) = [o for o in objects if o["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if "hostPath" in v]
+    volume["hostPath"]["path"] = str(CHECKPOINTS)
+    args = pod["containers"][0]["args"]
+    args[args.index("--every") + 1] = "1"
+    logs = None
+    try:
+        kubectl(cluster, "apply", "-f", "-", input=yaml.safe_dump_all(objects))
+        kubectl(cluster, "-n", NODE_NS, "rollout", "status", f"ds/{SWEEPER}", "--timeout=120s")
+        logs = await asyncio.create_subprocess_exec(
+            cluster.bin("kubectl"), f"--kubeconfig={cluster.kubeconfig}", "-n", NODE_NS,
+            "logs", "-f", f"ds/{SWEEPER}",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        stream = logs.stdout
+        assert stream is not None
+
+        seen: list[str] = []
+
+        async def removed(name: str) -> None:
+            try:
+                async with asyncio.timeout(60):
+                    while line := (await stream.readline()).decode():
+                        seen.append(line)
+                        if f" removed {name} " in line:
+                            return
+            except TimeoutError:
+                raise AssertionError(f"{name} not removed in 60 s; the sweeper: {seen}") from None
+            raise AssertionError(f"the sweeper's log ended: {seen}")
+
+        yield removed
+    finally:
+        if logs is not None and logs.returncode is None:
+            logs.terminate()
+            await logs.wait()
+        for o in reversed(objects):
+            if o["kind"] != "Namespace" and not o["metadata"].get("namespace"):
+                kubectl(cluster, "delete", o["kind"], o["metadata"]["name"], "--ignore-not-found")
+        kubectl(cluster, "delete", "namespace", NODE_NS, "--ignore-not-found", "--timeout=120s")
+
+
+def _sweepers(o: dict[str, Any]) -> bool:
+    labels = o["metadata"].get("labels") or {}
+    return (
+        labels.get("app.kubernetes.io/component") == "snapshot-sweeper"
+        or o["metadata"].get("namespace") == NODE_NS
+        or (o["kind"] == "Namespace" and o["metadata"]["name"] == NODE_NS)
+    )

@@ -14,6 +14,7 @@ import pytest
 from kubernetes.config.incluster_config import InClusterConfigLoader
 from test_render import CONN, K8S_VERSION, by_kind, session
 
+from mcp_forge.api.status import stamp
 from mcp_forge.clients.kubelet import dial, endpoint
 from mcp_forge.control import snapshots
 from mcp_forge.control.render import TEMPLATE_HASH, render_kubernetes
@@ -43,7 +44,10 @@ def test_a_pod_for_snapshots_has_a_user_namespace_of_its_own() -> None:
 def test_a_pod_wakes_on_the_node_that_holds_the_snapshot_and_is_not_outdated_for_it() -> None:
     woken, plain = pod(True), pod(True)
     status: dict[str, Any] = {
-        "snapshot": {"node": "node-7", "archive": "checkpoint-ks-demo_team-kernel-1.tar"}
+        "snapshot": {
+            "node": "node-7",
+            "archive": "checkpoint-ks-demo_team-kernel-1.tar",
+        }
     }
     snapshots.waking(status, woken)
     assert woken["metadata"]["annotations"][snapshots.RESTORE_FROM] == (
@@ -65,6 +69,15 @@ def test_a_pod_wakes_on_the_node_that_holds_the_snapshot_and_is_not_outdated_for
         untouched = pod(True)
         snapshots.waking(status, untouched)
         assert untouched == plain
+
+
+def test_a_snapshot_is_expired_once_its_age_is_reached_and_never_without_a_limit() -> None:
+    now = 1_800_000_000.0
+    snap = {"takenAt": stamp(now - 100)}
+    assert snapshots.expired(snap, 100, now) and not snapshots.expired(snap, 101, now)
+    assert not snapshots.expired(snap, 0, now)
+    assert not snapshots.expired({}, 100, now)  # no time: not judged
+    assert not snapshots.expired({"takenAt": "yesterday"}, 100, now)
 
 
 def _with_state(state: dict[str, Any], last: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -54,6 +54,8 @@ def test_every_kustomization_builds_into_objects_valid_for_kubernetes(name: str)
 
 @pytest.mark.parametrize("name", INSTALLS)
 def test_every_namespaced_object_names_one_of_the_three_namespaces(name: str) -> None:
+    """And the snapshot sweeper's own (tests/unit/test_manifests_pod_security.py)."""
+    namespaces = (*NAMESPACES, "mcp-forge-node") if name == "overlays/snapshots" else NAMESPACES
     cluster_scoped = {
         "Namespace",
         "CustomResourceDefinition",
@@ -66,7 +68,7 @@ def test_every_namespaced_object_names_one_of_the_three_namespaces(name: str) ->
         if obj["kind"] in cluster_scoped:
             assert namespace is None, key(obj)
         else:
-            assert namespace in NAMESPACES, key(obj)
+            assert namespace in namespaces, key(obj)
         if obj["kind"] != "CustomResourceDefinition":  # crds/ is taken as it is
             assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "mcp-forge", key(obj)
 

@@ -130,6 +130,28 @@ def test_the_operator_and_gateway_pods_pass_the_restricted_pod_security_standard
         assert pss_restricted_violations(dep["spec"]["template"]["spec"]) == [], key(dep)
 
 
+def test_the_snapshot_sweeper_is_beyond_restricted_only_by_its_hostpath_and_uid_0() -> None:
+    """The one pod beyond "restricted" (docs/security.md): it may remove the kubelet's
+    checkpoints, root's, and nothing more; alone in a namespace that allows it."""
+    objs = build("overlays/snapshots")
+    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
+    node_ns = ds["metadata"]["namespace"]
+    violations = pss_restricted_violations(ds["spec"]["template"]["spec"])
+    assert violations == [
+        "pod: runAsUser 0",
+        "volume checkpoints: hostPath",
+        "sweeper: runAsNonRoot must be true",
+    ]
+    pods = [o for o in objs if o["kind"] in ("Deployment", "DaemonSet", "StatefulSet", "Pod")]
+    assert [o for o in pods if o["metadata"]["namespace"] == node_ns] == [ds]
+    (namespace,) = [
+        o for o in objs if o["kind"] == "Namespace" and o["metadata"]["name"] == node_ns
+    ]
+    labels = namespace["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+
+
 _REMOVE = object()
 
 

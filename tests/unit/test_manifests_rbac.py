@@ -141,6 +141,24 @@ def test_the_snapshots_operator_may_checkpoint_at_the_kubelet_and_no_more() -> N
     assert base <= granted
 
 
+def test_the_snapshot_sweeper_lists_sessions_and_sees_only_the_checkpoints_of_its_node() -> None:
+    objs = build("overlays/snapshots")
+    granted = grants(objs, ("mcp-forge-node", "mcp-forge-snapshot-sweeper"))
+    assert granted == {(CLUSTER, "mcpforge.dev", "kernelsessions", "list")}
+    pod = find(objs, "DaemonSet", "mcp-forge-snapshot-sweeper", "mcp-forge-node")["spec"][
+        "template"
+    ]["spec"]
+    assert [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v] == [
+        "/var/lib/kubelet/checkpoints"
+    ]
+    (c,) = pod["containers"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert not pod.get("hostNetwork") and not pod.get("hostPID")
+    for name in ("base", "overlays/gvisor", "overlays/namespace-scoped"):
+        assert not any(o["kind"] == "DaemonSet" for o in build(name)), name
+
+
 def test_the_namespace_scoped_operator_has_no_cluster_wide_grant() -> None:
     granted = grants(build("overlays/namespace-scoped"), OPERATOR_SA)
     assert granted == expand(SESSIONS, OPERATOR_RULES) | expand(EGRESS, OPERATOR_EGRESS_RULES)

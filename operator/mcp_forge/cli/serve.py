@@ -319,3 +319,44 @@ def egress_feeder(
     finally:
         if exporter is not None:
             exporter.close()
+
+
+@main.command("snapshot-sweeper")
+@click.option(
+    "--node",
+    envvar="NODE_NAME",
+    required=True,
+    help="The node this runs on (its archives are the ones swept) [env NODE_NAME].",
+)
+@click.option(
+    "--checkpoints",
+    default="/var/lib/kubelet/checkpoints",
+    show_default=True,
+    help="The kubelet's checkpoints directory, as mounted here.",
+)
+@click.option("--every", default=60.0, show_default=True, help="Seconds between two rounds.")
+@click.option(
+    "--grace",
+    default=300.0,
+    show_default=True,
+    help="Seconds an archive no session holds is kept.",
+)
+def snapshot_sweeper(node: str, checkpoints: str, every: float, grace: float) -> None:
+    """Remove a node's snapshot archives that no KernelSession holds (run on each node).
+
+    Archives of sessions' kernels in the kubelet's checkpoints directory (control/sweeper.py)
+    that no session's status names, once GRACE seconds old. Each removal is logged at
+    `--log-level info`.
+    """
+    from pathlib import Path
+
+    from mcp_forge.clients.kube import Kube
+    from mcp_forge.control import sweeper
+
+    if every <= 0 or grace < 0:
+        raise click.BadParameter("--every must be positive, --grace not negative")
+    try:
+        sweeper.run(Kube(), node, Path(checkpoints), every=every, grace=grace)
+    except (ForgeError, OSError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)

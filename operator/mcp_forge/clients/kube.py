@@ -159,7 +159,10 @@ class Kube:
 
     @staticmethod
     def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+        """`namespace` "" with no name: every namespace's (a list across the cluster)."""
         prefix, plural = PATHS[kind]
+        if not namespace and name is None:
+            return f"/{prefix}/{plural}"
         path = f"/{prefix}/namespaces/{namespace}/{plural}"
         if name is not None:
             path += f"/{name}"

@@ -303,6 +303,8 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
                 r.egress.ensure(session, secret, [], verify=True)  # no pod, no address yet
             except SecretError as exc:
                 return _failed(p, exc)
+        if r.settings.snapshot_runtime_class:  # it wakes from the snapshot still held
+            snapshots.waking(p.status, want_pod)
         p.pod, _ = r.kube.ensure(want_pod, likely_new=p.fresh)
     pod = p.pod
     r.heard.wrote(session, pod)

@@ -35,7 +35,7 @@ from mcp_forge.clients.kube import (
     key_of,
 )
 from mcp_forge.clients.kubelet import Kubelet
-from mcp_forge.control import events, snapshots
+from mcp_forge.control import events
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.answers import Answers
 from mcp_forge.control.baseline import Baseline
@@ -342,8 +342,6 @@ class Reconciler:
         ns = session.namespace
         # Only the Secret holds keys: these need none (no key made to be thrown away).
         _, service, policy, want_pod = self._rendered(session, ConnectionInfo("tcp", "", ""))
-        if self.settings.snapshot_runtime_class:  # its next pod wakes from its snapshot
-            snapshots.waking(old, want_pod)
 
         def spec_of(child: dict[str, Any]) -> Callable[[], dict[str, Any]]:
             def made() -> dict[str, Any]:

@@ -48,8 +48,9 @@ HANDLER = "mcpforge-runc"  # how the handler's refusals and failures begin
 
 
 def waking(status: dict[str, Any], pod: dict[str, Any]) -> None:
-    """Have `pod` (a rendered kernel pod) wake from the snapshot `status` holds, if any:
-    the handler's annotation, and the node that has the archive."""
+    """Have `pod` (a rendered kernel pod, about to be made) wake from the snapshot
+    `status` holds, if any (`settle` has dropped one past its age): the handler's
+    annotation, and the node that has the archive."""
     snap = status.get("snapshot") or {}
     if not snap.get("archive") or not snap.get("node"):
         return
@@ -134,9 +135,30 @@ def _checkpointable(r: Reconciler, p: Pass, pod: dict[str, Any]) -> bool:
 
 def settle(r: Reconciler, p: Pass) -> None:
     """With snapshots turned off, a snapshot held from before is dropped: no pod wakes
-    from it any more, and a session of a pool may claim a warm kernel again."""
+    from it any more, and a session of a pool may claim a warm kernel again. So is one
+    kept `snapshot_max_age` while no pod is waking from it (a pod that is, `follow`
+    sees through, whatever its age): the session is looked at again then, and the
+    node's sweeper (control/sweeper.py) removes the archive no status names."""
+    snap, max_age = p.old.get("snapshot") or {}, r.settings.snapshot_max_age
     if not r.settings.snapshot_runtime_class:
         discard(p, "snapshots are off")
+    elif not snap or _woken_by(p.pod, snap):
+        return
+    elif expired(snap, max_age, p.now):
+        discard(p, f"the snapshot was kept for its longest ({max_age / 86_400:g} days)")
+    elif max_age and (taken := st.parse_time(snap.get("takenAt"))) is not None:
+        p.due.append(taken + max_age)
+
+
+def _woken_by(pod: dict[str, Any] | None, snap: dict[str, Any]) -> bool:
+    notes = ((pod or {}).get("metadata") or {}).get("annotations") or {}
+    return bool(snap.get("archive")) and notes.get(RESTORE_FROM) == snap["archive"]
+
+
+def expired(snap: dict[str, Any], max_age: float, now: float) -> bool:
+    """Whether a snapshot was taken `max_age` seconds ago or more (0: never)."""
+    taken = st.parse_time(snap.get("takenAt"))
+    return bool(max_age) and taken is not None and now - taken >= max_age
 
 
 def discard(p: Pass, why: str) -> None:

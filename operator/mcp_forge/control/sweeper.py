@@ -1,0 +1,153 @@
+"""A node's snapshot archives that no KernelSession holds are removed (issue 27): on a
+cluster, a snapshot goes with its session.
+
+    mcp-forge snapshot-sweeper --node NODE --checkpoints /checkpoints [--every 60] [--grace 300]
+
+The kubelet writes each checkpoint into its checkpoints directory as
+`checkpoint-<pod>_<namespace>-<container>-<time>.tar` and never removes it. The node's
+restore handler (images/node/runc-restore) removes an archive once a pod has tried to
+wake from it; this removes the others, on each node (a DaemonSet of
+manifests/overlays/snapshots, the directory mounted): an archive of a session's kernel
+(pod `ks-<session>`, container `kernel`) that no KernelSession's `status.snapshot` names
+on this node, once it is `grace` seconds old. Its session was deleted, or dropped the
+snapshot (expired, past `snapshot_max_age`, which the operator applies), or the operator
+stopped between the checkpoint and its status write (the grace covers that write). A
+checkpoint of a session's kernel taken by someone else is removed the same way.
+
+Nothing else in the directory is touched, nothing is read or followed, and a round whose
+list of sessions fails removes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mcp_forge.clients.kube import Kube
+from mcp_forge.control.render import CONTAINER
+from mcp_forge.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+GRACE = 300.0  # seconds an archive no session holds is kept (its status write may follow)
+EVERY = 60.0  # seconds between two rounds
+PAGE = 500  # KernelSessions a list asks for at once
+# A pod name has no "_", a namespace neither; the time (RFC 3339) has no `-kernel-`.
+ARCHIVE = re.compile(
+    rf"checkpoint-(?P<pod>ks-[a-z0-9.-]+)_(?P<namespace>[a-z0-9-]+)-{CONTAINER}-[0-9TZ:+.-]+\.tar"
+)
+
+
+@dataclass(frozen=True)
+class Archive:
+    name: str  # in the checkpoints directory
+    namespace: str
+    pod: str
+    size: int
+    mtime: float
+
+
+def archives(directory: Path) -> list[Archive]:
+    """The archives of sessions' kernels in `directory`: regular files (never followed)
+    named as the kubelet names a `kernel` container's checkpoint of a pod `ks-...`."""
+    found = []
+    for name in sorted(os.listdir(directory)):
+        match = ARCHIVE.fullmatch(name)
+        if match is None:
+            continue
+        try:
+            st = os.lstat(directory / name)
+        except FileNotFoundError:
+            continue  # woken from meanwhile
+        if stat.S_ISREG(st.st_mode):
+            found.append(Archive(name, match["namespace"], match["pod"], st.st_size, st.st_mtime))
+    return found
+
+
+def held(kube: Kube, node: str) -> set[str]:
+    """The archives on `node` that KernelSessions' statuses name, as the API server's
+    cache has them (the grace covers its lag). ApiError if the list fails: then nothing
+    may be removed."""
+    names: set[str] = set()
+    after = None
+    while True:
+        page = kube.list("KernelSession", "", limit=PAGE, after=after, cached=after is None)
+        for item in page.get("items") or []:
+            snap = (item.get("status") or {}).get("snapshot") or {}
+            if snap.get("node") == node and snap.get("archive"):
+                names.add(str(snap["archive"]))
+        after = (page.get("metadata") or {}).get("continue")
+        if not after:
+            return names
+
+
+def stale(found: list[Archive], holding: set[str], now: float, *, grace: float) -> list[Archive]:
+    """Which of `found` go: those no session holds, `grace` seconds old or more."""
+    return [a for a in found if a.name not in holding and now - a.mtime >= grace]
+
+
+def sweep(kube: Kube, node: str, directory: Path, *, grace: float = GRACE) -> list[Archive]:
+    """One round: the archives removed. The directory is listed before the sessions, so
+    an archive made after the list of sessions is not judged by it. One that cannot be
+    removed is logged, and the others still are."""
+    found = archives(directory)
+    if not found:
+        return []
+    holding = held(kube, node)
+    removed = []
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for archive in stale(found, holding, time.time(), grace=grace):
+            try:
+                os.unlink(archive.name, dir_fd=fd)
+            except FileNotFoundError:
+                continue  # woken from meanwhile
+            except OSError as exc:
+                log.warning("could not remove %s: %s", archive.name, exc.strerror)
+                continue
+            removed.append(archive)
+            log.info(
+                "removed %s (%d bytes, %s/%s): no session holds it",
+                archive.name, archive.size, archive.namespace, archive.pod[3:],
+            )  # fmt: skip
+    finally:
+        os.close(fd)
+    return removed
+
+
+def run(
+    kube: Kube,
+    node: str,
+    directory: Path,
+    *,
+    every: float = EVERY,
+    grace: float = GRACE,
+    stop: threading.Event | None = None,
+) -> None:
+    """A round every `every` seconds until `stop` (or SIGTERM, SIGINT run from the main
+    thread). A round that fails is logged and the next one tries again."""
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+
+        def stopped(number: int, _: Any) -> None:
+            stop.set()
+
+        for number in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(number, stopped)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no checkpoints directory at {directory}")
+    log.info("sweeping %s for node %s every %.0f s", directory, node, every)
+    while not stop.is_set():
+        try:
+            sweep(kube, node, directory, grace=grace)
+        except (ApiError, OSError) as exc:
+            log.warning("snapshot sweep: %s: again in %.0f s", exc, every)
+        stop.wait(every)
