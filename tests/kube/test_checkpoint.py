@@ -26,6 +26,7 @@ import kubernetes
 import kubernetes.stream
 
 from mcp_forge.clients.kube import Kube
+from mcp_forge.control.snapshots import refusal
 
 from .cluster_common import NODE, ROOT
 from .conftest import RESTRICTED, delete_namespace, make_namespace
@@ -112,13 +113,8 @@ def _running(pod: dict[str, Any] | None) -> bool:
 
 
 def _refused(pod: dict[str, Any] | None) -> str:
-    """What the runtime said when it would not start the pod's container ("" if nothing)."""
-    for c in ((pod or {}).get("status") or {}).get("containerStatuses") or []:
-        for state in (c.get("state") or {}, c.get("lastState") or {}):
-            for why in state.values():
-                if "mcpforge-runc" in (why.get("message") or ""):
-                    return str(why["message"])
-    return ""
+    """What the handler said when it would not start the pod's container ("" if nothing)."""
+    return refusal(pod or {})
 
 
 class Log:

@@ -151,8 +151,9 @@ async def test_a_snapshot_past_its_age_is_dropped_by_itself_and_the_session_wake
             last = ((o or {}).get("status") or {}).get("lastRestore") or {}
             return last.get("outcome") == "Discarded"
 
-        obj = await eventually(kube, KS, ns, "aged", dropped, timeout=60, what="Discarded")
-        assert obj is not None and not obj["status"].get("snapshot"), obj
+        seen = await eventually(kube, KS, ns, "aged", dropped, timeout=60, what="Discarded")
+        assert seen is not None and not seen["status"].get("snapshot"), seen
+        obj = seen
         assert "kept for its longest" in obj["status"]["lastRestore"]["message"], obj["status"]
         assert "variables are lost (no snapshot)" in obj["status"]["message"], obj["status"]
         assert phase(obj) == "Suspended"
