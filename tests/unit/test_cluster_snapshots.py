@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import kubernetes
@@ -17,6 +18,8 @@ from test_render import CONN, K8S_VERSION, by_kind, session
 from mcp_forge.api.status import stamp
 from mcp_forge.clients.kubelet import dial, endpoint
 from mcp_forge.control import snapshots
+from mcp_forge.control.lifecycle import Activity
+from mcp_forge.control.realize import Children, Pass
 from mcp_forge.control.render import TEMPLATE_HASH, render_kubernetes
 from mcp_forge.errors import ApiError
 from mcp_forge.settings import Settings
@@ -163,3 +166,46 @@ def test_the_kubelet_is_dialled_with_an_in_cluster_token_not_at_the_api_server(
     assert url == "https://10.0.0.5:10250/checkpoint/a/b/c"
     assert headers["authorization"].lower() == "bearer secret-token"
     assert config.ssl_ca_cert == str(tmp_path / "ca.crt")
+
+
+NOW = 1_800_000_000.0
+HELD = {"node": "node-7", "archive": "checkpoint-ks-demo_team-kernel-1.tar"}
+
+
+def _pass(snap: dict[str, Any], pod: dict[str, Any] | None) -> Pass:
+    old = {"phase": "Suspended", "snapshot": snap}
+    found = Children(want_pod=pod or {}, secret=None, lease={}, pod=pod, pool=None, workspace=None)
+    return Pass(
+        session=session(), body={}, old=old, generation=1, now=NOW, found=found,
+        act=Activity(NOW), restart="", expires=None, stop=None, status=dict(old), due=[],
+        kernel_gen=0, pod=pod,
+    )  # fmt: skip
+
+
+def test_a_snapshot_past_its_age_is_dropped_unless_a_pod_is_waking_from_it() -> None:
+    """The operator alone judges a snapshot's age (the node's sweeper removes what no
+    status holds): a pod already waking from it is followed to its end, never orphaned."""
+    r: Any = SimpleNamespace(
+        settings=Settings(snapshot_runtime_class="mcpforge-restore", snapshot_max_age=100.0)
+    )
+    young, old = {**HELD, "takenAt": stamp(NOW - 40)}, {**HELD, "takenAt": stamp(NOW - 100)}
+    p = _pass(young, None)
+    snapshots.settle(r, p)
+    assert p.status["snapshot"] == young and p.due == [NOW + 60]  # looked at again then
+    p = _pass(old, None)
+    snapshots.settle(r, p)
+    assert p.status["snapshot"] is None
+    assert p.status["lastRestore"]["outcome"] == "Discarded"
+    assert "(100 s)" in p.status["lastRestore"]["message"]
+    waking = pod(True)
+    snapshots.waking({"snapshot": old}, waking)
+    p = _pass(old, waking)
+    snapshots.settle(r, p)
+    assert p.status["snapshot"] == old and "lastRestore" not in p.status and p.due == []
+    p = _pass(old, pod(True))  # a pod that is not waking from it
+    snapshots.settle(r, p)
+    assert p.status["snapshot"] is None
+    r.settings = Settings(snapshot_runtime_class="mcpforge-restore", snapshot_max_age=0.0)
+    p = _pass(old, None)
+    snapshots.settle(r, p)
+    assert p.status["snapshot"] == old and p.due == []  # no limit

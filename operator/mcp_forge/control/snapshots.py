@@ -78,7 +78,7 @@ def take(r: Reconciler, p: Pass) -> None:
     stop, pod = p.stop, p.pod
     if stop is None or stop.phase != st.SUSPENDED or pod is None:
         return
-    held = p.old.get("snapshot") or {}
+    held = p.status.get("snapshot") or {}  # as `settle` left it
     if held:
         woke = (pod["metadata"].get("annotations") or {}).get(RESTORE_FROM)
         if woke != held.get("archive") or not _tried(pod):
@@ -145,7 +145,8 @@ def settle(r: Reconciler, p: Pass) -> None:
     elif not snap or _woken_by(p.pod, snap):
         return
     elif expired(snap, max_age, p.now):
-        discard(p, f"the snapshot was kept for its longest ({max_age / 86_400:g} days)")
+        longest = f"{max_age / 86_400:g} days" if max_age >= 86_400 else f"{max_age:g} s"
+        discard(p, f"the snapshot was kept for its longest ({longest})")
     elif max_age and (taken := st.parse_time(snap.get("takenAt"))) is not None:
         p.due.append(taken + max_age)
 

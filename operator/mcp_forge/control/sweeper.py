@@ -73,13 +73,13 @@ def archives(directory: Path) -> list[Archive]:
 
 
 def held(kube: Kube, node: str) -> set[str]:
-    """The archives on `node` that KernelSessions' statuses name, as the API server's
-    cache has them (the grace covers its lag). ApiError if the list fails: then nothing
-    may be removed."""
+    """The archives on `node` that KernelSessions' statuses name, a page at a time (a
+    list from the API server's cache would ignore the limit and come whole, for every
+    node each minute). ApiError if the list fails: then nothing may be removed."""
     names: set[str] = set()
     after = None
     while True:
-        page = kube.list("KernelSession", "", limit=PAGE, after=after, cached=after is None)
+        page = kube.list("KernelSession", "", limit=PAGE, after=after)
         for item in page.get("items") or []:
             snap = (item.get("status") or {}).get("snapshot") or {}
             if snap.get("node") == node and snap.get("archive"):
