@@ -71,6 +71,9 @@ class Settings:
     # of runtime_class. "" = a suspend stops the kernel. snapshot_max_age (below) holds
     # there too: an older snapshot is discarded, and the nodes' sweepers remove it.
     snapshot_runtime_class: str = ""
+    # "<namespace>/<name>" of the ServiceAccount whose short-lived token the operator shows
+    # kubelets for a checkpoint (it may only checkpoint); "" = the operator's own credentials.
+    checkpoint_service_account: str = ""
     # Kernel pods' Localhost seccomp profile below the kubelet's seccomp root, as installed
     # on every node (docs/seccomp.md); "" = RuntimeDefault. Local mode always uses ours.
     seccomp_profile: str = ""

@@ -15,7 +15,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,9 @@ import yaml
 
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
+from mcp_forge.clients.kubelet import Kubelet
 from mcp_forge.control import snapshots
+from mcp_forge.errors import ApiError, InvalidRequest
 from mcp_forge.image.control_plane import build_control_plane, image_ref
 
 from .cluster_common import ROOT
@@ -58,12 +60,60 @@ print(x)
 
 
 @pytest.fixture
-async def snapshotting(kube: Kube, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any]:
-    """The operator, keeping suspended kernels' memory."""
+async def snapshotting(
+    kube: Kube, ns: str, test_cluster: ClusterUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Any]:
+    """The operator, keeping suspended kernels' memory; it shows kubelets the tokens of
+    a checkpointer as the overlay grants it (in this test's namespace)."""
     monkeypatch.setenv("MCPFORGE_SNAPSHOT_RUNTIME_CLASS", RESTORE_CLASS)
     await asyncio.to_thread(_runtime_class, RESTORE_CLASS, RESTORE_CLASS)
-    async with running_operator(kube) as op:
-        yield op
+    with checkpointer(test_cluster, ns) as account:
+        monkeypatch.setenv("MCPFORGE_CHECKPOINT_SERVICE_ACCOUNT", account)
+        async with running_operator(kube) as op:
+            yield op
+
+
+@contextlib.contextmanager
+def checkpointer(cluster: ClusterUnderTest, ns: str) -> Iterator[str]:
+    """The overlay's checkpointer ServiceAccount and its grant, made in `ns` (the
+    binding named for it); "<ns>/<name>" of the account."""
+    built = kubectl(cluster, "kustomize", str(ROOT_REPO / "manifests" / "overlays" / "snapshots"))
+    objects = [
+        o for o in yaml.safe_load_all(built)
+        if o and o["metadata"]["name"] == "mcp-forge-checkpointer"
+    ]  # fmt: skip
+    binding = f"mcp-forge-checkpointer-{ns}"
+    for o in objects:
+        if o["kind"] == "ServiceAccount":
+            o["metadata"]["namespace"] = ns
+        if o["kind"] == "ClusterRoleBinding":
+            o["metadata"]["name"] = binding
+            o["subjects"][0]["namespace"] = ns
+    kubectl(cluster, "apply", "-f", "-", input=yaml.safe_dump_all(objects))
+    try:
+        yield f"{ns}/mcp-forge-checkpointer"
+    finally:
+        kubectl(cluster, "delete", "clusterrolebinding", binding, "--ignore-not-found")
+
+
+async def test_the_kubelet_takes_a_checkpoint_from_the_checkpointers_token_and_no_other(
+    kube: Kube, ns: str, test_cluster: ClusterUnderTest
+) -> None:
+    """A token of a ServiceAccount without the grant is refused before anything is
+    looked at; the checkpointer's gets as far as the pod (none of that name here)."""
+    meta = {"name": "nobody", "namespace": ns}
+    nobody = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
+    await asyncio.to_thread(kube.create, nobody)
+    (node,) = [n["metadata"]["name"] for n in kube._call("GET", "/api/v1/nodes")["items"]]
+    with checkpointer(test_cluster, ns) as account:
+        for who, status in ((f"{ns}/nobody", 403), (account, 404)):
+            kubelet = Kubelet(kube, who)
+            with pytest.raises(ApiError) as refused:
+                await asyncio.to_thread(kubelet.checkpoint, node, ns, "no-such-pod", "kernel")
+            assert refused.value.status == status, (who, refused.value)
+            assert kubelet.token() == kubelet.token(), "a token is kept while it lives"
+    with pytest.raises(InvalidRequest, match="<namespace>/<name>"):
+        Kubelet(kube, "just-a-name")
 
 
 async def _suspended(kube: Kube, ns: str, name: str) -> dict[str, Any]:

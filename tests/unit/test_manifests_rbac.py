@@ -46,11 +46,13 @@ def grants(objs: list[dict[str, Any]], subject: tuple[str, str]) -> set[Grant]:
         role = roles[(ref["kind"], namespace if ref["kind"] == "Role" else "", ref["name"])]
         scope = CLUSTER if binding["kind"] == "ClusterRoleBinding" else namespace
         for rule in role["rules"]:
-            assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+            assert "nonResourceURLs" not in rule
+            named = rule.get("resourceNames")  # `resource:name` for each name
             for group in rule["apiGroups"]:
                 for res in rule["resources"]:
                     for verb in rule["verbs"]:
-                        out.add((scope, group, res, verb))
+                        for each in [f"{res}:{n}" for n in named] if named else [res]:
+                            out.add((scope, group, each, verb))
     return out
 
 
@@ -130,15 +132,29 @@ def test_the_cluster_wide_operator_has_exactly_its_rules_everywhere() -> None:
         assert expand(CLUSTER, OPERATOR_EGRESS_RULES) <= granted, "the egress grants"
 
 
-def test_the_snapshots_operator_may_checkpoint_at_the_kubelet_and_no_more() -> None:
-    """nodes/checkpoint, not nodes/proxy (which runs commands in any pod of a node)."""
-    granted = grants(build("overlays/snapshots"), OPERATOR_SA)
+def test_the_snapshots_operator_may_checkpoint_at_the_kubelet_through_a_token_and_no_more() -> None:
+    """The operator reads nodes and asks for the checkpointer's tokens; the checkpointer
+    may create nodes/checkpoint and nothing else: not nodes/proxy (which runs commands in
+    any pod of a node), and no pod runs as it."""
+    objs = build("overlays/snapshots")
+    granted = grants(objs, OPERATOR_SA)
     base = expand(CLUSTER, OPERATOR_RULES | OPERATOR_SCANNING)
     assert granted - base == {
         (CLUSTER, "", "nodes", "get"),
-        (CLUSTER, "", "nodes/checkpoint", "create"),
+        (SYSTEM, "", "serviceaccounts/token:mcp-forge-checkpointer", "create"),
     }
     assert base <= granted
+    checkpointer = (SYSTEM, "mcp-forge-checkpointer")
+    assert grants(objs, checkpointer) == {(CLUSTER, "", "nodes/checkpoint", "create")}
+    account = find(objs, "ServiceAccount", "mcp-forge-checkpointer", SYSTEM)
+    assert account["automountServiceAccountToken"] is False
+    env = {
+        e["name"]: e.get("value")
+        for e in find(objs, "Deployment", "mcp-forge-operator", SYSTEM)["spec"]["template"]["spec"][
+            "containers"
+        ][0]["env"]
+    }
+    assert env["MCPFORGE_CHECKPOINT_SERVICE_ACCOUNT"] == "/".join(checkpointer)
 
 
 def test_the_snapshot_sweeper_lists_sessions_and_sees_only_the_checkpoints_of_its_node() -> None:

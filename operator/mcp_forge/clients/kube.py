@@ -38,6 +38,7 @@ PATHS: dict[str, tuple[str, str]] = {
     "Lease": ("apis/coordination.k8s.io/v1", "leases"),
     "Event": ("api/v1", "events"),
     "PersistentVolumeClaim": ("api/v1", "persistentvolumeclaims"),
+    "ServiceAccount": ("api/v1", "serviceaccounts"),
     "KernelSession": (f"apis/{API_VERSION}", "kernelsessions"),
     "KernelSessionPool": (f"apis/{API_VERSION}", "kernelsessionpools"),
 }

@@ -7,16 +7,21 @@ that node. Called at the kubelet directly, the operator needs only `create` on
 API server's node proxy it would need `nodes/proxy`, which also lets its holder run
 commands in every pod of the node.
 
-The kubelet is dialled with the operator's own credentials (its ServiceAccount's token,
-or a kubeconfig's) and its serving certificate is checked against the cluster's CA: a
-node's kubelet must serve a certificate the cluster signed (`serverTLSBootstrap`, or one
-signed by hand as on the test node) for the node's address, which is what is dialled.
+The kubelet is shown a token of the checkpointer ServiceAccount when one is set
+(`checkpoint_service_account`: a TokenRequest of ten minutes, which may only checkpoint;
+a node that kept it could do no more, for no longer), else the operator's own
+credentials (its ServiceAccount's token, or a kubeconfig's). Its serving certificate is
+checked against the cluster's CA: a node's kubelet must serve a certificate the cluster
+signed (`serverTLSBootstrap`, or one signed by hand as on the test node) for the node's
+address, which is what is dialled.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -25,12 +30,14 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from mcp_forge.clients.kube import Kube
-from mcp_forge.errors import ApiError
+from mcp_forge.errors import ApiError, InvalidRequest
 
 # Seconds: CRIU writes the kernel's memory to the node's disk. The kubelet's own bound on
 # a runtime call is 2 minutes by default (runtimeRequestTimeout): asked for as much.
 CHECKPOINT_TIMEOUT = 120
 ANSWER_MAX = 64 << 10
+TOKEN_LIFE = 600  # seconds: the shortest a TokenRequest may ask for
+TOKEN_SPARE = 180  # seconds of life left when a token is asked for again
 
 
 @dataclass(frozen=True)
@@ -57,33 +64,73 @@ def endpoint(node: dict[str, Any]) -> str:
     return f"https://{host}:{port}"
 
 
-def dial(api: kubernetes.client.Configuration, host: str) -> kubernetes.client.Configuration:
-    """A configuration for the kubelet at `host`: the API server's credentials and CA, and
-    nothing else of `api`. Not a copy: an in-cluster configuration's token refresh hook
-    sets `host` back to the API server's at every call, and a kubeconfig's proxy or TLS
-    server name are the API server's."""
+def dial(
+    api: kubernetes.client.Configuration, host: str, token: str = ""
+) -> kubernetes.client.Configuration:
+    """A configuration for the kubelet at `host`: the API server's CA, and `token` or
+    else the API server's credentials, and nothing else of `api`. Not a copy: an
+    in-cluster configuration's token refresh hook sets `host` back to the API server's at
+    every call, and a kubeconfig's proxy or TLS server name are the API server's."""
     config = kubernetes.client.Configuration()
     config.host = host
     config.ssl_ca_cert = api.ssl_ca_cert
-    config.cert_file, config.key_file = api.cert_file, api.key_file
     config.verify_ssl = api.verify_ssl
-    token = api.get_api_key_with_prefix("BearerToken", alias="authorization")
-    if token:  # "Bearer <token>", read now (the hook refreshes an expiring one)
-        config.api_key = {"BearerToken": token}
+    if token:  # the kubelet would take a client certificate first
+        config.api_key = {"BearerToken": f"Bearer {token}"}
+        return config
+    config.cert_file, config.key_file = api.cert_file, api.key_file
+    bearer = api.get_api_key_with_prefix("BearerToken", alias="authorization")
+    if bearer:  # "Bearer <token>", read now (the hook refreshes an expiring one)
+        config.api_key = {"BearerToken": bearer}
     return config
 
 
 class Kubelet:
-    """Calls to nodes' kubelets with the credentials and CA of `kube`."""
+    """Calls to nodes' kubelets with the CA of `kube`, and the token of
+    `service_account` ("<namespace>/<name>") or else the credentials of `kube`."""
 
-    def __init__(self, kube: Kube) -> None:
+    def __init__(self, kube: Kube, service_account: str = "") -> None:
+        namespace, _, name = service_account.partition("/")
+        if service_account and not (namespace and name and "/" not in name):
+            raise InvalidRequest(
+                f"MCPFORGE_CHECKPOINT_SERVICE_ACCOUNT={service_account!r}: "
+                "expected <namespace>/<name> of a ServiceAccount"
+            )
         self.kube = kube
+        self.service_account = service_account
+        self._token = ("", 0.0)  # the token and when to ask again (monotonic)
+        self._lock = threading.Lock()
+
+    def token(self) -> str:
+        """A token of the checkpointer ServiceAccount ("" if none is set), asked for
+        again once most of its life is gone. ApiError if the API server refuses."""
+        if not self.service_account:
+            return ""
+        with self._lock:
+            token, renew = self._token
+            if token and time.monotonic() < renew:
+                return token
+            namespace, _, name = self.service_account.partition("/")
+            path = self.kube.path("ServiceAccount", namespace, name, "token")
+            body = {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {"expirationSeconds": TOKEN_LIFE},
+            }
+            asked = time.monotonic()
+            said = self.kube._call("POST", path, body=body) or {}
+            token = str((said.get("status") or {}).get("token") or "")
+            if not token:
+                raise ApiError(0, "NoToken", f"no token for {self.service_account}")
+            self._token = (token, asked + TOKEN_LIFE - TOKEN_SPARE)
+            return token
 
     def checkpoint(self, node: str, namespace: str, pod: str, container: str) -> Taken:
         """Checkpoint the container; where the archive is. ApiError says why not (the
         kubelet's answer: CRIU's failure, a container not running, a refusal)."""
         body = self.kube._call("GET", f"/api/v1/nodes/{quote(node, safe='')}")
-        client = kubernetes.client.ApiClient(dial(self.kube.client.configuration, endpoint(body)))
+        config = dial(self.kube.client.configuration, endpoint(body), self.token())
+        client = kubernetes.client.ApiClient(config)
         path = "/checkpoint/" + "/".join(quote(p, safe="") for p in (namespace, pod, container))
         try:
             method, url, headers, payload, _ = client.param_serialize(

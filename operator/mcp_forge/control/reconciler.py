@@ -101,7 +101,8 @@ class Reconciler:
         # The uid of the newest KernelSession seen under each name (handlers.session_event).
         self.newest: dict[tuple[str, str], str | None] = {}
         self.heard = Heard(self.answers.of)  # the watch's events of its own writes are not news
-        self.kubelet = Kubelet(kube)  # checkpoints (control/snapshots.py)
+        # checkpoints (control/snapshots.py)
+        self.kubelet = Kubelet(kube, settings.checkpoint_service_account)
 
     def close(self) -> None:
         # Calls already queued still run (each within the API client's timeouts), so a
