@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -159,6 +160,7 @@ class Settings:
                 if number <= 0:
                     raise InvalidRequest(f"MCPFORGE_{f.name.upper()} must be positive, got {raw}")
                 values[f.name] = number
+        service_account(str(values.get("checkpoint_service_account", "")))
         return cls(**values)  # type: ignore[arg-type]
 
     @property
@@ -169,3 +171,20 @@ class Settings:
     @property
     def store_path(self) -> Path:
         return self.state_dir / "store.db"
+
+
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def service_account(text: str) -> tuple[str, str]:
+    """`<namespace>/<name>` of a ServiceAccount (MCPFORGE_CHECKPOINT_SERVICE_ACCOUNT) as
+    its two parts; ("", "") for ""; InvalidRequest naming the value if it is not one."""
+    if not text:
+        return "", ""
+    namespace, _, name = text.partition("/")
+    if not (_NAME.fullmatch(namespace) and _NAME.fullmatch(name.replace(".", "-"))):
+        raise InvalidRequest(
+            f"MCPFORGE_CHECKPOINT_SERVICE_ACCOUNT={text[:300]!r}: expected <namespace>/<name> "
+            "of a ServiceAccount (lowercase letters, digits and '-')"
+        )
+    return namespace, name

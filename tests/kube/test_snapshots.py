@@ -82,18 +82,21 @@ def checkpointer(cluster: ClusterUnderTest, ns: str) -> Iterator[str]:
         o for o in yaml.safe_load_all(built)
         if o and o["metadata"]["name"] == "mcp-forge-checkpointer"
     ]  # fmt: skip
-    binding = f"mcp-forge-checkpointer-{ns}"
+    named = f"mcp-forge-checkpointer-{ns}"
     for o in objects:
         if o["kind"] == "ServiceAccount":
             o["metadata"]["namespace"] = ns
+        if o["kind"] == "ClusterRole":
+            o["metadata"]["name"] = named
         if o["kind"] == "ClusterRoleBinding":
-            o["metadata"]["name"] = binding
+            o["metadata"]["name"] = named
+            o["roleRef"]["name"] = named
             o["subjects"][0]["namespace"] = ns
     kubectl(cluster, "apply", "-f", "-", input=yaml.safe_dump_all(objects))
     try:
         yield f"{ns}/mcp-forge-checkpointer"
     finally:
-        kubectl(cluster, "delete", "clusterrolebinding", binding, "--ignore-not-found")
+        kubectl(cluster, "delete", "clusterrolebinding,clusterrole", named, "--ignore-not-found")
 
 
 async def test_the_kubelet_takes_a_checkpoint_from_the_checkpointers_token_and_no_other(
@@ -114,6 +117,35 @@ async def test_the_kubelet_takes_a_checkpoint_from_the_checkpointers_token_and_n
             assert kubelet.token() == kubelet.token(), "a token is kept while it lives"
     with pytest.raises(InvalidRequest, match="<namespace>/<name>"):
         Kubelet(kube, "just-a-name")
+
+
+def test_the_operator_may_ask_for_the_checkpointers_tokens_and_no_other_accounts(
+    ns: str, test_cluster: ClusterUnderTest
+) -> None:
+    """The overlay's Role, as the API server's authorizer reads it (resourceNames on a
+    subresource's create), made in this test's namespace for the operator's account."""
+    built = kubectl(
+        test_cluster, "kustomize", str(ROOT_REPO / "manifests" / "overlays" / "snapshots")
+    )
+    objects = [
+        o for o in yaml.safe_load_all(built)
+        if o and o["metadata"]["name"] == "mcp-forge-operator-checkpointer-token"
+    ]  # fmt: skip
+    assert {o["kind"] for o in objects} == {"Role", "RoleBinding"}
+    for o in objects:
+        o["metadata"]["namespace"] = ns
+        for subject in o.get("subjects") or []:
+            subject["namespace"] = ns
+    kubectl(test_cluster, "apply", "-f", "-", input=yaml.safe_dump_all(objects))
+    operator = f"--as=system:serviceaccount:{ns}:mcp-forge-operator"
+    for account, said in (("mcp-forge-checkpointer", "yes"), ("mcp-forge-gateway", "no")):
+        done = subprocess.run(
+            [test_cluster.bin("kubectl"), f"--kubeconfig={test_cluster.kubeconfig}", "-n", ns,
+             "auth", "can-i", "create", f"serviceaccounts/{account}", "--subresource=token",
+             operator],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert done.stdout.strip() == said, (account, done.stdout, done.stderr)
 
 
 async def _suspended(kube: Kube, ns: str, name: str) -> dict[str, Any]:

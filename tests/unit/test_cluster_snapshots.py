@@ -21,8 +21,8 @@ from mcp_forge.control import snapshots
 from mcp_forge.control.lifecycle import Activity
 from mcp_forge.control.realize import Children, Pass
 from mcp_forge.control.render import TEMPLATE_HASH, render_kubernetes
-from mcp_forge.errors import ApiError
-from mcp_forge.settings import Settings
+from mcp_forge.errors import ApiError, InvalidRequest
+from mcp_forge.settings import Settings, service_account
 
 
 def pod(snapshots_on: bool) -> dict[str, Any]:
@@ -209,3 +209,19 @@ def test_a_snapshot_past_its_age_is_dropped_unless_a_pod_is_waking_from_it() -> 
     p = _pass(old, None)
     snapshots.settle(r, p)
     assert p.status["snapshot"] == old and p.due == []  # no limit
+
+
+def test_the_checkpointer_is_named_namespace_slash_name_or_refused_saying_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert service_account("mcp-forge-system/mcp-forge-checkpointer") == (
+        "mcp-forge-system",
+        "mcp-forge-checkpointer",
+    )
+    assert service_account("") == ("", "")
+    for bad in ("checkpointer", "a/b/c", "/b", "a/", "A/b", "a/b c", "../x/y"):
+        with pytest.raises(InvalidRequest, match="MCPFORGE_CHECKPOINT_SERVICE_ACCOUNT"):
+            service_account(bad)
+    monkeypatch.setenv("MCPFORGE_CHECKPOINT_SERVICE_ACCOUNT", "no-slash")
+    with pytest.raises(InvalidRequest, match="no-slash"):
+        Settings.from_env()

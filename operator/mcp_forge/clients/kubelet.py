@@ -30,7 +30,8 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from mcp_forge.clients.kube import Kube
-from mcp_forge.errors import ApiError, InvalidRequest
+from mcp_forge.errors import ApiError
+from mcp_forge.settings import service_account
 
 # Seconds: CRIU writes the kernel's memory to the node's disk. The kubelet's own bound on
 # a runtime call is 2 minutes by default (runtimeRequestTimeout): asked for as much.
@@ -38,6 +39,7 @@ CHECKPOINT_TIMEOUT = 120
 ANSWER_MAX = 64 << 10
 TOKEN_LIFE = 600  # seconds: the shortest a TokenRequest may ask for
 TOKEN_SPARE = 180  # seconds of life left when a token is asked for again
+TOKEN_TIMEOUT = 10.0  # seconds: other checkpoints wait on the one asking
 
 
 @dataclass(frozen=True)
@@ -89,15 +91,10 @@ class Kubelet:
     """Calls to nodes' kubelets with the CA of `kube`, and the token of
     `service_account` ("<namespace>/<name>") or else the credentials of `kube`."""
 
-    def __init__(self, kube: Kube, service_account: str = "") -> None:
-        namespace, _, name = service_account.partition("/")
-        if service_account and not (namespace and name and "/" not in name):
-            raise InvalidRequest(
-                f"MCPFORGE_CHECKPOINT_SERVICE_ACCOUNT={service_account!r}: "
-                "expected <namespace>/<name> of a ServiceAccount"
-            )
+    def __init__(self, kube: Kube, account: str = "") -> None:
+        self.account = service_account(account)  # InvalidRequest if malformed
         self.kube = kube
-        self.service_account = service_account
+        self.service_account = account
         self._token = ("", 0.0)  # the token and when to ask again (monotonic)
         self._lock = threading.Lock()
 
@@ -110,24 +107,39 @@ class Kubelet:
             token, renew = self._token
             if token and time.monotonic() < renew:
                 return token
-            namespace, _, name = self.service_account.partition("/")
-            path = self.kube.path("ServiceAccount", namespace, name, "token")
+            path = self.kube.path("ServiceAccount", *self.account, "token")
             body = {
                 "apiVersion": "authentication.k8s.io/v1",
                 "kind": "TokenRequest",
                 "spec": {"expirationSeconds": TOKEN_LIFE},
             }
             asked = time.monotonic()
-            said = self.kube._call("POST", path, body=body) or {}
+            said = self.kube._call("POST", path, body=body, timeout=TOKEN_TIMEOUT) or {}
             token = str((said.get("status") or {}).get("token") or "")
             if not token:
                 raise ApiError(0, "NoToken", f"no token for {self.service_account}")
             self._token = (token, asked + TOKEN_LIFE - TOKEN_SPARE)
             return token
 
+    def forget(self) -> None:
+        """The token is asked for again at the next call (the kubelet refused it: its
+        ServiceAccount made again, say)."""
+        with self._lock:
+            self._token = ("", 0.0)
+
     def checkpoint(self, node: str, namespace: str, pod: str, container: str) -> Taken:
         """Checkpoint the container; where the archive is. ApiError says why not (the
-        kubelet's answer: CRIU's failure, a container not running, a refusal)."""
+        kubelet's answer: CRIU's failure, a container not running, a refusal). A token
+        the kubelet does not know (401) is asked for afresh and tried once more."""
+        try:
+            return self._checkpoint(node, namespace, pod, container)
+        except ApiError as exc:
+            if exc.status != 401 or not self.service_account:
+                raise
+        self.forget()
+        return self._checkpoint(node, namespace, pod, container)
+
+    def _checkpoint(self, node: str, namespace: str, pod: str, container: str) -> Taken:
         body = self.kube._call("GET", f"/api/v1/nodes/{quote(node, safe='')}")
         config = dial(self.kube.client.configuration, endpoint(body), self.token())
         client = kubernetes.client.ApiClient(config)
