@@ -115,6 +115,20 @@ async def test_the_kubelet_takes_a_checkpoint_from_the_checkpointers_token_and_n
                 await asyncio.to_thread(kubelet.checkpoint, node, ns, "no-such-pod", "kernel")
             assert refused.value.status == status, (who, refused.value)
             assert kubelet.token() == kubelet.token(), "a token is kept while it lives"
+        # A token of an account made again is not known to the kubelet (401): asked for
+        # afresh, once (a Kubelet of its own: the kubelet caches tokens it accepted).
+        kubelet = Kubelet(kube, account)
+        stale = kubelet.token()
+        name = account.split("/")[1]
+        await asyncio.to_thread(kube.delete, "ServiceAccount", ns, name)
+        meta = {"name": name, "namespace": ns}
+        await asyncio.to_thread(
+            kube.create, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
+        )
+        with pytest.raises(ApiError) as refused:
+            await asyncio.to_thread(kubelet.checkpoint, node, ns, "no-such-pod", "kernel")
+        assert refused.value.status == 404, refused.value
+        assert kubelet.token() != stale
     with pytest.raises(InvalidRequest, match="<namespace>/<name>"):
         Kubelet(kube, "just-a-name")
 
