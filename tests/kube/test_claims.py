@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 from mcp_forge.api import kernelsession
@@ -21,6 +23,7 @@ from mcp_forge.control.poolkeeper import PoolKeeper, Tally
 from mcp_forge.control.render import LABEL_SESSION, TEMPLATE_HASH
 from mcp_forge.settings import Settings
 
+from .cluster_common import ROOT
 from .harness import (
     KS,
     SMALL,
@@ -35,6 +38,7 @@ from .harness import (
 )
 from .pooling import POOL, counted, filled, members
 
+AUDIT = ROOT / "logs" / "audit.log"  # the test cluster API server's (cluster_config.py)
 HOLD = "mcpforge.dev/test-hold"  # a finalizer of a test's own, so an object stays a while
 
 
@@ -71,6 +75,49 @@ async def test_two_claims_at_once_never_share_a_kernel(
         assert secret is not None, name
         keys.add(key_in(secret))
     assert len(keys) == 3
+
+
+def operator_requests(since: int) -> list[str]:
+    """The operator's requests in the API server's audit log after byte `since` (the
+    operator's client names itself in its user agent), as "verb uri"."""
+    with AUDIT.open("rb") as f:
+        f.seek(since)
+        data = f.read()
+    out = []
+    for line in data[: data.rfind(b"\n") + 1].splitlines():
+        event = json.loads(line)
+        if str(event.get("userAgent", "")).startswith("mcp-forge-operator/"):
+            out.append(f"{event['verb']} {urllib.parse.unquote(event['requestURI'])}")
+    return out
+
+
+async def test_a_claim_is_made_from_what_the_watches_showed_of_the_pool(
+    kube: Kube, ns: str, operator: Any, images: dict[str, str]
+) -> None:
+    """A fresh session's claim starts from the pool and its kernels as the operator's
+    watches showed them (control/watched.py): neither is read between the session's
+    creation and its Ready, by the API server's own audit log."""
+    await asyncio.to_thread(kube.create, pool_body("seen", ns, 2, images["minimal"]))
+    await filled(kube, ns, "seen", 2)
+    since = AUDIT.stat().st_size
+    await asyncio.to_thread(
+        kube.create,
+        session_body(
+            "delta", ns, image=images["minimal"], resources=SMALL, poolRef={"name": "seen"}
+        ),
+    )
+    obj = await ready(kube, ns, "delta")
+    assert condition(obj, ksp.WARM_START)["reason"] == ksp.CLAIMED, obj["status"]
+    asked = operator_requests(since)
+    claimed = f"patch /api/v1/namespaces/{ns}/pods/{obj['status']['podName']}"
+    assert any(a.startswith(claimed) for a in asked), asked  # the log holds the claim
+    pool_reads = [
+        a
+        for a in asked
+        if a.startswith(f"get /apis/mcpforge.dev/v1alpha1/namespaces/{ns}/kernelsessionpools/")
+        or (a.startswith("list ") and f"{ksp.LABEL_POOL}=seen" in a)
+    ]
+    assert pool_reads == [], asked
 
 
 async def test_an_operator_stopped_between_claim_and_status_leaves_nothing_twice(

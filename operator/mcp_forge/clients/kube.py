@@ -23,6 +23,7 @@ import kubernetes.utils
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from mcp_forge import __version__
 from mcp_forge.api import secret as secrets
 from mcp_forge.api.kernelsession import API_VERSION, KernelSession
 from mcp_forge.errors import ApiError
@@ -153,6 +154,10 @@ class Kube:
         # Watches have connections of their own: one a watch leaves mid-stream is no
         # good for another call (see `watch`), and the calls' own stay warm meanwhile.
         self._watches = kubernetes.client.ApiClient(config)
+        # Audit logs name the user, which the operator and a gateway may share (a test's
+        # admin, a kubeconfig): the agent says which of them asked.
+        for client in (self.client, self._watches):
+            client.user_agent = f"{manager}/{__version__}"
 
     def close(self) -> None:
         self.client.close()  # type: ignore[no-untyped-call]

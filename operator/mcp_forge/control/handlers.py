@@ -216,6 +216,7 @@ async def pool_event(
     *, type: str | None, name: str, namespace: str | None, body: Any, memo: Any, **_: Any
 ) -> None:
     """A pool made, found at start-up or changed: filled (in the deadlines' task)."""
+    _reconciler(memo).pools.watched.saw(type, body)  # for claims (control/watched.py)
     if type == "DELETED":
         _reconciler(memo).forget(namespace or "default", name, kind=POOL)
         await _release(_reconciler(memo), namespace or "default")
@@ -232,10 +233,17 @@ async def pool_event(
     labels={"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_COMPONENT: "kernel"},
 )
 async def pool_kernel_event(
-    *, type: str, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
+    *,
+    type: str,
+    labels: Mapping[str, str],
+    namespace: str | None,
+    body: Any,
+    memo: Any,
+    **_: Any,
 ) -> None:
     """A pool's kernel changed (started, answered, died, went): look at its pool now.
     So too when a kernel claimed from a pool went: a pool at its maximum may start one."""
+    _reconciler(memo).pools.watched.saw(type, body)  # for claims (control/watched.py)
     pool = labels.get(ksp.LABEL_POOL)
     if pool is None and type == "DELETED":
         pool = labels.get(LABEL_CLAIMED_FROM)

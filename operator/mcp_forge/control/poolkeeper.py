@@ -75,6 +75,7 @@ from mcp_forge.control.render import (
     give_connection_secret,
     render_kubernetes,
 )
+from mcp_forge.control.watched import Watched
 from mcp_forge.errors import ApiError, InvalidSession, SecretError
 from mcp_forge.settings import Settings
 
@@ -194,6 +195,7 @@ class PoolKeeper:
         self.baseline = baseline or Baseline(kube)
         self.tally = Tally(kube)
         self.events = events.Recorder(kube)
+        self.watched = Watched()  # fed by the operator's watches (control/handlers.py)
 
     # ---- filling -------------------------------------------------------------------------
 
@@ -429,7 +431,11 @@ class PoolKeeper:
     # ---- claims --------------------------------------------------------------------------
 
     def look(self, namespace: str, name: str) -> Seen:
-        """The pool and its kernels, as a claim reads them."""
+        """The pool and its kernels, as a claim starts from them: as the operator's
+        watches last showed them (control/watched.py), else read."""
+        shown = self.watched.pool(namespace, name)
+        if shown is not None:
+            return Seen(*shown)
         return Seen(self.kube.get(KIND, namespace, name), self.members(namespace, name))
 
     def members(self, namespace: str, name: str, *, cached: bool = True) -> list[dict[str, Any]]:
@@ -481,6 +487,7 @@ class PoolKeeper:
                     why = f"claimed kernel {taken['metadata']['name']} of pool {name}"
                     return PodClaim(taken, ksp.CLAIMED, why)
         self.tally.add(pool, "misses")
+        self.watched.forget(ns, name)  # a pool deleted while the watch was away is read next
         return PodClaim(
             None, ksp.POOL_EXHAUSTED, f"pool {name!r} had no ready kernel: started cold"
         )

@@ -366,36 +366,30 @@ class Reconciler:
             return self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
 
         early = bool(pool) and early_claim(session, time.time())
+        # A claim's reads are queued first: the claim waits on them, then on its own
+        # write, while each create beside it takes one write.
         got = self._at_once(
+            lambda: self._kernel_pod(session, old, cached=fresh),
+            # Looked at afresh before a claim: it is what keeps the claimed pod closed.
+            lambda: self.baseline.ensure(ns, look=pool is not None),
+            lambda: self.pools.look(ns, pool) if pool else None,
             spec_of(service),
             spec_of(policy),
             lambda: self._lease(session, fresh=fresh),
             secret,
-            lambda: self._kernel_pod(session, old, cached=fresh),
-            lambda: self.kube.get(POOL, ns, pool) if pool else None,
-            lambda: self.pools.members(ns, pool) if pool else [],
             lambda: self._workspace(session, old, fresh=fresh),
-            # Looked at afresh before a claim: it is what keeps the claimed pod closed.
-            lambda: self.baseline.ensure(ns, look=pool is not None),
             after=(
-                (
-                    lambda made: self._claim_early(
-                        session, want_pod, *(made[i] for i in (4, 5, 6, 8))
-                    )
-                )
-                if early
-                else None
+                (lambda made: self._claim_early(session, want_pod, *made[:3])) if early else None
             ),
         )
-        seen = Seen(got[5], got[6]) if pool else None
         return Children(
             want_pod,
-            secret=got[3],
-            lease=got[2],
-            pod=got[4],
-            pool=seen,
+            secret=got[6],
+            lease=got[5],
+            pod=got[0],
+            pool=got[2],
             workspace=got[7],
-            claim=got[9] if len(got) > 9 else None,
+            claim=got[8] if len(got) > 8 else None,
         )
 
     def _lease(self, session: KernelSession, *, fresh: bool) -> dict[str, Any]:
@@ -408,19 +402,19 @@ class Reconciler:
         session: KernelSession,
         want_pod: dict[str, Any],
         pod: Future[Any],
-        pool: Future[Any],
-        members: Future[Any],
         baseline: Future[Any],
+        pool: Future[Any],
     ) -> PodClaim | None:
         """A fresh session's claim, made beside its Service, NetworkPolicy and Lease
         rather than after them (one API round trip sooner Ready; docs/security.md says
-        why that is safe): once the session is known to hold no kernel yet, the pool is
-        read and the namespace's baseline policy is in place: the futures of those calls
-        of `_children` (`_at_once`'s `after`)."""
+        why that is safe): once the session is known to hold no kernel yet, the
+        namespace's baseline policy is in place and the pool is looked at (as the
+        watches show it, control/watched.py): the futures of those calls of `_children`
+        (`_at_once`'s `after`)."""
         if pod.result() is not None:  # a claim of an earlier try, its status not written
             return None
         baseline.result()
-        seen = Seen(pool.result(), members.result())
+        seen: Seen = pool.result()
         template = want_pod["metadata"]["annotations"][TEMPLATE_HASH]
         claim = self.pools.claim(session, template, seen)
         if claim.pod is not None:
