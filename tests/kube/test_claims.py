@@ -96,7 +96,8 @@ async def test_a_claim_is_made_from_what_the_watches_showed_of_the_pool(
 ) -> None:
     """A fresh session's claim starts from the pool and its kernels as the operator's
     watches showed them (control/watched.py): neither is read between the session's
-    creation and its Ready, by the API server's own audit log."""
+    creation and its Ready, by the API server's own audit log; nor is the session itself
+    before its claim (its ADDED event brought it)."""
     await asyncio.to_thread(kube.create, pool_body("seen", ns, 2, images["minimal"]))
     await filled(kube, ns, "seen", 2)
     since = AUDIT.stat().st_size
@@ -110,14 +111,17 @@ async def test_a_claim_is_made_from_what_the_watches_showed_of_the_pool(
     assert condition(obj, ksp.WARM_START)["reason"] == ksp.CLAIMED, obj["status"]
     asked = operator_requests(since)
     claimed = f"patch /api/v1/namespaces/{ns}/pods/{obj['status']['podName']}"
-    assert any(a.startswith(claimed) for a in asked), asked  # the log holds the claim
-    pool_reads = [
-        a
-        for a in asked
-        if a.startswith(f"get /apis/mcpforge.dev/v1alpha1/namespaces/{ns}/kernelsessionpools/")
-        or (a.startswith("list ") and f"{ksp.LABEL_POOL}=seen" in a)
-    ]
-    assert pool_reads == [], asked
+    claims = [i for i, a in enumerate(asked) if a.startswith(claimed)]
+    assert claims, asked  # the log holds the claim
+    session = f"get /apis/mcpforge.dev/v1alpha1/namespaces/{ns}/kernelsessions/delta"
+    assert session not in asked[: claims[0]], asked
+    # The pool's own reconcile may run meanwhile (it reads the pool, then lists the
+    # namespace's sessions and kernels); a claim's reads were the pool and its kernels.
+    pool_get = f"get /apis/mcpforge.dev/v1alpha1/namespaces/{ns}/kernelsessionpools/seen"
+    session_list = f"list /apis/mcpforge.dev/v1alpha1/namespaces/{ns}/kernelsessions"
+    assert asked.count(pool_get) <= asked.count(session_list), asked
+    pods = f"list /api/v1/namespaces/{ns}/pods"
+    assert not [a for a in asked if a.startswith(pods) and f"{ksp.LABEL_POOL}=seen" in a], asked
 
 
 async def test_an_operator_stopped_between_claim_and_status_leaves_nothing_twice(

@@ -158,6 +158,7 @@ async def session_event(
     reconciler, ns = _reconciler(memo), namespace or "default"
     uid = (body.get("metadata") or {}).get("uid")
     current = reconciler.newest  # kopf's memo is each object's own: this is shared
+    reconciler.arrived(ns, name, type, body)
     if type != "DELETED":
         current[(ns, name)] = uid
         if unhandled(type, body):

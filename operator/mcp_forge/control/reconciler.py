@@ -42,7 +42,7 @@ from mcp_forge.control.baseline import Baseline
 from mcp_forge.control.egress import EgressUnavailable, Grants
 from mcp_forge.control.heard import Heard
 from mcp_forge.control.poolkeeper import PodClaim, PoolKeeper, Seen
-from mcp_forge.control.realize import Children, Outcome, early_claim, host_of, realize
+from mcp_forge.control.realize import Children, Outcome, early_claim, host_of, realize, unseen
 from mcp_forge.control.render import (
     LABEL_COMPONENT,
     LABEL_SESSION,
@@ -54,6 +54,7 @@ from mcp_forge.control.render import (
 )
 from mcp_forge.control.render_egress import Route, ca_of
 from mcp_forge.control.schedule import Key, Scheduler
+from mcp_forge.control.watched import kept
 from mcp_forge.egress import grant
 from mcp_forge.errors import ApiError, ForgeError, InvalidSession
 from mcp_forge.settings import Settings
@@ -100,6 +101,9 @@ class Reconciler:
         self._refused: dict[tuple[str, str], tuple[str, float, tuple[bool, str, str]]] = {}
         # The uid of the newest KernelSession seen under each name (handlers.session_event).
         self.newest: dict[tuple[str, str], str | None] = {}
+        # A session just made, as its ADDED event brought it: its first reconcile starts
+        # from it rather than read it again (`arrived`).
+        self._made: dict[tuple[str, str], dict[str, Any]] = {}
         self.heard = Heard(self.answers.of)  # the watch's events of its own writes are not news
         # checkpoints (control/snapshots.py)
         self.kubelet = Kubelet(kube, settings.checkpoint_service_account)
@@ -125,10 +129,20 @@ class Reconciler:
         """The lock a reconcile of that object holds."""
         return self._locks.setdefault((kind, namespace, name), asyncio.Lock())
 
+    def arrived(self, namespace: str, name: str, type: str | None, body: Any) -> None:
+        """A watch event of a session. One just made (ADDED, no status yet) is kept for
+        its first reconcile, one round trip sooner: the event is the object as the API
+        server stored it, and any later event drops it (that reconcile reads again)."""
+        if type == "ADDED" and unseen(body.get("status") or {}):
+            self._made[(namespace, name)] = kept(body)
+        else:
+            self._made.pop((namespace, name), None)
+
     def forget(self, namespace: str, name: str, *, kind: str = KS) -> None:
         self.schedule.forget((kind, namespace, name))
         self._locks.pop((kind, namespace, name), None)
         if kind == KS:
+            self._made.pop((namespace, name), None)
             self._refused.pop((namespace, name), None)
             self.heard.forget(namespace, name)
             self.answers.forget(namespace, name)
@@ -190,7 +204,7 @@ class Reconciler:
     # ---- the reconcile -------------------------------------------------------------------
 
     def _reconcile(self, namespace: str, name: str) -> Outcome:
-        body = self.kube.get("KernelSession", namespace, name)
+        body = self._made.pop((namespace, name), None) or self.kube.get(KS, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return Outcome(gone=True)
         meta = body["metadata"]

@@ -23,7 +23,7 @@ from mcp_forge.api import kernelsessionpool as ksp
 Body = dict[str, Any]
 
 
-def _kept(body: Mapping[str, Any]) -> Body:
+def kept(body: Mapping[str, Any]) -> Body:
     """A copy of a watch event's object without its managedFields (kopf's body is a view
     that a later event of the same object replaces; managedFields are most of a pod's
     size and nothing reads them)."""
@@ -49,18 +49,19 @@ class Watched:
         meta = body.get("metadata") or {}
         ns, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
         if body.get("kind") == ksp.KIND:
+            pool = kept(body) if type != "DELETED" else None
             with self._lock:
-                if type == "DELETED":
+                if pool is None:
                     self._pools.pop((ns, name), None)
                 else:
-                    self._pools[(ns, name)] = _kept(body)
+                    self._pools[(ns, name)] = pool
             return
         member = ksp.LABEL_POOL in (meta.get("labels") or {}) and type != "DELETED"
-        kept = _kept(body) if member else None
+        shown = kept(body) if member else None
         with self._lock:
             kernels = self._kernels.setdefault(ns, {})
-            if kept is not None:
-                kernels[name] = kept
+            if shown is not None:
+                kernels[name] = shown
             else:
                 kernels.pop(name, None)
                 if not kernels:
