@@ -23,6 +23,7 @@ import kopf
 
 from mcp_forge.api.connection import ConnectionInfo, connection_from_file
 from mcp_forge.clients.kube import Kube, connection_file_of
+from mcp_forge.control.events import RECONCILE_ERROR
 from mcp_forge.errors import ApiError
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.jupyter.execution import Collector
@@ -394,3 +395,24 @@ def connect_code(host: str, port: int, until_open: float = 0) -> str:
         "    finally:\n"
         "        s.close()\n"
     )
+
+
+HOLD = "mcpforge.dev/test-hold"  # a finalizer of a test's own, so an object stays a while
+
+
+async def failed_tries(kube: Kube, ns: str, name: str, times: int, timeout: float) -> None:
+    """Once the session's ReconcileError Events count `times` failed tries."""
+    deadline = time.monotonic() + timeout
+    while True:
+        listed = await asyncio.to_thread(
+            kube.list, "Event", ns, fields={"involvedObject.name": name}
+        )
+        told = [e for e in listed.get("items") or [] if e.get("reason") == RECONCILE_ERROR]
+        if sum(int(e.get("count") or 1) for e in told) >= times:
+            return
+        left = deadline - time.monotonic()
+        assert left > 0, f"fewer than {times} failed tries told: {told}"
+        rv = str(listed["metadata"]["resourceVersion"])
+        events = kube.watch("Event", ns, resource_version=rv, timeout=min(left, 5.0))
+        with contextlib.closing(events):
+            await asyncio.to_thread(next, events, None)  # the next Event in the namespace

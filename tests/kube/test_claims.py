@@ -8,27 +8,26 @@ once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import threading
-import time
 import urllib.parse
 from typing import Any
 
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
-from mcp_forge.control.events import RECONCILE_ERROR
 from mcp_forge.control.poolkeeper import PoolKeeper, Tally
 from mcp_forge.control.render import LABEL_SESSION, TEMPLATE_HASH
 from mcp_forge.settings import Settings
 
 from .cluster_common import ROOT
 from .harness import (
+    HOLD,
     KS,
     SMALL,
     condition,
     eventually,
+    failed_tries,
     key_in,
     phase,
     pool_body,
@@ -39,7 +38,6 @@ from .harness import (
 from .pooling import POOL, counted, filled, members
 
 AUDIT = ROOT / "logs" / "audit.log"  # the test cluster API server's (cluster_config.py)
-HOLD = "mcpforge.dev/test-hold"  # a finalizer of a test's own, so an object stays a while
 
 
 async def test_two_claims_at_once_never_share_a_kernel(
@@ -197,24 +195,6 @@ async def test_an_operator_stopped_between_claim_and_status_leaves_nothing_twice
         await eventually(
             kube, "Secret", ns, "ksp-race-deadbeef-conn", lambda s: s is None, what="collected"
         )
-
-
-async def failed_tries(kube: Kube, ns: str, name: str, times: int, timeout: float) -> None:
-    """Once the session's ReconcileError Events count `times` failed tries."""
-    deadline = time.monotonic() + timeout
-    while True:
-        listed = await asyncio.to_thread(
-            kube.list, "Event", ns, fields={"involvedObject.name": name}
-        )
-        told = [e for e in listed.get("items") or [] if e.get("reason") == RECONCILE_ERROR]
-        if sum(int(e.get("count") or 1) for e in told) >= times:
-            return
-        left = deadline - time.monotonic()
-        assert left > 0, f"fewer than {times} failed tries told: {told}"
-        rv = str(listed["metadata"]["resourceVersion"])
-        events = kube.watch("Event", ns, resource_version=rv, timeout=min(left, 5.0))
-        with contextlib.closing(events):
-            await asyncio.to_thread(next, events, None)  # the next Event in the namespace
 
 
 async def test_a_claim_made_beside_a_policy_not_made_yet_is_kept_not_made_twice(
