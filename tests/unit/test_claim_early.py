@@ -11,8 +11,8 @@ import pytest
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api.status import parse_time
-from mcp_forge.control.early import adopted, early_claim
 from mcp_forge.control.poolplan import LABEL_CLAIMED_FROM
+from mcp_forge.control.realize import adopted, early_claim
 
 CREATED = "2026-12-05T10:00:00Z"
 T0 = parse_time(CREATED) or 0.0

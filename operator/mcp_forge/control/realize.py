@@ -29,7 +29,6 @@ from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART
 from mcp_forge.control import snapshots
 from mcp_forge.control import workspace as ws
-from mcp_forge.control.early import adopted
 from mcp_forge.control.egress import EgressUnavailable, pod_addresses
 from mcp_forge.control.lifecycle import (
     Activity,
@@ -43,6 +42,7 @@ from mcp_forge.control.lifecycle import (
 )
 from mcp_forge.control.pods import Observation, observe
 from mcp_forge.control.poolkeeper import PodClaim, Seen
+from mcp_forge.control.poolplan import LABEL_CLAIMED_FROM
 from mcp_forge.control.render import (
     TEMPLATE_HASH,
     child_name,
@@ -79,8 +79,7 @@ class Children:
     pod: dict[str, Any] | None  # its kernel pod: its own, or one it claimed
     pool: Seen | None  # the pool it names, read for its first claim
     workspace: tuple[bool, str, str] | None  # its claim's WorkspaceSized condition, if shown
-    claim: PodClaim | None = None  # a fresh session's claim, made beside the rest (early.py)
-    made: dict[str, Any] | None = None  # a fresh session's own pod, made beside the rest
+    claim: PodClaim | None = None  # a fresh session's claim, made beside the rest (early_claim)
 
 
 @dataclass
@@ -203,8 +202,6 @@ def begin(
         claim = adopted(pod)
     if verdict.stop is not None and claim is not None:
         pod, claim = pod or claim.pod, None  # a claimed kernel not to run: it goes (stop_kernel)
-    if verdict.stop is not None and found.made is not None:
-        pod = pod or found.made  # nor a kernel made beside the children
     return Pass(
         session=session,
         body=body,
@@ -223,6 +220,35 @@ def begin(
         deadline=r.settings.progress_deadline,
         claim=claim,
     )
+
+
+def early_claim(session: KernelSession, now: float) -> bool:
+    """Whether a fresh session's claim may be made beside its children (`_children`): it
+    names a pool, asks to run and is not past its maxLifetime or idleTimeout already (a
+    session made while no operator ran: it stops, `stop_of`), and has no allow-list (a
+    grant's route and checks come before such a claim: `_claim`)."""
+    spec = session.spec
+    created = parse_time(session.body["metadata"].get("creationTimestamp")) or now
+    ends = [created + t for t in (spec.max_lifetime, spec.idle_timeout) if t]
+    return (
+        bool(spec.pool)
+        and spec.operating_mode == "Running"
+        and not spec.egress_rules
+        and all(now < end for end in ends)
+    )
+
+
+def adopted(pod: dict[str, Any]) -> PodClaim | None:
+    """The claim of a kernel that a session with no status yet holds: an earlier try's
+    (its status write lost, or a call beside the claim failed), said as the claim would
+    have been (WarmStart, its start, the pool's refill). None for a pod of its own, and
+    for one being deleted (a claim undone: its grant could not be written)."""
+    meta = pod["metadata"]
+    pool = (meta.get("labels") or {}).get(LABEL_CLAIMED_FROM)
+    if not pool or meta.get("deletionTimestamp"):
+        return None
+    why = f"claimed kernel {pod['metadata']['name']} of pool {pool}"
+    return PodClaim(pod, ksp.CLAIMED, why)
 
 
 def stop_kernel(r: Reconciler, p: Pass) -> None:
@@ -279,7 +305,7 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
                 return _failed(p, exc)
         if r.settings.snapshot_runtime_class:  # it wakes from the snapshot still held
             snapshots.waking(p.status, want_pod)
-        p.pod = p.found.made or r.kube.ensure(want_pod, likely_new=p.fresh)[0]
+        p.pod, _ = r.kube.ensure(want_pod, likely_new=p.fresh)
     pod = p.pod
     r.heard.wrote(session, pod)
     if pod["metadata"].get("uid") != old.get("kernelId"):

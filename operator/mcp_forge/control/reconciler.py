@@ -35,17 +35,18 @@ from mcp_forge.clients.kube import (
     key_of,
 )
 from mcp_forge.clients.kubelet import Kubelet
-from mcp_forge.control import early, events
+from mcp_forge.control import events
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.answers import Answers
 from mcp_forge.control.baseline import Baseline
 from mcp_forge.control.egress import EgressUnavailable, Grants
 from mcp_forge.control.heard import Heard
-from mcp_forge.control.poolkeeper import PoolKeeper
-from mcp_forge.control.realize import Children, Outcome, host_of, realize, unseen
+from mcp_forge.control.poolkeeper import PodClaim, PoolKeeper, Seen
+from mcp_forge.control.realize import Children, Outcome, early_claim, host_of, realize, unseen
 from mcp_forge.control.render import (
     LABEL_COMPONENT,
     LABEL_SESSION,
+    TEMPLATE_HASH,
     render_kubernetes,
     render_lease,
     render_workspace_claim,
@@ -348,12 +349,10 @@ class Reconciler:
         yet) most likely has none of them: they are created first, read only if there.
 
         The NetworkPolicy is in place when this returns, so before the status that says
-        Ready. A fresh session's kernel is claimed or made beside the rest (control/
-        early.py): a claim moves the pod out of its pool's NetworkPolicy, and the
-        namespace's baseline policy, looked at before the claim, keeps it closed until
-        this one is there; nothing of the client reaches a claimed kernel before Ready
-        (docs/security.md). A pod of its own is made once its Secret, NetworkPolicy and
-        workspace claim are, not waiting for the Service or the Lease.
+        Ready. A fresh session's claim is made beside it (`early_claim`): the claim moves
+        the pod out of its pool's NetworkPolicy, and the namespace's baseline policy,
+        looked at before the claim, keeps it closed until this one is there. Nothing of
+        the client reaches a claimed kernel before Ready (docs/security.md).
         """
         ns = session.namespace
         # Only the Secret holds keys: these need none (no key made to be thrown away).
@@ -380,14 +379,7 @@ class Reconciler:
                 return self._ensure(self._render(session, None)[0], session, likely_new=True)
             return self._owned(self.kube.get("Secret", ns, secret_name(session)), session)
 
-        def kernel(made: list[Future[Any]]) -> Any:
-            """Its kernel, claimed or made beside the rest once what it needs is there."""
-            pod, closed, seen, _, own_policy, _, own_secret, workspace = made
-            if pool:
-                return early.claim(self, session, want_pod, pod, closed, seen)
-            needed = [own_secret, own_policy, workspace, closed]
-            return early.start(self, session, want_pod, pod, needed)
-
+        early = bool(pool) and early_claim(session, time.time())
         # A claim's reads are queued first: the claim waits on them, then on its own
         # write, while each create beside it takes one write.
         got = self._at_once(
@@ -400,7 +392,9 @@ class Reconciler:
             lambda: self._lease(session, fresh=fresh),
             secret,
             lambda: self._workspace(session, old, fresh=fresh),
-            after=kernel if fresh and early.early_start(session, time.time()) else None,
+            after=(
+                (lambda made: self._claim_early(session, want_pod, *made[:3])) if early else None
+            ),
         )
         return Children(
             want_pod,
@@ -409,14 +403,37 @@ class Reconciler:
             pod=got[0],
             pool=got[2],
             workspace=got[7],
-            claim=got[8] if pool and len(got) > 8 else None,
-            made=got[8] if not pool and len(got) > 8 else None,
+            claim=got[8] if len(got) > 8 else None,
         )
 
     def _lease(self, session: KernelSession, *, fresh: bool) -> dict[str, Any]:
         lease = self._ensure(render_lease(session), session, likely_new=fresh)
         self.heard.wrote(session, {"kind": "Lease", **lease})
         return lease
+
+    def _claim_early(
+        self,
+        session: KernelSession,
+        want_pod: dict[str, Any],
+        pod: Future[Any],
+        baseline: Future[Any],
+        pool: Future[Any],
+    ) -> PodClaim | None:
+        """A fresh session's claim, made beside its Service, NetworkPolicy and Lease
+        rather than after them (one API round trip sooner Ready; docs/security.md says
+        why that is safe): once the session is known to hold no kernel yet, the
+        namespace's baseline policy is in place and the pool is looked at (as the
+        watches show it, control/watched.py): the futures of those calls of `_children`
+        (`_at_once`'s `after`)."""
+        if pod.result() is not None:  # a claim of an earlier try, its status not written
+            return None
+        baseline.result()
+        seen: Seen = pool.result()
+        template = want_pod["metadata"]["annotations"][TEMPLATE_HASH]
+        claim = self.pools.claim(session, template, seen)
+        if claim.pod is not None:
+            self.heard.wrote(session, claim.pod)
+        return claim
 
     def _workspace(
         self, session: KernelSession, old: dict[str, Any], *, fresh: bool
