@@ -1,6 +1,6 @@
 """What the operator's watches showed of pools and their kernels (control/watched.py), as
-a claim starts from it: the pool's own kernels only, one claimed since gone from them,
-deletions kept, copies that a later event does not change."""
+a claim starts from it: the pool's own kernels only, one claimed, deleted or no longer read
+since gone from them, copies that a later event does not change."""
 
 from __future__ import annotations
 
@@ -105,3 +105,19 @@ def test_a_pool_deleted_or_forgotten_is_read_again() -> None:
     w.saw("MODIFIED", pool())
     w.forget("a", "p")
     assert w.pool("a", "p") is None
+
+
+def test_a_kernel_a_read_or_a_claim_no_longer_finds_is_no_longer_shown() -> None:
+    """kopf, listing again after a broken watch, tells no deletions: a kernel deleted
+    meanwhile goes once the pool's kernels are read, or a claim finds it gone."""
+    w = Watched()
+    w.saw(None, pool())
+    for name in ("k1", "k2", "k3"):
+        w.saw("ADDED", pod(name))
+    w.saw("ADDED", pod("q1", pool="q"))
+    w.listed("a", "p", [pod("k1"), pod("k3")])
+    assert names(w.pool("a", "p")) == ["k1", "k3"]
+    w.gone("a", "k3")
+    assert names(w.pool("a", "p")) == ["k1"]
+    w.saw(None, pool("q"))
+    assert names(w.pool("a", "q")) == ["q1"], "another pool's kernels stay"

@@ -7,8 +7,10 @@ at once or at a deadline it keeps (control/schedule.py).
 
 A session's first reconcile is the one users wait for: its children are created without
 being read first (read only if there already), independent calls go side by side, and a
-kernel claimed from a pool brings its own Secret (the session makes none). The
-NetworkPolicy exists before a pod is claimed or the session is Ready.
+kernel claimed from a pool brings its own Secret (the session makes none). The claim
+starts from the pool and its kernels as the watches here showed them (control/watched.py)
+and is made beside the session's NetworkPolicy, under the namespace's closed policy; the
+session's own NetworkPolicy exists before a pod of its own is made or the session is Ready.
 
 No finalizer: children carry owner references and the API server's garbage collector
 removes them, so deleting a namespace never waits on this operator. No timers or

@@ -95,7 +95,7 @@ def _owner(kind: str, name: str, uid: str, api_version: str = API_VERSION) -> di
 
 @dataclass(frozen=True)
 class Seen:
-    """A pool as a claim reads it (two calls a caller may make alongside its own)."""
+    """A pool as a claim starts from it: as the watches showed it, or read (`look`)."""
 
     body: dict[str, Any] | None  # the KernelSessionPool, if there is one
     pods: list[dict[str, Any]]  # its kernel pods (label pool=<name>)
@@ -215,6 +215,7 @@ class PoolKeeper:
         sessions = self.kube.list(kernelsession.KIND, namespace).get("items") or []
         kernels = self.kube.list("Pod", namespace, labels=KERNEL_LABELS).get("items") or []
         pods = [p for p in kernels if label_value(p, ksp.LABEL_POOL) == name]
+        self.watched.listed(namespace, name, pods)  # for claims (control/watched.py)
         claimed = claimed_from(name, sessions, kernels)
         members = []
         for pod in pods:
@@ -439,10 +440,11 @@ class PoolKeeper:
         return Seen(self.kube.get(KIND, namespace, name), self.members(namespace, name))
 
     def members(self, namespace: str, name: str, *, cached: bool = True) -> list[dict[str, Any]]:
-        """The pool's kernel pods, claimed or not, ready or not, as a claim reads them:
-        first from the API server's cache, at once (a pod claimed meanwhile, shown as it
-        was, is refused to the claim by its resourceVersion; one ready since, not shown
-        so, is found by the claim's second, consistent read)."""
+        """The pool's kernel pods, ready or not, as a claim reads them when the watches
+        have shown none of that pool (`look`): from the API server's cache, at once (a
+        pod claimed meanwhile, shown as it was, is refused to the claim by its
+        resourceVersion; one ready since, not shown so, is found by the claim's second,
+        consistent read, `cached=False`)."""
         labels = {ksp.LABEL_POOL: name}
         listed = self.kube.list("Pod", namespace, labels=labels, cached=cached)
         return listed.get("items") or []
@@ -480,6 +482,7 @@ class PoolKeeper:
         for fresh in (False, True):
             if fresh:  # the cache had none to take: it may be behind, so read the pods afresh
                 seen = Seen(body, self.members(ns, name, cached=False))
+                self.watched.listed(ns, name, seen.pods)
             for pod in self._ready(pool, seen.pods, session):
                 taken = self._take(pool, pod, session, template_hash)
                 if taken is not None:
@@ -527,6 +530,8 @@ class PoolKeeper:
         try:
             taken = self.kube.patch("Pod", session.namespace, meta["name"], patch)
         except ApiError as exc:
+            if exc.not_found:  # the pool's own delete came first, or a watch missed it
+                self.watched.gone(session.namespace, meta["name"])
             if exc.conflict or exc.not_found:
                 return None  # another claim, or the pool's own delete, wrote it first
             raise

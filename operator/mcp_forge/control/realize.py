@@ -77,7 +77,7 @@ class Children:
     secret: dict[str, Any] | None  # its own connection Secret (not read for a fresh one)
     lease: dict[str, Any]
     pod: dict[str, Any] | None  # its kernel pod: its own, or one it claimed
-    pool: Seen | None  # the pool it names, read for its first claim
+    pool: Seen | None  # the pool it names, as its first claim starts from it (`look`)
     workspace: tuple[bool, str, str] | None  # its claim's WorkspaceSized condition, if shown
     claim: PodClaim | None = None  # a fresh session's claim, made beside the rest (early_claim)
 

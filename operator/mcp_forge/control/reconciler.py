@@ -1,7 +1,9 @@
 """The operator's reconciler: every KernelSession kept true on a cluster, by one
 level-based `reconcile` whatever woke it (a change, an event of a child, a deadline).
 
-It reads the session and its children afresh, makes them what the spec says (Secret with
+It reads the session and its children afresh (a session's first reconcile starts from its
+ADDED event, and a claim from the pool as the watches showed it: control/watched.py),
+makes them what the spec says (Secret with
 a key kept across reconciles, Service, NetworkPolicy, Lease, Pod: control/realize.py's
 pipeline), and writes status only when it changed. Calls for one session are serialized;
 sessions reconcile in parallel, their API calls side by side in a pool of threads. The
@@ -49,7 +51,6 @@ from mcp_forge.control.render import (
     TEMPLATE_HASH,
     render_kubernetes,
     render_lease,
-    render_workspace_claim,
     secret_name,
 )
 from mcp_forge.control.render_egress import Route, ca_of
@@ -61,11 +62,14 @@ from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
 
-RESIZE_RETRY = 300.0  # a claim the API server refused to grow is asked again after this
 # A pool is refilled this long after a claim: the claimed session's client reads its
 # Secret and connects meanwhile (on 2 cores, a refill's Secret and pod beside them cost
 # it tens of ms), while a new kernel takes seconds to start either way.
 REFILL_AFTER = 0.2
+# A reconcile that found its session gone looks again after this if a session of that
+# name was made meanwhile (its poke went with the old one's): its DELETED event, if the
+# gone one's, cancels that.
+GONE_AGAIN = 1.0
 CALLS = 16  # API calls of those reconciles made side by side (threads)
 
 KS = kernelsession.KIND
@@ -96,9 +100,7 @@ class Reconciler:
         self.answers = Answers(kube, self.poke)
         self.egress = Grants(kube, settings)
         self._calls = concurrent.futures.ThreadPoolExecutor(CALLS, "mcp-forge-api")
-        # Workspace claims the API server refused to grow: (namespace, name) -> (size
-        # asked, when, the condition said), so a refusal is asked again only now and then.
-        self._refused: dict[tuple[str, str], tuple[str, float, tuple[bool, str, str]]] = {}
+        self.workspaces = ws.Claims(kube)
         # The uid of the newest KernelSession seen under each name (handlers.session_event).
         self.newest: dict[tuple[str, str], str | None] = {}
         # A session just made, as its ADDED event brought it: its first reconcile starts
@@ -132,8 +134,11 @@ class Reconciler:
     def arrived(self, namespace: str, name: str, type: str | None, body: Any) -> None:
         """A watch event of a session. One just made (ADDED, no status yet) is kept for
         its first reconcile, one round trip sooner: the event is the object as the API
-        server stored it, and any later event drops it (that reconcile reads again)."""
-        if type == "ADDED" and unseen(body.get("status") or {}):
+        server stored it, and any later event drops it (that reconcile reads again). Not
+        if a reconcile of that name has run since the last one went (an event of an
+        earlier session's child): that one may have written its status already."""
+        ran = (KS, namespace, name) in self._locks
+        if type == "ADDED" and not ran and unseen(body.get("status") or {}):
             self._made[(namespace, name)] = kept(body)
         else:
             self._made.pop((namespace, name), None)
@@ -143,7 +148,7 @@ class Reconciler:
         self._locks.pop((kind, namespace, name), None)
         if kind == KS:
             self._made.pop((namespace, name), None)
-            self._refused.pop((namespace, name), None)
+            self.workspaces.forget(namespace, name)
             self.heard.forget(namespace, name)
             self.answers.forget(namespace, name)
 
@@ -196,6 +201,8 @@ class Reconciler:
             self.poke(namespace, outcome.refill, time.time() + REFILL_AFTER, kind=POOL)
         if outcome.gone:
             self.forget(namespace, name)
+            if (namespace, name) in self.newest:  # a new one of that name, poked meanwhile
+                self.poke(namespace, name, time.time() + GONE_AGAIN)
             return outcome
         resync = time.time() + self.settings.operator_resync
         self.poke(namespace, name, min(resync, outcome.due or resync))
@@ -204,7 +211,9 @@ class Reconciler:
     # ---- the reconcile -------------------------------------------------------------------
 
     def _reconcile(self, namespace: str, name: str) -> Outcome:
-        body = self._made.pop((namespace, name), None) or self.kube.get(KS, namespace, name)
+        body = self._made.pop((namespace, name), None)
+        if body is None or body["metadata"].get("uid") != self.newest.get((namespace, name)):
+            body = self.kube.get(KS, namespace, name)  # or the kept one is not the newest
         if body is None or body["metadata"].get("deletionTimestamp"):
             return Outcome(gone=True)
         meta = body["metadata"]
@@ -391,7 +400,7 @@ class Reconciler:
             spec_of(policy),
             lambda: self._lease(session, fresh=fresh),
             secret,
-            lambda: self._workspace(session, old, fresh=fresh),
+            lambda: self.workspaces.ensure(session, old, fresh=fresh),
             after=(
                 (lambda made: self._claim_early(session, want_pod, *made[:3])) if early else None
             ),
@@ -434,59 +443,6 @@ class Reconciler:
         if claim.pod is not None:
             self.heard.wrote(session, claim.pod)
         return claim
-
-    def _workspace(
-        self, session: KernelSession, old: dict[str, Any], *, fresh: bool
-    ) -> tuple[bool, str, str] | None:
-        """A persistent workspace's claim: made if absent, owned as its reclaimPolicy says
-        (Delete: by the session, so the garbage collector deletes it with the session),
-        grown when spec.workspace.size asks for more (control/workspace.py); the
-        WorkspaceSized condition to show, if any.
-
-        A claim left by an earlier session of that name is taken over if it was retained
-        (it has no owner); one the earlier session still owns is being deleted with it:
-        this session's pod waits (the reconcile is retried) rather than mount old files.
-        """
-        want = render_workspace_claim(session)
-        if want is None:
-            return None
-        ns, name = session.namespace, want["metadata"]["name"]
-        current, made = self.kube.ensure(want, likely_new=fresh)
-        if not made:
-            meta = current["metadata"]
-            refs = meta.get("ownerReferences") or []
-            if meta.get("deletionTimestamp") or any(r.get("uid") != session.uid for r in refs):
-                raise ApiError(
-                    409,
-                    "Conflict",
-                    f"the workspace claim {name} of an earlier session of that name is being "
-                    "deleted",
-                )
-            owners = want["metadata"].get("ownerReferences") or []
-            if refs != owners:  # reclaimPolicy changed, or a retained claim taken over
-                log.info("workspace claim %s/%s: owners now %s", ns, name, owners)
-                patch = {"metadata": {"ownerReferences": owners or None}}
-                self.kube.patch("PersistentVolumeClaim", ns, name, patch)
-        shown = any(c.get("type") == ws.WORKSPACE_SIZED for c in old.get("conditions") or [])
-        size = ws.sizing(current, session.spec.workspace_size, shown=shown)
-        if size.grow_to is None:
-            self._refused.pop((ns, session.name), None)
-            return size.condition
-        asked, at, said = self._refused.get((ns, session.name), ("", 0.0, size.condition))
-        if asked == size.grow_to and time.monotonic() - at < RESIZE_RETRY:
-            return said  # refused lately: not asked again on every event
-        log.info("workspace claim %s/%s: growing to %s", ns, name, size.grow_to)
-        grow = {"spec": {"resources": {"requests": {"storage": size.grow_to}}}}
-        try:
-            self.kube.patch("PersistentVolumeClaim", ns, name, grow)
-        except ApiError as exc:
-            if exc.status not in (403, 422):  # refused, not failed: said in the status
-                raise
-            said = ws.refused(name, size.grow_to, str(exc))
-            self._refused[(ns, session.name)] = (size.grow_to, time.monotonic(), said)
-            return said
-        self._refused.pop((ns, session.name), None)
-        return size.condition
 
     def _render(
         self, session: KernelSession, secret: dict[str, Any] | None

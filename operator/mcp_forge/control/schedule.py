@@ -4,7 +4,8 @@ bounded number at once, retrying a failed one with exponential backoff.
 
 As client-go's workqueue: a key is worked on by one task at a time, and the pokes that
 come while it is (the kubelet's writes of a starting pod, one after another) make one
-more run after it, not one each: that run reads everything afresh anyway.
+more run after it, not one each: that run reads everything afresh anyway (only a
+session's first run may start from its ADDED event, which any later event drops).
 
 No timers or daemons of kopf's (they would add a finalizer to every session): the
 deadlines are kept here. The work itself is the reconciler's (control/reconciler.py).

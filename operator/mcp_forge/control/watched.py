@@ -8,7 +8,10 @@ pool_kernel_event): each event is kept here, and `PoolKeeper.claim` starts from 
 
 Nothing is trusted that matters: a kernel shown here that was claimed since, or is gone,
 is refused to the claim by its resourceVersion (409) or its absence (404); when nothing
-here could be claimed, the claim reads the pool and its kernels afresh, as before.
+here could be claimed, the claim reads the pool and its kernels afresh, as before. A kernel
+found gone is dropped, and so is one that a read of the pool's kernels (the claim's, the
+pool's reconcile's) no longer has: kopf, listing again after a broken watch, tells no
+deletions. A pool found empty is read afresh by the next claim.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ def kept(body: Mapping[str, Any]) -> Body:
     if isinstance(meta, dict):
         meta.pop("managedFields", None)
     return kept
+
+
+def _pool_of(pod: Body) -> str | None:
+    label: str | None = (pod["metadata"].get("labels") or {}).get(ksp.LABEL_POOL)
+    return label
 
 
 class Watched:
@@ -75,11 +83,26 @@ class Watched:
             if body is None:
                 return None
             kernels = [
-                pod
-                for pod in self._kernels.get(namespace, {}).values()
-                if pod["metadata"].get("labels", {}).get(ksp.LABEL_POOL) == name
+                pod for pod in self._kernels.get(namespace, {}).values() if _pool_of(pod) == name
             ]
         return body, kernels
+
+    def listed(self, namespace: str, pool: str, pods: list[Body]) -> None:
+        """The pool's kernels as a read of the API server just gave them: one the watch
+        never said was deleted (kopf, listing again after a broken watch, tells no
+        deletions) goes. One made since the read goes too, until its next event: it
+        is only not offered to a claim."""
+        there = {p["metadata"]["name"] for p in pods}
+        with self._lock:
+            kernels = self._kernels.get(namespace, {})
+            for name in [n for n, p in kernels.items() if _pool_of(p) == pool]:
+                if name not in there:
+                    del kernels[name]
+
+    def gone(self, namespace: str, name: str) -> None:
+        """A kernel a claim found gone (404)."""
+        with self._lock:
+            self._kernels.get(namespace, {}).pop(name, None)
 
     def forget(self, namespace: str, name: str) -> None:
         """The pool as shown here was wrong (a claim found nothing of it): read next."""
