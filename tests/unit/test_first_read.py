@@ -49,14 +49,18 @@ def test_any_later_event_or_one_with_a_status_is_not_kept() -> None:
     r.close()
 
 
-def test_not_kept_once_a_reconcile_of_that_name_has_run() -> None:
-    """An earlier session's child woke a reconcile of that name, which may have written
-    the new session's status already: its ADDED body is older than that."""
+def test_not_kept_once_a_reconcile_has_read_that_session() -> None:
+    """A reconcile woken by an earlier session's child read the new session of that name
+    and may have written its status: its ADDED body, coming later, is older than that.
+    The session's DELETED event lets the next one of that name be kept again."""
     r = reconciler()
-    r.lock("a", "s")  # what a reconcile of that name holds
+    r._read[("a", "s")] = "u1"  # as _reconcile notes what it read
     r.arrived("a", "s", "ADDED", body())
     assert ("a", "s") not in r._made
-    r.forget("a", "s")  # gone: the next one of that name is kept again
+    r.forget("a", "s")  # a forget alone (the reconcile found it gone) does not clear it
+    r.arrived("a", "s", "ADDED", body())
+    assert ("a", "s") not in r._made
+    r.arrived("a", "s", "DELETED", body())
     r.arrived("a", "s", "ADDED", body(uid="u2"))
     assert r._made[("a", "s")]["metadata"]["uid"] == "u2"
     r.close()

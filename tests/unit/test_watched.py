@@ -121,3 +121,14 @@ def test_a_kernel_a_read_or_a_claim_no_longer_finds_is_no_longer_shown() -> None
     assert names(w.pool("a", "p")) == ["k1"]
     w.saw(None, pool("q"))
     assert names(w.pool("a", "q")) == ["q1"], "another pool's kernels stay"
+
+
+def test_a_pool_its_reconcile_found_gone_goes_with_its_kernels() -> None:
+    w = Watched()
+    w.saw(None, pool())
+    w.saw("ADDED", pod("k1"))
+    w.dropped("a", "p")
+    assert w.pool("a", "p") is None
+    w.saw(None, pool())  # made again: none of the old kernels is offered
+    assert names(w.pool("a", "p")) == []
+    assert w._kernels == {}, "nothing kept for the namespace"

@@ -203,6 +203,7 @@ class PoolKeeper:
         """Make the pool's kernels what its spec says; when to look again (None: gone)."""
         body = self.kube.get(KIND, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
+            self.watched.dropped(namespace, name)  # claims read it, if it comes back
             return None
         try:
             spec_only = {k: v for k, v in body.items() if k != "status"}

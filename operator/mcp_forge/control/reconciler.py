@@ -66,10 +66,6 @@ log = logging.getLogger(__name__)
 # Secret and connects meanwhile (on 2 cores, a refill's Secret and pod beside them cost
 # it tens of ms), while a new kernel takes seconds to start either way.
 REFILL_AFTER = 0.2
-# A reconcile that found its session gone looks again after this if a session of that
-# name was made meanwhile (its poke went with the old one's): its DELETED event, if the
-# gone one's, cancels that.
-GONE_AGAIN = 1.0
 CALLS = 16  # API calls of those reconciles made side by side (threads)
 
 KS = kernelsession.KIND
@@ -106,6 +102,10 @@ class Reconciler:
         # A session just made, as its ADDED event brought it: its first reconcile starts
         # from it rather than read it again (`arrived`).
         self._made: dict[tuple[str, str], dict[str, Any]] = {}
+        # The uid of the session each name's reconciles last read (or started from): an
+        # ADDED body of that uid is no news to them. Kept past `forget`, dropped with
+        # that session's DELETED event.
+        self._read: dict[tuple[str, str], str] = {}
         self.heard = Heard(self.answers.of)  # the watch's events of its own writes are not news
         # checkpoints (control/snapshots.py)
         self.kubelet = Kubelet(kube, settings.checkpoint_service_account)
@@ -135,13 +135,15 @@ class Reconciler:
         """A watch event of a session. One just made (ADDED, no status yet) is kept for
         its first reconcile, one round trip sooner: the event is the object as the API
         server stored it, and any later event drops it (that reconcile reads again). Not
-        if a reconcile of that name has run since the last one went (an event of an
-        earlier session's child): that one may have written its status already."""
-        ran = (KS, namespace, name) in self._locks
-        if type == "ADDED" and not ran and unseen(body.get("status") or {}):
-            self._made[(namespace, name)] = kept(body)
+        if a reconcile has read that session already (one woken by an earlier session's
+        child, say): it may have written its status since."""
+        key, uid = (namespace, name), (body.get("metadata") or {}).get("uid")
+        if type == "ADDED" and self._read.get(key) != uid and unseen(body.get("status") or {}):
+            self._made[key] = kept(body)
         else:
-            self._made.pop((namespace, name), None)
+            self._made.pop(key, None)
+        if type == "DELETED" and self._read.get(key) == uid:
+            del self._read[key]
 
     def forget(self, namespace: str, name: str, *, kind: str = KS) -> None:
         self.schedule.forget((kind, namespace, name))
@@ -183,6 +185,7 @@ class Reconciler:
     async def reconcile(self, namespace: str, name: str) -> Outcome:
         key = (KS, namespace, name)
         lock = self._locks.setdefault(key, asyncio.Lock())
+        newest = self.newest.get((namespace, name))
         async with lock:
             try:
                 with metrics.timed(metrics.RECONCILE_SECONDS, metrics.RECONCILE_ERRORS, kind=KS):
@@ -201,8 +204,8 @@ class Reconciler:
             self.poke(namespace, outcome.refill, time.time() + REFILL_AFTER, kind=POOL)
         if outcome.gone:
             self.forget(namespace, name)
-            if (namespace, name) in self.newest:  # a new one of that name, poked meanwhile
-                self.poke(namespace, name, time.time() + GONE_AGAIN)
+            if self.newest.get((namespace, name)) not in (None, newest):
+                self.poke(namespace, name)  # one of that name made meanwhile: its poke went
             return outcome
         resync = time.time() + self.settings.operator_resync
         self.poke(namespace, name, min(resync, outcome.due or resync))
@@ -211,12 +214,18 @@ class Reconciler:
     # ---- the reconcile -------------------------------------------------------------------
 
     def _reconcile(self, namespace: str, name: str) -> Outcome:
-        body = self._made.pop((namespace, name), None)
-        if body is None or body["metadata"].get("uid") != self.newest.get((namespace, name)):
-            body = self.kube.get(KS, namespace, name)  # or the kept one is not the newest
+        key = (namespace, name)
+        body = self._made.pop(key, None)
+        if body is not None:  # not if it is no longer the newest, or was read already
+            uid = body["metadata"].get("uid")
+            if uid != self.newest.get(key) or uid == self._read.get(key):
+                body = None
+        if body is None:
+            body = self.kube.get(KS, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return Outcome(gone=True)
         meta = body["metadata"]
+        self._read[key] = str(meta.get("uid"))
         generation = int(meta.get("generation") or 1)
         old: dict[str, Any] = body.get("status") or {}
         now = time.time()

@@ -98,11 +98,22 @@ class Watched:
             for name in [n for n, p in kernels.items() if _pool_of(p) == pool]:
                 if name not in there:
                     del kernels[name]
+            self._tidy(namespace)
 
     def gone(self, namespace: str, name: str) -> None:
         """A kernel a claim found gone (404)."""
         with self._lock:
             self._kernels.get(namespace, {}).pop(name, None)
+            self._tidy(namespace)
+
+    def dropped(self, namespace: str, pool: str) -> None:
+        """A pool its reconcile found gone, with its kernels (a watch may not have said)."""
+        self.listed(namespace, pool, [])
+        self.forget(namespace, pool)
+
+    def _tidy(self, namespace: str) -> None:
+        if not self._kernels.get(namespace, True):
+            del self._kernels[namespace]
 
     def forget(self, namespace: str, name: str) -> None:
         """The pool as shown here was wrong (a claim found nothing of it): read next."""
