@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -290,21 +291,25 @@ async def local_baseline(runs: int) -> list[float]:
     from mcp_forge.runtimes.local.runtime import LocalRuntime
     from mcp_forge.settings import Settings
 
-    runtime = LocalRuntime(Settings(state_dir=Path(tempfile.mkdtemp(prefix="bench-", dir="/tmp"))))
+    state = Path(tempfile.mkdtemp(prefix="bench-", dir="/tmp"))
+    runtime = LocalRuntime(Settings(state_dir=state))
     out = []
-    for _ in range(runs):
-        name = f"l-{uuid.uuid4().hex[:8]}"
-        t = time.perf_counter()
-        await runtime.apply(
-            {
-                "apiVersion": "mcpforge.dev/v1alpha1",
-                "kind": KS,
-                "metadata": {"name": name},
-                "spec": {"image": MINIMAL},
-            }
-        )
-        out.append(time.perf_counter() - t)
-        await runtime.delete(name)
+    try:
+        for _ in range(runs):
+            name = f"l-{uuid.uuid4().hex[:8]}"
+            t = time.perf_counter()
+            await runtime.apply(
+                {
+                    "apiVersion": "mcpforge.dev/v1alpha1",
+                    "kind": KS,
+                    "metadata": {"name": name},
+                    "spec": {"image": MINIMAL},
+                }
+            )
+            out.append(time.perf_counter() - t)
+            await runtime.delete(name)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)  # its store; each session deleted above
     return out
 
 
@@ -374,6 +379,7 @@ async def main(runs: int, sessions: int) -> None:
             kube.close()
             delete_namespace(admin, ns)
             forget_operator(admin, ns)
+            shutil.rmtree(work, ignore_errors=True)  # the operator's kubeconfig and log
 
     def row(label: str, xs: list[float], ref: float | None = None) -> None:
         med, p90 = stats(xs)
