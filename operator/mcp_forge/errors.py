@@ -9,6 +9,7 @@
     ├── KernelProtocolError     the kernel sent something we refuse (too large, malformed)
     ├── ImageError              the kernel image is missing or could not be built
     ├── PodmanError             a podman command failed (carries its stderr)
+    │   └── PodmanTimeout       one that did not end in time (who held the store's locks)
     ├── ApiError                the Kubernetes API refused a request or was not reached
     ├── UpstreamError           an upstream MCP server was not reached or did not answer
     └── PackageError            install_packages could not give the kernel a package
@@ -87,6 +88,15 @@ class PodmanError(ForgeError):
         self.detail = f"podman {' '.join(args)} failed ({returncode}): {stderr.strip()[-2000:]}"
         self.returncode = returncode
         self.stderr = stderr
+
+
+class PodmanTimeout(PodmanError):
+    """A podman command that did not end in time, killed. `holding`: the processes that
+    held a lock of Podman's store when it was (clients/podman_locks.py)."""
+
+    def __init__(self, args: list[str], timeout: float, holding: frozenset[int]) -> None:
+        super().__init__(args, -1, f"timed out after {timeout:g}s")
+        self.holding = holding
 
 
 _HOST_PATH = re.compile(r"(?<![\w.~-])/[^\s'\"(),;:]+")

@@ -275,6 +275,35 @@ async def test_a_service_of_our_own_that_dies_is_started_again_by_a_call_then_by
     assert api.service is not None and api.service.proc.poll() is not None
 
 
+async def test_a_service_of_our_own_that_held_a_stalled_store_is_killed_and_started_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command that stalled names who held Podman's store (PodmanTimeout.holding): our
+    own service among them is killed, and the next call starts another; a service not
+    named, or someone else's, is left alone."""
+    binary = podman.podman_binary()
+    assert binary is not None
+    path = Path("/run/mcp-forge") / f"test-{uuid.uuid4().hex[:8]}.sock"
+    first = await podman_service.start_service(path, binary=binary, timeout=120)
+    api = PodmanApi(path, timeout=30, owned=first, binary=binary)
+    monkeypatch.setattr(podman_api, "_shared", api)
+    try:
+        assert podman_api.release(frozenset({os.getpid()})) is False
+        assert first.proc.poll() is None
+        assert podman_api.release(frozenset({first.proc.pid})) is True
+        await asyncio.to_thread(first.proc.wait, 30)
+        assert await api.inspect_container(f"no-such-{uuid.uuid4().hex[:8]}") is None
+        second = api.service
+        assert second is not None and second is not first and second.proc.poll() is None
+        theirs = PodmanApi(path, timeout=5, owned=None)
+        monkeypatch.setattr(podman_api, "_shared", theirs)
+        assert podman_api.release(frozenset({second.proc.pid})) is False
+        assert second.proc.poll() is None
+        theirs.close()
+    finally:
+        api.close()
+
+
 async def test_a_service_someone_else_runs_is_not_started_again() -> None:
     path = Path("/run/mcp-forge") / f"test-{uuid.uuid4().hex[:8]}.sock"
     api = PodmanApi(path, timeout=5, owned=None, binary=podman.podman_binary())

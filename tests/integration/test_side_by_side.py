@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from mcp_forge.clients import podman
+from mcp_forge.clients import podman, podman_locks
 from mcp_forge.control.render import podman_pod_name
 from mcp_forge.errors import SessionNotFound
 from mcp_forge.runtimes.local.runtime import LocalRuntime
@@ -128,3 +130,88 @@ async def test_a_play_waits_for_another_process_s_play_of_any_store(
         await holder.wait()
         with contextlib.suppress(SessionNotFound):
             await runtime.delete(name)
+
+
+HOLD_RECORD = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+async def hold(script: str, path: Path) -> asyncio.subprocess.Process:
+    """A process holding the lock at `path` until its stdin closes."""
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, str(path), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert holder.stdout is not None
+    async with asyncio.timeout(10):
+        assert await holder.stdout.readline() == b"held\n"
+    return holder
+
+
+async def test_a_play_that_stalls_in_podman_s_store_names_the_holder_and_plays_again(
+    runtime, settings, images, tmp_path
+) -> None:
+    """Podman 4.3.1 now and then stalls in its store with the store's locks held (its
+    issue 16062); a play then waited its whole timeout and the session failed (CI,
+    December 6). Here a process of the test holds the store's storage.lock while the
+    play runs: the play's timeout names that process, and once it lets go the play is
+    made again and the session is Ready."""
+    other = LocalRuntime(dataclasses.replace(settings, state_dir=tmp_path / "s", podman_timeout=8))
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    body = {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": name},
+        "spec": {"image": images["minimal"]},
+    }
+    said: list[str] = []
+    stalled, playing, store_held = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    class Heard(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+            if "no answer in" in said[-1]:
+                stalled.set()
+
+    plays = other._playing
+
+    @contextlib.asynccontextmanager
+    async def play_when_the_store_is_held() -> AsyncIterator[None]:
+        # Past the image check and mounts, the calls that would stall before the play.
+        playing.set()
+        await store_held.wait()
+        async with plays():
+            yield
+
+    other._playing = play_when_the_store_is_held
+    heard = Heard(logging.WARNING)
+    logging.getLogger("mcp_forge").addHandler(heard)
+    store: asyncio.subprocess.Process | None = None
+    try:
+        applying = asyncio.create_task(other.apply(body))
+        async with asyncio.timeout(30):
+            await playing.wait()
+        store = await hold(HOLD_RECORD, podman_locks.graph_root() / "storage.lock")
+        store_held.set()
+        async with asyncio.timeout(30):
+            await stalled.wait()
+        assert store.stdin is not None
+        store.stdin.close()
+        async with asyncio.timeout(90):
+            await applying
+        assert (await other.get(name)).status.get("phase") == "Ready"
+        stall = next(line for line in said if "no answer in" in line)
+        assert f"storage.lock held by {store.pid} " in stall, said
+        assert f"{name}: podman kube play stalled; playing once more" in said, said
+    finally:
+        logging.getLogger("mcp_forge").removeHandler(heard)
+        if store is not None:
+            if store.returncode is None:
+                store.kill()
+            await store.wait()
+        with contextlib.suppress(SessionNotFound):
+            await other.delete(name)

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mcp_forge.errors import PodmanError
+from mcp_forge.clients import podman_locks
+from mcp_forge.errors import PodmanError, PodmanTimeout
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +148,17 @@ async def run(
         async with asyncio.timeout(timeout):
             out, err = await proc.communicate(input)
     except TimeoutError:
+        found = podman_locks.holders()  # before ours is killed: who it waited for
+        log.warning(
+            "podman %s (pid %d): no answer in %gs; %s",
+            " ".join(args[:2]),
+            proc.pid,
+            timeout,
+            podman_locks.describe(found),
+        )
         await _reap(proc)
-        raise PodmanError(list(args), -1, f"timed out after {timeout:g}s") from None
+        holding = frozenset(h.pid for h in found if not h.waiting and h.pid != proc.pid)
+        raise PodmanTimeout(list(args), timeout, holding) from None
     except BaseException:
         if interruptible:
             await _reap(proc)

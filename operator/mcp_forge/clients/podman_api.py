@@ -382,3 +382,21 @@ async def _connect(settings: Settings | None) -> PodmanApi:
         atexit.register(api.close)
     _shared = api
     return api
+
+
+def release(holding: frozenset[int]) -> bool:
+    """Kill this process's own API service if it is among `holding`, the processes that
+    held a lock of Podman's store while a command stalled (PodmanTimeout): Podman 4.3.1's
+    service can stall in its store with the locks held (podman_locks), and every later
+    command waits behind it. The next call starts another (`revive`). True if it was ours
+    and killed; a service someone else runs is never touched."""
+    api = _shared
+    service = api.service if api is not None else None
+    if service is None or service.proc.pid not in holding or service.proc.poll() is not None:
+        return False
+    log.warning(
+        "podman API service (pid %d) held Podman's store while a command stalled; killing it",
+        service.proc.pid,
+    )
+    service.proc.kill()
+    return True

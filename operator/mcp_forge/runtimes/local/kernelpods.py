@@ -31,7 +31,7 @@ from mcp_forge.api import status as st
 from mcp_forge.api.connection import IPC_PATH_MAX, PORTS, ConnectionInfo
 from mcp_forge.api.kernelsession import KernelSession, parse_quantity
 from mcp_forge.api.status import Termination, stamp
-from mcp_forge.clients import podman
+from mcp_forge.clients import podman, podman_api
 from mcp_forge.control.lifecycle import shown
 from mcp_forge.control.pods import Observation
 from mcp_forge.control.render import CONTAINER, SECCOMP_PROFILE_ROOT, HostPaths, podman_pod_name
@@ -40,6 +40,7 @@ from mcp_forge.errors import (
     InvalidSession,
     PackageError,
     PodmanError,
+    PodmanTimeout,
     SecretError,
     SessionNotFound,
     SessionNotReady,
@@ -277,6 +278,13 @@ class KernelPods:
             str(self._dir(session) / manifest),
         )
         try:
+            await podman.run(*args, timeout=self.settings.podman_timeout)
+        except PodmanTimeout as exc:
+            # Podman's store stalled (clients/podman_locks.py); ours was killed. If our
+            # own API service held the store, it goes too; then one more play (--replace
+            # takes what the stalled one left), which fails the session if it stalls again.
+            podman_api.release(exc.holding)
+            log.warning("%s: podman kube play stalled; playing once more", session.name)
             await podman.run(*args, timeout=self.settings.podman_timeout)
         except PodmanError as exc:
             name = self.container_name(session)

@@ -1,0 +1,96 @@
+"""Who holds Podman's storage locks: what a `podman` that hangs is waiting for.
+
+Podman 4.3.1 (Debian 12's) now and then stalls in containers/storage: one process holds
+storage.lock, layers.lock and userns.lock while it waits for a lock another holds (its
+issue 16062, fixed in 4.4). Until its timeout every later command of the store waits
+behind it. The locks are POSIX record locks on files of the store, so /proc/locks names
+their holders and waiters; a command that times out logs them (podman.run), and a play
+that timed out releases the holder that is ours (the API service of this process) before
+it plays again (runtimes/local/kernelpods.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+# The store's lock files, relative to its graph root (containers/storage's layout).
+STORE_LOCKS = (
+    "storage.lock",
+    "userns.lock",
+    "overlay-layers/layers.lock",
+    "overlay-images/images.lock",
+    "overlay-containers/containers.lock",
+)
+PROC_LOCKS_MAX = 1 << 20  # bytes of /proc/locks read: a host's locks, not ours to bound
+COMMAND_MAX = 160  # characters of a holder's command line in a log line
+
+
+@dataclass(frozen=True)
+class Holder:
+    lock: str  # one of STORE_LOCKS
+    pid: int
+    waiting: bool  # waits for the lock (`->` in /proc/locks) rather than holds it
+    command: str
+
+
+def graph_root() -> Path:
+    """Podman's default store for this user (storage.conf overrides are not read)."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/containers/storage")
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local/share")
+    return Path(base) / "containers/storage"
+
+
+def holders(root: Path | None = None, names: Iterable[str] = STORE_LOCKS) -> list[Holder]:
+    """The processes holding or waiting for the store's lock files now (`names` under
+    `root`: by default the store's, under its graph root)."""
+    files: dict[tuple[int, int, int], str] = {}
+    for name in names:
+        try:
+            st = os.stat((root or graph_root()) / name)
+        except OSError:
+            continue
+        files[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = name
+    try:
+        with open("/proc/locks", "rb") as f:
+            text = f.read(PROC_LOCKS_MAX).decode(errors="replace")
+    except OSError:
+        return []
+    found = []
+    for line in text.splitlines():
+        # "1: POSIX  ADVISORY  WRITE 1643 fe:00:9979361 0 EOF", a waiter with "->" after "1:"
+        fields = line.split()
+        waiting = len(fields) > 1 and fields[1] == "->"
+        if waiting:
+            del fields[1]
+        if len(fields) < 6:
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            key = (int(major, 16), int(minor, 16), int(inode))
+            pid = int(fields[4])
+        except ValueError:
+            continue
+        if key in files:
+            found.append(Holder(files[key], pid, waiting, _command(pid)))
+    return found
+
+
+def describe(found: list[Holder]) -> str:
+    """One line for a log: who holds and who waits for which lock."""
+    if not found:
+        return "no process holds the store's locks"
+    return "; ".join(
+        f"{h.lock} {'awaited' if h.waiting else 'held'} by {h.pid} ({h.command})" for h in found
+    )
+
+
+def _command(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()[: COMMAND_MAX * 4]
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:COMMAND_MAX] or "?"
