@@ -72,6 +72,10 @@ class Settings:
     # of runtime_class. "" = a suspend stops the kernel. snapshot_max_age (below) holds
     # there too: an older snapshot is discarded, and the nodes' sweepers remove it.
     snapshot_runtime_class: str = ""
+    # The nodes' sweepers' namespace (manifests/overlays/snapshots), where each writes the
+    # sizes of its node's archives; how often a snapshot's size is looked for there.
+    snapshot_sweeper_namespace: str = "mcp-forge-node"
+    snapshot_size_recheck: float = 30.0
     # "<namespace>/<name>" of the ServiceAccount whose short-lived token the operator shows
     # kubelets for a checkpoint (it may only checkpoint); "" = the operator's own credentials.
     checkpoint_service_account: str = ""

@@ -187,7 +187,7 @@ async def test_a_play_that_stalls_in_podman_s_store_names_the_holder_and_plays_a
         async with plays():
             yield
 
-    other._playing = play_when_the_store_is_held
+    other._playing = play_when_the_store_is_held  # type: ignore[assignment]
     heard = Heard(logging.WARNING)
     logging.getLogger("mcp_forge").addHandler(heard)
     store: asyncio.subprocess.Process | None = None

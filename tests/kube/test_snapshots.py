@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import time
@@ -26,6 +27,7 @@ from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
 from mcp_forge.clients.kubelet import Kubelet
 from mcp_forge.control import snapshots
+from mcp_forge.control.sweeper import sizes_name
 from mcp_forge.errors import ApiError, InvalidRequest
 from mcp_forge.image.control_plane import build_control_plane, image_ref
 
@@ -66,6 +68,7 @@ async def snapshotting(
     """The operator, keeping suspended kernels' memory; it shows kubelets the tokens of
     a checkpointer as the overlay grants it (in this test's namespace)."""
     monkeypatch.setenv("MCPFORGE_SNAPSHOT_RUNTIME_CLASS", RESTORE_CLASS)
+    monkeypatch.setenv("MCPFORGE_SNAPSHOT_SIZE_RECHECK", "1")  # the sweeper's rounds here
     await asyncio.to_thread(_runtime_class, RESTORE_CLASS, RESTORE_CLASS)
     with checkpointer(test_cluster, ns) as account:
         monkeypatch.setenv("MCPFORGE_CHECKPOINT_SERVICE_ACCOUNT", account)
@@ -228,6 +231,7 @@ async def brief_snapshots(kube: Kube, monkeypatch: pytest.MonkeyPatch) -> AsyncI
     """The operator, keeping suspended kernels' memory for 6 seconds."""
     monkeypatch.setenv("MCPFORGE_SNAPSHOT_MAX_AGE", "6")
     monkeypatch.setenv("MCPFORGE_SNAPSHOT_RUNTIME_CLASS", RESTORE_CLASS)
+    monkeypatch.setenv("MCPFORGE_SNAPSHOT_SIZE_RECHECK", "1")  # the sweeper's rounds here
     await asyncio.to_thread(_runtime_class, RESTORE_CLASS, RESTORE_CLASS)
     async with running_operator(kube) as op:
         yield op
@@ -304,8 +308,9 @@ async def test_the_nodes_sweeper_removes_the_archives_no_session_holds(
 ) -> None:
     """manifests/overlays/snapshots' sweeper, as installed (but for the kubelet's
     directory, the test node's, and a round a second): an archive a session holds stays,
-    however old; one no session holds goes once past its grace, as does the held one when
-    its session is deleted; nothing else in the directory is touched."""
+    however old, and its size reaches the session's status through the node's ConfigMap;
+    one no session holds goes once past its grace, as does the held one when its session
+    is deleted; nothing else in the directory is touched."""
     obj = await _suspended(kube, ns, "held")
     held = CHECKPOINTS / str((obj["status"].get("snapshot") or {}).get("archive"))
     stray = CHECKPOINTS / f"checkpoint-ks-gone_{ns}-kernel-2026-12-01T00:00:00Z.tar"
@@ -322,6 +327,18 @@ async def test_the_nodes_sweeper_removes_the_archives_no_session_holds(
                 os.utime(f, (hour_ago, hour_ago))
             await removed(stray.name)
             assert held.is_file() and young.is_file() and other.is_file()
+            size = held.stat().st_size
+            assert size > 1_000_000, size  # a kernel's memory, not a stand-in
+            await eventually(
+                kube, KS, ns, "held",
+                lambda o: ((o or {}).get("status") or {}).get("snapshot", {}).get("size") == size,
+                timeout=60, what=f"status.snapshot.size {size}",
+            )  # fmt: skip
+            shown = await asyncio.to_thread(
+                kube.get, "ConfigMap", NODE_NS, sizes_name(obj["status"]["snapshot"]["node"])
+            )
+            assert shown is not None
+            assert json.loads(shown["data"]["sizes.json"]) == {held.name: size}
             await asyncio.to_thread(kube.delete, KS, ns, "held")
             await removed(held.name)
             assert not held.exists() and not stray.exists()

@@ -225,3 +225,29 @@ def test_the_checkpointer_is_named_namespace_slash_name_or_refused_saying_so(
     monkeypatch.setenv("MCPFORGE_CHECKPOINT_SERVICE_ACCOUNT", "no-slash")
     with pytest.raises(InvalidRequest, match="no-slash"):
         Settings.from_env()
+
+
+def test_a_snapshots_size_is_read_from_its_nodes_configmap_only_when_it_makes_sense() -> None:
+    """What a node's sweeper wrote is read with care: only a whole number of bytes for
+    that archive counts (tests/kube/test_snapshots.py reads a real one)."""
+    archive = "checkpoint-ks-a_team-kernel-2026-12-06T01:02:03Z.tar"
+
+    def shown(text: Any) -> dict[str, Any]:
+        return {"data": {"sizes.json": text}}
+
+    assert snapshots._size_in(shown(f'{{"{archive}": 536870912}}'), archive) == 536870912
+    assert snapshots._size_in(shown(f'{{"{archive}": 0}}'), archive) == 0
+    for bad in (
+        f'{{"{archive}": -1}}',
+        f'{{"{archive}": true}}',
+        f'{{"{archive}": "12"}}',
+        f'{{"{archive}": 1.5}}',
+        '{"another.tar": 12}',
+        "[1, 2]",
+        "not json",
+        12,
+        f'{{"{archive}": 1, "pad": "{"x" * (1 << 20)}"}}',  # past what is parsed
+    ):
+        assert snapshots._size_in(shown(bad), archive) is None, bad
+    assert snapshots._size_in(None, archive) is None
+    assert snapshots._size_in({"data": None}, archive) is None

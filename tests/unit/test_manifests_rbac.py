@@ -133,15 +133,17 @@ def test_the_cluster_wide_operator_has_exactly_its_rules_everywhere() -> None:
 
 
 def test_the_snapshots_operator_may_checkpoint_at_the_kubelet_through_a_token_and_no_more() -> None:
-    """The operator reads nodes and asks for the checkpointer's tokens; the checkpointer
-    may create nodes/checkpoint and nothing else: not nodes/proxy (which runs commands in
-    any pod of a node), and no pod runs as it."""
+    """The operator reads nodes, asks for the checkpointer's tokens and reads the
+    sweepers' ConfigMaps of sizes; the checkpointer may create nodes/checkpoint and
+    nothing else: not nodes/proxy (which runs commands in any pod of a node), and no pod
+    runs as it."""
     objs = build("overlays/snapshots")
     granted = grants(objs, OPERATOR_SA)
     base = expand(CLUSTER, OPERATOR_RULES | OPERATOR_SCANNING)
     assert granted - base == {
         (CLUSTER, "", "nodes", "get"),
         (SYSTEM, "", "serviceaccounts/token:mcp-forge-checkpointer", "create"),
+        ("mcp-forge-node", "", "configmaps", "get"),
     }
     assert base <= granted
     checkpointer = (SYSTEM, "mcp-forge-checkpointer")
@@ -158,9 +160,13 @@ def test_the_snapshots_operator_may_checkpoint_at_the_kubelet_through_a_token_an
 
 
 def test_the_snapshot_sweeper_lists_sessions_and_sees_only_the_checkpoints_of_its_node() -> None:
+    """It lists sessions and writes ConfigMaps of its own namespace (the sizes), no more:
+    not sessions' status, nor anything in another namespace."""
     objs = build("overlays/snapshots")
     granted = grants(objs, ("mcp-forge-node", "mcp-forge-snapshot-sweeper"))
-    assert granted == {(CLUSTER, "mcpforge.dev", "kernelsessions", "list")}
+    assert granted == {(CLUSTER, "mcpforge.dev", "kernelsessions", "list")} | expand(
+        "mcp-forge-node", {("", "configmaps"): "get create patch"}
+    )
     pod = find(objs, "DaemonSet", "mcp-forge-snapshot-sweeper", "mcp-forge-node")["spec"][
         "template"
     ]["spec"]

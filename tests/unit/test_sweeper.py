@@ -4,10 +4,11 @@ DaemonSet of manifests/overlays/snapshots, against the test cluster's kubelet.""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from mcp_forge.control.sweeper import Archive, archives, stale
+from mcp_forge.control.sweeper import Archive, archives, sizes, sizes_name, stale
 
 TIME = "2026-12-06T01:02:03Z"
 OURS = f"checkpoint-ks-demo_team-kernel-{TIME}.tar"
@@ -53,3 +54,23 @@ def test_an_archive_no_session_holds_goes_after_its_grace_and_a_held_one_never()
     holding = {"held-young", "held-old"}
     assert [a.name for a in stale(found, holding, now, grace=300)] == ["free-old"]
     assert [a.name for a in stale(found, holding, now, grace=0)] == ["free-young", "free-old"]
+
+
+def test_the_sizes_said_are_those_of_archives_sessions_hold() -> None:
+    now = 1_800_000_000.0
+    found = [
+        Archive("b-held", "team", "ks-b", 2_000_000, now),
+        Archive("a-held", "team", "ks-a", 7, now),
+        Archive("free", "team", "ks-c", 99, now),
+    ]
+    said = json.loads(sizes(found, {"a-held", "b-held", "gone-from-the-directory"}))
+    assert said == {"a-held": 7, "b-held": 2_000_000}
+    assert sizes([], set()) == "{}"
+
+
+def test_a_nodes_configmap_name_is_a_name_even_for_the_longest_node() -> None:
+    assert sizes_name("node-1") == "mcpforge-snapshots-node-1"
+    long_a, long_b = "a" * 240 + ".x", "a" * 240 + ".y"
+    names = {sizes_name(long_a), sizes_name(long_b)}
+    assert len(names) == 2  # cut alike, told apart by the hash
+    assert all(len(n) <= 253 and n[-1].isalnum() for n in names)

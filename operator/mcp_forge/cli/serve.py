@@ -341,12 +341,21 @@ def egress_feeder(
     show_default=True,
     help="Seconds an archive no session holds is kept.",
 )
-def snapshot_sweeper(node: str, checkpoints: str, every: float, grace: float) -> None:
+@click.option(
+    "--namespace",
+    envvar="POD_NAMESPACE",
+    default="",
+    help="Where the node's ConfigMap of snapshot sizes goes ('' = none) [env POD_NAMESPACE].",
+)
+def snapshot_sweeper(
+    node: str, checkpoints: str, every: float, grace: float, namespace: str
+) -> None:
     """Remove a node's snapshot archives that no KernelSession holds (run on each node).
 
     Archives of sessions' kernels in the kubelet's checkpoints directory (control/sweeper.py)
     that no session's status names, once GRACE seconds old. Each removal is logged at
-    `--log-level info`.
+    `--log-level info`. The sizes of the archives sessions hold go to a ConfigMap of
+    NAMESPACE, where the operator reads them.
     """
     from pathlib import Path
 
@@ -356,7 +365,8 @@ def snapshot_sweeper(node: str, checkpoints: str, every: float, grace: float) ->
     if every <= 0 or grace < 0:
         raise click.BadParameter("--every must be positive, --grace not negative")
     try:
-        sweeper.run(Kube(), node, Path(checkpoints), every=every, grace=grace)
+        kube = Kube(manager="mcp-forge-snapshot-sweeper")
+        sweeper.run(kube, node, Path(checkpoints), every=every, grace=grace, namespace=namespace)
     except (ForgeError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 PATHS: dict[str, tuple[str, str]] = {
     "Pod": ("api/v1", "pods"),
     "Secret": ("api/v1", "secrets"),
+    "ConfigMap": ("api/v1", "configmaps"),
     "Service": ("api/v1", "services"),
     "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies"),
     "Lease": ("apis/coordination.k8s.io/v1", "leases"),

@@ -164,6 +164,7 @@ def realize(
         start_kernel(r, p)
     else:
         follow_kernel(r, p)
+    snapshots.sized(r, p)
     fill_status(p)
     add_conditions(p)
     r._write(body, p.status)

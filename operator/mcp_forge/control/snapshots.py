@@ -17,13 +17,18 @@ their own. Then:
 - a pod that cannot be scheduled on the node holding the snapshot (gone, or taking no
   pod past the progress deadline) is deleted as a failed restore is;
 - a session of a pool wakes from its snapshot, not from a warm kernel; a pool's kernel it
-  runs on (claimed, keyed as its pool's) is not checkpointed.
+  runs on (claimed, keyed as its pool's) is not checkpointed;
+- the snapshot's size comes from the node's sweeper (control/sweeper.py), which alone
+  sees the archive: `sized` reads the node's ConfigMap of sizes into
+  `status.snapshot.size`, looking again every `snapshot_size_recheck` seconds for up to
+  SIZE_PATIENCE after the checkpoint.
 
 What a snapshot keeps and what it cannot is in docs/design.md §14.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -35,6 +40,7 @@ from mcp_forge.api import status as st
 from mcp_forge.api.status import stamp
 from mcp_forge.control.pods import Observation, observe
 from mcp_forge.control.render import CONTAINER, child_name
+from mcp_forge.control.sweeper import SIZES_KEY, sizes_name
 from mcp_forge.errors import ApiError
 
 if TYPE_CHECKING:
@@ -44,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RESTORE_FROM = "mcpforge.dev/restore-from"  # read by the node's handler
+SIZE_PATIENCE = 600.0  # seconds after a checkpoint its size is looked for (no sweeper?)
+SIZES_READ_MAX = 1 << 20  # bytes of a node's sizes.json parsed (a ConfigMap's own limit)
 HANDLER = "mcpforge-runc"  # how the handler's refusals and failures begin
 
 
@@ -249,3 +257,39 @@ def _unplaced(r: Reconciler, p: Pass, pod: dict[str, Any], snap: dict[str, Any])
     if deadline > 0:
         p.due.append(since + deadline)
     return ""
+
+
+def sized(r: Reconciler, p: Pass) -> None:
+    """A held snapshot's size, from its node's ConfigMap of sizes (the sweeper's, written
+    each round); until it is there, the session is looked at again, for SIZE_PATIENCE
+    after the checkpoint. A ConfigMap that cannot be read, or says nothing usable, only
+    leaves the size out."""
+    snap = p.status.get("snapshot") or {}
+    if not (r.settings.snapshot_runtime_class and snap.get("archive") and snap.get("node")):
+        return
+    if snap.get("size") is not None:
+        return
+    node, archive = str(snap["node"]), str(snap["archive"])
+    try:
+        shown = r.kube.get("ConfigMap", r.settings.snapshot_sweeper_namespace, sizes_name(node))
+    except ApiError as exc:
+        log.debug("%s: no sizes of node %s: %s", p.session.name, node, exc)
+        shown = None
+    size = _size_in(shown, archive)
+    if size is not None:
+        p.status["snapshot"] = {**snap, "size": size}
+        return
+    taken = st.parse_time(snap.get("takenAt"))
+    if taken is not None and p.now - taken < SIZE_PATIENCE:
+        p.due.append(p.now + r.settings.snapshot_size_recheck)
+
+
+def _size_in(config_map: dict[str, Any] | None, archive: str) -> int | None:
+    text = ((config_map or {}).get("data") or {}).get(SIZES_KEY)
+    if not isinstance(text, str) or len(text) > SIZES_READ_MAX:
+        return None
+    try:
+        size = json.loads(text).get(archive)
+    except (ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None

@@ -16,10 +16,18 @@ checkpoint of a session's kernel taken by someone else is removed the same way.
 
 Nothing else in the directory is touched, nothing is read or followed, and a round whose
 list of sessions fails removes nothing.
+
+Each round also says how large the archives sessions hold are: a ConfigMap of the
+sweeper's namespace (`sizes_name(node)`, its `sizes.json` an object of archive names to
+bytes), written when it changes. The operator reads it into `status.snapshot.size`
+(control/snapshots.py): nothing else that may read the node's files can tell it, and
+the sweeper writes nothing but that ConfigMap.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import re
@@ -44,6 +52,12 @@ PAGE = 500  # KernelSessions a list asks for at once
 ARCHIVE = re.compile(
     rf"checkpoint-(?P<pod>ks-[a-z0-9.-]+)_(?P<namespace>[a-z0-9-]+)-{CONTAINER}-[0-9TZ:+.-]+\.tar"
 )
+
+
+SIZES_PREFIX = "mcpforge-snapshots-"  # + the node's name: its ConfigMap of sizes
+SIZES_KEY = "sizes.json"
+SIZES_MAX = 4000  # archives one node's ConfigMap names (each ~100 bytes: under its 1 MiB)
+NAME_MAX = 253  # a ConfigMap's name (a DNS subdomain, as a node's)
 
 
 @dataclass(frozen=True)
@@ -94,14 +108,78 @@ def stale(found: list[Archive], holding: set[str], now: float, *, grace: float) 
     return [a for a in found if a.name not in holding and now - a.mtime >= grace]
 
 
-def sweep(kube: Kube, node: str, directory: Path, *, grace: float = GRACE) -> list[Archive]:
+def sizes_name(node: str) -> str:
+    """The name of `node`'s ConfigMap of sizes: a long node name is cut, and told apart
+    from another cut alike by a hash of it."""
+    name = f"{SIZES_PREFIX}{node}"
+    if len(name) <= NAME_MAX:
+        return name
+    digest = hashlib.sha256(node.encode()).hexdigest()[:10]
+    return f"{name[: NAME_MAX - 11].rstrip('.-')}-{digest}"
+
+
+def sizes(found: list[Archive], holding: set[str]) -> str:
+    """`sizes.json` for the archives of `found` that sessions hold: name -> bytes."""
+    held_ones = sorted((a.name, a.size) for a in found if a.name in holding)[:SIZES_MAX]
+    return json.dumps(dict(held_ones), separators=(",", ":"), sort_keys=True)
+
+
+class Reporter:
+    """Writes a node's ConfigMap of sizes into `namespace` when what it says changes (the
+    first round writes it whatever it held, from an earlier sweeper)."""
+
+    def __init__(self, kube: Kube, namespace: str, node: str) -> None:
+        self.kube, self.namespace, self.name = kube, namespace, sizes_name(node)
+        self.written: str | None = None
+
+    def report(self, text: str) -> None:
+        if text == self.written:
+            return
+        patch = {"data": {SIZES_KEY: text}}
+        try:
+            self.kube.patch("ConfigMap", self.namespace, self.name, patch)
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            body = {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {
+                    "name": self.name,
+                    "namespace": self.namespace,
+                    "labels": {
+                        "app.kubernetes.io/name": "mcp-forge",
+                        "app.kubernetes.io/component": "snapshot-sweeper",
+                    },
+                },
+                **patch,
+            }
+            _, created = self.kube.ensure(body, likely_new=True)
+            if not created:  # made meanwhile (a sweeper before this one, restarted)
+                self.kube.patch("ConfigMap", self.namespace, self.name, patch)
+        self.written = text
+
+
+def sweep(
+    kube: Kube,
+    node: str,
+    directory: Path,
+    *,
+    grace: float = GRACE,
+    reporter: Reporter | None = None,
+) -> list[Archive]:
     """One round: the archives removed. The directory is listed before the sessions, so
     an archive made after the list of sessions is not judged by it. One that cannot be
-    removed is logged, and the others still are."""
+    removed is logged, and the others still are. With `reporter`, the sizes of those
+    sessions hold are written (an empty directory says so too)."""
     found = archives(directory)
     if not found:
+        if reporter is not None:
+            reporter.report(sizes([], set()))
         return []
     holding = held(kube, node)
+    if reporter is not None:
+        reporter.report(sizes(found, holding))
     removed = []
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
@@ -130,10 +208,12 @@ def run(
     *,
     every: float = EVERY,
     grace: float = GRACE,
+    namespace: str = "",
     stop: threading.Event | None = None,
 ) -> None:
     """A round every `every` seconds until `stop` (or SIGTERM, SIGINT run from the main
-    thread). A round that fails is logged and the next one tries again."""
+    thread). A round that fails is logged and the next one tries again. With
+    `namespace`, each round writes the node's ConfigMap of sizes there."""
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
 
@@ -145,9 +225,10 @@ def run(
     if not directory.is_dir():
         raise FileNotFoundError(f"no checkpoints directory at {directory}")
     log.info("sweeping %s for node %s every %.0f s", directory, node, every)
+    reporter = Reporter(kube, namespace, node) if namespace else None
     while not stop.is_set():
         try:
-            sweep(kube, node, directory, grace=grace)
+            sweep(kube, node, directory, grace=grace, reporter=reporter)
         except (ApiError, OSError) as exc:
             log.warning("snapshot sweep: %s: again in %.0f s", exc, every)
         stop.wait(every)
