@@ -237,6 +237,7 @@ def test_a_snapshots_size_is_read_from_its_nodes_configmap_only_when_it_makes_se
 
     assert snapshots._size_in(shown(f'{{"{archive}": 536870912}}'), archive) == 536870912
     assert snapshots._size_in(shown(f'{{"{archive}": 0}}'), archive) == 0
+    assert snapshots._size_in(shown(f'{{"{archive}": {2**53 - 1}}}'), archive) == 2**53 - 1
     for bad in (
         f'{{"{archive}": -1}}',
         f'{{"{archive}": true}}',
@@ -247,6 +248,9 @@ def test_a_snapshots_size_is_read_from_its_nodes_configmap_only_when_it_makes_se
         "not json",
         12,
         f'{{"{archive}": 1, "pad": "{"x" * (1 << 20)}"}}',  # past what is parsed
+        "[" * 100_000 + "]" * 100_000,  # nested past the parser's recursion
+        f'{{"{archive}": {"9" * 4000}}}',  # past what the API server takes
+        f'{{"{archive}": {2**53}}}',
     ):
         assert snapshots._size_in(shown(bad), archive) is None, bad
     assert snapshots._size_in(None, archive) is None

@@ -51,7 +51,8 @@ def test_the_holder_and_the_waiter_of_a_store_lock_are_named(tmp_path: Path, pro
     (tmp_path / "other.lock").touch()
     holder = lock(tmp_path / "overlay-layers/layers.lock", procs)
     assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-    lock(tmp_path / "other.lock", procs)  # not one of the store's: not named
+    other = lock(tmp_path / "other.lock", procs)  # not one of the store's: not named
+    assert other.stdout is not None and other.stdout.readline() == "held\n"
     waiter = lock(tmp_path / "overlay-layers/layers.lock", procs)
     # The waiter said it calls lockf; the kernel lists it as waiting a moment later.
     deadline = time.monotonic() + 10

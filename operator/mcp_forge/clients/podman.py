@@ -148,7 +148,10 @@ async def run(
         async with asyncio.timeout(timeout):
             out, err = await proc.communicate(input)
     except TimeoutError:
-        found = podman_locks.holders()  # before ours is killed: who it waited for
+        try:
+            found = podman_locks.holders()  # before ours is killed: who it waited for
+        except (OSError, RuntimeError, ValueError):  # no home to find a user's store in
+            found = []
         log.warning(
             "podman %s (pid %d): no answer in %gs; %s",
             " ".join(args[:2]),

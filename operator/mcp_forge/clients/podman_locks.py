@@ -7,6 +7,10 @@ behind it. The locks are POSIX record locks on files of the store, so /proc/lock
 their holders and waiters; a command that times out logs them (podman.run), and a play
 that timed out releases the holder that is ours (the API service of this process) before
 it plays again (runtimes/local/kernelpods.py).
+
+A lock file is told by its device and inode, as /proc/locks gives them. On a btrfs
+subvolume the device stat() gives is not the one /proc/locks prints, and nothing is
+found there: the log then says no one holds the store's locks (Debian's ext4 is fine).
 """
 
 from __future__ import annotations

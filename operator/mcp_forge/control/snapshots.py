@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 RESTORE_FROM = "mcpforge.dev/restore-from"  # read by the node's handler
 SIZE_PATIENCE = 600.0  # seconds after a checkpoint its size is looked for (no sweeper?)
 SIZES_READ_MAX = 1 << 20  # bytes of a node's sizes.json parsed (a ConfigMap's own limit)
+SIZE_MAX = 2**53 - 1  # bytes: a JSON number every reader keeps exact (the API server too)
 HANDLER = "mcpforge-runc"  # how the handler's refusals and failures begin
 
 
@@ -262,12 +263,14 @@ def _unplaced(r: Reconciler, p: Pass, pod: dict[str, Any], snap: dict[str, Any])
 def sized(r: Reconciler, p: Pass) -> None:
     """A held snapshot's size, from its node's ConfigMap of sizes (the sweeper's, written
     each round); until it is there, the session is looked at again, for SIZE_PATIENCE
-    after the checkpoint. A ConfigMap that cannot be read, or says nothing usable, only
-    leaves the size out."""
+    after the checkpoint (then no more: no sweeper, or the operator may not read its
+    ConfigMaps). A ConfigMap that cannot be read, or says nothing usable, only leaves
+    the size out."""
     snap = p.status.get("snapshot") or {}
     if not (r.settings.snapshot_runtime_class and snap.get("archive") and snap.get("node")):
         return
-    if snap.get("size") is not None:
+    taken = st.parse_time(snap.get("takenAt"))
+    if snap.get("size") is not None or taken is None or p.now - taken >= SIZE_PATIENCE:
         return
     node, archive = str(snap["node"]), str(snap["archive"])
     try:
@@ -278,9 +281,7 @@ def sized(r: Reconciler, p: Pass) -> None:
     size = _size_in(shown, archive)
     if size is not None:
         p.status["snapshot"] = {**snap, "size": size}
-        return
-    taken = st.parse_time(snap.get("takenAt"))
-    if taken is not None and p.now - taken < SIZE_PATIENCE:
+    else:
         p.due.append(p.now + r.settings.snapshot_size_recheck)
 
 
@@ -289,7 +290,10 @@ def _size_in(config_map: dict[str, Any] | None, archive: str) -> int | None:
     if not isinstance(text, str) or len(text) > SIZES_READ_MAX:
         return None
     try:
-        size = json.loads(text).get(archive)
-    except (ValueError, AttributeError):
+        said = json.loads(text)
+    except (ValueError, RecursionError):  # a node's sweeper wrote it: nested past reason
         return None
-    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
+    size = said.get(archive) if isinstance(said, dict) else None
+    if isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= SIZE_MAX:
+        return size
+    return None

@@ -58,6 +58,7 @@ SIZES_PREFIX = "mcpforge-snapshots-"  # + the node's name: its ConfigMap of size
 SIZES_KEY = "sizes.json"
 SIZES_MAX = 4000  # archives one node's ConfigMap names (each ~100 bytes: under its 1 MiB)
 NAME_MAX = 253  # a ConfigMap's name (a DNS subdomain, as a node's)
+REWRITE_EVERY = 10  # rounds: a node's ConfigMap is written again after so many unchanged
 
 
 @dataclass(frozen=True)
@@ -125,15 +126,18 @@ def sizes(found: list[Archive], holding: set[str]) -> str:
 
 
 class Reporter:
-    """Writes a node's ConfigMap of sizes into `namespace` when what it says changes (the
-    first round writes it whatever it held, from an earlier sweeper)."""
+    """Writes a node's ConfigMap of sizes into `namespace` when what it says changes, and
+    every REWRITE_EVERY reports whatever it says (the first one too): a ConfigMap deleted
+    or written over meanwhile is put right."""
 
     def __init__(self, kube: Kube, namespace: str, node: str) -> None:
         self.kube, self.namespace, self.name = kube, namespace, sizes_name(node)
         self.written: str | None = None
+        self.unwritten = 0  # reports since the last write
 
     def report(self, text: str) -> None:
-        if text == self.written:
+        self.unwritten += 1
+        if text == self.written and self.unwritten < REWRITE_EVERY:
             return
         patch = {"data": {SIZES_KEY: text}}
         try:
@@ -157,7 +161,7 @@ class Reporter:
             _, created = self.kube.ensure(body, likely_new=True)
             if not created:  # made meanwhile (a sweeper before this one, restarted)
                 self.kube.patch("ConfigMap", self.namespace, self.name, patch)
-        self.written = text
+        self.written, self.unwritten = text, 0
 
 
 def sweep(
@@ -174,12 +178,9 @@ def sweep(
     sessions hold are written (an empty directory says so too)."""
     found = archives(directory)
     if not found:
-        if reporter is not None:
-            reporter.report(sizes([], set()))
+        _report(reporter, sizes([], set()))
         return []
     holding = held(kube, node)
-    if reporter is not None:
-        reporter.report(sizes(found, holding))
     removed = []
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
@@ -198,7 +199,18 @@ def sweep(
             )  # fmt: skip
     finally:
         os.close(fd)
+    _report(reporter, sizes(found, holding))  # the held ones: none was removed
     return removed
+
+
+def _report(reporter: Reporter | None, text: str) -> None:
+    """Sizes are for show: a report that fails is logged, and removals go on."""
+    if reporter is None:
+        return
+    try:
+        reporter.report(text)
+    except ApiError as exc:
+        log.warning("sizes not reported in ConfigMap %s: %s", reporter.name, exc)
 
 
 def run(

@@ -266,7 +266,9 @@ class KernelPods:
         A play that finds its kernel container's name taken by a storage-only container
         (one an earlier pod of this session left, orphans.py) removes that container and
         plays once more: with the lock held no other play of this pod is under way in
-        any process of this store, so the container is nobody's work in progress. The
+        any process of this store, so the container is nobody's work in progress. A play
+        that stalls in Podman's store (PodmanTimeout) is played once more too. Each once:
+        a stall then a taken name (the stalled play's leftover) are both put right. The
         failed play's half-made pod goes with --replace."""
         args = (
             "kube",
@@ -277,21 +279,31 @@ class KernelPods:
             userns_flag(idmap),
             str(self._dir(session) / manifest),
         )
-        try:
-            await podman.run(*args, timeout=self.settings.podman_timeout)
-        except PodmanTimeout as exc:
-            # Podman's store stalled (clients/podman_locks.py); ours was killed. If our
-            # own API service held the store, it goes too; then one more play (--replace
-            # takes what the stalled one left), which fails the session if it stalls again.
-            podman_api.release(exc.holding)
-            log.warning("%s: podman kube play stalled; playing once more", session.name)
-            await podman.run(*args, timeout=self.settings.podman_timeout)
-        except PodmanError as exc:
-            name = self.container_name(session)
-            if orphans.name_in_use(exc.stderr) != name or not await orphans.free_name(name):
-                raise
-            log.warning("%s: its kernel container's name is free again; playing once more", name)
-            await podman.run(*args, timeout=self.settings.podman_timeout)
+        tried: set[str] = set()
+        while True:
+            try:
+                await podman.run(*args, timeout=self.settings.podman_timeout)
+                return
+            except PodmanTimeout as exc:
+                # Podman's store stalled (clients/podman_locks.py); ours was killed. If
+                # our own API service held the store, it goes too; then one more play.
+                if "stalled" in tried:
+                    raise
+                tried.add("stalled")
+                podman_api.release(exc.holding)
+                log.warning("%s: podman kube play stalled; playing once more", session.name)
+            except PodmanError as exc:
+                name = self.container_name(session)
+                if (
+                    "name" in tried
+                    or orphans.name_in_use(exc.stderr) != name
+                    or not await orphans.free_name(name)
+                ):
+                    raise
+                tried.add("name")
+                log.warning(
+                    "%s: its kernel container's name is free again; playing once more", name
+                )
 
     def _claim_idmap(self, session: KernelSession) -> dict[str, int]:
         """A user namespace: that of a stored session of its sharedGroup (so they can
