@@ -255,3 +255,22 @@ def test_a_snapshots_size_is_read_from_its_nodes_configmap_only_when_it_makes_se
         assert snapshots._size_in(shown(bad), archive) is None, bad
     assert snapshots._size_in(None, archive) is None
     assert snapshots._size_in({"data": None}, archive) is None
+
+
+def test_only_a_container_runc_could_not_freeze_is_checkpointed_again() -> None:
+    """The kubelet's answer when runc's freezer lost a race (CI, December 6) is tried
+    again; CRIU's own failures, refusals and a missing container are not."""
+    from mcp_forge.clients.kubelet import unfrozen
+
+    frozen_out = (
+        "checkpointing of ns/ks-a/kernel failed (rpc error: code = Unknown desc = checkpointing "
+        'container "44ba" failed: OCI runtime pause failed: unable to freeze)'
+    )
+    assert unfrozen(ApiError(500, "CheckpointFailed", frozen_out))
+    for status, said in (
+        (500, "checkpointing of ns/ks-a/kernel failed: criu failed: type NOTIFY errno 0"),
+        (403, "unable to freeze"),  # not the runtime's answer
+        (404, "container not found"),
+        (0, "kubelet of node: unable to freeze"),  # never reached the kubelet
+    ):
+        assert not unfrozen(ApiError(status, "CheckpointFailed", said)), said

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -33,9 +34,13 @@ from mcp_forge.clients.kube import Kube
 from mcp_forge.errors import ApiError
 from mcp_forge.settings import service_account
 
+log = logging.getLogger(__name__)
+
 # Seconds: CRIU writes the kernel's memory to the node's disk. The kubelet's own bound on
 # a runtime call is 2 minutes by default (runtimeRequestTimeout): asked for as much.
 CHECKPOINT_TIMEOUT = 120
+FREEZE_TRIES = 3  # checkpoints of a container runc could not freeze (`unfrozen`)
+FREEZE_BACKOFF = 0.25  # seconds before the second try, twice that before the third
 ANSWER_MAX = 64 << 10
 TOKEN_LIFE = 600  # seconds: the shortest a TokenRequest may ask for
 TOKEN_SPARE = 180  # seconds of life left when a token is asked for again
@@ -130,7 +135,19 @@ class Kubelet:
     def checkpoint(self, node: str, namespace: str, pod: str, container: str) -> Taken:
         """Checkpoint the container; where the archive is. ApiError says why not (the
         kubelet's answer: CRIU's failure, a container not running, a refusal). A token
-        the kubelet does not know (401) is asked for afresh and tried once more."""
+        the kubelet does not know (401) is asked for afresh and tried once more; a
+        container the runtime could not freeze is tried again (`unfrozen`)."""
+        for attempt in range(1, FREEZE_TRIES + 1):
+            try:
+                return self._authorized(node, namespace, pod, container)
+            except ApiError as exc:
+                if not unfrozen(exc) or attempt == FREEZE_TRIES:
+                    raise
+                log.warning("%s/%s: not frozen for its checkpoint (%s); again", namespace, pod, exc)
+                time.sleep(FREEZE_BACKOFF * attempt)  # a retry's backoff: runc thawed it
+        raise AssertionError("unreachable")
+
+    def _authorized(self, node: str, namespace: str, pod: str, container: str) -> Taken:
         try:
             return self._checkpoint(node, namespace, pod, container)
         except ApiError as exc:
@@ -172,3 +189,11 @@ class Kubelet:
         except (ValueError, KeyError, IndexError, TypeError):
             raise ApiError(0, "CheckpointFailed", f"the kubelet answered {data[:200]!r}") from None
         return Taken(node, archive)
+
+
+def unfrozen(exc: ApiError) -> bool:
+    """A checkpoint that failed because runc could not freeze the container's cgroup: a
+    process of it raced the freezer (a thread starting, a busy host; seen in CI on
+    December 6 as "OCI runtime pause failed: unable to freeze"). runc thawed it; nothing
+    was taken, and a second try most often freezes it."""
+    return exc.status == 500 and "unable to freeze" in str(exc)
