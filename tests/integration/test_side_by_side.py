@@ -92,46 +92,6 @@ async def test_sessions_of_a_new_group_started_at_once_share_one_user_namespace(
                 await runtime.delete(name)
 
 
-async def test_a_play_waits_for_another_process_s_play_of_any_store(
-    runtime, settings, images, tmp_path
-) -> None:
-    """Two podman plays at once can stall each other for good (locks.PodmanPlays): a play
-    waits while any other process of this host plays, whatever its store."""
-    other = LocalRuntime(dataclasses.replace(settings, state_dir=tmp_path / "state"))
-    assert other._playing.path == runtime._playing.path
-    holder = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", HOLD, str(runtime._playing.path),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-    )  # fmt: skip
-    name = f"t-{uuid.uuid4().hex[:10]}"
-    body = {
-        "apiVersion": "mcpforge.dev/v1alpha1",
-        "kind": "KernelSession",
-        "metadata": {"name": name},
-        "spec": {"image": images["minimal"]},
-    }
-    try:
-        assert holder.stdout is not None and holder.stdin is not None
-        async with asyncio.timeout(10):
-            assert await holder.stdout.readline() == b"held\n"
-        applying = asyncio.create_task(runtime.apply(body))
-        done, _ = await asyncio.wait({applying}, timeout=2)
-        assert not done, "the play did not wait for the other process"
-        assert (await runtime.get(name)).status.get("phase") in ("Pending", "Starting")
-        pod = podman_pod_name("default", name)
-        assert (await podman.run("pod", "exists", pod, check=False)).returncode == 1
-        holder.stdin.close()
-        async with asyncio.timeout(90):
-            await applying
-        assert (await runtime.get(name)).status.get("phase") == "Ready"
-    finally:
-        if holder.returncode is None:
-            holder.kill()
-        await holder.wait()
-        with contextlib.suppress(SessionNotFound):
-            await runtime.delete(name)
-
-
 HOLD_RECORD = """
 import fcntl, os, sys
 fd = os.open(sys.argv[1], os.O_RDWR)
@@ -152,6 +112,45 @@ async def hold(script: str, path: Path) -> asyncio.subprocess.Process:
     return holder
 
 
+def session_body(name: str, image: str) -> dict[str, object]:
+    return {
+        "apiVersion": "mcpforge.dev/v1alpha1",
+        "kind": "KernelSession",
+        "metadata": {"name": name},
+        "spec": {"image": image},
+    }
+
+
+async def test_a_play_waits_for_another_process_s_play_of_any_store(
+    runtime, settings, images, tmp_path
+) -> None:
+    """Two podman plays at once can stall each other for good (locks.PodmanPlays): a play
+    waits while any other process of this host plays, whatever its store."""
+    other = LocalRuntime(dataclasses.replace(settings, state_dir=tmp_path / "state"))
+    assert other._playing.path == runtime._playing.path
+    holder = await hold(HOLD, runtime._playing.path)
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    body = session_body(name, images["minimal"])
+    try:
+        assert holder.stdin is not None
+        applying = asyncio.create_task(runtime.apply(body))
+        done, _ = await asyncio.wait({applying}, timeout=2)
+        assert not done, "the play did not wait for the other process"
+        assert (await runtime.get(name)).status.get("phase") in ("Pending", "Starting")
+        pod = podman_pod_name("default", name)
+        assert (await podman.run("pod", "exists", pod, check=False)).returncode == 1
+        holder.stdin.close()
+        async with asyncio.timeout(90):
+            await applying
+        assert (await runtime.get(name)).status.get("phase") == "Ready"
+    finally:
+        if holder.returncode is None:
+            holder.kill()
+        await holder.wait()
+        with contextlib.suppress(SessionNotFound):
+            await runtime.delete(name)
+
+
 async def test_a_play_that_stalls_in_podman_s_store_names_the_holder_and_plays_again(
     runtime, settings, images, tmp_path
 ) -> None:
@@ -162,12 +161,7 @@ async def test_a_play_that_stalls_in_podman_s_store_names_the_holder_and_plays_a
     made again and the session is Ready."""
     other = LocalRuntime(dataclasses.replace(settings, state_dir=tmp_path / "s", podman_timeout=8))
     name = f"t-{uuid.uuid4().hex[:10]}"
-    body = {
-        "apiVersion": "mcpforge.dev/v1alpha1",
-        "kind": "KernelSession",
-        "metadata": {"name": name},
-        "spec": {"image": images["minimal"]},
-    }
+    body = session_body(name, images["minimal"])
     said: list[str] = []
     stalled, playing, store_held = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
