@@ -65,12 +65,20 @@ print(x)
 async def snapshotting(
     kube: Kube, ns: str, test_cluster: ClusterUnderTest, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Any]:
+    async with snapshot_operator(kube, ns, test_cluster, monkeypatch) as op:
+        yield op
+
+
+@contextlib.asynccontextmanager
+async def snapshot_operator(
+    kube: Kube, ns: str, cluster: ClusterUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Any]:
     """The operator, keeping suspended kernels' memory; it shows kubelets the tokens of
     a checkpointer as the overlay grants it (in this test's namespace)."""
     monkeypatch.setenv("MCPFORGE_SNAPSHOT_RUNTIME_CLASS", RESTORE_CLASS)
     monkeypatch.setenv("MCPFORGE_SNAPSHOT_SIZE_RECHECK", "1")  # the sweeper's rounds here
     await asyncio.to_thread(_runtime_class, RESTORE_CLASS, RESTORE_CLASS)
-    with checkpointer(test_cluster, ns) as account:
+    with checkpointer(cluster, ns) as account:
         monkeypatch.setenv("MCPFORGE_CHECKPOINT_SERVICE_ACCOUNT", account)
         async with running_operator(kube) as op:
             yield op

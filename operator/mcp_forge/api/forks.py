@@ -79,8 +79,13 @@ def body(
 def program(key: str, parent: KernelSession, env: Mapping[str, str]) -> str:
     """Silent code making a kernel restored from `parent`'s snapshot the fork's: the
     parent's session variables (and claim mark) out of its environment, `env` (the
-    fork's, Secrets' values included) in, and `key` its signing key (kernelside/fork.py).
-    Values are literals made by repr, which round-trips every str exactly."""
+    fork's, Secrets' values included) in, and `key` its signing key (kernelside/fork.py)."""
     drop: Sequence[str] = sorted({v.name for v in parent.spec.env} | {CLAIM_MARK})
+    return becoming(key, drop, env)
+
+
+def becoming(key: str, drop: Sequence[str], env: Mapping[str, str]) -> str:
+    """`program`, given the names to take out of the environment. Values are literals
+    made by repr, which round-trips every str exactly."""
     given = {"KEY": repr(key), "DROP": repr(list(drop)), "ENV": repr(dict(env))}
     return run_silently(compiled("fork"), {"get_ipython": "get_ipython", **given})

@@ -84,6 +84,9 @@ class Status(TypedDict, total=False):
     # Discarded; at; seconds or message).
     snapshot: dict[str, Any] | None
     lastRestore: dict[str, Any] | None
+    # A fork on a cluster (control/forking.py): its parent (from), outcome Restoring,
+    # Forked or Failed, at, message.
+    fork: dict[str, Any] | None
 
 
 def stamp(t: float | None = None) -> str:

@@ -27,7 +27,7 @@ from mcp_forge.api.connection import PORTS
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART
-from mcp_forge.control import snapshots
+from mcp_forge.control import forking, snapshots
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.egress import EgressUnavailable, pod_addresses
 from mcp_forge.control.lifecycle import (
@@ -158,12 +158,14 @@ def realize(
     if not session.spec.egress_rules:  # an allow-list taken away: its grant goes
         r.egress.remove(session.namespace, session.name)
     snapshots.settle(r, p)
+    forking.abandoned(r, p)
     if p.stop is not None:
         stop_kernel(r, p)
     elif p.pod is None:
         start_kernel(r, p)
     else:
         follow_kernel(r, p)
+    forking.abandoned(r, p)
     snapshots.sized(r, p)
     fill_status(p)
     add_conditions(p)
@@ -282,6 +284,7 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
     egress = bool(session.spec.egress_rules)
     if egress and r.egress_route(session) is None:
         return _waiting(p, "EgressUnavailable", egress_missing(r))
+    forking.begin(r, p)  # a fork's first kernel wakes from its parent's memory
     if session.spec.pool and not old.get("kernelId") and not p.status.get("snapshot"):  # warm?
         try:
             p.pod = _claim(r, p)
@@ -408,7 +411,8 @@ def follow_kernel(r: Reconciler, p: Pass) -> None:
     seen = snapshots.follow(
         r, p, observe(session, pod, r.answers.of(session.namespace, session.name, uid))
     )
-    if seen.reason == "RestoreFailed":  # its pod goes: the next one starts afresh
+    seen = forking.made_own(r, p, seen)
+    if seen.reason in ("RestoreFailed", "ForkFailed"):  # its pod goes: the next starts afresh
         p.seen = seen
         p.due.append(p.now + STARTING_RECHECK)
         return

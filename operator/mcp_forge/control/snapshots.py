@@ -44,6 +44,7 @@ from mcp_forge.control.sweeper import SIZES_KEY, sizes_name
 from mcp_forge.errors import ApiError
 
 if TYPE_CHECKING:
+    from mcp_forge.api.kernelsession import KernelSession
     from mcp_forge.control.realize import Pass
     from mcp_forge.control.reconciler import Reconciler
 
@@ -93,7 +94,7 @@ def take(r: Reconciler, p: Pass) -> None:
         if woke != held.get("archive") or not _tried(pod):
             return  # taken by an earlier pass, or its pod has not tried to wake: kept
         p.status["snapshot"] = None  # this pod woke from it, or failed to: it is spent
-    if not _checkpointable(r, p, pod):
+    if not checkpointable(r, p.session, pod):
         return
     meta, node = pod["metadata"], pod["spec"]["nodeName"]
     ns, name = p.session.namespace, p.session.name
@@ -127,19 +128,21 @@ def said(r: Reconciler, p: Pass) -> None:
     p.stop = replace(stop, message=f"{stop.message}; {tail}")
 
 
-def _checkpointable(r: Reconciler, p: Pass, pod: dict[str, Any]) -> bool:
+def checkpointable(r: Reconciler, session: KernelSession, pod: dict[str, Any]) -> bool:
+    """Whether `pod` is `session`'s own kernel pod on the restore handler, in a user
+    namespace of its own, its kernel answering (a pool's kernel is keyed as its pool's)."""
     spec, meta = pod.get("spec") or {}, pod["metadata"]
     if not (
         spec.get("runtimeClassName") == r.settings.snapshot_runtime_class
         and spec.get("hostUsers") is False
         and spec.get("nodeName")
-        and meta["name"] == child_name(p.session)  # not a pool's kernel, keyed as its pool's
+        and meta["name"] == child_name(session)
         and not meta.get("deletionTimestamp")
         and r.settings.snapshot_runtime_class
     ):
         return False
-    answers = r.answers.of(p.session.namespace, p.session.name, meta.get("uid"))
-    return observe(p.session, pod, answers).ready
+    answers = r.answers.of(session.namespace, session.name, meta.get("uid"))
+    return observe(session, pod, answers).ready
 
 
 def settle(r: Reconciler, p: Pass) -> None:

@@ -42,17 +42,33 @@ def _sign(key: bytes, parts: list[bytes]) -> bytes:
 
 def answers(info: dict[str, Any], host: str = "127.0.0.1", timeout_ms: int = TIMEOUT_MS) -> bool:
     """True if the kernel described by `info` (a connection file) replies to kernel_info."""
+    return ask(info, host, "kernel_info_request", {}, timeout_ms) is not None
+
+
+def ask(
+    info: dict[str, Any],
+    host: str,
+    msg_type: str,
+    content: dict[str, Any],
+    timeout_ms: int = TIMEOUT_MS,
+    reply_key: str | None = None,
+) -> dict[str, Any] | None:
+    """Send one request of `msg_type` on the shell channel of the kernel `info` describes,
+    signed with its key; the content of its reply, signed with `reply_key` (the same key
+    if None), or None if none came within `timeout_ms`. (The operator asks a fork's
+    kernel to take a key of its own this way: the reply is signed with the new one.)"""
     key = str(info["key"]).encode()
+    answer_key = key if reply_key is None else reply_key.encode()
     msg_id = uuid.uuid4().hex
     header = {
         "msg_id": msg_id,
-        "msg_type": "kernel_info_request",
+        "msg_type": msg_type,
         "session": uuid.uuid4().hex,
         "username": "probe",
         "version": "5.3",
         "date": "1970-01-01T00:00:00Z",
     }
-    parts = [json.dumps(p).encode() for p in (header, {}, {}, {})]
+    parts = [json.dumps(p).encode() for p in (header, {}, {}, content)]
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     try:
@@ -68,17 +84,19 @@ def answers(info: dict[str, Any], host: str = "127.0.0.1", timeout_ms: int = TIM
         sock.connect(f"tcp://{host}:{int(info['shell_port'])}")
         sock.send_multipart([b"<IDS|MSG>", _sign(key, parts), *parts])
         deadline = time.monotonic() + timeout_ms / 1000
+        want = msg_type.replace("_request", "_reply")
         while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000)):
             frames = sock.recv_multipart()
             if b"<IDS|MSG>" not in frames:
                 continue
             rest = frames[frames.index(b"<IDS|MSG>") + 1 :]
-            if len(rest) < 5 or not hmac.compare_digest(rest[0], _sign(key, rest[1:5])):
+            if len(rest) < 5 or not hmac.compare_digest(rest[0], _sign(answer_key, rest[1:5])):
                 continue
             reply, parent = json.loads(rest[1]), json.loads(rest[2])
-            if reply.get("msg_type") == "kernel_info_reply" and parent.get("msg_id") == msg_id:
-                return True
-        return False
+            if reply.get("msg_type") == want and parent.get("msg_id") == msg_id:
+                said = json.loads(rest[4])
+                return said if isinstance(said, dict) else {}
+        return None
     finally:
         sock.close(0)
         context.term()

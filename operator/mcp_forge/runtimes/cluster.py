@@ -49,7 +49,6 @@ from mcp_forge.egress.kernel import proxy_program
 from mcp_forge.egress.protocol import token_for
 from mcp_forge.errors import (
     ApiError,
-    InvalidRequest,
     InvalidSession,
     KernelProtocolError,
     SecretError,
@@ -58,7 +57,7 @@ from mcp_forge.errors import (
 )
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.kernelside import launch
-from mcp_forge.runtimes import spec_packages
+from mcp_forge.runtimes import cluster_forks, spec_packages
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -167,11 +166,26 @@ class KubernetesRuntime:
 
     async def create(self, body: dict[str, Any]) -> KernelSession:
         """Create the KernelSession and wait until the operator has made it Ready."""
+        made = await self.make(body)
+        meta = made["metadata"]
+        try:
+            return await self.wait_ready(meta["namespace"], meta["name"], uid=meta["uid"])
+        except BaseException:
+            # The caller gets the error and no session: do not leave a half-made one
+            # counting against its quota.
+            with contextlib.suppress(ApiError):
+                await asyncio.to_thread(
+                    self.kube.delete, KIND, meta["namespace"], meta["name"], uid=meta["uid"]
+                )
+            raise
+
+    async def make(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Create the KernelSession (validated first), not waiting for it: the object made."""
         body = kernelsession.validate(body, default_namespace=self.namespace)
         body.pop("status", None)
         meta = body["metadata"]
         try:
-            made = await asyncio.to_thread(self.kube.create, body)
+            made: dict[str, Any] = await asyncio.to_thread(self.kube.create, body)
         except ApiError as exc:
             if exc.conflict:
                 raise InvalidSession(
@@ -180,27 +194,19 @@ class KubernetesRuntime:
             if exc.status in (400, 422):
                 raise InvalidSession(f"the API server refused it: {exc}") from None
             raise
-        uid = made["metadata"].get("uid", "")
-        try:
-            return await self._wait_ready(meta["namespace"], meta["name"], lambda s: True, uid=uid)
-        except BaseException:
-            # The caller gets the error and no session: do not leave a half-made one
-            # counting against its quota.
-            with contextlib.suppress(ApiError):
-                await asyncio.to_thread(
-                    self.kube.delete, KIND, meta["namespace"], meta["name"], uid=uid
-                )
-            raise
+        made["metadata"].setdefault("uid", "")
+        return made
+
+    async def wait_ready(self, namespace: str, name: str, *, uid: str) -> KernelSession:
+        """The session once the operator has made it Ready (SessionNotReady if it failed
+        or took too long; SessionNotFound if it went, or another of its name is there)."""
+        return await self._wait_ready(namespace, name, lambda s: True, uid=uid)
 
     async def fork(
         self, name: str, namespace: str, bodies: builtins.list[dict[str, Any]]
     ) -> builtins.list[KernelSession]:
-        """Not on a cluster yet (issue 27: a suspend keeps the memory, forks are to come):
-        said plainly."""
-        raise InvalidRequest(
-            f"session {name!r} cannot be forked: forks are made by local gateways only for "
-            "now (on a cluster, a suspend can keep a kernel's memory, but forks are not built)"
-        )
+        """New sessions the operator starts from `name`'s memory (cluster_forks.py)."""
+        return await cluster_forks.fork(self, name, namespace, bodies)
 
     async def delete(self, name: str, namespace: str = "default") -> None:
         """Delete it; the API server's garbage collector removes the pod and the rest."""

@@ -1,0 +1,237 @@
+"""Forks on a cluster (issue 27): a KernelSession made with the annotation
+`mcpforge.dev/forked-from: <parent>` starts from its parent's memory.
+
+With snapshots on (control/snapshots.py), a new session naming a parent of its namespace
+that is Ready on a kernel pod of its own has the kubelet checkpoint that kernel, which
+runs on, into an archive of its own (the handler spends an archive it wakes from), and
+its first pod wakes from it on that node, as a resume does (`snapshots.waking`).
+`status.fork` says how it went: Restoring, then Forked or Failed.
+
+The woken kernel still signs with its parent's key, so the fork's Secret starts as a copy
+of its parent's, with the fork's own HMAC key beside it (FORK_KEY) and the names of the
+parent's session variables (FORK_DROP). Once its kernel answers and the kubelet has seen
+it start, the operator tells it, over its shell channel and in its parent's key, to take
+the fork's key and environment (kernelside/fork.py; the reply comes signed with the new
+key), and only then writes that key into the Secret and shows the session Ready: no
+gateway reaches the fork before it signs with a key of its own. An operator stopped in
+between finds FORK_KEY still there and asks again, first in the new key.
+
+What a fork does not get new: its transport keys (Curve, the bridge's certificate), kept
+in the kernel's memory from its parent's Secret (a kernel cannot bind its sockets anew);
+its workspace, which starts empty (no copy of the parent's volume yet). A parent that
+cannot be checkpointed (not Ready, snapshots off, a pool's kernel, egress rules, whose
+grant its memory would carry), a restore that fails, or a kernel that will not take its
+key gives a fork that starts afresh with keys of its own, and says why.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from mcp_forge.api import forks
+from mcp_forge.api import status as st
+from mcp_forge.api.connection import new_key
+from mcp_forge.api.kernelsession import KIND, KernelSession, load
+from mcp_forge.api.kernelsessionpool import CLAIM_MARK
+from mcp_forge.api.status import stamp
+from mcp_forge.clients.kube import connection_file_of, secret_env
+from mcp_forge.control import snapshots
+from mcp_forge.control.pods import Observation, kernel_status
+from mcp_forge.control.render import CONTAINER, child_name, secret_name
+from mcp_forge.errors import ApiError, ForgeError, SecretError
+from mcp_forge.kernelside import probe
+from mcp_forge.sandbox import SESSION_VARIABLE
+
+if TYPE_CHECKING:
+    from mcp_forge.control.realize import Pass
+    from mcp_forge.control.reconciler import Reconciler
+
+log = logging.getLogger(__name__)
+
+FORK_KEY = "fork-key"  # Secret data: the fork's own HMAC key, until its kernel signs with it
+FORK_DROP = "fork-drop"  # Secret data: its parent's session variables, a JSON list
+RESTORING, FORKED, FAILED = "Restoring", "Forked", "Failed"
+ASK_MS = 10_000  # the woken kernel's wait for the request that makes it the fork's
+
+
+class Unforkable(ForgeError):
+    """The parent's kernel cannot be checkpointed for a fork; why, in words."""
+
+
+class _Gate:
+    """One parent's checkpoints, one at a time (CRIU freezes the kernel for each)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+
+_gates: weakref.WeakValueDictionary[tuple[str, str], _Gate] = weakref.WeakValueDictionary()
+_gates_lock = threading.Lock()
+
+
+def _gate(namespace: str, name: str) -> _Gate:
+    with _gates_lock:
+        gate = _gates.get((namespace, name))
+        if gate is None:
+            gate = _gates[(namespace, name)] = _Gate()
+        return gate
+
+
+def parent_of(session: KernelSession) -> str | None:
+    """The session it was made a fork of (FORKED_FROM), if any."""
+    named = (session.body["metadata"].get("annotations") or {}).get(forks.FORKED_FROM)
+    return named if isinstance(named, str) and named else None
+
+
+def begin(r: Reconciler, p: Pass) -> None:
+    """A fork's first start: its parent's kernel checkpointed, the fork's Secret a copy of
+    its parent's, and its first pod to wake from the archive (`snapshots.waking`). What
+    cannot be forked starts afresh; `status.fork` says why. Written at once: a pass that
+    fails after it neither checkpoints again nor loses the archive."""
+    parent = parent_of(p.session)
+    if parent is None or p.old.get("fork") or p.old.get("kernelId"):
+        return
+    ns, name = p.session.namespace, p.session.name
+    try:
+        secret, snap = _take(r, p, parent)
+    except (Unforkable, ApiError, SecretError) as exc:
+        why = f"not forked from {parent}: {exc}; a new kernel starts, with nothing of its memory"
+        log.info("%s/%s: %s", ns, name, why)
+        p.status["fork"] = {"from": parent, "outcome": FAILED, "at": stamp(p.now), "message": why}
+        return
+    p.found = replace(p.found, secret=secret)
+    fork = {"from": parent, "outcome": RESTORING, "at": stamp(p.now)}
+    p.status.update(snapshot=snap, fork=fork)
+    r.kube.patch(KIND, ns, name, {"status": {"snapshot": snap, "fork": fork}}, status=True)
+    log.info("%s/%s: forked from %s in %.2fs", ns, name, parent, snap["seconds"])
+
+
+def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fork's Secret (its parent's keys, its own beside them) and its snapshot."""
+    session, ns = p.session, p.session.namespace
+    if not r.settings.snapshot_runtime_class:
+        raise Unforkable("snapshots are off on this cluster")
+    if session.spec.egress_rules:
+        raise Unforkable("a session with egress rules is not forked (its grant is its own)")
+    body = r.kube.get(KIND, ns, name)
+    if body is None:
+        raise Unforkable(f"no session {name!r} in namespace {ns!r}")
+    parent = load(body)
+    if parent.spec.egress_rules:
+        raise Unforkable(f"{name} has egress rules, whose credential its kernel holds")
+    if (body.get("status") or {}).get("phase") != st.READY:
+        raise Unforkable(f"{name} is not Ready")
+    pod = r.kube.get("Pod", ns, child_name(parent))
+    if pod is None or not snapshots.checkpointable(r, parent, pod):
+        raise Unforkable(f"{name}'s kernel cannot be checkpointed (not its own, or not on "
+                         "the restore handler, or not answering)")  # fmt: skip
+    theirs = r.kube.get("Secret", ns, secret_name(parent))
+    if theirs is None or connection_file_of(theirs) is None:
+        raise Unforkable(f"{name} has no readable Secret")
+    started, node = time.monotonic(), pod["spec"]["nodeName"]
+    gate = _gate(ns, name)  # held while it is used: the table keeps it no longer
+    with gate.lock:  # forks made at once checkpoint their parent one by one
+        taken = r.kubelet.checkpoint(node, ns, pod["metadata"]["name"], CONTAINER)
+    want = r._render(session, theirs)[0]
+    drop = sorted({v.name for v in parent.spec.env} | {CLAIM_MARK})
+    want["stringData"].update({FORK_KEY: new_key(), FORK_DROP: json.dumps(drop)})
+    # A fresh session's Secret was made with keys of its own beside its other children
+    # (reconciler `_children`): its parent's replace them.
+    r._ensure(want, session, likely_new=True)
+    secret = r.kube.patch(
+        "Secret", ns, want["metadata"]["name"], {"stringData": want["stringData"]}
+    )
+    snap = {
+        "node": node,
+        "archive": os.path.basename(taken.archive),
+        "takenAt": stamp(p.now),
+        "seconds": round(time.monotonic() - started, 3),
+        "inPod": False,
+    }
+    return secret, snap
+
+
+def abandoned(r: Reconciler, p: Pass) -> None:
+    """A fork whose snapshot went unrestored (dropped, or its restore failed): its Secret
+    gets keys of its own before any kernel starts on it, and the fork says so."""
+    fork = p.status.get("fork") or {}
+    if fork.get("outcome") != RESTORING or p.status.get("snapshot"):
+        return
+    last = p.status.get("lastRestore") or {}
+    if last.get("outcome") == "Restored":
+        return  # woken: `made_own` gives it its key
+    _failed(r, p, f"its snapshot was not restored ({last.get('message') or 'dropped'})")
+
+
+def made_own(r: Reconciler, p: Pass, seen: Observation) -> Observation:
+    """A fork's woken kernel made the fork's (module text) once it answers and its
+    container has started; until then not Ready. One that will not take its key is
+    deleted: the next starts afresh."""
+    fork = p.status.get("fork") or {}
+    if fork.get("outcome") != RESTORING or not seen.ready or p.pod is None:
+        return seen
+    if not kernel_status(p.pod).get("started"):  # the kubelet's probe signs with the old key
+        p.due.append(p.now + 2.0)  # its pod's next event comes first, most likely
+        return replace(seen, phase=st.STARTING, reason="Forking",
+                       message="its kernel is being made the fork's")  # fmt: skip
+    try:
+        _rekey(r, p)
+    except (Unforkable, ApiError, SecretError) as exc:
+        meta = p.pod["metadata"]
+        r.kube.delete("Pod", p.session.namespace, meta["name"], uid=meta.get("uid"))
+        _failed(r, p, f"its kernel did not take a key of its own ({exc})")
+        return Observation(st.RESTARTING, "ForkFailed", "a new kernel starts; variables lost")
+    p.status["fork"] = {**fork, "outcome": FORKED, "at": stamp(p.now)}
+    return seen
+
+
+def _rekey(r: Reconciler, p: Pass) -> None:
+    ns, session = p.session.namespace, p.session
+    secret = r.kube.get("Secret", ns, secret_name(session))
+    info, data = connection_file_of(secret), (secret or {}).get("data") or {}
+    if info is None or not isinstance(data.get(FORK_KEY), str):
+        raise Unforkable("its Secret lost the fork's key")
+    key = base64.b64decode(data[FORK_KEY]).decode()
+    drop = json.loads(base64.b64decode(data.get(FORK_DROP) or b"W10=").decode() or "[]")
+    host = str((p.pod or {}).get("status", {}).get("podIP") or "")
+    if not host:
+        raise Unforkable("its pod has no address")
+    mine = {**info, "key": key}
+    if probe.answers(mine, host, 2000):  # an earlier pass made it so, then stopped
+        return _promote(r, session, mine)
+    env = {**secret_env(r.kube, session), SESSION_VARIABLE: session.name}
+    for var in session.spec.env:
+        env.setdefault(var.name, var.value)
+    code = forks.becoming(key, [d for d in drop if isinstance(d, str)], env)
+    request = {"code": code, "silent": True, "store_history": False, "allow_stdin": False}
+    said = probe.ask(info, host, "execute_request", request, ASK_MS, reply_key=key)
+    if said is None or said.get("status") != "ok":
+        why = "no answer" if said is None else f"{said.get('ename')}: {said.get('evalue')}"
+        raise Unforkable(str(why)[:500])
+    _promote(r, session, mine)
+
+
+def _promote(r: Reconciler, session: KernelSession, info: dict[str, Any]) -> None:
+    """The fork's key the Secret's: what gateways and the next kernels read."""
+    patch = {"stringData": {"connection.json": json.dumps(info)},
+             "data": {FORK_KEY: None, FORK_DROP: None}}  # fmt: skip
+    r.kube.patch("Secret", session.namespace, secret_name(session), patch)
+
+
+def _failed(r: Reconciler, p: Pass, why: str) -> None:
+    """Keys of its own (none of its parent's left in its Secret), and the fork Failed."""
+    session = p.session
+    fresh = r._render(session, None)[0]["stringData"]
+    patch = {"stringData": fresh, "data": {FORK_KEY: None, FORK_DROP: None}}
+    r.kube.patch("Secret", session.namespace, secret_name(session), patch)
+    fork = p.status.get("fork") or {}
+    log.warning("%s/%s: fork failed: %s", session.namespace, session.name, why)
+    p.status["fork"] = {**fork, "outcome": FAILED, "at": stamp(p.now), "message": why[:1000]}

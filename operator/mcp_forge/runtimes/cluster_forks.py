@@ -1,0 +1,82 @@
+"""A fork on a cluster, as a gateway makes it (issue 27): new KernelSessions naming their
+parent (api/forks.py FORKED_FROM), which the operator starts from checkpoints of the
+parent's running kernel (control/forking.py), each under a key of its own.
+
+The copies are made at once (the operator checkpoints their parent one at a time) and
+waited for until each is Ready, or Failed. As on a local gateway, a parent whose kernel
+could not be checkpointed gives no copy: the copies made to find out are deleted, and
+the error says why. A copy whose restore failed is Ready on a new kernel that says its
+variables were lost (`lastRestore`), and is returned as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+from typing import TYPE_CHECKING, Any
+
+from mcp_forge.api import status as st
+from mcp_forge.api.kernelsession import KernelSession
+from mcp_forge.errors import ApiError, ForgeError, SessionNotReady
+
+if TYPE_CHECKING:
+    from mcp_forge.runtimes.cluster import KubernetesRuntime
+
+log = logging.getLogger(__name__)
+
+KIND = "KernelSession"
+
+
+async def fork(
+    runtime: KubernetesRuntime, name: str, namespace: str, bodies: list[dict[str, Any]]
+) -> list[KernelSession]:
+    """Make a session of each body (api/forks.body: validated, new names) from the Ready
+    session `name`'s memory; the new sessions as they ended (see the module's text)."""
+    parent = await runtime.get(name, namespace)
+    phase = parent.status.get("phase")
+    if phase != st.READY:
+        raise SessionNotReady(f"session {name!r} is {phase}: only a Ready one forks")
+    made: list[dict[str, Any]] = []
+    try:
+        for body in bodies:
+            made.append(await runtime.make(body))
+        ended = await asyncio.gather(*(_ended(runtime, m) for m in made))
+    except BaseException:
+        await asyncio.shield(_unmake(runtime, made))
+        raise
+    refused = [s for s in ended if unforked(s)]
+    if refused:
+        await asyncio.shield(_unmake(runtime, made))
+        why = (refused[0].status.get("fork") or {}).get("message") or "no checkpoint"
+        raise ForgeError(f"session {name!r} cannot be forked: {why}")
+    return list(ended)
+
+
+def unforked(session: KernelSession) -> bool:
+    """Whether the operator made no checkpoint for the copy (its parent could not be
+    checkpointed): Failed before any restore was tried."""
+    fork = session.status.get("fork") or {}
+    return fork.get("outcome") == "Failed" and not session.status.get("lastRestore")
+
+
+async def _ended(runtime: KubernetesRuntime, made: dict[str, Any]) -> KernelSession:
+    meta = made["metadata"]
+    try:
+        return await runtime.wait_ready(meta["namespace"], meta["name"], uid=meta["uid"])
+    except SessionNotReady:
+        now = await runtime.get(meta["name"], meta["namespace"])
+        if now.status.get("phase") == st.FAILED:
+            return now  # as it ended: the caller deletes it
+        raise
+
+
+async def _unmake(runtime: KubernetesRuntime, made: builtins.list[dict[str, Any]]) -> None:
+    for m in made:
+        meta = m["metadata"]
+        try:
+            await asyncio.to_thread(
+                runtime.kube.delete, KIND, meta["namespace"], meta["name"], uid=meta["uid"]
+            )
+        except ApiError as exc:
+            log.warning("could not remove the copy %s: %s", meta["name"], exc)

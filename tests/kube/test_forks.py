@@ -1,0 +1,185 @@
+"""Forks on the cluster (issue 27; control/forking.py): a KernelSession made with the
+annotation mcpforge.dev/forked-from starts from its parent's running kernel, checkpointed
+by the kubelet, and answers with its variables under a key and environment of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from mcp_forge.api import forks
+from mcp_forge.api.forks import FORKED_FROM
+from mcp_forge.clients.kube import Kube, connection_file_of
+from mcp_forge.control.forking import FORK_DROP, FORK_KEY
+from mcp_forge.errors import ForgeError
+from mcp_forge.kernelside import probe
+from mcp_forge.runtimes.cluster import KubernetesRuntime
+from mcp_forge.settings import Settings
+
+from .conftest import ClusterUnderTest
+from .harness import (
+    KS,
+    SMALL,
+    eventually,
+    kernel,
+    ready,
+    run_in_kernel,
+    running_operator,
+    session_body,
+)
+from .test_checkpoint import IMAGE
+from .test_snapshots import CHECKPOINTS, STATE, snapshot_operator
+
+
+@pytest.fixture
+async def forking(
+    kube: Kube, ns: str, test_cluster: ClusterUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Any]:
+    """The operator with snapshots on, so forks."""
+    async with snapshot_operator(kube, ns, test_cluster, monkeypatch) as op:
+        yield op
+
+
+@pytest.fixture
+async def forking_briefly(
+    kube: Kube, ns: str, test_cluster: ClusterUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Any]:
+    """`forking`, with a progress deadline of 2 s."""
+    monkeypatch.setenv("MCPFORGE_PROGRESS_DEADLINE", "2")
+    async with snapshot_operator(kube, ns, test_cluster, monkeypatch) as op:
+        yield op
+
+
+def _fork_body(name: str, ns: str, parent: str, **spec: Any) -> dict[str, Any]:
+    body = session_body(name, ns, **{"image": IMAGE, "resources": SMALL, **spec})
+    body["metadata"]["annotations"] = {FORKED_FROM: parent}
+    return body
+
+
+async def _connection(kube: Kube, ns: str, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    secret = await asyncio.to_thread(kube.get, "Secret", ns, f"ks-{name}-conn")
+    info = connection_file_of(secret)
+    assert secret is not None and info is not None, secret
+    return info, secret
+
+
+async def test_a_fork_answers_with_its_parents_variables_under_a_key_and_env_of_its_own(
+    kube: Kube, ns: str, forking: Any
+) -> None:
+    parent_env = [{"name": "WHO", "value": "parent"}, {"name": "ONLY_PARENT", "value": "1"}]
+    body = session_body("elder", ns, image=IMAGE, resources=SMALL, env=parent_env)
+    await asyncio.to_thread(kube.create, body)
+    await ready(kube, ns, "elder")
+    async with kernel(kube, ns, "elder") as conn:
+        assert await run_in_kernel(conn, STATE) == "41\n"
+        fork = _fork_body("younger", ns, "elder", env=[{"name": "WHO", "value": "fork"}])
+        await asyncio.to_thread(kube.create, fork)
+        obj = await ready(kube, ns, "younger")
+        status = obj["status"]
+        assert (status.get("fork") or {}).get("outcome") == "Forked", status
+        assert status["fork"]["from"] == "elder", status
+        assert (status.get("lastRestore") or {}).get("outcome") == "Restored", status
+        assert not status.get("snapshot"), status
+        assert not list(CHECKPOINTS.glob(f"checkpoint-ks-elder_{ns}-*")), "its archive is spent"
+        async with kernel(kube, ns, "younger") as child:
+            said = await run_in_kernel(
+                child,
+                "import os\nprint(x + 1, t.is_alive(), os.environ['WHO'],"
+                " os.environ.get('ONLY_PARENT'), os.environ['MCPFORGE_SESSION'])",
+            )
+            assert said == "42 True fork None younger\n", said
+            assert await run_in_kernel(child, "x = 1; print(x)") == "1\n"
+        said = await run_in_kernel(conn, "import os; print(x, os.environ['WHO'])")
+        assert said == "41 parent\n"
+
+    theirs, _ = await _connection(kube, ns, "elder")
+    mine, secret = await _connection(kube, ns, "younger")
+    assert mine["key"] != theirs["key"]
+    assert not {FORK_KEY, FORK_DROP} & set(secret.get("data") or {}), "the fork's key promoted"
+    # The fork's kernel no longer takes its parent's key; its own, it does.
+    pod_ip = obj["status"]["podIP"]
+    assert not await asyncio.to_thread(probe.answers, {**mine, "key": theirs["key"]}, pod_ip, 1500)
+    assert await asyncio.to_thread(probe.answers, mine, pod_ip, 5000)
+
+
+async def test_a_fork_of_a_session_that_is_not_there_starts_afresh_and_says_why(
+    kube: Kube, ns: str, forking: Any
+) -> None:
+    await asyncio.to_thread(kube.create, _fork_body("orphan", ns, "nobody"))
+    obj = await ready(kube, ns, "orphan")
+    fork = obj["status"].get("fork") or {}
+    assert fork.get("outcome") == "Failed" and "no session 'nobody'" in fork["message"], fork
+    _, secret = await _connection(kube, ns, "orphan")
+    assert not {FORK_KEY, FORK_DROP} & set(secret.get("data") or {}), secret
+    async with kernel(kube, ns, "orphan") as conn:
+        assert await run_in_kernel(conn, "print('x' in globals())") == "False\n"
+
+
+async def test_a_fork_that_cannot_wake_gets_keys_of_its_own_and_says_why(
+    kube: Kube, ns: str, forking_briefly: Any
+) -> None:
+    """Its pod cannot be placed (more CPU than the node has) past the progress deadline
+    (2 s, set before the operator starts): the archive is given up, and the Secret, a
+    copy of its parent's until then, gets keys of its own."""
+    await asyncio.to_thread(kube.create, session_body("holder", ns, image=IMAGE, resources=SMALL))
+    await ready(kube, ns, "holder")
+    huge = {**SMALL, "cpu": "64"}
+    await asyncio.to_thread(kube.create, _fork_body("stuck", ns, "holder", resources=huge))
+    obj = await eventually(
+        kube, KS, ns, "stuck",
+        lambda o: ((o or {}).get("status", {}).get("fork") or {}).get("outcome") == "Failed",
+        timeout=60, what="the fork Failed",
+    )  # fmt: skip
+    assert obj is not None
+    assert "was not restored" in obj["status"]["fork"]["message"], obj["status"]
+    theirs, _ = await _connection(kube, ns, "holder")
+    mine, secret = await _connection(kube, ns, "stuck")
+    assert mine["key"] != theirs["key"]
+    assert mine["curve_publickey"] != theirs["curve_publickey"]
+    assert not {FORK_KEY, FORK_DROP} & set(secret.get("data") or {}), secret
+
+
+async def test_a_gateway_forks_a_session_into_copies_each_answering_under_its_own_key(
+    kube: Kube, ns: str, forking: Any
+) -> None:
+    runtime = KubernetesRuntime(Settings(session_namespace=ns), Kube(kube.client.configuration))
+    try:
+        body = session_body("source", ns, image=IMAGE, resources=SMALL)
+        await asyncio.to_thread(kube.create, body)
+        await ready(kube, ns, "source")
+        async with kernel(kube, ns, "source") as conn:
+            assert await run_in_kernel(conn, STATE) == "41\n"
+            parent = await runtime.get("source", ns)
+            bodies = [forks.body(parent, n, annotations={}) for n in ("copy-a", "copy-b")]
+            made = await runtime.fork("source", ns, bodies)
+        assert [s.name for s in made] == ["copy-a", "copy-b"]
+        keys = {(await _connection(kube, ns, "source"))[0]["key"]}
+        for copy in made:
+            assert (copy.status.get("fork") or {}).get("outcome") == "Forked", copy.status
+            async with kernel(kube, ns, copy.name) as child:
+                assert await run_in_kernel(child, "print(x, t.is_alive())") == "41 True\n"
+            keys.add((await _connection(kube, ns, copy.name))[0]["key"])
+        assert len(keys) == 3, "each copy signs with a key of its own"
+    finally:
+        runtime.close()
+
+
+async def test_a_gateway_refuses_a_fork_the_operator_cannot_checkpoint_and_leaves_no_copy(
+    kube: Kube, ns: str
+) -> None:
+    """Snapshots off: the copy the gateway made to ask is deleted, and the error says why."""
+    runtime = KubernetesRuntime(Settings(session_namespace=ns), Kube(kube.client.configuration))
+    try:
+        async with running_operator(kube):
+            await asyncio.to_thread(kube.create, session_body("plain", ns, resources=SMALL))
+            await ready(kube, ns, "plain")
+            parent = await runtime.get("plain", ns)
+            with pytest.raises(ForgeError, match=r"cannot be forked: .*snapshots are off"):
+                await runtime.fork("plain", ns, [forks.body(parent, "copy", annotations={})])
+            await eventually(kube, KS, ns, "copy", lambda o: o is None, what="the copy gone")
+    finally:
+        runtime.close()

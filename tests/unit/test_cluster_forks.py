@@ -1,0 +1,53 @@
+"""A cluster's forks, the parts that are pure: which session is a fork and of what
+(control/forking.py), which copies the gateway takes as refused (runtimes/
+cluster_forks.py), and the program that makes a woken kernel the fork's (api/forks.py).
+tests/kube/test_forks.py runs them on the test cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mcp_forge.api import forks, kernelsession
+from mcp_forge.api.kernelsessionpool import CLAIM_MARK
+from mcp_forge.control.forking import parent_of
+from mcp_forge.runtimes.cluster_forks import unforked
+
+
+def session(annotations: dict[str, str] | None = None, **status: Any) -> Any:
+    body = kernelsession.validate(
+        {
+            "apiVersion": "mcpforge.dev/v1alpha1",
+            "kind": "KernelSession",
+            "metadata": {"name": "copy", "namespace": "team", "annotations": annotations or {}},
+            "spec": {"env": [{"name": "WHO", "value": "parent"}]},
+        }
+    )
+    body["status"] = status
+    return kernelsession.load(body)
+
+
+def test_a_fork_names_its_parent_by_annotation_and_nothing_else_makes_one() -> None:
+    assert parent_of(session({forks.FORKED_FROM: "elder"})) == "elder"
+    assert parent_of(session()) is None
+    assert parent_of(session({forks.FORKED_FROM: ""})) is None
+    assert parent_of(session({"mcpforge.dev/other": "elder"})) is None
+
+
+def test_the_gateway_refuses_only_copies_that_were_never_checkpointed() -> None:
+    failed = {"from": "elder", "outcome": "Failed", "message": "snapshots are off"}
+    assert unforked(session(fork=failed))
+    # Checkpointed, then the restore failed: a new kernel that says so, returned as it is.
+    restore = {"outcome": "Failed", "message": "mcpforge-runc: ..."}
+    assert not unforked(session(fork=failed, lastRestore=restore))
+    assert not unforked(session(fork={"from": "elder", "outcome": "Forked"}))
+    assert not unforked(session())
+
+
+def test_the_program_that_makes_a_kernel_the_forks_takes_the_names_given() -> None:
+    parent = session()
+    env = {"WHO": "fork", "QUOTE": 'it\'s "x"\n'}
+    by_parent = forks.program("k" * 64, parent, env)
+    assert by_parent == forks.becoming("k" * 64, sorted({"WHO", CLAIM_MARK}), env)
+    # Its literals are Python's own: the env's values round-trip exactly.
+    assert repr(env) in by_parent and repr([CLAIM_MARK, "WHO"]) in by_parent
+    compile(by_parent, "<fork>", "exec")  # valid Python, not run here (it needs a kernel)
