@@ -13,7 +13,10 @@ array of that many bytes, filled), medians of:
     idle session's next use), until the woken kernel answers a call that reads the array
     (its pod made on the node, restored, the client connected again);
 next to the baselines, timed the same way: a new session until its kernel answers `1`,
-and a new session plus re-running the cell that built the state. The machines are shared
+and a new session plus re-running the cell that built the state. Then forks
+(control/forking.py): `--forks` KernelSessions naming a live 50 MB kernel as their parent,
+made at once, until each answers a call that reads its parent's array, next to as many
+new sessions made at once until each has built the array itself. The machines are shared
 and noisy: compare ratios, not absolute numbers.
 """
 
@@ -50,6 +53,7 @@ from kube.harness import (  # noqa: E402
 )
 from kube.test_checkpoint import RESTORE_CLASS, _runtime_class  # noqa: E402
 from kube.testcluster import ROOT as NODE_ROOT  # noqa: E402
+from mcp_forge.api.forks import FORKED_FROM  # noqa: E402
 from mcp_forge.clients.kube import Kube  # noqa: E402
 
 IMAGE = "localhost/mcp-forge-kernel:0.1.0"  # numpy
@@ -138,10 +142,50 @@ async def one_size(kube: Kube, ns: str, megabytes: int, runs: int) -> dict[str, 
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+FORK_SPEC = {"image": IMAGE, "resources": {"memory": "512Mi", "cpu": "100m"}}
+
+
+async def forks(kube: Kube, ns: str, count: int, runs: int) -> tuple[float, float]:
+    """Medians of: `count` forks of a 50 MB kernel made at once, until each read the
+    array; `count` new sessions made at once, until each built it."""
+    build = BUILD.format(n=50_000_000)
+    parent = f"p{uuid.uuid4().hex[:8]}"
+    await asyncio.to_thread(kube.create, session_body(parent, ns, **FORK_SPEC))
+    await ready(kube, ns, parent)
+    async with kernel(kube, ns, parent) as conn:
+        await run_in_kernel(conn, build, timeout=600)
+
+    async def one(name: str, cell: str, annotations: dict[str, str]) -> None:
+        body = session_body(name, ns, **FORK_SPEC)
+        body["metadata"]["annotations"] = annotations
+        await asyncio.to_thread(kube.create, body)
+        obj = await ready(kube, ns, name)
+        if annotations and (obj["status"].get("fork") or {}).get("outcome") != "Forked":
+            raise RuntimeError(f"{name}: not forked: {obj['status'].get('fork')}")
+        async with kernel(kube, ns, name) as conn:
+            await run_in_kernel(conn, cell, timeout=600)
+
+    async def many(cell: str, annotations: dict[str, str]) -> float:
+        names = [f"f{uuid.uuid4().hex[:8]}" for _ in range(count)]
+        try:
+            return await timed(asyncio.gather(*(one(n, cell, annotations) for n in names)))
+        finally:
+            for name in names:
+                await asyncio.to_thread(kube.delete, KS, ns, name)
+
+    forked, built = [], []
+    for _ in range(runs):
+        forked.append(await many(READ, {FORKED_FROM: parent}))
+        built.append(await many(build + "\n" + READ, {}))
+    await asyncio.to_thread(kube.delete, KS, ns, parent)
+    return statistics.median(forked), statistics.median(built)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="50,500", help="resident MB of each kernel")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--forks", type=int, default=10, help="copies of one fork (0: none)")
     args = parser.parse_args()
     with cluster() as kubeconfig:
         # The library read $KUBECONFIG at its import: its copies too (kopf's Kube uses them).
@@ -167,6 +211,14 @@ async def main() -> None:
                         f"{mb:>6}MB {m['size']:>6.0f}MB {m['suspend']:>7.2f}s "
                         f"{m['checkpoint']:>6.2f}s {m['resume']:>7.2f}s {m['new']:>5.2f}s "
                         f"{m['cold']:>8.2f}s {m['resume'] / m['cold']:>6.2f}",
+                        flush=True,
+                    )
+                if args.forks:
+                    forked, built = await forks(kube, ns, args.forks, args.runs)
+                    print(
+                        f"{args.forks} forks of a 50 MB kernel, each answering: {forked:.2f}s; "
+                        f"{args.forks} new sessions, each built it: {built:.2f}s; "
+                        f"ratio {forked / built:.2f}",
                         flush=True,
                     )
         finally:

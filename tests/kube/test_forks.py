@@ -14,7 +14,7 @@ import pytest
 from mcp_forge.api import forks
 from mcp_forge.api.forks import FORKED_FROM
 from mcp_forge.clients.kube import Kube, connection_file_of
-from mcp_forge.control.forking import FORK_DROP, FORK_KEY
+from mcp_forge.control.forking import FORK_DATA, FORK_DROP, FORK_KEY, FORK_TRANSPORT
 from mcp_forge.errors import ForgeError
 from mcp_forge.kernelside import probe
 from mcp_forge.runtimes.cluster import KubernetesRuntime
@@ -100,10 +100,21 @@ async def test_a_fork_answers_with_its_parents_variables_under_a_key_and_env_of_
     mine, secret = await _connection(kube, ns, "younger")
     assert mine["key"] != theirs["key"]
     assert not {FORK_KEY, FORK_DROP} & set(secret.get("data") or {}), "the fork's key promoted"
+    # Its woken kernel holds its parent's transport keys, and says so.
+    assert mine["curve_publickey"] == theirs["curve_publickey"]
+    assert FORK_TRANSPORT in (secret.get("data") or {})
     # The fork's kernel no longer takes its parent's key; its own, it does.
     pod_ip = obj["status"]["podIP"]
     assert not await asyncio.to_thread(probe.answers, {**mine, "key": theirs["key"]}, pod_ip, 1500)
     assert await asyncio.to_thread(probe.answers, mine, pod_ip, 5000)
+    # Its next kernel that does not wake from a snapshot has transport keys of its own.
+    await asyncio.to_thread(kube.delete, "Pod", ns, obj["status"]["podName"])
+    await ready(kube, ns, "younger", other_than=obj["status"]["kernelId"])
+    mine, secret = await _connection(kube, ns, "younger")
+    assert mine["curve_publickey"] != theirs["curve_publickey"] and mine["key"] != theirs["key"]
+    assert not set(FORK_DATA) & set(secret.get("data") or {}), secret
+    async with kernel(kube, ns, "younger") as child:
+        assert await run_in_kernel(child, "print('x' in globals())") == "False\n"
 
 
 async def test_a_fork_of_a_session_that_is_not_there_starts_afresh_and_says_why(

@@ -16,12 +16,16 @@ key), and only then writes that key into the Secret and shows the session Ready:
 gateway reaches the fork before it signs with a key of its own. An operator stopped in
 between finds FORK_KEY still there and asks again, first in the new key.
 
-What a fork does not get new: its transport keys (Curve, the bridge's certificate), kept
-in the kernel's memory from its parent's Secret (a kernel cannot bind its sockets anew);
-its workspace, which starts empty (no copy of the parent's volume yet). A parent that
-cannot be checkpointed (not Ready, snapshots off, a pool's kernel, egress rules, whose
-grant its memory would carry), a restore that fails, or a kernel that will not take its
-key gives a fork that starts afresh with keys of its own, and says why.
+No kernel but the woken one ever starts on a Secret holding its parent's keys: a pod
+that will not wake from the snapshot is made only after the Secret got keys of its own
+(`before_pod`), and a woken kernel that was replaced before it took its key (its pod
+gone, its container started again) fails the fork. A fork's transport keys (Curve, the
+bridge's certificate) stay its parent's while its woken kernel runs (a kernel cannot bind
+its sockets anew; FORK_TRANSPORT marks them), and are its own from its next kernel that
+does not wake from a snapshot. Its workspace starts empty (no copy of the parent's volume
+yet). A parent that cannot be checkpointed (not Ready, snapshots off, a pool's kernel,
+egress rules, whose grant its memory would carry), a restore that fails, or a kernel that
+will not take its key gives a fork that starts afresh with keys of its own, and says why.
 """
 
 from __future__ import annotations
@@ -30,9 +34,7 @@ import base64
 import json
 import logging
 import os
-import threading
 import time
-import weakref
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -58,31 +60,19 @@ log = logging.getLogger(__name__)
 
 FORK_KEY = "fork-key"  # Secret data: the fork's own HMAC key, until its kernel signs with it
 FORK_DROP = "fork-drop"  # Secret data: its parent's session variables, a JSON list
+FORK_TRANSPORT = "fork-transport"  # Secret data: its Curve pair and certificate are its parent's
+FORK_DATA = (FORK_KEY, FORK_DROP, FORK_TRANSPORT)
 RESTORING, FORKED, FAILED = "Restoring", "Forked", "Failed"
 ASK_MS = 10_000  # the woken kernel's wait for the request that makes it the fork's
 
 
 class Unforkable(ForgeError):
-    """The parent's kernel cannot be checkpointed for a fork; why, in words."""
+    """The parent's kernel cannot be checkpointed for a fork, or its copy made the fork's."""
 
 
-class _Gate:
-    """One parent's checkpoints, one at a time (CRIU freezes the kernel for each)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-
-
-_gates: weakref.WeakValueDictionary[tuple[str, str], _Gate] = weakref.WeakValueDictionary()
-_gates_lock = threading.Lock()
-
-
-def _gate(namespace: str, name: str) -> _Gate:
-    with _gates_lock:
-        gate = _gates.get((namespace, name))
-        if gate is None:
-            gate = _gates[(namespace, name)] = _Gate()
-        return gate
+# What a fork's steps may raise: the API's answers, and what a hostile kernel or Secret
+# can make of the parsing (a key or list that is not base64, JSON or UTF-8).
+REFUSED = (Unforkable, ApiError, SecretError, ValueError, RecursionError)
 
 
 def parent_of(session: KernelSession) -> str | None:
@@ -91,27 +81,35 @@ def parent_of(session: KernelSession) -> str | None:
     return named if isinstance(named, str) and named else None
 
 
-def begin(r: Reconciler, p: Pass) -> None:
+def begin(r: Reconciler, p: Pass) -> str | None:
     """A fork's first start: its parent's kernel checkpointed, the fork's Secret a copy of
     its parent's, and its first pod to wake from the archive (`snapshots.waking`). What
-    cannot be forked starts afresh; `status.fork` says why. Written at once: a pass that
-    fails after it neither checkpoints again nor loses the archive."""
+    cannot be forked starts afresh, on keys of its own; `status.fork` says why. Written
+    at once: a pass that fails after it neither checkpoints again nor loses the archive.
+    Why its start waits (another checkpoint of its parent under way), or None."""
     parent = parent_of(p.session)
     if parent is None or p.old.get("fork") or p.old.get("kernelId"):
-        return
+        return None
     ns, name = p.session.namespace, p.session.name
-    try:
-        secret, snap = _take(r, p, parent)
-    except (Unforkable, ApiError, SecretError) as exc:
-        why = f"not forked from {parent}: {exc}; a new kernel starts, with nothing of its memory"
-        log.info("%s/%s: %s", ns, name, why)
-        p.status["fork"] = {"from": parent, "outcome": FAILED, "at": stamp(p.now), "message": why}
-        return
+    with snapshots.checkpoints_of(ns, parent, wait=False) as mine:
+        if not mine:
+            p.due.append(p.now + 1.0)
+            return f"waiting for another checkpoint of {parent} to end"
+        try:
+            secret, snap = _take(r, p, parent)
+        except REFUSED as exc:
+            why = (
+                f"not forked from {parent}: {exc}; a new kernel starts, with nothing of its memory"
+            )
+            p.status["fork"] = {"from": parent, "outcome": RESTORING}
+            _failed(r, p, why)  # an earlier pass may have given it its parent's keys
+            return None
     p.found = replace(p.found, secret=secret)
     fork = {"from": parent, "outcome": RESTORING, "at": stamp(p.now)}
     p.status.update(snapshot=snap, fork=fork)
     r.kube.patch(KIND, ns, name, {"status": {"snapshot": snap, "fork": fork}}, status=True)
     log.info("%s/%s: forked from %s in %.2fs", ns, name, parent, snap["seconds"])
+    return None
 
 
 def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -137,18 +135,15 @@ def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, 
     if theirs is None or connection_file_of(theirs) is None:
         raise Unforkable(f"{name} has no readable Secret")
     started, node = time.monotonic(), pod["spec"]["nodeName"]
-    gate = _gate(ns, name)  # held while it is used: the table keeps it no longer
-    with gate.lock:  # forks made at once checkpoint their parent one by one
-        taken = r.kubelet.checkpoint(node, ns, pod["metadata"]["name"], CONTAINER)
+    taken = r.kubelet.checkpoint(node, ns, pod["metadata"]["name"], CONTAINER)
     want = r._render(session, theirs)[0]
     drop = sorted({v.name for v in parent.spec.env} | {CLAIM_MARK})
     want["stringData"].update({FORK_KEY: new_key(), FORK_DROP: json.dumps(drop)})
     # A fresh session's Secret was made with keys of its own beside its other children
     # (reconciler `_children`): its parent's replace them.
     r._ensure(want, session, likely_new=True)
-    secret = r.kube.patch(
-        "Secret", ns, want["metadata"]["name"], {"stringData": want["stringData"]}
-    )
+    patch = {"stringData": want["stringData"]}
+    secret = r.kube.patch("Secret", ns, want["metadata"]["name"], patch)
     snap = {
         "node": node,
         "archive": os.path.basename(taken.archive),
@@ -159,6 +154,23 @@ def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, 
     return secret, snap
 
 
+def before_pod(r: Reconciler, p: Pass) -> None:
+    """A kernel pod about to be made that will not wake from a snapshot starts on keys
+    of its own: a fork's Secret that still holds its parent's gets new ones (the fork
+    Failed if it was still to wake)."""
+    if p.status.get("snapshot"):
+        return
+    data = (p.found.secret or {}).get("data") or {}
+    if not any(k in data for k in FORK_DATA):
+        return
+    if (p.status.get("fork") or {}).get("outcome") == RESTORING:
+        why = "its woken kernel was gone before it took a key of its own"
+        _failed(r, p, why)
+        p.status["lastRestore"] = {"outcome": "Failed", "at": stamp(p.now), "message": why}
+    else:
+        _own_keys(r, p)
+
+
 def abandoned(r: Reconciler, p: Pass) -> None:
     """A fork whose snapshot went unrestored (dropped, or its restore failed): its Secret
     gets keys of its own before any kernel starts on it, and the fork says so."""
@@ -167,50 +179,66 @@ def abandoned(r: Reconciler, p: Pass) -> None:
         return
     last = p.status.get("lastRestore") or {}
     if last.get("outcome") == "Restored":
-        return  # woken: `made_own` gives it its key
+        return  # woken: `made_own` gives it its key (or `before_pod` its next pod new ones)
     _failed(r, p, f"its snapshot was not restored ({last.get('message') or 'dropped'})")
 
 
 def made_own(r: Reconciler, p: Pass, seen: Observation) -> Observation:
     """A fork's woken kernel made the fork's (module text) once it answers and its
-    container has started; until then not Ready. One that will not take its key is
-    deleted: the next starts afresh."""
-    fork = p.status.get("fork") or {}
-    if fork.get("outcome") != RESTORING or not seen.ready or p.pod is None:
+    container has started; until then not Ready. A kernel that is not the woken one (its
+    container started again), or one that will not take its key, fails the fork: its
+    pod is deleted, and the next starts afresh on keys of its own."""
+    fork, pod = p.status.get("fork") or {}, p.pod
+    if fork.get("outcome") != RESTORING or pod is None or seen.reason == "RestoreFailed":
         return seen
-    if not kernel_status(p.pod).get("started"):  # the kubelet's probe signs with the old key
+    kernel = kernel_status(pod)
+    woken = (pod["metadata"].get("annotations") or {}).get(snapshots.RESTORE_FROM)
+    if not woken or int(kernel.get("restartCount") or 0) > 0:
+        return _give_up(r, p, "its woken kernel was replaced before it took a key of its own")
+    if not seen.ready:
+        return seen
+    if not kernel.get("started"):  # the kubelet's probe signs with the old key
         p.due.append(p.now + 2.0)  # its pod's next event comes first, most likely
         return replace(seen, phase=st.STARTING, reason="Forking",
                        message="its kernel is being made the fork's")  # fmt: skip
     try:
         _rekey(r, p)
-    except (Unforkable, ApiError, SecretError) as exc:
-        meta = p.pod["metadata"]
-        r.kube.delete("Pod", p.session.namespace, meta["name"], uid=meta.get("uid"))
-        _failed(r, p, f"its kernel did not take a key of its own ({exc})")
-        return Observation(st.RESTARTING, "ForkFailed", "a new kernel starts; variables lost")
+    except REFUSED as exc:
+        return _give_up(r, p, f"its kernel did not take a key of its own ({exc})")
     p.status["fork"] = {**fork, "outcome": FORKED, "at": stamp(p.now)}
     return seen
+
+
+def _give_up(r: Reconciler, p: Pass, why: str) -> Observation:
+    meta = (p.pod or {}).get("metadata") or {}
+    if meta.get("name") and meta.get("uid") and not meta.get("deletionTimestamp"):
+        r.kube.delete("Pod", p.session.namespace, meta["name"], uid=meta["uid"])
+    _failed(r, p, why)
+    p.status["lastRestore"] = {"outcome": "Failed", "at": stamp(p.now), "message": why}
+    return Observation(st.RESTARTING, "ForkFailed", f"{why}: a new kernel starts; variables lost")
 
 
 def _rekey(r: Reconciler, p: Pass) -> None:
     ns, session = p.session.namespace, p.session
     secret = r.kube.get("Secret", ns, secret_name(session))
     info, data = connection_file_of(secret), (secret or {}).get("data") or {}
-    if info is None or not isinstance(data.get(FORK_KEY), str):
+    host = str((p.pod or {}).get("status", {}).get("podIP") or "")
+    if info is None or not host:
+        raise Unforkable("its Secret or its pod's address is gone")
+    if not isinstance(data.get(FORK_KEY), str):  # promoted by a pass whose status was lost
+        if probe.answers(info, host, 2000):
+            return
         raise Unforkable("its Secret lost the fork's key")
     key = base64.b64decode(data[FORK_KEY]).decode()
-    drop = json.loads(base64.b64decode(data.get(FORK_DROP) or b"W10=").decode() or "[]")
-    host = str((p.pod or {}).get("status", {}).get("podIP") or "")
-    if not host:
-        raise Unforkable("its pod has no address")
+    drop = json.loads(base64.b64decode(data.get(FORK_DROP) or "W10=").decode())
     mine = {**info, "key": key}
     if probe.answers(mine, host, 2000):  # an earlier pass made it so, then stopped
         return _promote(r, session, mine)
     env = {**secret_env(r.kube, session), SESSION_VARIABLE: session.name}
     for var in session.spec.env:
         env.setdefault(var.name, var.value)
-    code = forks.becoming(key, [d for d in drop if isinstance(d, str)], env)
+    names = [d for d in drop if isinstance(d, str)] if isinstance(drop, list) else []
+    code = forks.becoming(key, names, env)
     request = {"code": code, "silent": True, "store_history": False, "allow_stdin": False}
     said = probe.ask(info, host, "execute_request", request, ASK_MS, reply_key=key)
     if said is None or said.get("status") != "ok":
@@ -220,18 +248,30 @@ def _rekey(r: Reconciler, p: Pass) -> None:
 
 
 def _promote(r: Reconciler, session: KernelSession, info: dict[str, Any]) -> None:
-    """The fork's key the Secret's: what gateways and the next kernels read."""
-    patch = {"stringData": {"connection.json": json.dumps(info)},
+    """The fork's key the Secret's: what gateways and the next kernels read. Its
+    transport keys stay its parent's, as its kernel holds them (FORK_TRANSPORT)."""
+    patch = {"stringData": {"connection.json": json.dumps(info), FORK_TRANSPORT: "parent"},
              "data": {FORK_KEY: None, FORK_DROP: None}}  # fmt: skip
     r.kube.patch("Secret", session.namespace, secret_name(session), patch)
 
 
-def _failed(r: Reconciler, p: Pass, why: str) -> None:
-    """Keys of its own (none of its parent's left in its Secret), and the fork Failed."""
+def _own_keys(r: Reconciler, p: Pass) -> None:
+    """Keys of its own in the session's Secret, none of its parent's left."""
     session = p.session
     fresh = r._render(session, None)[0]["stringData"]
-    patch = {"stringData": fresh, "data": {FORK_KEY: None, FORK_DROP: None}}
-    r.kube.patch("Secret", session.namespace, secret_name(session), patch)
+    patch = {"stringData": fresh, "data": dict.fromkeys(FORK_DATA)}
+    try:
+        made = r.kube.patch("Secret", session.namespace, secret_name(session), patch)
+    except ApiError as exc:
+        if not exc.not_found:
+            raise
+        return  # none yet: the one made for its next pod has keys of its own
+    p.found = replace(p.found, secret=made)
+
+
+def _failed(r: Reconciler, p: Pass, why: str) -> None:
+    """Keys of its own (none of its parent's left in its Secret), and the fork Failed."""
+    _own_keys(r, p)
     fork = p.status.get("fork") or {}
-    log.warning("%s/%s: fork failed: %s", session.namespace, session.name, why)
+    log.warning("%s/%s: fork failed: %s", p.session.namespace, p.session.name, why)
     p.status["fork"] = {**fork, "outcome": FAILED, "at": stamp(p.now), "message": why[:1000]}

@@ -235,6 +235,7 @@ def early_claim(session: KernelSession, now: float) -> bool:
     ends = [created + t for t in (spec.max_lifetime, spec.idle_timeout) if t]
     return (
         bool(spec.pool)
+        and forking.parent_of(session) is None  # a fork wakes from its parent's memory
         and spec.operating_mode == "Running"
         and not spec.egress_rules
         and all(now < end for end in ends)
@@ -284,13 +285,16 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
     egress = bool(session.spec.egress_rules)
     if egress and r.egress_route(session) is None:
         return _waiting(p, "EgressUnavailable", egress_missing(r))
-    forking.begin(r, p)  # a fork's first kernel wakes from its parent's memory
+    waits = forking.begin(r, p)  # a fork's first kernel wakes from its parent's memory
+    if waits is not None:
+        return _waiting(p, "Forking", waits)
     if session.spec.pool and not old.get("kernelId") and not p.status.get("snapshot"):  # warm?
         try:
             p.pod = _claim(r, p)
         except SecretError as exc:  # a Secret its rules name: no kernel without it
             return _failed(p, exc)
     if p.pod is None:
+        forking.before_pod(r, p)  # never on a parent's keys, unless it wakes with them
         secret = p.found.secret
         complete = r._own_secret(session, secret, fresh=p.fresh)
         if complete is not None:

@@ -28,10 +28,14 @@ What a snapshot keeps and what it cannot is in docs/design.md §14.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
 import time
+import weakref
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -100,7 +104,8 @@ def take(r: Reconciler, p: Pass) -> None:
     ns, name = p.session.namespace, p.session.name
     started = time.monotonic()
     try:
-        taken = r.kubelet.checkpoint(node, ns, meta["name"], CONTAINER)
+        with checkpoints_of(ns, name, wait=True):  # after a fork's of it, if one is under way
+            taken = r.kubelet.checkpoint(node, ns, meta["name"], CONTAINER)
     except ApiError as exc:
         log.warning("%s/%s: no snapshot: %s", ns, name, exc)
         p.notes.append(f"the checkpoint failed: {exc}")
@@ -116,6 +121,34 @@ def take(r: Reconciler, p: Pass) -> None:
     r.kube.patch("KernelSession", ns, name, {"status": {"snapshot": snap}}, status=True)
     p.status["snapshot"] = snap
     log.info("%s/%s: checkpointed in %.2fs", ns, name, seconds)
+
+
+class _Gate:
+    """One kernel's checkpoints, one at a time (CRIU freezes it for each)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+
+_gates: weakref.WeakValueDictionary[tuple[str, str], _Gate] = weakref.WeakValueDictionary()
+_gates_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def checkpoints_of(namespace: str, name: str, *, wait: bool) -> Iterator[bool]:
+    """Held while the session's kernel is checkpointed (for its suspend, or a fork of
+    it): True if it is this caller's; without `wait`, False at once if another holds it."""
+    with _gates_lock:
+        gate = _gates.get((namespace, name))
+        if gate is None:
+            gate = _gates[(namespace, name)] = _Gate()
+    if not gate.lock.acquire(blocking=wait):  # `gate` held here: the table keeps it no longer
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        gate.lock.release()
 
 
 def said(r: Reconciler, p: Pass) -> None:

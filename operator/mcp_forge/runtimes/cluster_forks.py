@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
-from mcp_forge.errors import ApiError, ForgeError, SessionNotReady
+from mcp_forge.errors import ApiError, ForgeError, InvalidSession, SessionNotReady
 
 if TYPE_CHECKING:
     from mcp_forge.runtimes.cluster import KubernetesRuntime
@@ -38,16 +38,25 @@ async def fork(
     if phase != st.READY:
         raise SessionNotReady(f"session {name!r} is {phase}: only a Ready one forks")
     made: list[dict[str, Any]] = []
+    asking: dict[str, Any] | None = None  # the copy whose create is under way
     try:
-        for body in bodies:
-            made.append(await runtime.make(body))
-        ended = await asyncio.gather(*(_ended(runtime, m) for m in made))
-    except BaseException:
-        await asyncio.shield(_unmake(runtime, made))
+        for asking in bodies:
+            made.append(await runtime.make(asking))
+        asking = None
+        waits = [asyncio.ensure_future(_ended(runtime, m)) for m in made]
+        try:
+            ended = await asyncio.gather(*waits)
+        finally:
+            for wait in waits:  # one failed: the others are not waited for
+                wait.cancel()
+    except BaseException as exc:
+        # A create refused (its name taken, say) made nothing; one cut short may have.
+        lost = [asking] if asking is not None and not isinstance(exc, InvalidSession) else []
+        await asyncio.shield(_unmake(runtime, made, lost))
         raise
     refused = [s for s in ended if unforked(s)]
     if refused:
-        await asyncio.shield(_unmake(runtime, made))
+        await asyncio.shield(_unmake(runtime, made, []))
         why = (refused[0].status.get("fork") or {}).get("message") or "no checkpoint"
         raise ForgeError(f"session {name!r} cannot be forked: {why}")
     return list(ended)
@@ -71,12 +80,19 @@ async def _ended(runtime: KubernetesRuntime, made: dict[str, Any]) -> KernelSess
         raise
 
 
-async def _unmake(runtime: KubernetesRuntime, made: builtins.list[dict[str, Any]]) -> None:
-    for m in made:
-        meta = m["metadata"]
+async def _unmake(
+    runtime: KubernetesRuntime,
+    made: builtins.list[dict[str, Any]],
+    lost: builtins.list[dict[str, Any]],
+) -> None:
+    """The copies made gone (by their uids), and those whose create's answer was lost (by
+    their names: new, random ones, asked for by this fork)."""
+    doomed = [(m["metadata"], m["metadata"]["uid"]) for m in made]
+    doomed += [(b["metadata"], "") for b in lost]
+    for meta, uid in doomed:
         try:
             await asyncio.to_thread(
-                runtime.kube.delete, KIND, meta["namespace"], meta["name"], uid=meta["uid"]
+                runtime.kube.delete, KIND, meta["namespace"], meta["name"], uid=uid
             )
         except ApiError as exc:
             log.warning("could not remove the copy %s: %s", meta["name"], exc)
