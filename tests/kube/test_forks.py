@@ -175,6 +175,9 @@ async def test_a_gateway_forks_a_session_into_copies_each_answering_under_its_ow
                 assert await run_in_kernel(child, "print(x, t.is_alive())") == "41 True\n"
             keys.add((await _connection(kube, ns, copy.name))[0]["key"])
         assert len(keys) == 3, "each copy signs with a key of its own"
+        # One checkpoint for both, which the handler left for the node's sweeper.
+        (shared,) = CHECKPOINTS.glob(f"checkpoint-ks-source_{ns}-*")
+        await asyncio.to_thread(shared.unlink)
     finally:
         runtime.close()
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from mcp_forge.api import forks, kernelsession
 from mcp_forge.api.kernelsessionpool import CLAIM_MARK
-from mcp_forge.control.forking import parent_of
+from mcp_forge.control.forking import WOKEN_CHECK, parent_of
+from mcp_forge.kernelside import run_silently
 from mcp_forge.runtimes.cluster_forks import unforked
 
 
@@ -40,7 +43,23 @@ def test_the_gateway_refuses_only_copies_that_were_never_checkpointed() -> None:
     restore = {"outcome": "Failed", "message": "mcpforge-runc: ..."}
     assert not unforked(session(fork=failed, lastRestore=restore))
     assert not unforked(session(fork={"from": "elder", "outcome": "Forked"}))
-    assert not unforked(session())
+    # Ready, and no fork said of it: an operator that does not make forks.
+    assert unforked(session())
+
+
+def test_only_the_parents_woken_copy_passes_the_check_before_its_key_is_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check runs in the kernel (here, in this process: it binds nothing): a kernel
+    whose environment names another session, a new one, is refused."""
+    was = ("MCPFORGE_SESSION", "elder")
+    check = run_silently(repr(WOKEN_CHECK), {"WAS": repr(was)})
+    monkeypatch.setenv("MCPFORGE_SESSION", "elder")
+    exec(check)  # the parent's woken copy: nothing raised
+    monkeypatch.setenv("MCPFORGE_SESSION", "younger")
+    with pytest.raises(RuntimeError, match="not a woken copy of 'elder'"):
+        exec(check)
+    assert "os" not in globals(), "nothing is left in the namespace it runs in"
 
 
 def test_the_program_that_makes_a_kernel_the_forks_takes_the_names_given() -> None:

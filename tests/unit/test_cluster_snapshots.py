@@ -67,6 +67,14 @@ def test_a_pod_wakes_on_the_node_that_holds_the_snapshot_and_is_not_outdated_for
         == (plain["metadata"]["annotations"][TEMPLATE_HASH])
     )
     kubernetes_validate.validate(woken, K8S_VERSION, strict=True)
+    assert snapshots.woke_from(woken) == "checkpoint-ks-demo_team-kernel-1.tar"
+    assert snapshots.woke_from(plain) == "" and snapshots.woke_from(None) == ""
+    # A fork's batch shares its archive: the handler leaves it for the sweeper.
+    shared = pod(True)
+    snapshots.waking({"snapshot": {**status["snapshot"], "shared": True}}, shared)
+    value = shared["metadata"]["annotations"][snapshots.RESTORE_FROM]
+    assert value == "shared:checkpoint-ks-demo_team-kernel-1.tar"
+    assert snapshots.woke_from(shared) == "checkpoint-ks-demo_team-kernel-1.tar"
     nothing: list[dict[str, Any]] = [{}, {"snapshot": None}, {"snapshot": {"node": "n"}}]
     for status in nothing:
         untouched = pod(True)

@@ -14,7 +14,8 @@
 //     given to the pod's user namespace's root (who opens some of them), and
 //     `runc restore --detach` brings the process back in the new container (restore.go).
 //     The archive is then removed, whether the restore worked or not: a checkpoint wakes
-//     one pod, once.
+//     one pod, once. A value of `shared:<archive>` (forks made together, which wake from
+//     one checkpoint) leaves it for the node's sweeper, which removes what no session holds.
 //   - `start` of a container restored so: it runs already; nothing to do.
 //
 // A refusal or a failed restore is written to runc's log, which containerd reports in the

@@ -14,6 +14,9 @@ import (
 
 const (
 	annotation = "mcpforge.dev/restore-from"
+	// A value of `shared:<archive>` wakes the pod from an archive other pods may wake from
+	// too (forks made together): it is left for the node's sweeper, not removed here.
+	sharedPrefix = "shared:"
 	// The kubelet's count of the container's starts (the handler's container_annotations):
 	// a checkpoint is woken from at the first only; a restart is a fresh start.
 	restartCount = "io.kubernetes.container.restartCount"
@@ -73,6 +76,8 @@ func create(runc string, global, rest []string) (bool, error) {
 	if !ok || (new.Annotations[restartCount] != "" && new.Annotations[restartCount] != "0") {
 		return false, nil
 	}
+	shared := strings.HasPrefix(name, sharedPrefix)
+	name = strings.TrimPrefix(name, sharedPrefix)
 	id := rest[len(rest)-1]
 	uid, gid := rootOf(new.Linux.UIDMappings), rootOf(new.Linux.GIDMappings)
 	if uid <= 0 || gid <= 0 || !containerID.MatchString(id) {
@@ -95,8 +100,10 @@ func create(runc string, global, rest []string) (bool, error) {
 	}
 	// From here the archive is this pod's: whether it wakes from it or cannot, it is spent
 	// (a session's snapshot is restored once; one that failed starts its kernel afresh),
-	// and the node's disk is not a store of old memories.
-	defer os.Remove(archive.Name())
+	// and the node's disk is not a store of old memories. A shared one is the sweeper's.
+	if !shared {
+		defer os.Remove(archive.Name())
+	}
 	images, release, err := room(id, size)
 	if err != nil {
 		return false, err

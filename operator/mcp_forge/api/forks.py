@@ -23,6 +23,9 @@ from mcp_forge.errors import InvalidRequest
 from mcp_forge.kernelside import compiled, run_silently
 
 FORKED_FROM = "mcpforge.dev/forked-from"  # annotation: the parent's name
+# Annotation: forks of one batch (made together) wake from one checkpoint of their parent,
+# on a cluster (control/forking.py).
+FORK_BATCH = "mcpforge.dev/fork-batch"
 FORK_MAX = 10  # new sessions of one fork
 
 
@@ -84,8 +87,13 @@ def program(key: str, parent: KernelSession, env: Mapping[str, str]) -> str:
     return becoming(key, drop, env)
 
 
-def becoming(key: str, drop: Sequence[str], env: Mapping[str, str]) -> str:
-    """`program`, given the names to take out of the environment. Values are literals
-    made by repr, which round-trips every str exactly."""
-    given = {"KEY": repr(key), "DROP": repr(list(drop)), "ENV": repr(dict(env))}
+def becoming(
+    key: str, drop: Sequence[str], env: Mapping[str, str], *, was: tuple[str, str] | None = None
+) -> str:
+    """`program`, given the names to take out of the environment; with `was` (a variable
+    and its value), it refuses, with an error and changing nothing, a kernel whose
+    environment does not say so: not the parent's woken copy (a cluster's fork whose pod
+    started a new kernel instead). Values are literals made by repr, which round-trips
+    every str exactly."""
+    given = {"KEY": repr(key), "DROP": repr(list(drop)), "ENV": repr(dict(env)), "WAS": repr(was)}
     return run_silently(compiled("fork"), {"get_ipython": "get_ipython", **given})

@@ -34,6 +34,7 @@ import base64
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -49,7 +50,7 @@ from mcp_forge.control import snapshots
 from mcp_forge.control.pods import Observation, kernel_status
 from mcp_forge.control.render import CONTAINER, child_name, secret_name
 from mcp_forge.errors import ApiError, ForgeError, SecretError
-from mcp_forge.kernelside import probe
+from mcp_forge.kernelside import probe, run_silently
 from mcp_forge.sandbox import SESSION_VARIABLE
 
 if TYPE_CHECKING:
@@ -64,10 +65,26 @@ FORK_TRANSPORT = "fork-transport"  # Secret data: its Curve pair and certificate
 FORK_DATA = (FORK_KEY, FORK_DROP, FORK_TRANSPORT)
 RESTORING, FORKED, FAILED = "Restoring", "Forked", "Failed"
 ASK_MS = 10_000  # the woken kernel's wait for the request that makes it the fork's
+WOKEN_CHECK = (
+    "import os\n"
+    "if os.environ.get(WAS[0]) != WAS[1]:\n"
+    "    raise RuntimeError(f'not a woken copy of {WAS[1]!r}: {WAS[0]} says otherwise')\n"
+)
+BUSY_RECHECK = 5.0  # seconds: a fork of a busy parent looks again (its Lease is not watched)
+# A batch's checkpoint is used again for this long: less than the 5 minutes the node's
+# sweeper leaves an archive no session holds (control/sweeper.py GRACE).
+SHARE_WITHIN = 120.0
+Snap = dict[str, Any]
+_batches: dict[tuple[str, str, str, str], tuple[float, Snap]] = {}  # by (ns, parent, batch, pod)
+_batches_lock = threading.Lock()
 
 
 class Unforkable(ForgeError):
     """The parent's kernel cannot be checkpointed for a fork, or its copy made the fork's."""
+
+
+class ParentBusy(ForgeError):
+    """The parent runs a call: its copy would too, and not answer the fork's request."""
 
 
 # What a fork's steps may raise: the API's answers, and what a hostile kernel or Secret
@@ -88,8 +105,8 @@ def begin(r: Reconciler, p: Pass) -> str | None:
     at once: a pass that fails after it neither checkpoints again nor loses the archive.
     Why its start waits (another checkpoint of its parent under way), or None."""
     parent = parent_of(p.session)
-    if parent is None or p.old.get("fork") or p.old.get("kernelId"):
-        return None
+    if parent is None or p.old.get("fork") or ran(p.old):
+        return None  # the annotation added to a session that ran: nothing of it is replaced
     ns, name = p.session.namespace, p.session.name
     with snapshots.checkpoints_of(ns, parent, wait=False) as mine:
         if not mine:
@@ -97,6 +114,9 @@ def begin(r: Reconciler, p: Pass) -> str | None:
             return f"waiting for another checkpoint of {parent} to end"
         try:
             secret, snap = _take(r, p, parent)
+        except ParentBusy as exc:
+            p.due.append(p.now + BUSY_RECHECK)
+            return str(exc)
         except REFUSED as exc:
             why = (
                 f"not forked from {parent}: {exc}; a new kernel starts, with nothing of its memory"
@@ -110,6 +130,12 @@ def begin(r: Reconciler, p: Pass) -> str | None:
     r.kube.patch(KIND, ns, name, {"status": {"snapshot": snap, "fork": fork}}, status=True)
     log.info("%s/%s: forked from %s in %.2fs", ns, name, parent, snap["seconds"])
     return None
+
+
+def ran(status: dict[str, Any]) -> bool:
+    """Whether the session has had a kernel (or a snapshot) of its own."""
+    kept = ("kernelId", "startedAt", "snapshot", "lastRestore", "lastTermination", "restarts")
+    return any(status.get(k) for k in kept)
 
 
 def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -131,11 +157,15 @@ def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, 
     if pod is None or not snapshots.checkpointable(r, parent, pod):
         raise Unforkable(f"{name}'s kernel cannot be checkpointed (not its own, or not on "
                          "the restore handler, or not answering)")  # fmt: skip
+    from mcp_forge.control.realize import activity  # realize wires this module in
+
+    lease = r.kube.get("Lease", ns, child_name(parent)) or {}
+    if activity(lease, 0.0, p.now)[0].busy(p.now):  # its woken copy would run the call on
+        raise ParentBusy(f"waiting for {name} to end the call it is running")
     theirs = r.kube.get("Secret", ns, secret_name(parent))
     if theirs is None or connection_file_of(theirs) is None:
         raise Unforkable(f"{name} has no readable Secret")
-    started, node = time.monotonic(), pod["spec"]["nodeName"]
-    taken = r.kubelet.checkpoint(node, ns, pod["metadata"]["name"], CONTAINER)
+    snap = _checkpoint(r, p, parent, pod)
     want = r._render(session, theirs)[0]
     drop = sorted({v.name for v in parent.spec.env} | {CLAIM_MARK})
     want["stringData"].update({FORK_KEY: new_key(), FORK_DROP: json.dumps(drop)})
@@ -144,14 +174,38 @@ def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, 
     r._ensure(want, session, likely_new=True)
     patch = {"stringData": want["stringData"]}
     secret = r.kube.patch("Secret", ns, want["metadata"]["name"], patch)
-    snap = {
+    return secret, snap
+
+
+def _checkpoint(r: Reconciler, p: Pass, parent: KernelSession, pod: dict[str, Any]) -> Snap:
+    """The snapshot the fork wakes from: the parent's kernel checkpointed now, or, for a
+    fork of a batch (FORK_BATCH: made together, the gateway's copies), the checkpoint an
+    earlier fork of the batch took of that kernel within SHARE_WITHIN. A batch's archive
+    is shared: the node's handler leaves it for the sweeper, which removes it once no
+    session holds it and it is 5 minutes old."""
+    ns, meta = parent.namespace, pod["metadata"]
+    batch = (p.session.body["metadata"].get("annotations") or {}).get(forks.FORK_BATCH)
+    key = (ns, parent.name, str(batch), str(meta.get("uid")))
+    now = time.monotonic()
+    with _batches_lock:
+        for k in [k for k, (at, _) in _batches.items() if now - at >= SHARE_WITHIN]:
+            del _batches[k]
+        if batch and key in _batches:
+            return dict(_batches[key][1])
+    started, node = time.monotonic(), pod["spec"]["nodeName"]
+    taken = r.kubelet.checkpoint(node, ns, meta["name"], CONTAINER)
+    snap: Snap = {
         "node": node,
         "archive": os.path.basename(taken.archive),
         "takenAt": stamp(p.now),
         "seconds": round(time.monotonic() - started, 3),
         "inPod": False,
     }
-    return secret, snap
+    if batch:
+        snap["shared"] = True
+        with _batches_lock:
+            _batches[key] = (now, dict(snap))
+    return snap
 
 
 def before_pod(r: Reconciler, p: Pass) -> None:
@@ -178,9 +232,32 @@ def abandoned(r: Reconciler, p: Pass) -> None:
     if fork.get("outcome") != RESTORING or p.status.get("snapshot"):
         return
     last = p.status.get("lastRestore") or {}
-    if last.get("outcome") == "Restored":
-        return  # woken: `made_own` gives it its key (or `before_pod` its next pod new ones)
-    _failed(r, p, f"its snapshot was not restored ({last.get('message') or 'dropped'})")
+    if last.get("outcome") == "Restored" and _live(p.pod) and snapshots.woke_from(p.pod):
+        return  # woken: `made_own` gives it its key
+    why = last.get("message") or ("its woken kernel is gone" if last else "dropped")
+    _failed(r, p, f"its snapshot was not restored ({why})")
+
+
+def _live(pod: dict[str, Any] | None) -> bool:
+    return pod is not None and not pod["metadata"].get("deletionTimestamp")
+
+
+def after(r: Reconciler, p: Pass) -> None:
+    """After a pass's step, whichever it was: a fork given up on (`abandoned`) has its
+    woken pod deleted (it holds its parent's keys, its Secret no longer); and a fork
+    still Restoring is not Ready, whatever path its pod was seen by (`made_own` makes
+    it the fork's first)."""
+    was = (p.status.get("fork") or {}).get("outcome")
+    abandoned(r, p)
+    outcome = (p.status.get("fork") or {}).get("outcome")
+    if was == RESTORING and outcome == FAILED and _live(p.pod) and snapshots.woke_from(p.pod):
+        meta = p.pod["metadata"] if p.pod else {}
+        r.kube.delete("Pod", p.session.namespace, meta["name"], uid=meta["uid"])
+        meta["deletionTimestamp"] = stamp(p.now)
+        p.seen = Observation(st.RESTARTING, "ForkFailed", "a new kernel starts; variables lost")
+    elif outcome == RESTORING and p.seen is not None and p.seen.ready:
+        p.seen = replace(p.seen, phase=st.STARTING, reason="Forking",
+                         message="its kernel is being made the fork's")  # fmt: skip
 
 
 def made_own(r: Reconciler, p: Pass, seen: Observation) -> Observation:
@@ -192,8 +269,7 @@ def made_own(r: Reconciler, p: Pass, seen: Observation) -> Observation:
     if fork.get("outcome") != RESTORING or pod is None or seen.reason == "RestoreFailed":
         return seen
     kernel = kernel_status(pod)
-    woken = (pod["metadata"].get("annotations") or {}).get(snapshots.RESTORE_FROM)
-    if not woken or int(kernel.get("restartCount") or 0) > 0:
+    if not snapshots.woke_from(pod) or int(kernel.get("restartCount") or 0) > 0:
         return _give_up(r, p, "its woken kernel was replaced before it took a key of its own")
     if not seen.ready:
         return seen
@@ -213,6 +289,7 @@ def _give_up(r: Reconciler, p: Pass, why: str) -> Observation:
     meta = (p.pod or {}).get("metadata") or {}
     if meta.get("name") and meta.get("uid") and not meta.get("deletionTimestamp"):
         r.kube.delete("Pod", p.session.namespace, meta["name"], uid=meta["uid"])
+        meta["deletionTimestamp"] = stamp(p.now)  # as the next read will show it
     _failed(r, p, why)
     p.status["lastRestore"] = {"outcome": "Failed", "at": stamp(p.now), "message": why}
     return Observation(st.RESTARTING, "ForkFailed", f"{why}: a new kernel starts; variables lost")
@@ -238,13 +315,23 @@ def _rekey(r: Reconciler, p: Pass) -> None:
     for var in session.spec.env:
         env.setdefault(var.name, var.value)
     names = [d for d in drop if isinstance(d, str)] if isinstance(drop, list) else []
-    code = forks.becoming(key, names, env)
+    was = (SESSION_VARIABLE, str((p.status.get("fork") or {}).get("from") or ""))
+    # First, in the old key: is it its parent's woken copy (a new kernel, which a node
+    # without the handler would start, says the fork's own name)?
+    check = run_silently(repr(WOKEN_CHECK), {"WAS": repr(was)})
+    _run(info, host, check, info["key"])
+    _run(info, host, forks.becoming(key, names, env, was=was), key)  # answered in the new
+    _promote(r, session, mine)
+
+
+def _run(info: dict[str, Any], host: str, code: str, reply_key: str) -> None:
+    """Run `code` silently in the kernel; Unforkable unless it says ok, signed with
+    `reply_key`."""
     request = {"code": code, "silent": True, "store_history": False, "allow_stdin": False}
-    said = probe.ask(info, host, "execute_request", request, ASK_MS, reply_key=key)
+    said = probe.ask(info, host, "execute_request", request, ASK_MS, reply_key=reply_key)
     if said is None or said.get("status") != "ok":
         why = "no answer" if said is None else f"{said.get('ename')}: {said.get('evalue')}"
         raise Unforkable(str(why)[:500])
-    _promote(r, session, mine)
 
 
 def _promote(r: Reconciler, session: KernelSession, info: dict[str, Any]) -> None:

@@ -165,7 +165,7 @@ def realize(
         start_kernel(r, p)
     else:
         follow_kernel(r, p)
-    forking.abandoned(r, p)
+    forking.after(r, p)
     snapshots.sized(r, p)
     fill_status(p)
     add_conditions(p)

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RESTORE_FROM = "mcpforge.dev/restore-from"  # read by the node's handler
+SHARED = "shared:"  # its value's prefix: other pods wake from the archive too (forks)
 SIZE_PATIENCE = 600.0  # seconds after a checkpoint its size is looked for (no sweeper?)
 SIZES_READ_MAX = 1 << 20  # bytes of a node's sizes.json parsed (a ConfigMap's own limit)
 SIZE_MAX = 2**53 - 1  # bytes: a JSON number every reader keeps exact (the API server too)
@@ -68,7 +69,8 @@ def waking(status: dict[str, Any], pod: dict[str, Any]) -> None:
     snap = status.get("snapshot") or {}
     if not snap.get("archive") or not snap.get("node"):
         return
-    pod["metadata"].setdefault("annotations", {})[RESTORE_FROM] = snap["archive"]
+    value = f"{SHARED if snap.get('shared') else ''}{snap['archive']}"
+    pod["metadata"].setdefault("annotations", {})[RESTORE_FROM] = value
     pod["spec"]["affinity"] = {
         "nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {
@@ -94,8 +96,7 @@ def take(r: Reconciler, p: Pass) -> None:
         return
     held = p.status.get("snapshot") or {}  # as `settle` left it
     if held:
-        woke = (pod["metadata"].get("annotations") or {}).get(RESTORE_FROM)
-        if woke != held.get("archive") or not _tried(pod):
+        if woke_from(pod) != held.get("archive") or not _tried(pod):
             return  # taken by an earlier pass, or its pod has not tried to wake: kept
         p.status["snapshot"] = None  # this pod woke from it, or failed to: it is spent
     if not checkpointable(r, p.session, pod):
@@ -197,8 +198,14 @@ def settle(r: Reconciler, p: Pass) -> None:
 
 
 def _woken_by(pod: dict[str, Any] | None, snap: dict[str, Any]) -> bool:
+    return bool(snap.get("archive")) and woke_from(pod) == snap["archive"]
+
+
+def woke_from(pod: dict[str, Any] | None) -> str:
+    """The archive a kernel pod was made to wake from ("" none)."""
     notes = ((pod or {}).get("metadata") or {}).get("annotations") or {}
-    return bool(snap.get("archive")) and notes.get(RESTORE_FROM) == snap["archive"]
+    value = notes.get(RESTORE_FROM)
+    return value.removeprefix(SHARED) if isinstance(value, str) else ""
 
 
 def expired(snap: dict[str, Any], max_age: float, now: float) -> bool:
@@ -221,11 +228,7 @@ def follow(r: Reconciler, p: Pass, seen: Observation) -> Observation:
     pod = p.pod
     assert pod is not None
     meta = pod["metadata"]
-    if (
-        not r.settings.snapshot_runtime_class
-        or not (meta.get("annotations") or {}).get(RESTORE_FROM)
-        or not p.old.get("snapshot")
-    ):
+    if not r.settings.snapshot_runtime_class or not woke_from(pod) or not p.old.get("snapshot"):
         return seen
     failed = refusal(pod) or _unplaced(r, p, pod, p.old["snapshot"])
     if failed:

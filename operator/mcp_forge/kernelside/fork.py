@@ -1,8 +1,10 @@
 """Makes a kernel restored from another session's snapshot (a fork) the new session's.
 
-Run silently by the host (runtimes/local/forks.py), in globals of its own holding
-get_ipython, KEY (the new session's HMAC key), DROP (the names of the parent's session
-variables, and its claim mark) and ENV (the new session's variables): the parent's are
+Run silently by the host (runtimes/local/forks.py; on a cluster, the operator:
+control/forking.py), in globals of its own holding get_ipython, KEY (the new session's
+HMAC key), DROP (the names of the parent's session variables, and its claim mark), ENV
+(the new session's variables) and WAS (None, or a variable and the value it must have: a
+kernel that is not the parent's woken copy is refused, and nothing changes): the parent's are
 taken out of the environment and the fork's put in, and the kernel signs with its own
 key and a session id of its own from this request's reply on; IPython's history is
 opened again in the fork's copy of it. Values its code copied elsewhere (a variable
@@ -17,7 +19,15 @@ import uuid
 from typing import Any
 
 
-def become(ipython: Any, key: str, drop: list[str], env: dict[str, str]) -> None:
+def become(
+    ipython: Any,
+    key: str,
+    drop: list[str],
+    env: dict[str, str],
+    was: tuple[str, str] | None = None,
+) -> None:
+    if was is not None and os.environ.get(was[0]) != was[1]:
+        raise RuntimeError(f"not a woken copy of {was[1]!r}: {was[0]} says otherwise")
     for name in drop:
         os.environ.pop(name, None)
     os.environ.update(env)
@@ -47,4 +57,4 @@ def reopen_history(ipython: Any) -> None:
 
 _given: dict[str, Any] = globals()
 if "KEY" in _given:
-    become(_given["get_ipython"](), _given["KEY"], _given["DROP"], _given["ENV"])
+    become(_given["get_ipython"](), _given["KEY"], _given["DROP"], _given["ENV"], _given.get("WAS"))

@@ -2,11 +2,12 @@
 parent (api/forks.py FORKED_FROM), which the operator starts from checkpoints of the
 parent's running kernel (control/forking.py), each under a key of its own.
 
-The copies are made at once (the operator checkpoints their parent one at a time) and
-waited for until each is Ready, or Failed. As on a local gateway, a parent whose kernel
-could not be checkpointed gives no copy: the copies made to find out are deleted, and
-the error says why. A copy whose restore failed is Ready on a new kernel that says its
-variables were lost (`lastRestore`), and is returned as it is.
+The copies are made at once, as one batch (FORK_BATCH: the operator checkpoints their
+parent once for all of them), and waited for until each is Ready, or Failed. As on a
+local gateway, a parent whose kernel could not be checkpointed gives no copy: the copies
+made to find out are deleted, and the error says why. A copy whose restore failed is
+Ready on a new kernel that says its variables were lost (`lastRestore`), and is returned
+as it is.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
+import secrets
 from typing import TYPE_CHECKING, Any
 
 from mcp_forge.api import status as st
+from mcp_forge.api.forks import FORK_BATCH
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.errors import ApiError, ForgeError, InvalidSession, SessionNotReady
 
@@ -37,6 +40,9 @@ async def fork(
     phase = parent.status.get("phase")
     if phase != st.READY:
         raise SessionNotReady(f"session {name!r} is {phase}: only a Ready one forks")
+    batch = secrets.token_hex(8)  # the copies wake from one checkpoint of their parent
+    for body in bodies:
+        body["metadata"].setdefault("annotations", {})[FORK_BATCH] = batch
     made: list[dict[str, Any]] = []
     asking: dict[str, Any] | None = None  # the copy whose create is under way
     try:
@@ -57,15 +63,19 @@ async def fork(
     refused = [s for s in ended if unforked(s)]
     if refused:
         await asyncio.shield(_unmake(runtime, made, []))
-        why = (refused[0].status.get("fork") or {}).get("message") or "no checkpoint"
+        why = (refused[0].status.get("fork") or {}).get("message") or (
+            "the operator did not fork it (one that predates forks?)"
+        )
         raise ForgeError(f"session {name!r} cannot be forked: {why}")
     return list(ended)
 
 
 def unforked(session: KernelSession) -> bool:
     """Whether the operator made no checkpoint for the copy (its parent could not be
-    checkpointed): Failed before any restore was tried."""
+    checkpointed): Failed before any restore was tried, or not a fork at all."""
     fork = session.status.get("fork") or {}
+    if not fork:  # Ready, and no fork said: an operator that does not know them
+        return True
     return fork.get("outcome") == "Failed" and not session.status.get("lastRestore")
 
 
