@@ -63,11 +63,13 @@ def test_every_status_field_is_in_the_crd_so_the_api_server_keeps_it() -> None:
     schema = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
     assert set(Status.__annotations__) <= set(schema["properties"])
     snapshot = schema["properties"]["snapshot"]["properties"]
-    # local mode's (runtimes/local/naps.py), and a cluster's node and archive (control/snapshots.py)
-    assert set(snapshot) == {"size", "takenAt", "seconds", "inPod", "node", "archive"}
+    # local mode's (runtimes/local/naps.py), a cluster's node and archive (control/
+    # snapshots.py), and whether a batch of forks shares it (control/forking.py)
+    assert set(snapshot) == {"size", "takenAt", "seconds", "inPod", "node", "archive", "shared"}
     assert set(schema["properties"]["lastRestore"]["properties"]) == {
         "outcome",
         "at",
         "seconds",
         "message",
     }
+    assert set(schema["properties"]["fork"]["properties"]) == {"from", "outcome", "at", "message"}
