@@ -15,9 +15,10 @@ array of that many bytes, filled), medians of:
 next to the baselines, timed the same way: a new session until its kernel answers `1`,
 and a new session plus re-running the cell that built the state. Then forks
 (control/forking.py): `--forks` KernelSessions naming a live 50 MB kernel as their parent,
-made at once, until each answers a call that reads its parent's array, next to as many
-new sessions made at once until each has built the array itself. The machines are shared
-and noisy: compare ratios, not absolute numbers.
+made at once as one batch (one checkpoint, as the gateway makes its copies), until each
+answers a call that reads its parent's array, next to as many new sessions made at once
+until each has built the array itself. `--sizes ""` times forks only. The machines are
+shared and noisy: compare ratios, not absolute numbers.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from kube.harness import (  # noqa: E402
 )
 from kube.test_checkpoint import RESTORE_CLASS, _runtime_class  # noqa: E402
 from kube.testcluster import ROOT as NODE_ROOT  # noqa: E402
-from mcp_forge.api.forks import FORKED_FROM  # noqa: E402
+from mcp_forge.api.forks import FORK_BATCH, FORKED_FROM  # noqa: E402
 from mcp_forge.clients.kube import Kube  # noqa: E402
 
 IMAGE = "localhost/mcp-forge-kernel:0.1.0"  # numpy
@@ -175,7 +176,8 @@ async def forks(kube: Kube, ns: str, count: int, runs: int) -> tuple[float, floa
 
     forked, built = [], []
     for _ in range(runs):
-        forked.append(await many(READ, {FORKED_FROM: parent}))
+        batch = {FORKED_FROM: parent, FORK_BATCH: uuid.uuid4().hex[:8]}  # as the gateway's
+        forked.append(await many(READ, batch))
         built.append(await many(build + "\n" + READ, {}))
     await asyncio.to_thread(kube.delete, KS, ns, parent)
     return statistics.median(forked), statistics.median(built)
@@ -205,7 +207,7 @@ async def main() -> None:
         )
         try:
             async with running_operator(kube):
-                for mb in (int(x) for x in args.sizes.split(",")):
+                for mb in (int(x) for x in args.sizes.split(",") if x):
                     m = await one_size(kube, ns, mb, args.runs)
                     print(
                         f"{mb:>6}MB {m['size']:>6.0f}MB {m['suspend']:>7.2f}s "

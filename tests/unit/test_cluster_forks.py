@@ -11,7 +11,7 @@ import pytest
 
 from mcp_forge.api import forks, kernelsession
 from mcp_forge.api.kernelsessionpool import CLAIM_MARK
-from mcp_forge.control.forking import WOKEN_CHECK, parent_of
+from mcp_forge.control.forking import WOKEN_CHECK, parent_of, ran
 from mcp_forge.kernelside import run_silently
 from mcp_forge.runtimes.cluster_forks import unforked
 
@@ -70,3 +70,12 @@ def test_the_program_that_makes_a_kernel_the_forks_takes_the_names_given() -> No
     # Its literals are Python's own: the env's values round-trip exactly.
     assert repr(env) in by_parent and repr([CLAIM_MARK, "WHO"]) in by_parent
     compile(by_parent, "<fork>", "exec")  # valid Python, not run here (it needs a kernel)
+
+
+def test_only_a_session_that_never_ran_is_made_a_fork() -> None:
+    """The annotation added to a session that ran replaces none of its memory or keys;
+    a fork that waited (Pending, no kernel yet) still forks."""
+    assert not ran({}) and not ran({"phase": "Pending", "restarts": 0, "kernelId": None})
+    for kept in ("kernelId", "startedAt", "snapshot", "lastRestore", "lastTermination"):
+        assert ran({kept: {"x": 1} if kept in ("snapshot", "lastRestore") else "x"}), kept
+    assert ran({"restarts": 2})

@@ -74,3 +74,16 @@ def test_a_nodes_configmap_name_is_a_name_even_for_the_longest_node() -> None:
     names = {sizes_name(long_a), sizes_name(long_b)}
     assert len(names) == 2  # cut alike, told apart by the hash
     assert all(len(n) <= 253 and n[-1].isalnum() for n in names)
+
+
+def test_a_grace_shorter_than_a_batch_of_forks_shares_an_archive_is_refused() -> None:
+    """The sweeper's command line (the DaemonSet's args): a grace under GRACE_MIN could
+    remove an archive a batch of forks still wakes from (control/forking.py)."""
+    from click.testing import CliRunner
+
+    from mcp_forge.cli import main as cli
+    from mcp_forge.control.sweeper import GRACE_MIN, SHARED_REUSE
+
+    assert GRACE_MIN >= SHARED_REUSE + 60
+    said = CliRunner().invoke(cli, ["snapshot-sweeper", "--node", "n", "--grace", "60"])
+    assert said.exit_code == 2 and "--grace must be at least 180" in said.output, said.output

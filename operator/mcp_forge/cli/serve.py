@@ -339,7 +339,8 @@ def egress_feeder(
     "--grace",
     default=300.0,
     show_default=True,
-    help="Seconds an archive no session holds is kept.",
+    help="Seconds an archive no session holds is kept (at least 180: forks made together "
+    "share one for 120 s).",
 )
 @click.option(
     "--namespace",
@@ -362,8 +363,13 @@ def snapshot_sweeper(
     from mcp_forge.clients.kube import Kube
     from mcp_forge.control import sweeper
 
-    if every <= 0 or grace < 0:
-        raise click.BadParameter("--every must be positive, --grace not negative")
+    if every <= 0:
+        raise click.BadParameter("--every must be positive")
+    if grace < sweeper.GRACE_MIN:
+        raise click.BadParameter(
+            f"--grace must be at least {sweeper.GRACE_MIN:g} (forks made together share an "
+            f"archive for {sweeper.SHARED_REUSE:g} s), got {grace:g}"
+        )
     try:
         kube = Kube(manager="mcp-forge-snapshot-sweeper")
         sweeper.run(kube, node, Path(checkpoints), every=every, grace=grace, namespace=namespace)

@@ -49,6 +49,7 @@ from mcp_forge.clients.kube import connection_file_of, secret_env
 from mcp_forge.control import snapshots
 from mcp_forge.control.pods import Observation, kernel_status
 from mcp_forge.control.render import CONTAINER, child_name, secret_name
+from mcp_forge.control.sweeper import SHARED_REUSE
 from mcp_forge.errors import ApiError, ForgeError, SecretError
 from mcp_forge.kernelside import probe, run_silently
 from mcp_forge.sandbox import SESSION_VARIABLE
@@ -71,9 +72,9 @@ WOKEN_CHECK = (
     "    raise RuntimeError(f'not a woken copy of {WAS[1]!r}: {WAS[0]} says otherwise')\n"
 )
 BUSY_RECHECK = 5.0  # seconds: a fork of a busy parent looks again (its Lease is not watched)
-# A batch's checkpoint is used again for this long: less than the 5 minutes the node's
-# sweeper leaves an archive no session holds (control/sweeper.py GRACE).
-SHARE_WITHIN = 120.0
+# A batch's checkpoint is used again for this long: less than the node's sweeper leaves
+# an archive no session holds (control/sweeper.py, whose grace may not be shorter).
+SHARE_WITHIN = SHARED_REUSE
 Snap = dict[str, Any]
 _batches: dict[tuple[str, str, str, str], tuple[float, Snap]] = {}  # by (ns, parent, batch, pod)
 _batches_lock = threading.Lock()
@@ -157,11 +158,6 @@ def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, 
     if pod is None or not snapshots.checkpointable(r, parent, pod):
         raise Unforkable(f"{name}'s kernel cannot be checkpointed (not its own, or not on "
                          "the restore handler, or not answering)")  # fmt: skip
-    from mcp_forge.control.realize import activity  # realize wires this module in
-
-    lease = r.kube.get("Lease", ns, child_name(parent)) or {}
-    if activity(lease, 0.0, p.now)[0].busy(p.now):  # its woken copy would run the call on
-        raise ParentBusy(f"waiting for {name} to end the call it is running")
     theirs = r.kube.get("Secret", ns, secret_name(parent))
     if theirs is None or connection_file_of(theirs) is None:
         raise Unforkable(f"{name} has no readable Secret")
@@ -182,16 +178,24 @@ def _checkpoint(r: Reconciler, p: Pass, parent: KernelSession, pod: dict[str, An
     fork of a batch (FORK_BATCH: made together, the gateway's copies), the checkpoint an
     earlier fork of the batch took of that kernel within SHARE_WITHIN. A batch's archive
     is shared: the node's handler leaves it for the sweeper, which removes it once no
-    session holds it and it is 5 minutes old."""
+    session holds it and it is its grace old (at least SHARE_WITHIN and a minute). A
+    parent running a call is waited for (ParentBusy) before a new checkpoint only."""
     ns, meta = parent.namespace, pod["metadata"]
     batch = (p.session.body["metadata"].get("annotations") or {}).get(forks.FORK_BATCH)
-    key = (ns, parent.name, str(batch), str(meta.get("uid")))
+    # That kernel: its pod, and its container (one started again has other memory).
+    container = str(kernel_status(pod).get("containerID") or "")
+    key = (ns, parent.name, str(batch), f"{meta.get('uid')}/{container}")
     now = time.monotonic()
     with _batches_lock:
         for k in [k for k, (at, _) in _batches.items() if now - at >= SHARE_WITHIN]:
             del _batches[k]
         if batch and key in _batches:
             return dict(_batches[key][1])
+    from mcp_forge.control.realize import activity  # realize wires this module in
+
+    lease = r.kube.get("Lease", ns, child_name(parent)) or {}
+    if activity(lease, 0.0, p.now)[0].busy(p.now):  # its woken copy would run the call on
+        raise ParentBusy(f"waiting for {parent.name} to end the call it is running")
     started, node = time.monotonic(), pod["spec"]["nodeName"]
     taken = r.kubelet.checkpoint(node, ns, meta["name"], CONTAINER)
     snap: Snap = {
@@ -247,7 +251,7 @@ def after(r: Reconciler, p: Pass) -> None:
     woken pod deleted (it holds its parent's keys, its Secret no longer); and a fork
     still Restoring is not Ready, whatever path its pod was seen by (`made_own` makes
     it the fork's first)."""
-    was = (p.status.get("fork") or {}).get("outcome")
+    was = (p.old.get("fork") or {}).get("outcome")  # before this pass (settle's too)
     abandoned(r, p)
     outcome = (p.status.get("fork") or {}).get("outcome")
     if was == RESTORING and outcome == FAILED and _live(p.pod) and snapshots.woke_from(p.pod):

@@ -46,6 +46,10 @@ from mcp_forge.errors import ApiError
 log = logging.getLogger(__name__)
 
 GRACE = 300.0  # seconds an archive no session holds is kept (its status write may follow)
+# Seconds the operator hands one archive to further forks of a batch (control/forking.py):
+# a grace shorter than this and a minute could remove it under them.
+SHARED_REUSE = 120.0
+GRACE_MIN = SHARED_REUSE + 60.0
 EVERY = 60.0  # seconds between two rounds
 PAGE = 500  # KernelSessions a list asks for at once
 # A pod name has no "_", a namespace neither; the time (RFC 3339) has no `-kernel-`.
