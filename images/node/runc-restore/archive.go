@@ -9,17 +9,13 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
-	"strconv"
 	"strings"
 	"syscall"
-	"time"
 )
 
 const (
-	maxFiles      = 10000    // CRIU images in one archive
-	headroom      = 64 << 20 // free bytes left on the restore directory's disk after extracting
-	reserveSuffix = ".reserve"
-	staleReserve  = 10 * time.Minute // longer than containerd waits for a container's create
+	maxFiles = 10000    // CRIU images in one archive
+	headroom = 64 << 20 // free bytes left on the restore directory's disk after extracting
 )
 
 // An archive's name as the kubelet makes it: checkpoint-<pod>_<namespace>-<container>-<time>.tar,
@@ -103,10 +99,8 @@ func members(archive *os.File, each func(*tar.Header, io.Reader) error) error {
 }
 
 // room is a directory of its own for the container's images, on the restore directory's
-// disk if `size` bytes fit there beside what restores under way have reserved, and the
-// function that removes it. The node's lock is held only while the room is reserved (a
-// file <id>.reserve holding its size): restores run side by side, forks made together
-// wake at once. A reservation older than staleReserve is a killed restore's, not counted.
+// disk if `size` bytes fit there, and the function that removes it. One restore at a time
+// on the node: the lock is held until release.
 func room(id string, size int64) (string, func(), error) {
 	base := env("MCPFORGE_RESTORE_DIR", "/var/lib/mcp-forge/restore")
 	// Searchable by the pods' namespaces' roots, who open some images: readable by none.
@@ -117,56 +111,30 @@ func room(id string, size int64) (string, func(), error) {
 	if err != nil {
 		return "", nil, err
 	}
-	defer lock.Close() // and with it the lock: the reservation is made by then
 	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		lock.Close()
 		return "", nil, err
 	}
-	dir, reservation := filepath.Join(base, id), filepath.Join(base, id+reserveSuffix)
+	dir := filepath.Join(base, id)
 	release := func() {
 		os.RemoveAll(dir)
-		os.Remove(reservation)
+		lock.Close()
 	}
 	var fs syscall.Statfs_t
 	if err := syscall.Statfs(base, &fs); err != nil {
+		release()
 		return "", nil, err
 	}
-	// What restores under way have written is both gone from `free` and counted in their
-	// reservations: counted twice, never too little.
-	reserved := reservedBy(base, reservation)
-	if free := int64(fs.Bavail) * int64(fs.Bsize); size+reserved+headroom > free {
-		return "", nil, fmt.Errorf("%d bytes of images do not fit in %s (%d free, %d reserved)",
-			size, base, free, reserved)
+	if free := int64(fs.Bavail) * int64(fs.Bsize); size+headroom > free {
+		release()
+		return "", nil, fmt.Errorf("%d bytes of images do not fit in %s (%d free)", size, base, free)
 	}
 	os.RemoveAll(dir) // a restore of this container that was killed
 	if err := os.Mkdir(dir, 0o700); err != nil {
-		return "", nil, err
-	}
-	if err := os.WriteFile(reservation, []byte(strconv.FormatInt(size, 10)), 0o600); err != nil {
 		release()
 		return "", nil, err
 	}
 	return dir, release, nil
-}
-
-// reservedBy is the bytes the restores under way in base reserved, but for `mine`.
-func reservedBy(base, mine string) int64 {
-	found, _ := filepath.Glob(filepath.Join(base, "*"+reserveSuffix))
-	var total int64
-	for _, path := range found {
-		info, err := os.Lstat(path)
-		if path == mine || err != nil || !info.Mode().IsRegular() ||
-			time.Since(info.ModTime()) > staleReserve {
-			continue
-		}
-		raw, err := os.ReadFile(path)
-		if err != nil {
-			continue
-		}
-		if n, err := strconv.ParseInt(strings.TrimSpace(string(raw)), 10, 64); err == nil && n > 0 {
-			total += n
-		}
-	}
-	return total
 }
 
 // extract writes the archive's CRIU images into dir (scan checked them), root's alone
