@@ -303,7 +303,9 @@ class Gateway(Connections, WorkspaceCalls):
         ipykernel ignores SIGINT between cells, so an interrupt that arrives after the
         request was sent but before the kernel began it would be lost and the cell run
         on: the interrupt waits for the cell's start (its execute_input), at most one
-        grace, and is sent then even if the start was not seen.
+        grace, and is sent then even if the start was not seen; a start seen only after
+        it gets another (on a busy host a cell began after the first was ignored, ran
+        on, and the kernel was restarted: its variables lost).
         """
         grace = self.settings.interrupt_grace
         deadline = time.monotonic() + 2 * grace
@@ -311,8 +313,14 @@ class Gateway(Connections, WorkspaceCalls):
             await conn.pump(collector, grace, started=True)
             if collector.done:
                 return True
+            seen = collector.started
             if not await conn.interrupt(max(0.1, deadline - time.monotonic())):
                 return False
+            if not seen:
+                await conn.pump(collector, max(0.0, deadline - time.monotonic()), started=True)
+                again = collector.started and not collector.done
+                if again and not await conn.interrupt(max(0.1, deadline - time.monotonic())):
+                    return False
             return await conn.pump(collector, max(0.0, deadline - time.monotonic()))
         except ChannelDropped:  # the kernel is restarted: no channel, no knowing it stopped
             return False
