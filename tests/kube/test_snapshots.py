@@ -52,6 +52,8 @@ from .test_install import kubectl
 
 CHECKPOINTS = ROOT / "kubelet" / "checkpoints"
 ROOT_REPO = Path(__file__).resolve().parents[2]
+PERSISTENT = {"persistent": True, "size": "64Mi"}
+OPEN_FILE = "log = open('log.txt', 'a'); log.write('a'); log.flush()\n"  # in /workspace
 STATE = """
 x = 41
 import threading, time
@@ -173,13 +175,16 @@ def test_the_operator_may_ask_for_the_checkpointers_tokens_and_no_other_accounts
         assert done.stdout.strip() == said, (account, done.stdout, done.stderr)
 
 
-async def _suspended(kube: Kube, ns: str, name: str) -> dict[str, Any]:
-    """Suspend the session, a client connected to its kernel with some state in it; the
-    session once Suspended."""
-    await asyncio.to_thread(kube.create, session_body(name, ns, image=IMAGE, resources=SMALL))
+async def _suspended(
+    kube: Kube, ns: str, name: str, state: str = "", **spec: Any
+) -> dict[str, Any]:
+    """Suspend the session, a client connected to its kernel with some state in it (STATE,
+    then `state`); the session once Suspended."""
+    body = session_body(name, ns, image=IMAGE, resources=SMALL, **spec)
+    await asyncio.to_thread(kube.create, body)
     await ready(kube, ns, name)
     async with kernel(kube, ns, name) as conn:
-        assert await run_in_kernel(conn, STATE) == "41\n"
+        assert await run_in_kernel(conn, STATE + state) == "41\n"
         patch = {"spec": {"operatingMode": "Suspended"}}
         await asyncio.to_thread(kube.patch, KS, ns, name, patch)
         obj = await eventually(
@@ -197,7 +202,11 @@ async def _resumed(kube: Kube, ns: str, name: str, before: str) -> dict[str, Any
 async def test_a_suspended_session_wakes_with_its_variables_and_threads(
     kube: Kube, ns: str, snapshotting: Any
 ) -> None:
-    obj = await _suspended(kube, ns, "napper")
+    """A suspended session wakes with its variables, its threads and the file of its
+    persistent workspace it holds open, as its own: the node's handler mounts the
+    workspace idmapped for CRIU, as runc does for a new container, and the kubelet leaves
+    the files' modes as they were (CRIU checks them)."""
+    obj = await _suspended(kube, ns, "napper", OPEN_FILE, workspace=PERSISTENT)
     snap = obj["status"].get("snapshot") or {}
     archive = CHECKPOINTS / str(snap.get("archive"))
     try:
@@ -211,6 +220,10 @@ async def test_a_suspended_session_wakes_with_its_variables_and_threads(
         assert pod is not None and pod["spec"]["hostUsers"] is False, pod
         async with kernel(kube, ns, "napper") as conn:
             assert await run_in_kernel(conn, "print(x + 1, t.is_alive())") == "42 True\n"
+            said = await run_in_kernel(
+                conn, "log.write('b'); log.flush(); print(open('log.txt').read())"
+            )
+            assert said == "ab\n", said
     finally:
         await asyncio.to_thread(archive.unlink, missing_ok=True)
 

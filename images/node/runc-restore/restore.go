@@ -115,6 +115,11 @@ func create(runc string, global, rest []string) (bool, error) {
 	if err := give(images, uid, gid); err != nil {
 		return false, err
 	}
+	undo, err := idmapped(bundle)
+	if err != nil {
+		return false, err
+	}
+	defer undo() // the restored container holds mounts of its own
 	if err := restore(runc, global, rest, bundle, images, name); err != nil {
 		return false, err
 	}
@@ -163,30 +168,15 @@ func criuConfig(bundle string, annotations map[string]string) error {
 	if err := os.WriteFile(conf, []byte("tcp-close\n"), 0o600); err != nil {
 		return err
 	}
-	path := filepath.Join(bundle, "config.json")
-	raw, err := os.ReadFile(path)
-	if err != nil {
-		return err
-	}
-	var whole map[string]any
-	if err := json.Unmarshal(raw, &whole); err != nil {
-		return err
-	}
-	notes, _ := whole["annotations"].(map[string]any)
-	if notes == nil {
-		notes = map[string]any{}
-	}
-	notes[criuAnnotation] = conf
-	whole["annotations"] = notes
-	out, err := json.Marshal(whole)
-	if err != nil {
-		return err
-	}
-	tmp := path + ".mcpforge"
-	if err := os.WriteFile(tmp, out, 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp, path)
+	return editSpec(bundle, func(whole map[string]any) error {
+		notes, _ := whole["annotations"].(map[string]any)
+		if notes == nil {
+			notes = map[string]any{}
+		}
+		notes[criuAnnotation] = conf
+		whole["annotations"] = notes
+		return nil
+	})
 }
 
 // rootOf is the host id that a user namespace's mapping gives its root (0: none).

@@ -327,6 +327,11 @@ def _pod(
     if target == "kubernetes":
         meta = _metadata(session, child_name(session))
         pod_spec["hostname"] = "kernel"
+        # A persistent workspace's files keep their modes: the kubelet makes them fsGroup's
+        # (g+rw) only when the volume's root is not already, not at each pod's start, so a
+        # kernel woken from a checkpoint finds the files it holds open as they were (CRIU
+        # checks their modes), and a large workspace is not walked at each start.
+        pod_spec["securityContext"]["fsGroupChangePolicy"] = "OnRootMismatch"
     else:
         meta = {
             "name": podman_pod_name(session.namespace, session.name),

@@ -1,0 +1,178 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"syscall"
+	"unsafe"
+)
+
+// A pod with a user namespace of its own (hostUsers: false) has its volumes mounted
+// idmapped: its uid 1000 writes files that are 1000's on the node's disk, whatever range
+// the pod's namespace maps. runc's restore does not do so: it has CRIU mount a bind
+// mount's source as it is (its uidMappings unused), so a woken kernel saw its persistent
+// workspace as nobody's and could not open its own working directory. idmapped makes
+// each such source an idmapped mount first, in the user namespace the new container
+// joins (its sandbox's), and has runc mount that instead.
+
+// Linux's mount API (the same numbers on every architecture since 5.2 and 5.12).
+const (
+	sysOpenTree     = 428
+	sysMoveMount    = 429
+	sysMountSetattr = 442
+
+	openTreeClone       = 0x1
+	atRecursive         = 0x8000
+	atEmptyPath         = 0x1000
+	moveMountFEmptyPath = 0x4
+	mountAttrIdmap      = 0x00100000
+	idmapDir            = "mcpforge-idmapped"
+	mountAttrSize       = 32
+)
+
+type mountAttr struct {
+	AttrSet     uint64
+	AttrClr     uint64
+	Propagation uint64
+	UsernsFd    uint64
+}
+
+// idmapped rewrites the bundle's config.json so that each bind mount runc would idmap is
+// one already, mounted under the bundle; undo unmounts them (the restored container keeps
+// its own copies of the mounts), and is to be called whatever the restore did.
+func idmapped(bundle string) (undo func(), err error) {
+	var made []string
+	undo = func() {
+		for _, target := range made {
+			_ = syscall.Unmount(target, syscall.MNT_DETACH)
+			_ = os.Remove(target)
+		}
+		_ = os.Remove(filepath.Join(bundle, idmapDir))
+	}
+	err = editSpec(bundle, func(whole map[string]any) error {
+		userns := usernsPath(whole)
+		mounts, _ := whole["mounts"].([]any)
+		for i, item := range mounts {
+			m, _ := item.(map[string]any)
+			if m == nil || m["type"] != "bind" || m["uidMappings"] == nil {
+				continue
+			}
+			if userns == "" {
+				return fmt.Errorf("mount %v is idmapped, but the container joins no user namespace", m["destination"])
+			}
+			source, _ := m["source"].(string)
+			target := filepath.Join(bundle, idmapDir, fmt.Sprintf("%d", i))
+			if err := idmap(source, target, userns); err != nil {
+				return fmt.Errorf("idmapped mount of %v: %w", m["destination"], err)
+			}
+			made = append(made, target)
+			m["source"] = target
+			delete(m, "uidMappings")
+			delete(m, "gidMappings")
+		}
+		return nil
+	})
+	if err != nil {
+		undo()
+		return func() {}, err
+	}
+	return undo, nil
+}
+
+// usernsPath is the user namespace the container joins ("" if none named).
+func usernsPath(whole map[string]any) string {
+	linux, _ := whole["linux"].(map[string]any)
+	namespaces, _ := linux["namespaces"].([]any)
+	for _, item := range namespaces {
+		ns, _ := item.(map[string]any)
+		if ns != nil && ns["type"] == "user" {
+			path, _ := ns["path"].(string)
+			return path
+		}
+	}
+	return ""
+}
+
+// idmap mounts a recursive clone of source at target (made: a file for a file), idmapped
+// as the user namespace at usernsPath maps ids.
+func idmap(source, target, usernsPath string) error {
+	info, err := os.Stat(source)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(target), 0o700); err != nil {
+		return err
+	}
+	if info.IsDir() {
+		err = os.Mkdir(target, 0o700)
+	} else {
+		err = os.WriteFile(target, nil, 0o600)
+	}
+	if err != nil {
+		return err
+	}
+	userns, err := os.Open(usernsPath)
+	if err != nil {
+		return err
+	}
+	defer userns.Close()
+	src, err := pathPtr(source)
+	if err != nil {
+		return err
+	}
+	r, _, errno := syscall.Syscall(sysOpenTree, uintptr(atFdcwd), uintptr(unsafe.Pointer(src)),
+		uintptr(openTreeClone|syscall.O_CLOEXEC|atRecursive))
+	if errno != 0 {
+		return fmt.Errorf("open_tree: %w", errno)
+	}
+	tree := int(r)
+	defer syscall.Close(tree)
+	attr := mountAttr{AttrSet: mountAttrIdmap, UsernsFd: uint64(userns.Fd())}
+	empty, _ := pathPtr("")
+	if _, _, errno := syscall.Syscall6(sysMountSetattr, uintptr(tree), uintptr(unsafe.Pointer(empty)),
+		uintptr(atEmptyPath|atRecursive), uintptr(unsafe.Pointer(&attr)), mountAttrSize, 0); errno != 0 {
+		return fmt.Errorf("mount_setattr: %w", errno)
+	}
+	dst, err := pathPtr(target)
+	if err != nil {
+		return err
+	}
+	if _, _, errno := syscall.Syscall6(sysMoveMount, uintptr(tree), uintptr(unsafe.Pointer(empty)),
+		uintptr(atFdcwd), uintptr(unsafe.Pointer(dst)), moveMountFEmptyPath, 0); errno != 0 {
+		return fmt.Errorf("move_mount: %w", errno)
+	}
+	return nil
+}
+
+var atFdcwd = -100 // AT_FDCWD, a variable: a negative constant is no uintptr
+
+func pathPtr(path string) (*byte, error) {
+	return syscall.BytePtrFromString(path)
+}
+
+// editSpec rewrites the bundle's config.json through edit, keeping what it does not know.
+func editSpec(bundle string, edit func(map[string]any) error) error {
+	path := filepath.Join(bundle, "config.json")
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	var whole map[string]any
+	if err := json.Unmarshal(raw, &whole); err != nil {
+		return err
+	}
+	if err := edit(whole); err != nil {
+		return err
+	}
+	out, err := json.Marshal(whole)
+	if err != nil {
+		return err
+	}
+	tmp := path + ".mcpforge"
+	if err := os.WriteFile(tmp, out, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
+}
