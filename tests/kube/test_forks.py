@@ -32,7 +32,7 @@ from .harness import (
     session_body,
 )
 from .test_checkpoint import IMAGE
-from .test_snapshots import CHECKPOINTS, STATE, snapshot_operator
+from .test_snapshots import CHECKPOINTS, PERSISTENT, STATE, snapshot_operator
 
 
 @pytest.fixture
@@ -54,6 +54,24 @@ async def forking_briefly(
         yield op
 
 
+# The parent's files: a file its kernel holds open, a link out of the workspace, a FIFO.
+FILES = """
+import os
+open('notes.txt', 'w').write('parent notes')
+os.symlink('/etc/hostname', 'link')
+os.mkfifo('pipe')
+log = open('log.txt', 'a')
+log.write('a')
+log.flush()
+print('ok')
+"""
+FILES_SEEN = """
+import os, stat
+print(open('notes.txt').read(), os.readlink('link'), stat.S_ISFIFO(os.lstat('pipe').st_mode),
+      stat.S_ISREG(os.lstat('link').st_mode))
+"""
+
+
 def _fork_body(name: str, ns: str, parent: str, **spec: Any) -> dict[str, Any]:
     body = session_body(name, ns, **{"image": IMAGE, "resources": SMALL, **spec})
     body["metadata"]["annotations"] = {FORKED_FROM: parent}
@@ -70,17 +88,29 @@ async def _connection(kube: Kube, ns: str, name: str) -> tuple[dict[str, Any], d
 async def test_a_fork_answers_with_its_parents_variables_under_a_key_and_env_of_its_own(
     kube: Kube, ns: str, forking: Any
 ) -> None:
+    """A fork answers with its parent's variables and running thread, under a key and
+    env of its own, on a copy of its parent's persistent workspace (control/forkfiles.py)
+    made before it woke: the file its memory holds open is there for the restore, links are copied
+    as links and FIFOs as FIFOs (neither followed nor opened), and what either writes
+    from then on is its own."""
     parent_env = [{"name": "WHO", "value": "parent"}, {"name": "ONLY_PARENT", "value": "1"}]
-    body = session_body("elder", ns, image=IMAGE, resources=SMALL, env=parent_env)
+    body = session_body(
+        "elder", ns, image=IMAGE, resources=SMALL, env=parent_env, workspace=PERSISTENT
+    )
     await asyncio.to_thread(kube.create, body)
     await ready(kube, ns, "elder")
     async with kernel(kube, ns, "elder") as conn:
         assert await run_in_kernel(conn, STATE) == "41\n"
-        fork = _fork_body("younger", ns, "elder", env=[{"name": "WHO", "value": "fork"}])
+        assert await run_in_kernel(conn, FILES) == "ok\n"
+        fork = _fork_body(
+            "younger", ns, "elder", env=[{"name": "WHO", "value": "fork"}], workspace=PERSISTENT
+        )
         await asyncio.to_thread(kube.create, fork)
         obj = await ready(kube, ns, "younger")
         status = obj["status"]
         assert (status.get("fork") or {}).get("outcome") == "Forked", status
+        assert status["fork"]["workspace"]["outcome"] == "Copied", status["fork"]
+        assert await asyncio.to_thread(kube.get, "Pod", ns, "ks-younger-fork-files") is None
         assert status["fork"]["from"] == "elder", status
         assert (status.get("lastRestore") or {}).get("outcome") == "Restored", status
         assert not status.get("snapshot"), status
@@ -93,8 +123,16 @@ async def test_a_fork_answers_with_its_parents_variables_under_a_key_and_env_of_
             )
             assert said == "42 True fork None younger\n", said
             assert await run_in_kernel(child, "x = 1; print(x)") == "1\n"
+            said = await run_in_kernel(child, FILES_SEEN + "log.write('b'); log.flush()\n"
+                                       "open('mine.txt', 'w').close()\n"
+                                       "print(open('log.txt').read())")  # fmt: skip
+            assert said == "parent notes /etc/hostname True False\nab\n", said
         said = await run_in_kernel(conn, "import os; print(x, os.environ['WHO'])")
         assert said == "41 parent\n"
+        said = await run_in_kernel(
+            conn, "print(open('log.txt').read(), os.path.exists('mine.txt'))"
+        )
+        assert said == "a False\n", said
 
     theirs, _ = await _connection(kube, ns, "elder")
     mine, secret = await _connection(kube, ns, "younger")

@@ -17,7 +17,7 @@ from test_render import CONN, K8S_VERSION, by_kind, session
 
 from mcp_forge.api.status import stamp
 from mcp_forge.clients.kubelet import dial, endpoint
-from mcp_forge.control import snapshots
+from mcp_forge.control import forkfiles, snapshots
 from mcp_forge.control.lifecycle import Activity
 from mcp_forge.control.realize import Children, Pass
 from mcp_forge.control.render import TEMPLATE_HASH, render_kubernetes
@@ -36,6 +36,8 @@ def test_a_pod_for_snapshots_has_a_user_namespace_of_its_own() -> None:
     on, off = pod(True), pod(False)
     assert on["spec"]["hostUsers"] is False and "hostUsers" not in off["spec"]
     assert on["spec"]["runtimeClassName"] == "mcpforge-restore"
+    # The kubelet leaves a woken kernel's workspace files' modes as CRIU saw them.
+    assert on["spec"]["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
     # A change of the setting is a change of the pod: kernels made before are outdated.
     assert (
         on["metadata"]["annotations"][TEMPLATE_HASH]
@@ -282,3 +284,41 @@ def test_only_a_container_runc_could_not_freeze_is_checkpointed_again() -> None:
         (0, "kubelet of node: unable to freeze"),  # never reached the kubelet
     ):
         assert not unfrozen(ApiError(status, "CheckpointFailed", said)), said
+
+
+def test_a_forks_workspace_is_copied_by_a_pod_confined_as_its_kernel() -> None:
+    """control/forkfiles.py: the copy's pod mounts the parent's claim read-only and the
+    fork's own, runs as the kernel's pod does (user namespace, user, seccomp, runtime
+    class, no capability, no token, a read-only root), is no kernel to any watch, and its
+    `cp` follows no link and opens no special file."""
+    persistent = {"persistent": True, "size": "64Mi"}
+    fork_pod = by_kind(
+        render_kubernetes(
+            session(workspace=persistent), CONN, runtime_class="mcpforge-restore", snapshots=True
+        )
+    )["Pod"]
+    parent = dataclasses.replace(session(workspace=persistent), name="elder")
+    copier = forkfiles.render(fork_pod, session(workspace=persistent), parent)
+    kubernetes_validate.validate(copier, K8S_VERSION, strict=True)
+    spec, meta = copier["spec"], copier["metadata"]
+    assert meta["name"] == "ks-demo-fork-files" and "annotations" not in meta
+    assert meta["labels"]["app.kubernetes.io/component"] == "fork-files"
+    assert meta["ownerReferences"] == fork_pod["metadata"]["ownerReferences"]
+    assert spec["hostUsers"] is False and spec["runtimeClassName"] == "mcpforge-restore"
+    assert spec["securityContext"] == fork_pod["spec"]["securityContext"]
+    assert spec["automountServiceAccountToken"] is False and spec["restartPolicy"] == "Never"
+    assert spec["activeDeadlineSeconds"] == forkfiles.COPY_DEADLINE
+    claims = {v["name"]: v["persistentVolumeClaim"] for v in spec["volumes"]}
+    assert claims == {
+        "from": {"claimName": "ks-elder-workspace", "readOnly": True},
+        "to": {"claimName": "ks-demo-workspace"},
+    }
+    (container,) = spec["containers"]
+    context = container["securityContext"]
+    assert context["runAsUser"] == context["runAsGroup"] == 1000
+    assert context["capabilities"] == {"drop": ["ALL"]} and context["readOnlyRootFilesystem"]
+    assert context["allowPrivilegeEscalation"] is False
+    assert {"name": "from", "mountPath": "/from", "readOnly": True} in container["volumeMounts"]
+    command = container["command"]
+    assert command[0] == "find" and command[command.index("-exec") + 1 :][:2] == ["cp", "-dR"]
+    assert not {"-L", "-H", "-follow", "--dereference", "--copy-contents", "-a"} & set(command)

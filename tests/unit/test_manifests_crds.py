@@ -72,4 +72,6 @@ def test_every_status_field_is_in_the_crd_so_the_api_server_keeps_it() -> None:
         "seconds",
         "message",
     }
-    assert set(schema["properties"]["fork"]["properties"]) == {"from", "outcome", "at", "message"}
+    fork = schema["properties"]["fork"]["properties"]
+    assert set(fork) == {"from", "outcome", "at", "message", "workspace"}
+    assert set(fork["workspace"]["properties"]) == {"outcome", "message", "at"}

@@ -7,12 +7,12 @@ runs on, into an archive of its own (the handler spends an archive it wakes from
 its first pod wakes from it on that node, as a resume does (`snapshots.waking`).
 `status.fork` says how it went: Restoring, then Forked or Failed.
 
-The woken kernel still signs with its parent's key, so the fork's Secret starts as a copy
-of its parent's, with the fork's own HMAC key beside it (FORK_KEY) and the names of the
-parent's session variables (FORK_DROP). Once its kernel answers and the kubelet has seen
-it start, the operator tells it, over its shell channel and in its parent's key, to take
-the fork's key and environment (kernelside/fork.py; the reply comes signed with the new
-key), and only then writes that key into the Secret and shows the session Ready: no
+The woken kernel still signs with its parent's key, so the fork's Secret starts as a
+copy of its parent's, with the fork's own HMAC key beside it (FORK_KEY) and the names of
+the parent's session variables (FORK_DROP). Once its kernel answers and the kubelet has
+seen it start, the operator tells it, over its shell channel and in its parent's key, to
+take the fork's key and environment (kernelside/fork.py; the reply comes signed with the
+new key), and only then writes that key into the Secret and shows the session Ready: no
 gateway reaches the fork before it signs with a key of its own. An operator stopped in
 between finds FORK_KEY still there and asks again, first in the new key.
 
@@ -20,12 +20,13 @@ No kernel but the woken one ever starts on a Secret holding its parent's keys: a
 that will not wake from the snapshot is made only after the Secret got keys of its own
 (`before_pod`), and a woken kernel that was replaced before it took its key (its pod
 gone, its container started again) fails the fork. A fork's transport keys (Curve, the
-bridge's certificate) stay its parent's while its woken kernel runs (a kernel cannot bind
-its sockets anew; FORK_TRANSPORT marks them), and are its own from its next kernel that
-does not wake from a snapshot. Its workspace starts empty (no copy of the parent's volume
-yet). A parent that cannot be checkpointed (not Ready, snapshots off, a pool's kernel,
-egress rules, whose grant its memory would carry), a restore that fails, or a kernel that
-will not take its key gives a fork that starts afresh with keys of its own, and says why.
+bridge's certificate) stay its parent's while its woken kernel runs (a kernel cannot
+bind its sockets anew; FORK_TRANSPORT marks them), and are its own from its next kernel
+that does not wake from a snapshot. Its persistent workspace is a copy of its parent's
+(control/forkfiles.py). A parent that cannot be checkpointed (not Ready, snapshots off,
+a pool's kernel, egress rules, whose grant its memory would carry), a restore that
+fails, or a kernel that will not take its key gives a fork that starts afresh with keys
+of its own, and says why.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from mcp_forge.api.connection import PORTS
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART
-from mcp_forge.control import forking, snapshots
+from mcp_forge.control import forkfiles, forking, snapshots
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.egress import EgressUnavailable, pod_addresses
 from mcp_forge.control.lifecycle import (
@@ -286,6 +286,7 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
     if egress and r.egress_route(session) is None:
         return _waiting(p, "EgressUnavailable", egress_missing(r))
     waits = forking.begin(r, p)  # a fork's first kernel wakes from its parent's memory
+    waits = waits or forkfiles.step(r, p)  # and its files: a copy of its parent's
     if waits is not None:
         return _waiting(p, "Forking", waits)
     if session.spec.pool and not old.get("kernelId") and not p.status.get("snapshot"):  # warm?

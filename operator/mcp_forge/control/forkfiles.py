@@ -1,0 +1,197 @@
+"""A fork's workspace on a cluster (issue 27): a copy of its parent's persistent workspace,
+made before its first kernel wakes (control/forking.py).
+
+Once the parent's kernel is checkpointed, a pod of the fork's own (`<pod>-fork-files`,
+owned by the fork) mounts the parent's PersistentVolumeClaim read-only and the fork's
+own, and copies the one into the other with `find` and `cp` of the kernel's image, as
+the kernel's user, with the kernel pod's confinement (its user namespace, seccomp
+profile, runtime class; no capability, no service account token, a read-only root). It
+runs where the parent's volume is (a ReadWriteOnce claim is mounted on one node at a
+time: the scheduler places it there), which is where the fork wakes. Links are copied as
+links, never followed; FIFOs and sockets are made anew, never opened; a file's contents
+are never read but to be copied.
+
+The copy is taken after the checkpoint, while the parent runs on: a call the parent runs
+meanwhile may show in the fork's files, and a file the woken kernel holds open that has
+changed size since its checkpoint makes the restore fail (CRIU checks; the fork then
+starts afresh, its files copied). `status.fork.workspace` says how it went: Copied,
+Failed (the message names why: the fork wakes on what was copied), or NotCopied (no
+persistent workspace on either side). A copy that has not ended COPY_DEADLINE after its
+pod was made is given up.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import TYPE_CHECKING, Any
+
+from mcp_forge.api.kernelsession import KIND, KernelSession, load
+from mcp_forge.api.status import parse_time, stamp
+from mcp_forge.control.render import (
+    CONTAINER,
+    LABEL_COMPONENT,
+    child_name,
+    workspace_claim_name,
+)
+
+if TYPE_CHECKING:
+    from mcp_forge.control.realize import Pass
+    from mcp_forge.control.reconciler import Reconciler
+
+log = logging.getLogger(__name__)
+
+COPIED, FAILED, NOT_COPIED = "Copied", "Failed", "NotCopied"
+COMPONENT = "fork-files"
+COPY_DEADLINE = 600  # seconds from the copy pod's creation (its activeDeadlineSeconds too)
+RECHECK = 1.0  # its pod's events do not reach the fork's reconcile: looked at this often
+MESSAGE_MAX = 500
+LIMITS = {"cpu": "250m", "memory": "128Mi"}
+# Each entry of the parent's workspace (not its root: the fork's is its own, made by the
+# kubelet), in one `cp`: contents, modes, times and hard links; links as links (-d; find
+# follows none either); special files made anew as what they are (-R), never opened. The
+# owner is the copier's, the kernel's user.
+COMMAND = ["find", "/from", "-mindepth", "1", "-maxdepth", "1", "-exec",
+           "cp", "-dR", "--preserve=mode,timestamps,links", "-t", "/to", "{}", "+"]  # fmt: skip
+
+
+def pod_name(session: KernelSession) -> str:
+    return f"{child_name(session)}-{COMPONENT}"
+
+
+def step(r: Reconciler, p: Pass) -> str | None:
+    """The fork's workspace copied before its first kernel pod: why it waits, or None
+    once the copy ended (or none is to be made), `status.fork.workspace` written."""
+    fork = p.status.get("fork") or {}
+    if not fork or fork.get("workspace"):
+        return None
+    ns, parent_name = p.session.namespace, str(fork.get("from") or "")
+    pod = r.kube.get("Pod", ns, pod_name(p.session))
+    if fork.get("outcome") != "Restoring":  # not forked, or given up while copying
+        _delete(r, pod)
+        why = "its parent's memory was not forked"
+        if fork.get("outcome") == "Forked":  # woken by an operator that made no copies
+            why = "it woke before forks' workspaces were copied"
+        _ended(r, p, NOT_COPIED, why)
+        return None
+    parent, why = _parent(r, p.session, parent_name)
+    if parent is None:
+        _delete(r, pod)
+        _ended(r, p, NOT_COPIED, why)
+        return None
+    if pod is None:
+        r.kube.ensure(render(p.found.want_pod, p.session, parent), likely_new=True)
+        p.due.append(p.now + RECHECK)
+        return f"copying the workspace of {parent_name}"
+    phase = (pod.get("status") or {}).get("phase")
+    made = parse_time(pod["metadata"].get("creationTimestamp")) or p.now
+    if phase == "Succeeded":
+        outcome, message = COPIED, f"copied from {parent_name}'s workspace"
+    elif phase == "Failed":
+        outcome, message = FAILED, f"the copy of {parent_name}'s workspace failed: {_said(pod)}"
+    elif p.now - made > COPY_DEADLINE:
+        outcome, message = FAILED, f"the copy did not end within {COPY_DEADLINE}s"
+    else:
+        p.due.append(p.now + RECHECK)
+        return f"copying the workspace of {parent_name}"
+    _delete(r, pod)
+    if outcome == FAILED:
+        message += ": the fork wakes on what was copied"
+    _ended(r, p, outcome, message)
+    return None
+
+
+def _parent(r: Reconciler, session: KernelSession, name: str) -> tuple[KernelSession | None, str]:
+    """The parent whose workspace is copied, or None and why none is."""
+    if not session.spec.persistent:
+        return None, "the fork's workspace is not persistent"
+    body = r.kube.get(KIND, session.namespace, name)
+    if body is None:
+        return None, f"no session {name!r}"
+    parent = load(body)
+    if not parent.spec.persistent:
+        return None, f"{name}'s workspace is not persistent (its pod's own)"
+    if r.kube.get("PersistentVolumeClaim", session.namespace, workspace_claim_name(parent)) is None:
+        return None, f"{name}'s workspace claim is gone"
+    return parent, ""
+
+
+def _delete(r: Reconciler, pod: dict[str, Any] | None) -> None:
+    if pod is not None and not pod["metadata"].get("deletionTimestamp"):
+        meta = pod["metadata"]
+        r.kube.delete("Pod", meta["namespace"], meta["name"], uid=meta.get("uid"))
+
+
+def _ended(r: Reconciler, p: Pass, outcome: str, message: str) -> None:
+    """Written at once: a pass that fails after it does not copy again."""
+    fork = {
+        **p.status["fork"],
+        "workspace": {"outcome": outcome, "message": message, "at": stamp(p.now)},
+    }
+    p.status["fork"] = fork
+    r.kube.patch(KIND, p.session.namespace, p.session.name, {"status": {"fork": fork}}, status=True)
+    log.info("%s/%s: workspace %s (%s)", p.session.namespace, p.session.name, outcome, message)
+
+
+def _said(pod: dict[str, Any]) -> str:
+    """What the copy's container said as it ended (cp's last lines), bounded."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        ended = (status.get("state") or {}).get("terminated") or {}
+        if ended:
+            text = str(ended.get("message") or "").strip() or f"exit {ended.get('exitCode')}"
+            return text[-MESSAGE_MAX:]
+    return str((pod.get("status") or {}).get("message") or "its pod failed")[:MESSAGE_MAX]
+
+
+def render(
+    kernel_pod: dict[str, Any], session: KernelSession, parent: KernelSession
+) -> dict[str, Any]:
+    """The copy's pod, confined as the fork's kernel pod (`kernel_pod`, as rendered) is:
+    the same user, user namespace, seccomp profile and runtime class."""
+    kernel = kernel_pod["spec"]["containers"][0]
+    assert kernel["name"] == CONTAINER
+    meta = copy.deepcopy(kernel_pod["metadata"])
+    meta["name"] = pod_name(session)
+    meta["labels"][LABEL_COMPONENT] = COMPONENT  # not a kernel: no watch of kernels sees it
+    meta.pop("annotations", None)
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "activeDeadlineSeconds": COPY_DEADLINE,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 1,
+        "securityContext": copy.deepcopy(kernel_pod["spec"]["securityContext"]),
+        "containers": [
+            {
+                "name": "copy",
+                "image": kernel["image"],
+                "imagePullPolicy": kernel.get("imagePullPolicy", "IfNotPresent"),
+                "command": list(COMMAND),
+                "workingDir": "/",
+                "resources": {"limits": dict(LIMITS), "requests": dict(LIMITS)},
+                "securityContext": {
+                    **copy.deepcopy(kernel["securityContext"]),
+                    "readOnlyRootFilesystem": True,
+                },
+                "terminationMessagePolicy": "FallbackToLogsOnError",
+                "volumeMounts": [
+                    {"name": "from", "mountPath": "/from", "readOnly": True},
+                    {"name": "to", "mountPath": "/to"},
+                ],
+            }
+        ],
+        "volumes": [
+            {
+                "name": "from",
+                "persistentVolumeClaim": {
+                    "claimName": workspace_claim_name(parent),
+                    "readOnly": True,
+                },
+            },
+            {"name": "to", "persistentVolumeClaim": {"claimName": workspace_claim_name(session)}},
+        ],
+    }
+    for key in ("hostUsers", "runtimeClassName"):
+        if key in kernel_pod["spec"]:
+            spec[key] = kernel_pod["spec"][key]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
