@@ -279,12 +279,15 @@ async def kill_gateway_mid_call(state_dir: Path, session: str, rounds: int) -> O
     return Outcome("gateway", ok, detail, facts)
 
 
-async def kill_mid_call(state_dir: Path, session: str, drill: str, target: str) -> Outcome:
-    """Kill `target` (a container, or a process by pid) while a cell runs; see what is said."""
+async def kill_mid_call(
+    state_dir: Path, session: str, drill: str, target: str, seconds: float = 30
+) -> Outcome:
+    """Kill `target` (a container, or a process by pid) while a cell of `seconds` runs;
+    see what is said."""
     async with gateway(state_dir) as gw:
         running = asyncio.Event()
         call = await gw.start_call(
-            "execute_code", {"session_id": session, "code": CELL.format(seconds=30)}
+            "execute_code", {"session_id": session, "code": CELL.format(seconds=seconds)}
         )
         waiter = asyncio.create_task(gw.answer(call, running=running))
         if not await runs(running, waiter):
@@ -335,13 +338,15 @@ async def drills(rounds: int, image: str, only: set[str] | None = None) -> list[
             outcomes.append(
                 await kill_mid_call(state_dir, session, "kernel", container_of(session))
             )
+            print(outcomes[-1].line(), flush=True)
         if not only or "infra" in only:
             outcomes.append(await kill_mid_call(state_dir, session, "infra", infra_of(session)))
+            print(outcomes[-1].line(), flush=True)
         if not only or "conmon" in only:
+            # The kernel outlives its monitor: the call ends with its cell, kept short.
             target = conmon_pid(container_of(session))
-            outcomes.append(await kill_mid_call(state_dir, session, "conmon", target))
-        for outcome in outcomes[1:]:
-            print(outcome.line(), flush=True)
+            outcomes.append(await kill_mid_call(state_dir, session, "conmon", target, seconds=4))
+            print(outcomes[-1].line(), flush=True)
     finally:
         cli(state_dir, "delete", session)
         shutil.rmtree(state_dir, ignore_errors=True)
