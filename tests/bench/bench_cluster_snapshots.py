@@ -14,11 +14,13 @@ array of that many bytes, filled), medians of:
     (its pod made on the node, restored, the client connected again);
 next to the baselines, timed the same way: a new session until its kernel answers `1`,
 and a new session plus re-running the cell that built the state. Then forks
-(control/forking.py): `--forks` KernelSessions naming a live 50 MB kernel as their parent,
-made at once as one batch (one checkpoint, as the gateway makes its copies), until each
-answers a call that reads its parent's array, next to as many new sessions made at once
-until each has built the array itself. `--sizes ""` times forks only. The machines are
-shared and noisy: compare ratios, not absolute numbers.
+(control/forking.py): `--forks` KernelSessions naming a live 50 MB kernel as their
+parent, made at once as one batch (one checkpoint, as the gateway makes its copies),
+until each answers a call that reads its parent's array, next to as many new sessions
+made at once until each has built the array itself. `--sizes ""` times forks only;
+`--workspace-mb N` gives them persistent workspaces, the parent's with N MB of files (a
+fork's is a copy). The machines are shared and noisy: compare ratios, not absolute
+numbers.
 """
 
 from __future__ import annotations
@@ -146,18 +148,39 @@ async def one_size(kube: Kube, ns: str, megabytes: int, runs: int) -> dict[str, 
 FORK_SPEC = {"image": IMAGE, "resources": {"memory": "512Mi", "cpu": "100m"}}
 
 
-async def forks(kube: Kube, ns: str, count: int, runs: int) -> tuple[float, float]:
+def files_cell(megabytes: int) -> str:
+    """Writes `megabytes` of files into the workspace (ten files), as a parent's state."""
+    each = megabytes * 100_000
+    return f"for i in range(10):\n    open(f'f{{i}}', 'wb').write(b'x' * {each})\n"
+
+
+def files_read(megabytes: int) -> str:
+    total = megabytes * 1_000_000
+    return f"import os\nassert sum(os.path.getsize(f'f{{i}}') for i in range(10)) == {total}\n"
+
+
+async def forks(
+    kube: Kube, ns: str, count: int, runs: int, workspace_mb: int = 0
+) -> tuple[float, float]:
     """Medians of: `count` forks of a 50 MB kernel made at once, until each read the
-    array; `count` new sessions made at once, until each built it."""
+    array; `count` new sessions made at once, until each built it. With `workspace_mb`,
+    each has a persistent workspace, the parent's holding that many MB of files: a
+    fork's is a copy (control/forkfiles.py), a new session writes its own."""
     build = BUILD.format(n=50_000_000)
+    fork_spec = dict(FORK_SPEC)
+    if workspace_mb:
+        size = f"{max(64, workspace_mb * 2)}Mi"
+        fork_spec["workspace"] = {"persistent": True, "size": size}
+        build += "\n" + files_cell(workspace_mb)
+    read = READ + ("\n" + files_read(workspace_mb) if workspace_mb else "")
     parent = f"p{uuid.uuid4().hex[:8]}"
-    await asyncio.to_thread(kube.create, session_body(parent, ns, **FORK_SPEC))
+    await asyncio.to_thread(kube.create, session_body(parent, ns, **fork_spec))
     await ready(kube, ns, parent)
     async with kernel(kube, ns, parent) as conn:
         await run_in_kernel(conn, build, timeout=600)
 
     async def one(name: str, cell: str, annotations: dict[str, str]) -> None:
-        body = session_body(name, ns, **FORK_SPEC)
+        body = session_body(name, ns, **fork_spec)
         body["metadata"]["annotations"] = annotations
         await asyncio.to_thread(kube.create, body)
         obj = await ready(kube, ns, name)
@@ -177,8 +200,8 @@ async def forks(kube: Kube, ns: str, count: int, runs: int) -> tuple[float, floa
     forked, built = [], []
     for _ in range(runs):
         batch = {FORKED_FROM: parent, FORK_BATCH: uuid.uuid4().hex[:8]}  # as the gateway's
-        forked.append(await many(READ, batch))
-        built.append(await many(build + "\n" + READ, {}))
+        forked.append(await many(read, batch))
+        built.append(await many(build + "\n" + read, {}))
     await asyncio.to_thread(kube.delete, KS, ns, parent)
     return statistics.median(forked), statistics.median(built)
 
@@ -188,6 +211,9 @@ async def main() -> None:
     parser.add_argument("--sizes", default="50,500", help="resident MB of each kernel")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--forks", type=int, default=10, help="copies of one fork (0: none)")
+    parser.add_argument(
+        "--workspace-mb", type=int, default=0, help="MB of files in the forks' parent's workspace"
+    )
     args = parser.parse_args()
     with cluster() as kubeconfig:
         # The library read $KUBECONFIG at its import: its copies too (kopf's Kube uses them).
@@ -216,9 +242,11 @@ async def main() -> None:
                         flush=True,
                     )
                 if args.forks:
-                    forked, built = await forks(kube, ns, args.forks, args.runs)
+                    forked, built = await forks(kube, ns, args.forks, args.runs, args.workspace_mb)
+                    files = f" and {args.workspace_mb} MB of files" if args.workspace_mb else ""
                     print(
-                        f"{args.forks} forks of a 50 MB kernel, each answering: {forked:.2f}s; "
+                        f"{args.forks} forks of a 50 MB kernel{files}, each answering: "
+                        f"{forked:.2f}s; "
                         f"{args.forks} new sessions, each built it: {built:.2f}s; "
                         f"ratio {forked / built:.2f}",
                         flush=True,

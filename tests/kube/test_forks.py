@@ -162,6 +162,8 @@ async def test_a_fork_of_a_session_that_is_not_there_starts_afresh_and_says_why(
     obj = await ready(kube, ns, "orphan")
     fork = obj["status"].get("fork") or {}
     assert fork.get("outcome") == "Failed" and "no session 'nobody'" in fork["message"], fork
+    assert fork["workspace"]["outcome"] == "NotCopied", fork  # and says so
+    assert "not forked" in fork["workspace"]["message"], fork
     _, secret = await _connection(kube, ns, "orphan")
     assert not {FORK_KEY, FORK_DROP} & set(secret.get("data") or {}), secret
     async with kernel(kube, ns, "orphan") as conn:

@@ -20,7 +20,7 @@ from mcp_forge.clients.kubelet import dial, endpoint
 from mcp_forge.control import forkfiles, snapshots
 from mcp_forge.control.lifecycle import Activity
 from mcp_forge.control.realize import Children, Pass
-from mcp_forge.control.render import TEMPLATE_HASH, render_kubernetes
+from mcp_forge.control.render import TEMPLATE_HASH, render_baseline_policy, render_kubernetes
 from mcp_forge.errors import ApiError, InvalidRequest
 from mcp_forge.settings import Settings, service_account
 
@@ -298,7 +298,7 @@ def test_a_forks_workspace_is_copied_by_a_pod_confined_as_its_kernel() -> None:
         )
     )["Pod"]
     parent = dataclasses.replace(session(workspace=persistent), name="elder")
-    copier = forkfiles.render(fork_pod, session(workspace=persistent), parent)
+    copier = forkfiles.render(fork_pod, session(workspace=persistent), parent, "node-1")
     kubernetes_validate.validate(copier, K8S_VERSION, strict=True)
     spec, meta = copier["spec"], copier["metadata"]
     assert meta["name"] == "ks-demo-fork-files" and "annotations" not in meta
@@ -308,6 +308,13 @@ def test_a_forks_workspace_is_copied_by_a_pod_confined_as_its_kernel() -> None:
     assert spec["securityContext"] == fork_pod["spec"]["securityContext"]
     assert spec["automountServiceAccountToken"] is False and spec["restartPolicy"] == "Never"
     assert spec["activeDeadlineSeconds"] == forkfiles.COPY_DEADLINE
+    # Where the fork wakes, and its claim attaches; selected by the namespace's baseline.
+    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": ["node-1"]}]
+    (component,) = render_baseline_policy("team")["spec"]["podSelector"]["matchExpressions"]
+    assert meta["labels"]["app.kubernetes.io/component"] in component["values"]
     claims = {v["name"]: v["persistentVolumeClaim"] for v in spec["volumes"]}
     assert claims == {
         "from": {"claimName": "ks-elder-workspace", "readOnly": True},
@@ -321,4 +328,9 @@ def test_a_forks_workspace_is_copied_by_a_pod_confined_as_its_kernel() -> None:
     assert {"name": "from", "mountPath": "/from", "readOnly": True} in container["volumeMounts"]
     command = container["command"]
     assert command[0] == "find" and command[command.index("-exec") + 1 :][:2] == ["cp", "-dR"]
+    assert command[command.index("-name") - 1 : command.index("-name") + 2] == [
+        "!",
+        "-name",
+        "lost+found",
+    ]
     assert not {"-L", "-H", "-follow", "--dereference", "--copy-contents", "-a"} & set(command)

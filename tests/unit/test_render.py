@@ -392,7 +392,15 @@ def test_the_baseline_policy_selects_every_kernel_pod_and_admits_nothing() -> No
             }
         )
     )
+    (component,) = spec["podSelector"]["matchExpressions"]
+    assert component == {
+        "key": "app.kubernetes.io/component",
+        "operator": "In",
+        "values": ["kernel", "fork-files"],  # and the pod copying a fork's workspace
+    }
     assert selector <= session_pod["metadata"]["labels"].items()
     assert selector <= pool_labels(pool).items()  # and so a pod mid-claim, with either set
+    for labels in (session_pod["metadata"]["labels"], pool_labels(pool)):
+        assert labels["app.kubernetes.io/component"] in component["values"]
     # Not other projects' kernels (Enterprise Gateway labels its pods component=kernel too).
-    assert selector > {("app.kubernetes.io/component", "kernel")}
+    assert selector == {("app.kubernetes.io/name", "mcp-forge")}

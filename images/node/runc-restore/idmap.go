@@ -40,16 +40,20 @@ type mountAttr struct {
 }
 
 // idmapped rewrites the bundle's config.json so that each bind mount runc would idmap is
-// one already, mounted under the bundle; undo unmounts them (the restored container keeps
-// its own copies of the mounts), and is to be called whatever the restore did.
-func idmapped(bundle string) (undo func(), err error) {
+// one already, mounted under dir (outside the bundle, which containerd removes whole:
+// a mount left in it would have the volume's files removed with it); undo unmounts them
+// (the restored container holds mounts of its own), and is to be called whatever the
+// restore did. Called under the node's lock (room), which restores hold one at a time:
+// what an earlier, killed handler left in dir's parent is unmounted first.
+func idmapped(bundle, dir string) (undo func(), err error) {
+	unmountStale(filepath.Dir(dir))
 	var made []string
 	undo = func() {
 		for _, target := range made {
 			_ = syscall.Unmount(target, syscall.MNT_DETACH)
 			_ = os.Remove(target)
 		}
-		_ = os.Remove(filepath.Join(bundle, idmapDir))
+		_ = os.Remove(dir)
 	}
 	err = editSpec(bundle, func(whole map[string]any) error {
 		userns := usernsPath(whole)
@@ -63,14 +67,24 @@ func idmapped(bundle string) (undo func(), err error) {
 				return fmt.Errorf("mount %v is idmapped, but the container joins no user namespace", m["destination"])
 			}
 			source, _ := m["source"].(string)
-			target := filepath.Join(bundle, idmapDir, fmt.Sprintf("%d", i))
-			if err := idmap(source, target, userns); err != nil {
+			options := optionsOf(m)
+			target := filepath.Join(dir, fmt.Sprintf("%d", i))
+			if err := idmap(source, target, userns, options["rbind"], options["ridmap"]); err != nil {
 				return fmt.Errorf("idmapped mount of %v: %w", m["destination"], err)
 			}
 			made = append(made, target)
 			m["source"] = target
 			delete(m, "uidMappings")
 			delete(m, "gidMappings")
+			if list, ok := m["options"].([]any); ok {
+				kept := []any{}
+				for _, o := range list {
+					if o != "idmap" && o != "ridmap" {
+						kept = append(kept, o)
+					}
+				}
+				m["options"] = kept
+			}
 		}
 		return nil
 	})
@@ -79,6 +93,34 @@ func idmapped(bundle string) (undo func(), err error) {
 		return func() {}, err
 	}
 	return undo, nil
+}
+
+// optionsOf is the set of a mount's options.
+func optionsOf(m map[string]any) map[string]bool {
+	set := map[string]bool{}
+	list, _ := m["options"].([]any)
+	for _, o := range list {
+		if s, ok := o.(string); ok {
+			set[s] = true
+		}
+	}
+	return set
+}
+
+// unmountStale unmounts and removes what killed handlers left under root (one directory
+// per container, one mount point per mount); never removes a tree.
+func unmountStale(root string) {
+	dirs, _ := os.ReadDir(root)
+	for _, d := range dirs {
+		dir := filepath.Join(root, d.Name())
+		points, _ := os.ReadDir(dir)
+		for _, p := range points {
+			point := filepath.Join(dir, p.Name())
+			_ = syscall.Unmount(point, syscall.MNT_DETACH)
+			_ = os.Remove(point) // an empty directory or file once unmounted; else kept
+		}
+		_ = os.Remove(dir)
+	}
 }
 
 // usernsPath is the user namespace the container joins ("" if none named).
@@ -95,14 +137,15 @@ func usernsPath(whole map[string]any) string {
 	return ""
 }
 
-// idmap mounts a recursive clone of source at target (made: a file for a file), idmapped
-// as the user namespace at usernsPath maps ids.
-func idmap(source, target, usernsPath string) error {
+// idmap mounts a clone of source at target (made: a file for a file), idmapped as the
+// user namespace at usernsPath maps ids: its submounts too if `recursive` (rbind), and
+// idmapped too if `ridmap`, as runc mounts it.
+func idmap(source, target, usernsPath string, recursive, ridmap bool) error {
 	info, err := os.Stat(source)
 	if err != nil {
 		return err
 	}
-	if err := os.MkdirAll(filepath.Dir(target), 0o700); err != nil {
+	if err := os.MkdirAll(filepath.Dir(target), 0o700); err != nil { // root's alone
 		return err
 	}
 	if info.IsDir() {
@@ -122,8 +165,15 @@ func idmap(source, target, usernsPath string) error {
 	if err != nil {
 		return err
 	}
+	clone, setattr := openTreeClone|syscall.O_CLOEXEC, atEmptyPath
+	if recursive {
+		clone |= atRecursive
+	}
+	if ridmap {
+		setattr |= atRecursive
+	}
 	r, _, errno := syscall.Syscall(sysOpenTree, uintptr(atFdcwd), uintptr(unsafe.Pointer(src)),
-		uintptr(openTreeClone|syscall.O_CLOEXEC|atRecursive))
+		uintptr(clone))
 	if errno != 0 {
 		return fmt.Errorf("open_tree: %w", errno)
 	}
@@ -132,7 +182,7 @@ func idmap(source, target, usernsPath string) error {
 	attr := mountAttr{AttrSet: mountAttrIdmap, UsernsFd: uint64(userns.Fd())}
 	empty, _ := pathPtr("")
 	if _, _, errno := syscall.Syscall6(sysMountSetattr, uintptr(tree), uintptr(unsafe.Pointer(empty)),
-		uintptr(atEmptyPath|atRecursive), uintptr(unsafe.Pointer(&attr)), mountAttrSize, 0); errno != 0 {
+		uintptr(setattr), uintptr(unsafe.Pointer(&attr)), mountAttrSize, 0); errno != 0 {
 		return fmt.Errorf("mount_setattr: %w", errno)
 	}
 	dst, err := pathPtr(target)

@@ -115,7 +115,8 @@ func create(runc string, global, rest []string) (bool, error) {
 	if err := give(images, uid, gid); err != nil {
 		return false, err
 	}
-	undo, err := idmapped(bundle)
+	// Beside the images' directories, under a name no container id takes ('+').
+	undo, err := idmapped(bundle, filepath.Join(filepath.Dir(images), "+idmapped", id))
 	if err != nil {
 		return false, err
 	}

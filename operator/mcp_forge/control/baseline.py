@@ -53,14 +53,18 @@ class Baseline:
             )
         elif _changed(current.get("spec") or {}, want["spec"]):
             log.warning("namespace %s: NetworkPolicy %s was changed; restoring it", namespace, name)
-            # A merge patch: null removes what someone added (rules, labels or expressions
-            # that would narrow the selector), and the rest is set as it should be.
+            # A merge patch: null removes what someone added (rules, labels that would
+            # narrow the selector), expressions are replaced whole (a list), and the rest
+            # is set as it should be.
             spec, selector = current.get("spec") or {}, want["spec"]["podSelector"]
             added = (spec.get("podSelector") or {}).get("matchLabels") or {}
             labels = {**dict.fromkeys(added), **selector["matchLabels"]}
             patch = {
                 "spec": {
-                    "podSelector": {"matchLabels": labels, "matchExpressions": None},
+                    "podSelector": {
+                        "matchLabels": labels,
+                        "matchExpressions": selector.get("matchExpressions"),
+                    },
                     "policyTypes": want["spec"]["policyTypes"],
                     "ingress": None,
                     "egress": None,

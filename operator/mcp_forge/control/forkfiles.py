@@ -48,11 +48,13 @@ RECHECK = 1.0  # its pod's events do not reach the fork's reconcile: looked at t
 MESSAGE_MAX = 500
 LIMITS = {"cpu": "250m", "memory": "128Mi"}
 # Each entry of the parent's workspace (not its root: the fork's is its own, made by the
-# kubelet), in one `cp`: contents, modes, times and hard links; links as links (-d; find
-# follows none either); special files made anew as what they are (-R), never opened. The
-# owner is the copier's, the kernel's user.
-COMMAND = ["find", "/from", "-mindepth", "1", "-maxdepth", "1", "-exec",
-           "cp", "-dR", "--preserve=mode,timestamps,links", "-t", "/to", "{}", "+"]  # fmt: skip
+# kubelet; nor ext4's lost+found, root's), in one `cp` (as many as fit in one command
+# line: hard links across two are copied apart): contents, modes, times and hard links;
+# links as links (-d; find follows none either); special files made anew as what they
+# are (-R), never opened. The owner is the copier's, the kernel's user.
+COMMAND = ["find", "/from", "-mindepth", "1", "-maxdepth", "1", "!", "-name", "lost+found",
+           "-exec", "cp", "-dR", "--preserve=mode,timestamps,links", "-t", "/to", "{}",
+           "+"]  # fmt: skip
 
 
 def pod_name(session: KernelSession) -> str:
@@ -67,42 +69,52 @@ def step(r: Reconciler, p: Pass) -> str | None:
         return None
     ns, parent_name = p.session.namespace, str(fork.get("from") or "")
     pod = r.kube.get("Pod", ns, pod_name(p.session))
-    if fork.get("outcome") != "Restoring":  # not forked, or given up while copying
-        _delete(r, pod)
-        why = "its parent's memory was not forked"
-        if fork.get("outcome") == "Forked":  # woken by an operator that made no copies
-            why = "it woke before forks' workspaces were copied"
-        _ended(r, p, NOT_COPIED, why)
-        return None
-    parent, why = _parent(r, p.session, parent_name)
-    if parent is None:
-        _delete(r, pod)
-        _ended(r, p, NOT_COPIED, why)
-        return None
+    if pod is not None and not _ours(pod, p.session):
+        _delete(r, pod)  # an earlier session's of that name, not collected yet
+        p.due.append(p.now + RECHECK)
+        return "waiting for the copy pod of an earlier session of that name to go"
     if pod is None:
-        r.kube.ensure(render(p.found.want_pod, p.session, parent), likely_new=True)
+        parent, why = _parent(r, p.session, fork)
+        if parent is None:
+            _ended(r, p, NOT_COPIED, why)
+            return None
+        node = (p.status.get("snapshot") or {}).get("node")
+        r.kube.ensure(render(p.found.want_pod, p.session, parent, node), likely_new=True)
         p.due.append(p.now + RECHECK)
         return f"copying the workspace of {parent_name}"
-    phase = (pod.get("status") or {}).get("phase")
+    # A copy under way is seen to its end, whatever became of the fork meanwhile.
+    status = pod.get("status") or {}
     made = parse_time(pod["metadata"].get("creationTimestamp")) or p.now
-    if phase == "Succeeded":
+    if status.get("phase") == "Succeeded":
         outcome, message = COPIED, f"copied from {parent_name}'s workspace"
-    elif phase == "Failed":
+    elif status.get("phase") == "Failed":  # its activeDeadlineSeconds past, too
         outcome, message = FAILED, f"the copy of {parent_name}'s workspace failed: {_said(pod)}"
-    elif p.now - made > COPY_DEADLINE:
-        outcome, message = FAILED, f"the copy did not end within {COPY_DEADLINE}s"
-    else:
+    elif status.get("phase") == "Pending" and p.now - made > COPY_DEADLINE:
+        outcome, message = FAILED, f"the copy did not start within {COPY_DEADLINE}s"
+    else:  # running (or going: once gone, it is made again, and copies over)
         p.due.append(p.now + RECHECK)
         return f"copying the workspace of {parent_name}"
-    _delete(r, pod)
     if outcome == FAILED:
         message += ": the fork wakes on what was copied"
-    _ended(r, p, outcome, message)
+    _ended(r, p, outcome, message)  # first: a pass that fails after it copies no more
+    _delete(r, pod)
     return None
 
 
-def _parent(r: Reconciler, session: KernelSession, name: str) -> tuple[KernelSession | None, str]:
+def _ours(pod: dict[str, Any], session: KernelSession) -> bool:
+    refs = pod["metadata"].get("ownerReferences") or []
+    return not session.uid or any(ref.get("uid") == session.uid for ref in refs)
+
+
+def _parent(
+    r: Reconciler, session: KernelSession, fork: dict[str, Any]
+) -> tuple[KernelSession | None, str]:
     """The parent whose workspace is copied, or None and why none is."""
+    name = str(fork.get("from") or "")
+    if fork.get("outcome") == "Forked":  # woken by an operator that made no copies
+        return None, "it woke before forks' workspaces were copied"
+    if fork.get("outcome") != "Restoring":
+        return None, "its parent's memory was not forked"
     if not session.spec.persistent:
         return None, "the fork's workspace is not persistent"
     body = r.kube.get(KIND, session.namespace, name)
@@ -144,10 +156,14 @@ def _said(pod: dict[str, Any]) -> str:
 
 
 def render(
-    kernel_pod: dict[str, Any], session: KernelSession, parent: KernelSession
+    kernel_pod: dict[str, Any],
+    session: KernelSession,
+    parent: KernelSession,
+    node: str | None = None,
 ) -> dict[str, Any]:
     """The copy's pod, confined as the fork's kernel pod (`kernel_pod`, as rendered) is:
-    the same user, user namespace, seccomp profile and runtime class."""
+    the same user, user namespace, seccomp profile and runtime class; on `node`, where
+    the fork wakes (a ReadWriteOnce claim that attaches elsewhere would not mount)."""
     kernel = kernel_pod["spec"]["containers"][0]
     assert kernel["name"] == CONTAINER
     meta = copy.deepcopy(kernel_pod["metadata"])
@@ -194,4 +210,10 @@ def render(
     for key in ("hostUsers", "runtimeClassName"):
         if key in kernel_pod["spec"]:
             spec[key] = kernel_pod["spec"][key]
+    if node:
+        on = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+        spec["affinity"] = {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [on]}}
+        }  # fmt: skip
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}

@@ -357,7 +357,8 @@ def render_baseline_policy(namespace: str) -> dict[str, Any]:
     sure that a kernel pod is always selected by some policy. Without it a pod that no
     policy selects is open both ways, as one is for a moment while a claim moves it from
     its pool's policy to its session's (one label write, which the network plugin
-    programs when it gets to it), or when its own policy is deleted.
+    programs when it gets to it), or when its own policy is deleted. It selects the pod
+    that copies a fork's workspace too, which no other policy does.
     """
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -372,7 +373,11 @@ def render_baseline_policy(namespace: str) -> dict[str, Any]:
         },
         "spec": {
             "podSelector": {
-                "matchLabels": {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "kernel"}
+                "matchLabels": {"app.kubernetes.io/name": "mcp-forge"},
+                # A kernel, and the pod that copies a fork's workspace (control/forkfiles.py).
+                "matchExpressions": [
+                    {"key": LABEL_COMPONENT, "operator": "In", "values": ["kernel", "fork-files"]}
+                ],
             },
             "policyTypes": ["Ingress", "Egress"],
         },
