@@ -334,3 +334,4 @@ def test_a_forks_workspace_is_copied_by_a_pod_confined_as_its_kernel() -> None:
         "lost+found",
     ]
     assert not {"-L", "-H", "-follow", "--dereference", "--copy-contents", "-a"} & set(command)
+    assert "--remove-destination" in command  # a copy made again writes through no link

@@ -74,4 +74,4 @@ def test_every_status_field_is_in_the_crd_so_the_api_server_keeps_it() -> None:
     }
     fork = schema["properties"]["fork"]["properties"]
     assert set(fork) == {"from", "outcome", "at", "message", "workspace"}
-    assert set(fork["workspace"]["properties"]) == {"outcome", "message", "at"}
+    assert set(fork["workspace"]["properties"]) == {"outcome", "message", "at", "stopping"}

@@ -28,7 +28,6 @@ const (
 	atEmptyPath         = 0x1000
 	moveMountFEmptyPath = 0x4
 	mountAttrIdmap      = 0x00100000
-	idmapDir            = "mcpforge-idmapped"
 	mountAttrSize       = 32
 )
 

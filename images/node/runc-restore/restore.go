@@ -37,7 +37,7 @@ var sameAs = []string{
 	"io.kubernetes.cri.image-name",
 }
 
-var containerID = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,128}$`)
+var containerID = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$`) // not . or ..
 
 type spec struct {
 	Annotations map[string]string `json:"annotations"`

@@ -18,7 +18,12 @@ from typing import Any
 from mcp_forge.api import kernelsession as ks
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.clients.kube import Kube
-from mcp_forge.control.render import BASELINE_POLICY, LABEL_COMPONENT, render_baseline_policy
+from mcp_forge.control.render import (
+    BASELINE_COMPONENTS,
+    BASELINE_POLICY,
+    LABEL_COMPONENT,
+    render_baseline_policy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +81,13 @@ class Baseline:
 
     def release(self, namespace: str) -> bool:
         """Delete the namespace's policy if nothing of ours is left there: no session, no
-        pool, no kernel pod (a terminating one counts: it goes with its own event). A
+        pool, no pod it selects (a terminating one counts: it goes with its own event). A
         session or pool made meanwhile makes it again, and a claim always looks first.
         True if it was deleted now."""
-        kernels = {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: "kernel"}
-        for kind, labels in ((ks.KIND, None), (ksp.KIND, None), ("Pod", kernels)):
+        ours = [
+            {"app.kubernetes.io/name": "mcp-forge", LABEL_COMPONENT: c} for c in BASELINE_COMPONENTS
+        ]
+        for kind, labels in ((ks.KIND, None), (ksp.KIND, None), *(("Pod", o) for o in ours)):
             if self.kube.list(kind, namespace, labels=labels, metadata_only=True).get("items"):
                 return False
         gone = self.kube.delete("NetworkPolicy", namespace, BASELINE_POLICY)

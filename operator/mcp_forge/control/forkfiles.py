@@ -3,21 +3,23 @@ made before its first kernel wakes (control/forking.py).
 
 Once the parent's kernel is checkpointed, a pod of the fork's own (`<pod>-fork-files`,
 owned by the fork) mounts the parent's PersistentVolumeClaim read-only and the fork's
-own, and copies the one into the other with `find` and `cp` of the kernel's image, as
-the kernel's user, with the kernel pod's confinement (its user namespace, seccomp
-profile, runtime class; no capability, no service account token, a read-only root). It
-runs where the parent's volume is (a ReadWriteOnce claim is mounted on one node at a
-time: the scheduler places it there), which is where the fork wakes. Links are copied as
-links, never followed; FIFOs and sockets are made anew, never opened; a file's contents
-are never read but to be copied.
+own, and copies the one into the other with `find` and `cp` of the fork's image, as the
+kernel's user, with the kernel pod's confinement (its user namespace, seccomp profile,
+runtime class; no capability, no service account token, a read-only root; the
+namespace's baseline NetworkPolicy selects it). It runs on the node the fork wakes on (a
+ReadWriteOnce claim is mounted on one node at a time). Links are copied as links, never
+followed; FIFOs and sockets are made anew, never opened; a file's contents are never
+read but to be copied; what a copy made again finds is replaced, never written through.
 
 The copy is taken after the checkpoint, while the parent runs on: a call the parent runs
 meanwhile may show in the fork's files, and a file the woken kernel holds open that has
-changed size since its checkpoint makes the restore fail (CRIU checks; the fork then
-starts afresh, its files copied). `status.fork.workspace` says how it went: Copied,
-Failed (the message names why: the fork wakes on what was copied), or NotCopied (no
-persistent workspace on either side). A copy that has not ended COPY_DEADLINE after its
-pod was made is given up.
+changed since its checkpoint makes the restore fail (CRIU checks its size and mode; the
+fork then starts afresh, its files copied). `status.fork.workspace` says how it went:
+Copied, Failed (the message names why: the fork wakes on what was copied), or NotCopied
+(no persistent workspace on either side, or its parent's memory not forked). A copy
+that has not started COPY_DEADLINE after its pod was made, or not ended twice that, is
+given up (the kubelet ends one running past COPY_DEADLINE); no kernel pod is made until
+its pod has stopped (`stopping`), or is STOP_DEADLINE old.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mcp_forge.api.kernelsession import KIND, KernelSession, load
 from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.control.render import (
     CONTAINER,
+    FORK_FILES,
     LABEL_COMPONENT,
     child_name,
     workspace_claim_name,
@@ -42,8 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COPIED, FAILED, NOT_COPIED = "Copied", "Failed", "NotCopied"
-COMPONENT = "fork-files"
-COPY_DEADLINE = 600  # seconds from the copy pod's creation (its activeDeadlineSeconds too)
+COPY_DEADLINE = 600  # seconds: to start (its activeDeadlineSeconds bounds it from then)
+STOP_DEADLINE = 3 * COPY_DEADLINE  # a copy given up on is waited for until this old
 RECHECK = 1.0  # its pod's events do not reach the fork's reconcile: looked at this often
 MESSAGE_MAX = 500
 LIMITS = {"cpu": "250m", "memory": "128Mi"}
@@ -53,26 +56,33 @@ LIMITS = {"cpu": "250m", "memory": "128Mi"}
 # links as links (-d; find follows none either); special files made anew as what they
 # are (-R), never opened. The owner is the copier's, the kernel's user.
 COMMAND = ["find", "/from", "-mindepth", "1", "-maxdepth", "1", "!", "-name", "lost+found",
-           "-exec", "cp", "-dR", "--preserve=mode,timestamps,links", "-t", "/to", "{}",
-           "+"]  # fmt: skip
+           "-exec", "cp", "-dR", "--preserve=mode,timestamps,links", "--remove-destination",
+           "-t", "/to", "{}", "+"]  # fmt: skip
 
 
 def pod_name(session: KernelSession) -> str:
-    return f"{child_name(session)}-{COMPONENT}"
+    return f"{child_name(session)}-{FORK_FILES}"
 
 
 def step(r: Reconciler, p: Pass) -> str | None:
     """The fork's workspace copied before its first kernel pod: why it waits, or None
-    once the copy ended (or none is to be made), `status.fork.workspace` written."""
+    once the copy ended (or none is to be made), `status.fork.workspace` written. No
+    kernel pod is made while a copy may still write (`stopping`)."""
     fork = p.status.get("fork") or {}
-    if not fork or fork.get("workspace"):
+    done = fork.get("workspace") or {}
+    if not fork or (done and not done.get("stopping")):
         return None
     ns, parent_name = p.session.namespace, str(fork.get("from") or "")
     pod = r.kube.get("Pod", ns, pod_name(p.session))
     if pod is not None and not _ours(pod, p.session):
         _delete(r, pod)  # an earlier session's of that name, not collected yet
-        p.due.append(p.now + RECHECK)
-        return "waiting for the copy pod of an earlier session of that name to go"
+        return _wait(p, "waiting for the copy pod of an earlier session of that name to go")
+    made = parse_time((pod or {}).get("metadata", {}).get("creationTimestamp")) or p.now
+    if done:  # given up on: its pod deleted, its cp perhaps still writing
+        if pod is not None and not _stopped(pod) and p.now - made < STOP_DEADLINE:
+            return _wait(p, "waiting for the copy of the workspace to stop")
+        _ended(r, p, done["outcome"], done["message"])
+        return None
     if pod is None:
         parent, why = _parent(r, p.session, fork)
         if parent is None:
@@ -80,25 +90,39 @@ def step(r: Reconciler, p: Pass) -> str | None:
             return None
         node = (p.status.get("snapshot") or {}).get("node")
         r.kube.ensure(render(p.found.want_pod, p.session, parent, node), likely_new=True)
-        p.due.append(p.now + RECHECK)
-        return f"copying the workspace of {parent_name}"
+        return _wait(p, f"copying the workspace of {parent_name}")
     # A copy under way is seen to its end, whatever became of the fork meanwhile.
-    status = pod.get("status") or {}
-    made = parse_time(pod["metadata"].get("creationTimestamp")) or p.now
-    if status.get("phase") == "Succeeded":
+    phase = (pod.get("status") or {}).get("phase")
+    if phase == "Succeeded":
         outcome, message = COPIED, f"copied from {parent_name}'s workspace"
-    elif status.get("phase") == "Failed":  # its activeDeadlineSeconds past, too
+    elif phase == "Failed":  # its activeDeadlineSeconds past, too
         outcome, message = FAILED, f"the copy of {parent_name}'s workspace failed: {_said(pod)}"
-    elif status.get("phase") == "Pending" and p.now - made > COPY_DEADLINE:
+    elif phase == "Pending" and p.now - made > COPY_DEADLINE:
         outcome, message = FAILED, f"the copy did not start within {COPY_DEADLINE}s"
+    elif p.now - made > 2 * COPY_DEADLINE:  # its node lost, say: no kubelet ends it
+        outcome, message = FAILED, f"the copy did not end within {2 * COPY_DEADLINE}s"
     else:  # running (or going: once gone, it is made again, and copies over)
-        p.due.append(p.now + RECHECK)
-        return f"copying the workspace of {parent_name}"
+        return _wait(p, f"copying the workspace of {parent_name}")
     if outcome == FAILED:
         message += ": the fork wakes on what was copied"
-    _ended(r, p, outcome, message)  # first: a pass that fails after it copies no more
+    stopping = not _stopped(pod)
+    _ended(r, p, outcome, message, stopping=stopping)  # first: then no copy is made again
     _delete(r, pod)
-    return None
+    return _wait(p, "waiting for the copy of the workspace to stop") if stopping else None
+
+
+def _wait(p: Pass, why: str) -> str:
+    p.due.append(p.now + RECHECK)
+    return why
+
+
+def _stopped(pod: dict[str, Any]) -> bool:
+    """Whether none of the pod's containers runs, or will (each has ended)."""
+    status = pod.get("status") or {}
+    if status.get("phase") == "Succeeded":
+        return True
+    containers = status.get("containerStatuses") or []
+    return bool(containers) and all((c.get("state") or {}).get("terminated") for c in containers)
 
 
 def _ours(pod: dict[str, Any], session: KernelSession) -> bool:
@@ -134,12 +158,13 @@ def _delete(r: Reconciler, pod: dict[str, Any] | None) -> None:
         r.kube.delete("Pod", meta["namespace"], meta["name"], uid=meta.get("uid"))
 
 
-def _ended(r: Reconciler, p: Pass, outcome: str, message: str) -> None:
-    """Written at once: a pass that fails after it does not copy again."""
-    fork = {
-        **p.status["fork"],
-        "workspace": {"outcome": outcome, "message": message, "at": stamp(p.now)},
-    }
+def _ended(r: Reconciler, p: Pass, outcome: str, message: str, *, stopping: bool = False) -> None:
+    """Written at once: a pass that fails after it does not copy again. `stopping`: its
+    pod may still write, and is waited for before the fork's kernel."""
+    done: dict[str, Any] = {"outcome": outcome, "message": message, "at": stamp(p.now)}
+    if stopping:
+        done["stopping"] = True
+    fork = {**p.status["fork"], "workspace": done}
     p.status["fork"] = fork
     r.kube.patch(KIND, p.session.namespace, p.session.name, {"status": {"fork": fork}}, status=True)
     log.info("%s/%s: workspace %s (%s)", p.session.namespace, p.session.name, outcome, message)
@@ -168,7 +193,7 @@ def render(
     assert kernel["name"] == CONTAINER
     meta = copy.deepcopy(kernel_pod["metadata"])
     meta["name"] = pod_name(session)
-    meta["labels"][LABEL_COMPONENT] = COMPONENT  # not a kernel: no watch of kernels sees it
+    meta["labels"][LABEL_COMPONENT] = FORK_FILES  # not a kernel: no watch of kernels sees it
     meta.pop("annotations", None)
     spec: dict[str, Any] = {
         "restartPolicy": "Never",

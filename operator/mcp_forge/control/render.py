@@ -347,6 +347,8 @@ def _pod(
 
 
 BASELINE_POLICY = "mcpforge-kernels-closed"
+FORK_FILES = "fork-files"  # the component of the pod copying a fork's workspace (forkfiles.py)
+BASELINE_COMPONENTS = ["kernel", FORK_FILES]  # the pods the baseline policy closes
 
 
 def render_baseline_policy(namespace: str) -> dict[str, Any]:
@@ -376,7 +378,7 @@ def render_baseline_policy(namespace: str) -> dict[str, Any]:
                 "matchLabels": {"app.kubernetes.io/name": "mcp-forge"},
                 # A kernel, and the pod that copies a fork's workspace (control/forkfiles.py).
                 "matchExpressions": [
-                    {"key": LABEL_COMPONENT, "operator": "In", "values": ["kernel", "fork-files"]}
+                    {"key": LABEL_COMPONENT, "operator": "In", "values": BASELINE_COMPONENTS}
                 ],
             },
             "policyTypes": ["Ingress", "Egress"],
