@@ -4,7 +4,8 @@ registry.
 images/Containerfile.control-plane defines them for hosts that can pull a base image. Here
 they are made as the kernel image is (kernel.py): the cached Debian base rootfs; wheels the
 host's pip fetches (the project's own, built from this source tree, and its dependencies
-for CPython 3.11 on x86_64); an offline `pip install` into /opt/mcp-forge in a chroot. The
+for CPython 3.11 on x86_64); an offline `pip install` into /opt/mcp-forge in a chroot
+(the dependencies' venvs cached by their wheels, our package installed into them). The
 egress proxy's mitmproxy caps cryptography, pyOpenSSL, h11 and tornado below the
 package's own dependencies, so it has a second venv, /opt/mcp-forge-egress, holding
 mitmproxy and our package without its dependencies (as `.venv-egress` does locally).
@@ -170,7 +171,7 @@ async def build_control_plane(
         egress_wheels = await _egress_wheels(pip_python, cache, build, announce)
         announce(f"venvs {VENV} and {EGRESS_VENV}: offline pip installs in a chroot")
         rootfs = build / "rootfs"
-        await _make_rootfs(base, own, egress_wheels, rootfs)
+        await _make_rootfs(base, own, egress_wheels, rootfs, cache)
         archive = build / "image.tar"
         await _exec(
             "tar", "--numeric-owner", "-C", str(rootfs), "-cf", str(archive), ".",
@@ -245,8 +246,11 @@ async def _download(pip_python: str, dest: Path, *args: str, what: str) -> None:
     )  # fmt: skip
 
 
-async def _make_rootfs(base: Path, own: Path, egress_wheels: Path, rootfs: Path) -> None:
-    """Unpack the base; install both venvs offline in a chroot; add the images' user."""
+async def _make_rootfs(
+    base: Path, own: Path, egress_wheels: Path, rootfs: Path, cache: Path
+) -> None:
+    """Unpack the base; both venvs with their dependencies (cached: `_dependencies`), our
+    package installed into each offline in a chroot; add the images' user."""
     await asyncio.to_thread(rootfs.mkdir)
     await _exec(
         "tar", "--numeric-owner", "-xpf", str(base), "-C", str(rootfs),
@@ -255,29 +259,73 @@ async def _make_rootfs(base: Path, own: Path, egress_wheels: Path, rootfs: Path)
     inside = rootfs / "tmp"
     await asyncio.to_thread(_link_tree, own.parent, inside / "wheels")
     await asyncio.to_thread(_link_tree, egress_wheels, inside / "egress-wheels")
-    package = f"/tmp/wheels/{own.name}"
-    await _venv(rootfs, VENV, ["--find-links", "/tmp/wheels", package])
-    await _venv(
-        rootfs,
-        EGRESS_VENV,
-        ["--find-links", "/tmp/egress-wheels", MITMPROXY],
-        ["--no-deps", package],
-    )
+    venvs = await _dependencies(rootfs, own, egress_wheels, cache)
+    await _exec(
+        "tar", "--numeric-owner", "-xpf", str(venvs), "-C", str(rootfs),
+        limit=TAR_TIMEOUT, what="tar (unpacking the venvs' dependencies)",
+    )  # fmt: skip
+    for venv in (VENV, EGRESS_VENV):
+        await _pip(rootfs, venv, "--no-deps", f"/tmp/wheels/{own.name}")
+        lock = await _chroot(rootfs, f"{venv}/bin/pip", "freeze", "--all")
+        (rootfs / venv.lstrip("/") / "requirements.lock").write_bytes(lock)
     for name in ("wheels", "egress-wheels"):
         await asyncio.to_thread(shutil.rmtree, inside / name)
     await asyncio.to_thread(_add_user, rootfs)
 
 
-async def _venv(rootfs: Path, venv: str, *installs: list[str]) -> None:
-    """A venv in the rootfs, each of `installs` a `pip install` into it (offline, wheels
-    only), and the list of what it holds in its requirements.lock."""
-    await _chroot(rootfs, "python3", "-m", "venv", venv)
-    for args in installs:
-        await _chroot(
-            rootfs, f"{venv}/bin/pip", "install", "--no-index", "--only-binary=:all:", *args
-        )
-    lock = await _chroot(rootfs, f"{venv}/bin/pip", "freeze", "--all")
-    (rootfs / venv.lstrip("/") / "requirements.lock").write_bytes(lock)
+async def _dependencies(rootfs: Path, own: Path, egress_wheels: Path, cache: Path) -> Path:
+    """An archive of both venvs holding every dependency and not our package, cached by
+    the base and the wheels' names (names and versions): most builds change our source
+    only, and its install is then seconds, where the venvs' are half a minute. Made in
+    `rootfs` (the base unpacked, the wheels in its /tmp), then removed from it."""
+    key = await asyncio.to_thread(_dependencies_key, own, egress_wheels)
+    cached = cache / f"venvs-control-plane-{key[:16]}.tar"
+    if await asyncio.to_thread(cached.is_file):
+        return cached
+    package = f"/tmp/wheels/{own.name}"
+    for venv, installs in (
+        (VENV, ["--find-links", "/tmp/wheels", package]),
+        (EGRESS_VENV, ["--find-links", "/tmp/egress-wheels", MITMPROXY]),
+    ):
+        await _chroot(rootfs, "python3", "-m", "venv", venv)
+        await _pip(rootfs, venv, *installs)
+    await _chroot(rootfs, f"{VENV}/bin/pip", "uninstall", "--yes", "mcp-forge")
+    partial = cache / f"{cached.name}.{os.getpid()}.partial"
+    await _exec(
+        "tar", "--numeric-owner", "-C", str(rootfs), "-cf", str(partial),
+        VENV.lstrip("/"), EGRESS_VENV.lstrip("/"),
+        limit=TAR_TIMEOUT, what="tar (packing the venvs' dependencies)",
+    )  # fmt: skip
+    for venv in (VENV, EGRESS_VENV):
+        await asyncio.to_thread(shutil.rmtree, rootfs / venv.lstrip("/"))
+    await asyncio.to_thread(_keep_only, partial, cached)
+    return cached
+
+
+def _dependencies_key(own: Path, egress_wheels: Path) -> str:
+    return _hash(
+        {
+            "recipe": RECIPE_VERSION,
+            "base": _base_inputs(),
+            "python": PYTHON_VERSION,
+            "wheels": sorted(p.name for p in own.parent.glob("*.whl") if p != own),
+            "egress": sorted(p.name for p in egress_wheels.glob("*.whl")),
+            "venvs": [VENV, EGRESS_VENV],
+        }
+    )
+
+
+def _keep_only(partial: Path, cached: Path) -> None:
+    """`partial` becomes `cached`, the one archive of venvs kept (older ones were built
+    from wheels no longer asked for)."""
+    for stale in cached.parent.glob("venvs-control-plane-*.tar"):
+        stale.unlink(missing_ok=True)
+    os.rename(partial, cached)
+
+
+async def _pip(rootfs: Path, venv: str, *args: str) -> None:
+    """`pip install` into the rootfs's venv: offline, wheels only."""
+    await _chroot(rootfs, f"{venv}/bin/pip", "install", "--no-index", "--only-binary=:all:", *args)
 
 
 async def _import_and_tag(
