@@ -63,7 +63,8 @@ def volume_helper(bins: Path) -> str:
 
 
 def import_images(bins: Path, images: list[str]) -> None:
-    """`podman save` each image into the node's containerd (k8s.io namespace).
+    """`podman save` the images into the node's containerd (k8s.io namespace), in one
+    archive: the control plane's three share their one layer, saved and unpacked once.
 
     An image the node already has, imported from the same Podman image ID, is not saved
     and imported again (tens of seconds each for the control plane's). The IDs imported
@@ -72,21 +73,28 @@ def import_images(bins: Path, images: list[str]) -> None:
     done = ROOT / "imported"
     done.mkdir(parents=True, exist_ok=True)
     listed = ctr(bins, "images", "ls", "-q").stdout.split()
-    for image in images:
+    wanted: dict[str, tuple[Path, str]] = {}
+    for image in dict.fromkeys(images):
         image_id = run("podman", "image", "inspect", "--format", "{{.Id}}", image).stdout.strip()
         marker = done / hashlib.sha256(image.encode()).hexdigest()
         if image in listed and marker.is_file() and marker.read_text() == image_id:
             continue
         marker.unlink(missing_ok=True)
-        archive = ROOT / "image.tar"
-        # podman refuses to save over a file: one left by an `up` that was killed midway
-        # would fail every later one.
+        wanted[image] = (marker, image_id)
+    if not wanted:
+        return
+    archive = ROOT / "image.tar"
+    # podman refuses to save over a file: one left by an `up` that was killed midway
+    # would fail every later one.
+    archive.unlink(missing_ok=True)
+    try:
+        run("podman", "save", "--multi-image-archive", "--format", "docker-archive",
+            "-o", str(archive), *wanted)  # fmt: skip
+        ctr(bins, "images", "import", "--no-unpack=false", str(archive))
+    finally:
         archive.unlink(missing_ok=True)
-        try:
-            run("podman", "save", "--format", "docker-archive", "-o", str(archive), image)
-            ctr(bins, "images", "import", "--no-unpack=false", str(archive))
-        finally:
-            archive.unlink(missing_ok=True)
-        if image not in ctr(bins, "images", "ls", "-q").stdout.split():
+    listed = ctr(bins, "images", "ls", "-q").stdout.split()
+    for image, (marker, image_id) in wanted.items():
+        if image not in listed:
             raise ClusterError(f"{image} is not in the node's containerd after import")
         marker.write_text(image_id)
