@@ -64,6 +64,8 @@ async def on_gateway(step: Callable[[Gateway], Awaitable[T]]) -> T:
     "--log-level",
     default="warning",
     show_default=True,
+    envvar="MCPFORGE_LOG_LEVEL",
+    show_envvar=True,
     type=click.Choice(["debug", "info", "warning", "error"]),
 )
 def main(log_level: str) -> None:
