@@ -39,6 +39,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _exit_status = int(exitstatus)
 
 
+# A test step this slow shows, after the run, the end of what it captured (its gateways'
+# stderr, its log records): a stall that a test survives (it passed, 60 s late) is named
+# by what was logged while it waited, in a run whose passing output is otherwise dropped.
+SLOW_SHOWN = float(os.environ.get("MCPFORGE_TEST_SLOW_SHOWN", "45"))
+_slow: list[tuple[str, float, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when in ("setup", "call") and report.passed and report.duration > SLOW_SHOWN:
+        said = "\n".join(part for part in (report.capstderr, report.caplog) if part)
+        _slow.append((f"{report.nodeid} ({report.when})", report.duration, said[-6000:]))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for step, seconds, said in _slow:
+        terminalreporter.write_sep("-", f"slow: {step}, {seconds:.0f}s; the end of its stderr")
+        terminalreporter.write_line(said or "(nothing captured)")
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Exit, with pytest's status, even if a thread a test left behind would hold exit.
 

@@ -76,6 +76,12 @@ class Settings:
     # sizes of its node's archives; how often a snapshot's size is looked for there.
     snapshot_sweeper_namespace: str = "mcp-forge-node"
     snapshot_size_recheck: float = 30.0
+    # Where a snapshot is kept (control/snapstore.py): "node" (only where the kubelet took
+    # it: the pod wakes there, and the memory is lost with the node) or "claim" (also
+    # copied into a PersistentVolumeClaim of its session, `ks-<name>-snapshot`, of this
+    # storage class, "" = the cluster's default: it wakes elsewhere when its node is gone).
+    snapshot_store: str = "node"
+    snapshot_storage_class: str = ""
     # "<namespace>/<name>" of the ServiceAccount whose short-lived token the operator shows
     # kubelets for a checkpoint (it may only checkpoint); "" = the operator's own credentials.
     checkpoint_service_account: str = ""
@@ -165,6 +171,11 @@ class Settings:
                     raise InvalidRequest(f"MCPFORGE_{f.name.upper()} must be positive, got {raw}")
                 values[f.name] = number
         service_account(str(values.get("checkpoint_service_account", "")))
+        if values.get("snapshot_store", "node") not in SNAPSHOT_STORES:
+            raise InvalidRequest(
+                f"MCPFORGE_SNAPSHOT_STORE={str(values['snapshot_store'])[:100]!r}: expected "
+                + " or ".join(SNAPSHOT_STORES)
+            )
         return cls(**values)  # type: ignore[arg-type]
 
     @property
@@ -177,6 +188,7 @@ class Settings:
         return self.state_dir / "store.db"
 
 
+SNAPSHOT_STORES = ("node", "claim")
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 

@@ -19,8 +19,10 @@ parent, made at once as one batch (one checkpoint, as the gateway makes its copi
 until each answers a call that reads its parent's array, next to as many new sessions
 made at once until each has built the array itself. `--sizes ""` times forks only;
 `--workspace-mb N` gives them persistent workspaces, the parent's with N MB of files (a
-fork's is a copy). The machines are shared and noisy: compare ratios, not absolute
-numbers.
+fork's is a copy). `--store claim` has each snapshot stored in its session's claim
+(control/snapstore.py) and woken from there, the node's archive removed before each
+resume: "store" is the copy's time from its pod's creation. The machines are shared and
+noisy: compare ratios, not absolute numbers.
 """
 
 from __future__ import annotations
@@ -94,10 +96,10 @@ async def new_session(kube: Kube, ns: str, megabytes: int, cell: str) -> float:
         await asyncio.to_thread(kube.delete, KS, ns, name)
 
 
-async def one_size(kube: Kube, ns: str, megabytes: int, runs: int) -> dict[str, float]:
+async def one_size(kube: Kube, ns: str, megabytes: int, runs: int, store: bool) -> dict[str, float]:
     build = BUILD.format(n=megabytes * 1_000_000)
     out: dict[str, list[float]] = {
-        k: [] for k in ("suspend", "checkpoint", "size", "resume", "new", "cold")
+        k: [] for k in ("suspend", "checkpoint", "size", "store", "resume", "new", "cold")
     }
     name = f"b{uuid.uuid4().hex[:8]}"
     await asyncio.to_thread(kube.create, session_body(name, ns, **spec(megabytes)))
@@ -123,6 +125,9 @@ async def one_size(kube: Kube, ns: str, megabytes: int, runs: int) -> dict[str, 
         snap = (await asyncio.to_thread(kube.get, KS, ns, name) or {})["status"]["snapshot"]
         out["checkpoint"].append(float(snap["seconds"]))
         out["size"].append((CHECKPOINTS / snap["archive"]).stat().st_size / 1e6)
+        if store:
+            out["store"].append(await stored(kube, ns, name))
+            (CHECKPOINTS / snap["archive"]).unlink()  # woken from the claim's copy
         before = str(obj["status"].get("kernelId") or "")
 
         async def resume(before: str = before) -> None:
@@ -142,7 +147,23 @@ async def one_size(kube: Kube, ns: str, megabytes: int, runs: int) -> dict[str, 
     for _ in range(runs):
         out["new"].append(await new_session(kube, ns, megabytes, "1"))
         out["cold"].append(await new_session(kube, ns, megabytes, build + "\n" + READ))
-    return {k: statistics.median(v) for k, v in out.items()}
+    return {k: statistics.median(v) if v else 0.0 for k, v in out.items()}
+
+
+async def stored(kube: Kube, ns: str, name: str) -> float:
+    """Seconds the store of the session's snapshot took, once it ended."""
+
+    def outcome(o: dict[str, Any] | None) -> str:
+        snap = ((o or {}).get("status") or {}).get("snapshot") or {}
+        return str((snap.get("stored") or {}).get("outcome") or "")
+
+    obj = await eventually(
+        kube, KS, ns, name, lambda o: outcome(o) in ("Stored", "Failed"), timeout=600,
+        what="stored",
+    )  # fmt: skip
+    if outcome(obj) != "Stored":
+        raise RuntimeError(f"{name}: not stored: {(obj or {}).get('status')}")
+    return float((obj or {})["status"]["snapshot"]["stored"]["seconds"])
 
 
 FORK_SPEC = {"image": IMAGE, "resources": {"memory": "512Mi", "cpu": "100m"}}
@@ -214,7 +235,9 @@ async def main() -> None:
     parser.add_argument(
         "--workspace-mb", type=int, default=0, help="MB of files in the forks' parent's workspace"
     )
+    parser.add_argument("--store", choices=["node", "claim"], default="node")
     args = parser.parse_args()
+    os.environ["MCPFORGE_SNAPSHOT_STORE"] = args.store  # read at the operator's start
     with cluster() as kubeconfig:
         # The library read $KUBECONFIG at its import: its copies too (kopf's Kube uses them).
         os.environ["KUBECONFIG"] = str(kubeconfig)
@@ -228,16 +251,17 @@ async def main() -> None:
         await asyncio.to_thread(make_namespace, kubeconfig, ns, RESTRICTED)
         await asyncio.to_thread(_runtime_class, RESTORE_CLASS, RESTORE_CLASS)
         print(
-            f"{'kernel':>8} {'archive':>8} {'suspend':>8} {'(ckpt)':>7} {'resume':>8} "
+            f"{'kernel':>8} {'archive':>8} {'suspend':>8} {'(ckpt)':>7} {'store':>6} {'resume':>8} "
             f"{'new':>6} {'new+cell':>9} {'ratio':>6}"
         )
         try:
             async with running_operator(kube):
                 for mb in (int(x) for x in args.sizes.split(",") if x):
-                    m = await one_size(kube, ns, mb, args.runs)
+                    m = await one_size(kube, ns, mb, args.runs, args.store == "claim")
                     print(
                         f"{mb:>6}MB {m['size']:>6.0f}MB {m['suspend']:>7.2f}s "
-                        f"{m['checkpoint']:>6.2f}s {m['resume']:>7.2f}s {m['new']:>5.2f}s "
+                        f"{m['checkpoint']:>6.2f}s {m['store']:>5.2f}s {m['resume']:>7.2f}s "
+                        f"{m['new']:>5.2f}s "
                         f"{m['cold']:>8.2f}s {m['resume'] / m['cold']:>6.2f}",
                         flush=True,
                     )

@@ -13,6 +13,8 @@ Only the standard library: it runs before any virtualenv exists (tests/kube/clus
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import subprocess
 from pathlib import Path
 
@@ -92,19 +94,26 @@ def newer_runc() -> str:
 
 def restore_runc(conf: Path, runc: str) -> str:
     """The program of the `mcpforge-restore` runtime handler: mcpforge-runc (images/node/
-    build), told the newer runc and the kubelet's checkpoint directory by a script."""
+    build), told the newer runc, the kubelet's checkpoint directory and the key snapshots
+    kept in claims are signed with (store.go) by a script."""
     built = subprocess.run(
         [str(Path(__file__).parents[2] / "images" / "node" / "build")],
         check=True,
         stdout=subprocess.PIPE,
         text=True,
     ).stdout.strip()
+    key = conf / "snapshot.key"  # the nodes' shared key (one node here): made once
+    if not key.exists():
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
     script = conf / "mcpforge-runc"
     script.write_text(
         "#!/bin/sh\n"
         f"export MCPFORGE_RUNC='{runc}'\n"
         f"export MCPFORGE_CHECKPOINTS='{ROOT}/kubelet/checkpoints'\n"
         f"export MCPFORGE_RESTORE_DIR='{ROOT}/restore'\n"
+        f"export MCPFORGE_SNAPSHOT_KEY='{key}'\n"
         f"exec '{built}' \"$@\"\n"
     )
     script.chmod(0o755)

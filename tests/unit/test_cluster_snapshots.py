@@ -15,9 +15,9 @@ import pytest
 from kubernetes.config.incluster_config import InClusterConfigLoader
 from test_render import CONN, K8S_VERSION, by_kind, session
 
-from mcp_forge.api.status import stamp
+from mcp_forge.api.status import merge_patch, stamp
 from mcp_forge.clients.kubelet import dial, endpoint
-from mcp_forge.control import forkfiles, snapshots
+from mcp_forge.control import forkfiles, snapshots, snapstore
 from mcp_forge.control.lifecycle import Activity
 from mcp_forge.control.realize import Children, Pass
 from mcp_forge.control.render import TEMPLATE_HASH, render_baseline_policy, render_kubernetes
@@ -335,3 +335,115 @@ def test_a_forks_workspace_is_copied_by_a_pod_confined_as_its_kernel() -> None:
     ]
     assert not {"-L", "-H", "-follow", "--dereference", "--copy-contents", "-a"} & set(command)
     assert "--remove-destination" in command  # a copy made again writes through no link
+
+
+def test_a_snapshot_is_stored_by_a_pod_confined_as_its_kernel_on_the_archives_node() -> None:
+    """control/snapstore.py: the store's pod is named and imaged as the kernel's container
+    (the handler checks the archive is of both), runs as the kernel's pod does, does
+    nothing, and mounts the session's snapshot claim read-only where the handler looks;
+    the claim has room for the kernel's memory and writable layer, and goes with the
+    session."""
+    kernel_pod = pod(True)
+    archive = "checkpoint-ks-demo_team-kernel-1.tar"
+    store = snapstore.render(kernel_pod, session(), archive, "node-3")
+    kubernetes_validate.validate(store, K8S_VERSION, strict=True)
+    spec, meta = store["spec"], store["metadata"]
+    assert meta["name"] == "ks-demo-snapshot-store"
+    assert meta["annotations"] == {snapshots.RESTORE_FROM: f"store:{archive}"}
+    assert meta["ownerReferences"] == kernel_pod["metadata"]["ownerReferences"]
+    (component,) = render_baseline_policy("team")["spec"]["podSelector"]["matchExpressions"]
+    assert meta["labels"]["app.kubernetes.io/component"] == "snapshot-store"
+    assert "snapshot-store" in component["values"]
+    assert spec["hostUsers"] is False and spec["runtimeClassName"] == "mcpforge-restore"
+    assert spec["securityContext"] == kernel_pod["spec"]["securityContext"]
+    assert spec["automountServiceAccountToken"] is False and spec["restartPolicy"] == "Never"
+    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": ["node-3"]}]
+    (container,) = spec["containers"]
+    (kernel,) = kernel_pod["spec"]["containers"]
+    assert container["name"] == kernel["name"] == "kernel"
+    assert container["image"] == kernel["image"]
+    assert container["command"] == ["python", "-I", "-S", "-c", ""]
+    context = container["securityContext"]
+    assert context["capabilities"] == {"drop": ["ALL"]} and context["readOnlyRootFilesystem"]
+    assert container["volumeMounts"] == [
+        {"name": snapstore.VOLUME, "mountPath": "/.mcpforge-snapshot", "readOnly": True}
+    ]
+    assert spec["volumes"] == [
+        {"name": snapstore.VOLUME, "persistentVolumeClaim": {"claimName": "ks-demo-snapshot"}}
+    ]
+    claim = snapstore.render_claim(session(), "fast")
+    kubernetes_validate.validate(claim, K8S_VERSION, strict=True)
+    assert claim["metadata"]["name"] == "ks-demo-snapshot"
+    assert claim["metadata"]["ownerReferences"] == kernel_pod["metadata"]["ownerReferences"]
+    assert claim["spec"]["storageClassName"] == "fast"
+    room = int(claim["spec"]["resources"]["requests"]["storage"])
+    assert room >= session().spec.memory_bytes + snapstore.HEADROOM
+    assert "storageClassName" not in snapstore.render_claim(session(), "")["spec"]
+
+
+def test_a_pod_waking_from_a_stored_snapshot_mounts_its_claim_and_only_prefers_its_node() -> None:
+    settings = Settings(snapshot_runtime_class="mcpforge-restore", snapshot_store="claim")
+    r: Any = SimpleNamespace(settings=settings, kube=None)
+    snap = {"node": "node-7", "archive": "checkpoint-ks-demo_team-kernel-1.tar"}
+    stored = {"snapshot": {**snap, "stored": {"outcome": "Stored", "claim": "ks-demo-snapshot"}}}
+    woken = pod(True)
+    snapshots.waking(stored, woken)
+    snapstore.waking(r, session(), stored, woken)
+    kubernetes_validate.validate(woken, K8S_VERSION, strict=True)
+    affinity = woken["spec"]["affinity"]["nodeAffinity"]
+    assert list(affinity) == ["preferredDuringSchedulingIgnoredDuringExecution"]
+    (preferred,) = affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred["preference"]["matchFields"][0]["values"] == ["node-7"]
+    (kernel,) = woken["spec"]["containers"]
+    mount = {"name": snapstore.VOLUME, "mountPath": "/.mcpforge-snapshot", "readOnly": True}
+    assert mount in kernel["volumeMounts"]
+    volume = {"name": snapstore.VOLUME, "persistentVolumeClaim": {"claimName": "ks-demo-snapshot"}}
+    assert volume in woken["spec"]["volumes"]
+    # Not stored (failed, or the store off): on the archive's node only, no claim.
+    for status, on in (
+        ({"snapshot": {**snap, "stored": {"outcome": "Failed"}}}, settings),
+        (stored, dataclasses.replace(settings, snapshot_store="node")),
+    ):
+        plain = pod(True)
+        snapshots.waking(status, plain)
+        snapstore.waking(SimpleNamespace(settings=on, kube=None), session(), status, plain)  # type: ignore[arg-type]
+        assert (
+            "requiredDuringSchedulingIgnoredDuringExecution"
+            in plain["spec"]["affinity"]["nodeAffinity"]
+        )
+        assert snapstore.VOLUME not in str(plain["spec"].get("volumes"))
+
+
+def test_the_snapshot_store_is_node_or_claim_or_refused_saying_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Settings.from_env().snapshot_store == "node"
+    monkeypatch.setenv("MCPFORGE_SNAPSHOT_STORE", "claim")
+    assert Settings.from_env().snapshot_store == "claim"
+    monkeypatch.setenv("MCPFORGE_SNAPSHOT_STORE", "s3")
+    with pytest.raises(
+        InvalidRequest, match="MCPFORGE_SNAPSHOT_STORE='s3': expected node or claim"
+    ):
+        Settings.from_env()
+
+
+def test_a_status_write_takes_away_what_the_new_status_no_longer_has_at_every_depth() -> None:
+    """A merge patch of a whole new snapshot would keep the last one's other keys (its
+    store's outcome, its size): the patch says None for each, and nothing unchanged."""
+    old = {
+        "phase": "Suspended",
+        "snapshot": {"archive": "a.tar", "size": 5, "stored": {"outcome": "Stored"}},
+        "kernelId": None,
+    }
+    new = {"phase": "Suspended", "snapshot": {"archive": "b.tar"}, "podName": None}
+    assert merge_patch(old, new) == {
+        "snapshot": {"archive": "b.tar", "size": None, "stored": None},
+        "kernelId": None,
+    }
+    assert merge_patch(old, old) == {}
+    assert merge_patch({"snapshot": {"stored": {"outcome": "Storing"}}}, {"snapshot": None}) == {
+        "snapshot": None
+    }

@@ -64,8 +64,15 @@ def test_every_status_field_is_in_the_crd_so_the_api_server_keeps_it() -> None:
     assert set(Status.__annotations__) <= set(schema["properties"])
     snapshot = schema["properties"]["snapshot"]["properties"]
     # local mode's (runtimes/local/naps.py), a cluster's node and archive (control/
-    # snapshots.py), and whether a batch of forks shares it (control/forking.py)
-    assert set(snapshot) == {"size", "takenAt", "seconds", "inPod", "node", "archive", "shared"}
+    # snapshots.py), whether a batch of forks shares it (control/forking.py), and its copy
+    # in the session's claim (control/snapstore.py)
+    assert set(snapshot) == {
+        "size", "takenAt", "seconds", "inPod", "node", "archive", "shared", "stored"
+    }  # fmt: skip
+    assert set(snapshot["stored"]["properties"]) == {
+        "outcome", "claim", "at", "seconds", "message"
+    }  # fmt: skip
+    assert snapshot["stored"]["properties"]["outcome"]["enum"] == ["Storing", "Stored", "Failed"]
     assert set(schema["properties"]["lastRestore"]["properties"]) == {
         "outcome",
         "at",

@@ -75,8 +75,9 @@ OPERATOR_RULES = {
     ("networking.k8s.io", "networkpolicies"): "get list watch create patch delete",
     ("coordination.k8s.io", "leases"): "get list watch create patch delete",
     # A persistent workspace's claim: made, its owner set per reclaimPolicy; deleted by the
-    # garbage collector with its session, never by the operator.
-    ("", "persistentvolumeclaims"): "get create patch",
+    # garbage collector with its session, never by the operator. A snapshot claim: deleted
+    # with its snapshot, dropped unwoken (control/snapstore.py, the one delete of a claim).
+    ("", "persistentvolumeclaims"): "get create patch delete",
     # get: an Event's count, read when it happens again after a restart (control/events.py).
     ("", "events"): "get create patch",
 }

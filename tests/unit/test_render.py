@@ -396,7 +396,7 @@ def test_the_baseline_policy_selects_every_kernel_pod_and_admits_nothing() -> No
     assert component == {
         "key": "app.kubernetes.io/component",
         "operator": "In",
-        "values": ["kernel", "fork-files"],  # and the pod copying a fork's workspace
+        "values": ["kernel", "fork-files", "snapshot-store"],  # a fork's copier, a store
     }
     assert selector <= session_pod["metadata"]["labels"].items()
     assert selector <= pool_labels(pool).items()  # and so a pod mid-claim, with either set

@@ -99,9 +99,9 @@ func members(archive *os.File, each func(*tar.Header, io.Reader) error) error {
 }
 
 // room is a directory of its own for the container's images, on the restore directory's
-// disk if `size` bytes fit there, and the function that removes it. One restore at a time
-// on the node: the lock is held until release.
-func room(id string, size int64) (string, func(), error) {
+// disk, and the function that removes it. One restore at a time on the node: the lock is
+// held until release.
+func room(id string) (string, func(), error) {
 	base := env("MCPFORGE_RESTORE_DIR", "/var/lib/mcp-forge/restore")
 	// Searchable by the pods' namespaces' roots, who open some images: readable by none.
 	if err := os.MkdirAll(base, 0o711); err != nil {
@@ -120,15 +120,6 @@ func room(id string, size int64) (string, func(), error) {
 		os.RemoveAll(dir)
 		lock.Close()
 	}
-	var fs syscall.Statfs_t
-	if err := syscall.Statfs(base, &fs); err != nil {
-		release()
-		return "", nil, err
-	}
-	if free := int64(fs.Bavail) * int64(fs.Bsize); size+headroom > free {
-		release()
-		return "", nil, fmt.Errorf("%d bytes of images do not fit in %s (%d free)", size, base, free)
-	}
 	os.RemoveAll(dir) // a restore of this container that was killed
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		release()
@@ -145,16 +136,61 @@ func extract(archive *os.File, dir string) error {
 		if base == "" {
 			return nil
 		}
-		out, err := os.OpenFile(filepath.Join(dir, base), os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
-		if err != nil {
-			return err
-		}
-		if _, err := io.Copy(out, io.LimitReader(r, h.Size)); err != nil {
-			out.Close()
-			return err
-		}
-		return out.Close()
+		return writeImage(filepath.Join(dir, base), io.LimitReader(r, h.Size))
 	})
+}
+
+// extractStream reads a whole archive from r once, in order (r need not seek): its CRIU
+// images written into dir as extract writes them, its spec.dump read. At most `budget`
+// bytes are written: a member that says it is larger (a sparse one, say, whose few
+// bytes unpack to gigabytes) is refused before anything of it is.
+func extractStream(r io.Reader, dir string, budget int64) (*spec, error) {
+	tr := tar.NewReader(r) // it reads past what it is not asked for: r sees every byte
+	var old *spec
+	files := 0
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, err
+		}
+		switch base := image(h); {
+		case h.Name == "spec.dump":
+			old = &spec{}
+			if err := json.NewDecoder(io.LimitReader(tr, maxSpec)).Decode(old); err != nil {
+				return nil, fmt.Errorf("its spec.dump: %w", err)
+			}
+		case base != "":
+			if files++; files > maxFiles {
+				return nil, fmt.Errorf("more than %d images", maxFiles)
+			}
+			if budget -= h.Size; h.Size < 0 || budget < 0 {
+				return nil, fmt.Errorf("its images are larger than the archive")
+			}
+			if err := writeImage(filepath.Join(dir, base), io.LimitReader(tr, h.Size)); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if old == nil {
+		return nil, errors.New("it has no spec.dump")
+	}
+	return old, nil
+}
+
+// writeImage writes a new file at path (none may be there, nor a link) from r, root's.
+func writeImage(path string, r io.Reader) error {
+	out, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, r); err != nil {
+		out.Close()
+		return err
+	}
+	return out.Close()
 }
 
 // give hands the images' directory and files (extract's, all regular) to uid:gid.

@@ -16,6 +16,10 @@
 //     The archive is then removed, whether the restore worked or not: a checkpoint wakes
 //     one pod, once. A value of `shared:<archive>` (forks made together, which wake from
 //     one checkpoint) leaves it for the node's sweeper, which removes what no session holds.
+//     With no archive of that name on the node, the copy in the session's claim (mounted
+//     at /.mcpforge-snapshot) is woken from if its HMAC is the nodes' (store.go); a value
+//     of `store:<archive>` has the archive copied into that claim instead, and the
+//     container made as any other (the operator's store pod).
 //   - `start` of a container restored so: it runs already; nothing to do.
 //
 // A refusal or a failed restore is written to runc's log, which containerd reports in the
@@ -24,7 +28,8 @@
 // Settings come from the environment (containerd's, or a wrapper script's):
 // MCPFORGE_RUNC, the runc to run (/usr/sbin/runc); MCPFORGE_CHECKPOINTS, the kubelet's
 // checkpoint directory (/var/lib/kubelet/checkpoints); MCPFORGE_RESTORE_DIR, where
-// images are extracted, on disk (/var/lib/mcp-forge/restore).
+// images are extracted, on disk (/var/lib/mcp-forge/restore); MCPFORGE_SNAPSHOT_KEY, the
+// key the nodes sign stored snapshots with (/etc/mcp-forge/snapshot.key).
 package main
 
 import (

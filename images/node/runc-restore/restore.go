@@ -2,8 +2,10 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -28,11 +30,13 @@ const (
 	maxSpec        = 16 << 20 // config.json and spec.dump, read whole
 )
 
+const namespaceKey = "io.kubernetes.cri.sandbox-namespace"
+
 // The spec's fields an archive must share with the new container. Not the pod's name: the
 // namespace is the boundary (whoever may make pods in it may read its Secrets), and a
 // fork wakes a pod of another name from a session's checkpoint.
 var sameAs = []string{
-	"io.kubernetes.cri.sandbox-namespace",
+	namespaceKey,
 	"io.kubernetes.cri.container-name",
 	"io.kubernetes.cri.image-name",
 }
@@ -76,6 +80,9 @@ func create(runc string, global, rest []string) (bool, error) {
 	if !ok || (new.Annotations[restartCount] != "" && new.Annotations[restartCount] != "0") {
 		return false, nil
 	}
+	if stored, ok := strings.CutPrefix(name, storePrefix); ok {
+		return false, storeFor(bundle, &new, stored) // then made as any container (store.go)
+	}
 	shared := strings.HasPrefix(name, sharedPrefix)
 	name = strings.TrimPrefix(name, sharedPrefix)
 	id := rest[len(rest)-1]
@@ -83,34 +90,17 @@ func create(runc string, global, rest []string) (bool, error) {
 	if uid <= 0 || gid <= 0 || !containerID.MatchString(id) {
 		return false, fmt.Errorf("a pod wakes from a checkpoint only in a user namespace of its own (hostUsers: false)")
 	}
-	archive, err := openArchive(name)
+	claim, err := claimDir(bundle)
 	if err != nil {
 		return false, err
 	}
-	defer archive.Close()
-	old, size, err := scan(archive)
-	if err != nil {
-		return false, fmt.Errorf("checkpoint %s: %w", name, err)
-	}
-	for _, key := range sameAs {
-		if old.Annotations[key] != new.Annotations[key] {
-			return false, fmt.Errorf("checkpoint %s is of %s %q, not this container's %q",
-				name, key, old.Annotations[key], new.Annotations[key])
-		}
-	}
-	// From here the archive is this pod's: whether it wakes from it or cannot, it is spent
-	// (a session's snapshot is restored once; one that failed starts its kernel afresh),
-	// and the node's disk is not a store of old memories. A shared one is the sweeper's.
-	if !shared {
-		defer os.Remove(archive.Name())
-	}
-	images, release, err := room(id, size)
+	images, release, err := room(id)
 	if err != nil {
 		return false, err
 	}
 	defer release() // the images go once restored (the pages live in the process), or not
-	if err := extract(archive, images); err != nil {
-		return false, fmt.Errorf("checkpoint %s: %w", name, err)
+	if err := wake(images, claim, name, shared, &new); err != nil {
+		return false, err
 	}
 	if err := give(images, uid, gid); err != nil {
 		return false, err
@@ -125,6 +115,87 @@ func create(runc string, global, rest []string) (bool, error) {
 		return false, err
 	}
 	return true, os.WriteFile(filepath.Join(bundle, marker), nil, 0o600)
+}
+
+// wake puts the CRIU images of the archive `name` in images: the node's archive if it has
+// it, else the copy in the session's claim (store.go), if it is signed. Either is spent:
+// a session's snapshot is restored once, whether it wakes from it or cannot (one that
+// failed starts its kernel afresh), and the node's disk is not a store of old memories.
+// A shared one (forks) is the sweeper's. An archive not of the new container's namespace,
+// name and image is refused before anything is spent.
+func wake(images, claim, name string, shared bool, new *spec) error {
+	archive, err := openArchive(name)
+	if errors.Is(err, fs.ErrNotExist) && claim != "" {
+		old, err := fromClaim(claim, new.Annotations[namespaceKey], name, images)
+		if err == nil {
+			err = sameOrigin(old, new, name)
+		}
+		if err == nil && !shared {
+			spendClaim(claim)
+		}
+		return err
+	}
+	if err != nil {
+		return err
+	}
+	defer archive.Close()
+	old, size, err := scan(archive)
+	if err != nil {
+		return fmt.Errorf("checkpoint %s: %w", name, err)
+	}
+	if err := sameOrigin(old, new, name); err != nil {
+		return err
+	}
+	if !shared {
+		defer os.Remove(archive.Name())
+		if claim != "" {
+			defer spendClaim(claim)
+		}
+	}
+	if err := fits(filepath.Dir(images), size+headroom); err != nil {
+		return fmt.Errorf("checkpoint %s's images: %w", name, err)
+	}
+	if err := extract(archive, images); err != nil {
+		return fmt.Errorf("checkpoint %s: %w", name, err)
+	}
+	return nil
+}
+
+// storeFor copies the node's archive `name` into the claim the container mounts at
+// claimMount, if the archive is of the container's namespace, name and image.
+func storeFor(bundle string, new *spec, name string) error {
+	dir, err := claimDir(bundle)
+	if err != nil {
+		return err
+	}
+	if dir == "" {
+		return fmt.Errorf("a pod that stores checkpoint %s mounts its session's claim at %s", name, claimMount)
+	}
+	archive, err := openArchive(name)
+	if err != nil {
+		return err
+	}
+	defer archive.Close()
+	old, _, err := scan(archive)
+	if err != nil {
+		return fmt.Errorf("checkpoint %s: %w", name, err)
+	}
+	if err := sameOrigin(old, new, name); err != nil {
+		return err
+	}
+	return store(archive, dir, new.Annotations[namespaceKey], name)
+}
+
+// sameOrigin says whether the archive's spec is of the new container's namespace,
+// container name and image.
+func sameOrigin(old, new *spec, name string) error {
+	for _, key := range sameAs {
+		if old.Annotations[key] != new.Annotations[key] {
+			return fmt.Errorf("checkpoint %s is of %s %q, not this container's %q",
+				name, key, old.Annotations[key], new.Annotations[key])
+		}
+	}
+	return nil
 }
 
 // restore runs `runc restore --detach` with create's options, its stdio the shim's (runc

@@ -222,3 +222,22 @@ def since_true(conditions: Sequence[Mapping[str, Any]] | None, type_: str) -> fl
         if c.get("type") == type_ and c.get("status") == "True":
             return parse_time(c.get("lastTransitionTime"))
     return None
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`: what changed, and None
+    for each key `new` no longer has, at every depth (a merge patch of a whole object
+    would keep the old one's other keys: a new snapshot must not inherit the last one's)."""
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return new
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        if key not in old:
+            if value is not None:  # None: absent, as it is
+                patch[key] = value
+        elif old[key] != value:
+            patch[key] = merge_patch(old[key], value)
+    for key in old:
+        if key not in new:
+            patch[key] = None
+    return patch

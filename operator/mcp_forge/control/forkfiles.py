@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from mcp_forge.api.kernelsession import KIND, KernelSession, load
 from mcp_forge.api.status import parse_time, stamp
+from mcp_forge.control.pods import ended_message, owned_by
 from mcp_forge.control.render import (
     CONTAINER,
     FORK_FILES,
@@ -74,7 +75,7 @@ def step(r: Reconciler, p: Pass) -> str | None:
         return None
     ns, parent_name = p.session.namespace, str(fork.get("from") or "")
     pod = r.kube.get("Pod", ns, pod_name(p.session))
-    if pod is not None and not _ours(pod, p.session):
+    if pod is not None and not owned_by(pod, p.session):
         _delete(r, pod)  # an earlier session's of that name, not collected yet
         return _wait(p, "waiting for the copy pod of an earlier session of that name to go")
     made = parse_time((pod or {}).get("metadata", {}).get("creationTimestamp")) or p.now
@@ -96,7 +97,10 @@ def step(r: Reconciler, p: Pass) -> str | None:
     if phase == "Succeeded":
         outcome, message = COPIED, f"copied from {parent_name}'s workspace"
     elif phase == "Failed":  # its activeDeadlineSeconds past, too
-        outcome, message = FAILED, f"the copy of {parent_name}'s workspace failed: {_said(pod)}"
+        outcome, message = (
+            FAILED,
+            f"the copy of {parent_name}'s workspace failed: {ended_message(pod, MESSAGE_MAX)}",
+        )
     elif phase == "Pending" and p.now - made > COPY_DEADLINE:
         outcome, message = FAILED, f"the copy did not start within {COPY_DEADLINE}s"
     elif p.now - made > 2 * COPY_DEADLINE:  # its node lost, say: no kubelet ends it
@@ -123,11 +127,6 @@ def _stopped(pod: dict[str, Any]) -> bool:
         return True
     containers = status.get("containerStatuses") or []
     return bool(containers) and all((c.get("state") or {}).get("terminated") for c in containers)
-
-
-def _ours(pod: dict[str, Any], session: KernelSession) -> bool:
-    refs = pod["metadata"].get("ownerReferences") or []
-    return not session.uid or any(ref.get("uid") == session.uid for ref in refs)
 
 
 def _parent(
@@ -168,16 +167,6 @@ def _ended(r: Reconciler, p: Pass, outcome: str, message: str, *, stopping: bool
     p.status["fork"] = fork
     r.kube.patch(KIND, p.session.namespace, p.session.name, {"status": {"fork": fork}}, status=True)
     log.info("%s/%s: workspace %s (%s)", p.session.namespace, p.session.name, outcome, message)
-
-
-def _said(pod: dict[str, Any]) -> str:
-    """What the copy's container said as it ended (cp's last lines), bounded."""
-    for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        ended = (status.get("state") or {}).get("terminated") or {}
-        if ended:
-            text = str(ended.get("message") or "").strip() or f"exit {ended.get('exitCode')}"
-            return text[-MESSAGE_MAX:]
-    return str((pod.get("status") or {}).get("message") or "its pod failed")[:MESSAGE_MAX]
 
 
 def render(

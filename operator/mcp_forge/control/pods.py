@@ -161,3 +161,21 @@ def signature(
         repr((pod.get("status") or {}).get("podIPs")),  # an egress grant's addresses
         observe(session, pod, answered),
     )
+
+
+def owned_by(obj: Mapping[str, Any], session: KernelSession) -> bool:
+    """Whether a child the operator made for `session` (a helper pod, a claim) is this
+    session's, not an earlier one's of the same name (a session with no uid: any)."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return not session.uid or any(ref.get("uid") == session.uid for ref in refs)
+
+
+def ended_message(pod: Mapping[str, Any], limit: int) -> str:
+    """What a helper pod's container said as it ended (its termination message, else its
+    exit code), or the pod's own message: at most `limit` characters, its end kept."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        ended = (status.get("state") or {}).get("terminated") or {}
+        if ended:
+            text = str(ended.get("message") or "").strip() or f"exit {ended.get('exitCode')}"
+            return text[-limit:]
+    return str((pod.get("status") or {}).get("message") or "its pod failed")[:limit]

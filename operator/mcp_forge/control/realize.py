@@ -27,7 +27,7 @@ from mcp_forge.api.connection import PORTS
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import BUSY_PREFIX, RESTART
-from mcp_forge.control import forkfiles, forking, snapshots
+from mcp_forge.control import forkfiles, forking, snapshots, snapstore
 from mcp_forge.control import workspace as ws
 from mcp_forge.control.egress import EgressUnavailable, pod_addresses
 from mcp_forge.control.lifecycle import (
@@ -167,6 +167,7 @@ def realize(
         follow_kernel(r, p)
     forking.after(r, p)
     snapshots.sized(r, p)
+    snapstore.tidy(r, p)
     fill_status(p)
     add_conditions(p)
     r._write(body, p.status)
@@ -268,6 +269,8 @@ def stop_kernel(r: Reconciler, p: Pass) -> None:
     if pod is not None and not pod["metadata"].get("deletionTimestamp"):
         meta = pod["metadata"]
         r.kube.delete("Pod", p.session.namespace, meta["name"], uid=meta["uid"])
+    if stop.phase == st.SUSPENDED:
+        snapstore.step(r, p)  # and a copy in its claim, with the store set so
     r._own_secret(p.session, p.found.secret, fresh=p.fresh)
     if p.session.spec.egress_rules:  # no pod, no grant: the next start writes it again
         r.egress.clear(p.session.namespace, p.session.name)
@@ -314,6 +317,7 @@ def start_kernel(r: Reconciler, p: Pass) -> None:
                 return _failed(p, exc)
         if r.settings.snapshot_runtime_class:  # it wakes from the snapshot still held
             snapshots.waking(p.status, want_pod)
+            snapstore.waking(r, session, p.status, want_pod)  # from its claim, if stored
         p.pod, _ = r.kube.ensure(want_pod, likely_new=p.fresh)
     pod = p.pod
     r.heard.wrote(session, pod)

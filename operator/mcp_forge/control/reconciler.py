@@ -528,10 +528,7 @@ class Reconciler:
 
     def _write(self, body: dict[str, Any], status: dict[str, Any]) -> None:
         old = body.get("status") or {}
-        patch = {k: v for k, v in status.items() if old.get(k) != v}
-        for k in old:
-            if k not in status:
-                patch[k] = None
+        patch = st.merge_patch(old, status)
         if not patch:
             return
         meta = body["metadata"]

@@ -348,7 +348,8 @@ def _pod(
 
 BASELINE_POLICY = "mcpforge-kernels-closed"
 FORK_FILES = "fork-files"  # the component of the pod copying a fork's workspace (forkfiles.py)
-BASELINE_COMPONENTS = ["kernel", FORK_FILES]  # the pods the baseline policy closes
+SNAPSHOT_STORE = "snapshot-store"  # of the pod that has a snapshot stored (snapstore.py)
+BASELINE_COMPONENTS = ["kernel", FORK_FILES, SNAPSHOT_STORE]  # the pods the baseline closes
 
 
 def render_baseline_policy(namespace: str) -> dict[str, Any]:

@@ -60,6 +60,7 @@ SIZE_PATIENCE = 600.0  # seconds after a checkpoint its size is looked for (no s
 SIZES_READ_MAX = 1 << 20  # bytes of a node's sizes.json parsed (a ConfigMap's own limit)
 SIZE_MAX = 2**53 - 1  # bytes: a JSON number every reader keeps exact (the API server too)
 HANDLER = "mcpforge-runc"  # how the handler's refusals and failures begin
+STORED = "Stored"  # status.snapshot.stored's outcome once its claim has a copy (snapstore.py)
 
 
 def waking(status: dict[str, Any], pod: dict[str, Any]) -> None:
@@ -119,7 +120,8 @@ def take(r: Reconciler, p: Pass) -> None:
         "seconds": seconds,
         "inPod": False,
     }
-    r.kube.patch("KernelSession", ns, name, {"status": {"snapshot": snap}}, status=True)
+    written = st.merge_patch(p.old.get("snapshot") or {}, snap)  # nothing of the last one kept
+    r.kube.patch("KernelSession", ns, name, {"status": {"snapshot": written}}, status=True)
     p.status["snapshot"] = snap
     log.info("%s/%s: checkpointed in %.2fs", ns, name, seconds)
 
@@ -275,7 +277,9 @@ def _tried(pod: dict[str, Any]) -> bool:
 def _unplaced(r: Reconciler, p: Pass, pod: dict[str, Any], snap: dict[str, Any]) -> str:
     """Why a pod that cannot be scheduled on the node holding its snapshot will not wake:
     the node is gone, or the pod has waited for it past the progress deadline (the node
-    cordoned, full, not ready). "" while it may still be placed."""
+    cordoned, full, not ready). "" while it may still be placed. A pod that only prefers
+    the node (its snapshot stored in its claim: snapstore.py) is held to the deadline
+    alone."""
     unscheduled = [
         c
         for c in (pod.get("status") or {}).get("conditions") or []
@@ -284,16 +288,21 @@ def _unplaced(r: Reconciler, p: Pass, pod: dict[str, Any], snap: dict[str, Any])
     if not unscheduled:
         return ""
     node = str(snap.get("node") or "")
-    try:
-        r.kube._call("GET", f"/api/v1/nodes/{quote(node, safe='')}")
-    except ApiError as exc:
-        if exc.not_found:
-            return f"the node {node} that held the snapshot is gone"
-        raise
+    where = f"the node {node} that holds the snapshot took no pod"
+    affinity = ((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}
+    if "requiredDuringSchedulingIgnoredDuringExecution" not in affinity:  # from its claim too
+        where = f"no node took the pod waking from claim {(snap.get('stored') or {}).get('claim')}"
+    else:
+        try:
+            r.kube._call("GET", f"/api/v1/nodes/{quote(node, safe='')}")
+        except ApiError as exc:
+            if exc.not_found:
+                return f"the node {node} that held the snapshot is gone"
+            raise
     since = st.parse_time(unscheduled[0].get("lastTransitionTime")) or p.now
     deadline = r.settings.progress_deadline
     if deadline > 0 and p.now - since >= deadline:
-        return f"the node {node} that holds the snapshot took no pod for {deadline:.0f}s"
+        return f"{where} for {deadline:.0f}s"
     if deadline > 0:
         p.due.append(since + deadline)
     return ""
