@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -416,3 +417,15 @@ async def failed_tries(kube: Kube, ns: str, name: str, times: int, timeout: floa
         events = kube.watch("Event", ns, resource_version=rv, timeout=min(left, 5.0))
         with contextlib.closing(events):
             await asyncio.to_thread(next, events, None)  # the next Event in the namespace
+
+
+async def removed(*paths: Path, timeout: float = 10.0) -> bool:
+    """True once none of `paths` is there: the node's handler removes what a wake spent
+    (its archive, its kept images, a claim's copy) in a process of its own, just after the
+    wake (images/node/runc-restore/spent.go). Polled: there is nothing to wait on."""
+    deadline = time.monotonic() + timeout
+    while any(p.exists() or p.is_symlink() for p in paths):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True

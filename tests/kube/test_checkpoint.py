@@ -30,7 +30,7 @@ from mcp_forge.control.snapshots import refusal
 
 from .cluster_common import NODE, ROOT
 from .conftest import RESTRICTED, delete_namespace, make_namespace
-from .harness import eventually
+from .harness import eventually, removed
 
 RUNTIME_CLASS = "mcpforge-userns"
 RESTORE_CLASS = "mcpforge-restore"  # the node's handler of that name: images/node/runc-restore
@@ -262,7 +262,7 @@ async def test_a_pod_wakes_from_a_checkpoint_in_a_user_namespace_of_its_own(
         theirs, ours = _uid_map(ns, "napper"), _uid_map(ns, "woken")
         assert ours[0] == "0" and ours[1] not in ("0", theirs[1]), (ours, theirs)
         await _runs_on(kube, ns, log, counted, done)
-        assert not archive.exists(), "woken from, a checkpoint is spent"
+        assert await removed(archive), "woken from, a checkpoint is spent"
     finally:
         log.close()
         if woken is not None:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import subprocess
+import tarfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -42,6 +43,7 @@ from .harness import (
     phase,
     pool_body,
     ready,
+    removed,
     run_in_kernel,
     running_operator,
     session_body,
@@ -212,10 +214,13 @@ async def test_a_suspended_session_wakes_with_its_variables_and_threads(
     try:
         assert snap.get("node") and archive.is_file(), obj["status"]
         assert "its memory is kept" in obj["status"]["message"], obj["status"]
+        # The handler kept the images unpacked beside the archive, which names them.
+        kept = ROOT / "restore" / "+taken" / _token(archive)
+        assert (kept / "inventory.img").is_file(), sorted(p.name for p in kept.iterdir())
         obj = await _resumed(kube, ns, "napper", before="")
         assert (obj["status"].get("lastRestore") or {}).get("outcome") == "Restored", obj
         assert not obj["status"].get("snapshot"), obj["status"]
-        assert not archive.exists(), "woken from, the archive is spent"
+        assert await removed(archive, kept), "woken from, the archive and its kept images are spent"
         pod = await asyncio.to_thread(kube.get, "Pod", ns, obj["status"]["podName"])
         assert pod is not None and pod["spec"]["hostUsers"] is False, pod
         async with kernel(kube, ns, "napper") as conn:
@@ -286,6 +291,15 @@ async def test_a_snapshot_past_its_age_is_dropped_by_itself_and_the_session_wake
             assert await run_in_kernel(conn, "print('x' in globals())") == "False\n"
     finally:
         await asyncio.to_thread(archive.unlink, missing_ok=True)
+
+
+def _token(archive: Path) -> str:
+    """The token of the archive's images kept unpacked on the node (images/node/
+    runc-restore/taken.go)."""
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("checkpoint/mcpforge-taken")
+        assert member is not None
+        return member.read().decode().strip()
 
 
 def _damage(archive: Path) -> None:

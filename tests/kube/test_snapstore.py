@@ -23,7 +23,7 @@ from mcp_forge.clients.kube import Kube
 
 from .cluster_common import ROOT
 from .conftest import ClusterUnderTest
-from .harness import KS, eventually, kernel, probe_pod, run_in_kernel
+from .harness import KS, eventually, kernel, probe_pod, removed, run_in_kernel
 from .test_snapshots import CHECKPOINTS, _resumed, _suspended, snapshot_operator
 
 
@@ -85,7 +85,7 @@ async def test_a_snapshot_kept_in_its_claim_wakes_where_the_node_has_lost_its_ar
     affinity = pod["spec"]["affinity"]["nodeAffinity"]
     assert "requiredDuringSchedulingIgnoredDuringExecution" not in affinity, affinity
     assert affinity["preferredDuringSchedulingIgnoredDuringExecution"], affinity
-    assert not copy.exists() and not mac.exists(), "woken from, the copy is spent"
+    assert await removed(copy, mac), "woken from, the copy is spent"
 
 
 async def test_a_claims_copy_changed_is_refused_and_links_planted_in_it_are_never_followed(

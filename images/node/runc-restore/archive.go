@@ -40,31 +40,40 @@ func openArchive(name string) (*os.File, error) {
 	return f, nil
 }
 
-// scan reads the archive's spec.dump (the spec the checkpointed container ran with) and
-// the size of its CRIU images, writing nothing.
-func scan(archive *os.File) (*spec, int64, error) {
-	var old *spec
-	var size int64
-	files := 0
+// scanned is what scan found in an archive, writing nothing.
+type scanned struct {
+	spec   *spec            // the spec the checkpointed container ran with (spec.dump)
+	size   int64            // of its CRIU images
+	images map[string]int64 // their names and sizes
+	token  string           // of its images kept unpacked on this node (taken.go), if any
+}
+
+// scan reads the archive's spec.dump and its CRIU images' names and sizes.
+func scan(archive *os.File) (*scanned, error) {
+	found := &scanned{images: map[string]int64{}}
 	err := members(archive, func(h *tar.Header, r io.Reader) error {
-		switch {
+		switch base := image(h); {
 		case h.Name == "spec.dump":
-			old = &spec{}
-			if err := json.NewDecoder(io.LimitReader(r, maxSpec)).Decode(old); err != nil {
+			found.spec = &spec{}
+			if err := json.NewDecoder(io.LimitReader(r, maxSpec)).Decode(found.spec); err != nil {
 				return fmt.Errorf("its spec.dump: %w", err)
 			}
-		case image(h) != "":
-			if files++; files > maxFiles {
+		case base != "":
+			if len(found.images) >= maxFiles {
 				return fmt.Errorf("more than %d images", maxFiles)
 			}
-			size += h.Size
+			if token := tokenOf(h, r); token != "" {
+				found.token = token
+			}
+			found.images[base] = h.Size
+			found.size += h.Size
 		}
 		return nil
 	})
-	if err == nil && old == nil {
+	if err == nil && found.spec == nil {
 		err = errors.New("it has no spec.dump")
 	}
-	return old, size, err
+	return found, err
 }
 
 // image is the name of a CRIU image the member holds ("" if it is none): a regular file
@@ -107,18 +116,16 @@ func room(id string) (string, func(), error) {
 	if err := os.MkdirAll(base, 0o711); err != nil {
 		return "", nil, err
 	}
-	lock, err := os.OpenFile(filepath.Join(base, ".lock"), os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
+	unlock, err := lockRestores(base)
 	if err != nil {
 		return "", nil, err
 	}
-	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
-		lock.Close()
-		return "", nil, err
-	}
+	sweepTaken(base)
+	sweepSpent(base)
 	dir := filepath.Join(base, id)
 	release := func() {
-		os.RemoveAll(dir)
-		lock.Close()
+		setAside(dir) // removed once the wake is done (spent.go)
+		unlock()
 	}
 	os.RemoveAll(dir) // a restore of this container that was killed
 	if err := os.Mkdir(dir, 0o700); err != nil {

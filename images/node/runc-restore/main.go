@@ -2,7 +2,7 @@
 //
 // containerd 2.4 no longer restores a container from a checkpoint at CreateContainer
 // (docs/design.md §14), so a pod that is to wake from a kubelet checkpoint runs on this
-// handler instead. Every call is passed to runc as it is, except two:
+// handler instead. Every call is passed to runc as it is, except three:
 //
 //   - `create` of a pod's container (not its sandbox): runc is told our CRIU options
 //     (criuConfig). If the spec carries the annotation mcpforge.dev/restore-from
@@ -21,6 +21,9 @@
 //     of `store:<archive>` has the archive copied into that claim instead, and the
 //     container made as any other (the operator's store pod).
 //   - `start` of a container restored so: it runs already; nothing to do.
+//   - `checkpoint`: run as a child, its images then kept unpacked beside the archive
+//     containerd makes of them, which a wake on this node links instead of unpacking
+//     (taken.go).
 //
 // A refusal or a failed restore is written to runc's log, which containerd reports in the
 // pod's status ("failed to create containerd task: ... mcpforge-runc: ...").
@@ -51,6 +54,10 @@ func main() {
 	// A child's parent-death signal is the forking thread's: runc restore is started from
 	// this one, which never ends before the program does (restore.go).
 	runtime.LockOSThread()
+	if len(os.Args) > 1 && os.Args[1] == removeFlag {
+		removeNow(os.Args[2:]) // what a wake spent (spent.go)
+		return
+	}
 	runc := env("MCPFORGE_RUNC", "/usr/sbin/runc")
 	args := os.Args[1:]
 	global, cmd, rest := split(args)
@@ -63,6 +70,8 @@ func main() {
 		if restored {
 			return
 		}
+	case "checkpoint":
+		os.Exit(checkpoint(runc, args, rest)) // its images kept unpacked (taken.go)
 	case "start":
 		if bundle := bundleOf(runc, global, rest); bundle != "" && exists(filepath.Join(bundle, marker)) {
 			return // restored: it runs already

@@ -94,6 +94,7 @@ func create(runc string, global, rest []string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
+	defer flushSpent() // last: after the restore and the room's release
 	images, release, err := room(id)
 	if err != nil {
 		return false, err
@@ -139,20 +140,24 @@ func wake(images, claim, name string, shared bool, new *spec) error {
 		return err
 	}
 	defer archive.Close()
-	old, size, err := scan(archive)
+	found, err := scan(archive)
 	if err != nil {
 		return fmt.Errorf("checkpoint %s: %w", name, err)
 	}
-	if err := sameOrigin(old, new, name); err != nil {
+	if err := sameOrigin(found.spec, new, name); err != nil {
 		return err
 	}
 	if !shared {
-		defer os.Remove(archive.Name())
+		spend(archive.Name())
+		spend(takenPath(found.token))
 		if claim != "" {
-			defer spendClaim(claim)
+			spendClaim(claim)
 		}
 	}
-	if err := fits(filepath.Dir(images), size+headroom); err != nil {
+	if fromTaken(found.token, found.images, images) {
+		return nil // kept unpacked since its checkpoint (taken.go)
+	}
+	if err := fits(filepath.Dir(images), found.size+headroom); err != nil {
 		return fmt.Errorf("checkpoint %s's images: %w", name, err)
 	}
 	if err := extract(archive, images); err != nil {
@@ -176,11 +181,11 @@ func storeFor(bundle string, new *spec, name string) error {
 		return err
 	}
 	defer archive.Close()
-	old, _, err := scan(archive)
+	found, err := scan(archive)
 	if err != nil {
 		return fmt.Errorf("checkpoint %s: %w", name, err)
 	}
-	if err := sameOrigin(old, new, name); err != nil {
+	if err := sameOrigin(found.spec, new, name); err != nil {
 		return err
 	}
 	return store(archive, dir, new.Annotations[namespaceKey], name)

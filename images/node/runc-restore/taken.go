@@ -1,0 +1,224 @@
+package main
+
+import (
+	"archive/tar"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// A checkpoint's images kept unpacked beside the kubelet's archive, so that a wake on the
+// same node needs no unpacking (a third of a 500 MB resume was spent unpacking):
+//
+//   - `runc checkpoint` (containerd's, for the kubelet) is run as a child; once it has
+//     written the images, they are linked (or copied, on another filesystem) into
+//     `$MCPFORGE_RESTORE_DIR/+taken/<token>`, and a file `mcpforge-taken` holding the
+//     token is added to the images, which containerd then packs into the archive;
+//   - a wake from that archive reads the token (scan) and links the kept images into
+//     its own directory instead of unpacking them, if each is there at the archive's
+//     size; else it unpacks as before. A wake that spends the archive removes them too.
+//
+// Kept images whose token no archive of the node holds any more (its session deleted, its
+// snapshot dropped, a checkpoint containerd did not finish) are removed by the next
+// checkpoint or wake on the node, once TAKEN_GRACE old. All is root's, 0700.
+
+const (
+	takenFile  = "mcpforge-taken" // in the images, so in the archive's checkpoint/
+	takenDir   = "+taken"         // under the restore directory: no container id takes '+'
+	takenGrace = 10 * time.Minute // a checkpoint's archive is written within seconds of it
+)
+
+var tokenPattern = regexp.MustCompile(`^[0-9a-f]{32}$`)
+
+// checkpoint runs `runc checkpoint` with the arguments given, then keeps its images
+// (keep); a failure to keep them only costs the next wake an unpacking. runc's status is
+// this program's.
+func checkpoint(runc string, args []string, rest []string) int {
+	cmd := exec.Command(runc, args...)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Run(); err != nil {
+		var exit *exec.ExitError
+		if errors.As(err, &exit) {
+			return exit.ExitCode()
+		}
+		fmt.Fprintf(os.Stderr, "mcpforge-runc: %s: %v\n", runc, err)
+		return 1
+	}
+	if images := option(rest, "--image-path"); images != "" {
+		if err := keep(images); err != nil {
+			fmt.Fprintf(os.Stderr, "mcpforge-runc: the checkpoint's images are not kept: %v\n", err)
+		}
+	}
+	return 0
+}
+
+// keep links or copies the regular files of `images` into a directory of their own under
+// the restore directory, then names it in the images (takenFile).
+func keep(images string) error {
+	base := env("MCPFORGE_RESTORE_DIR", "/var/lib/mcp-forge/restore")
+	if err := os.MkdirAll(filepath.Join(base, takenDir), 0o700); err != nil {
+		return err
+	}
+	unlock, err := lockRestores(base)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	sweepTaken(base)
+	raw := make([]byte, 16)
+	if _, err := rand.Read(raw); err != nil {
+		return err
+	}
+	token := hex.EncodeToString(raw)
+	final := filepath.Join(base, takenDir, token)
+	tmp := final + ".tmp"
+	if err := os.Mkdir(tmp, 0o700); err != nil {
+		return err
+	}
+	entries, err := os.ReadDir(images)
+	if err == nil {
+		for _, e := range entries {
+			if e.Type().IsRegular() {
+				if err = linkOrCopy(filepath.Join(images, e.Name()), filepath.Join(tmp, e.Name())); err != nil {
+					break
+				}
+			}
+		}
+	}
+	if err == nil {
+		err = os.Rename(tmp, final)
+	}
+	if err == nil {
+		err = os.WriteFile(filepath.Join(images, takenFile), []byte(token+"\n"), 0o600)
+	}
+	if err != nil {
+		os.RemoveAll(tmp)
+		os.RemoveAll(final)
+	}
+	return err
+}
+
+func linkOrCopy(from, to string) error {
+	if err := os.Link(from, to); err == nil {
+		return nil
+	}
+	in, err := os.OpenFile(from, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	return writeImage(to, in) // *os.File to *os.File: copy_file_range
+}
+
+// fromTaken links the kept images of `token` into dir if each of `want` (name: size) is
+// there at that size; false (dir as it was) if not.
+func fromTaken(token string, want map[string]int64, dir string) bool {
+	if !tokenPattern.MatchString(token) || len(want) == 0 {
+		return false
+	}
+	kept := takenPath(token)
+	var made []string
+	for name, size := range want {
+		if name == takenFile {
+			continue // the token itself, added after the images were kept
+		}
+		info, err := os.Lstat(filepath.Join(kept, name))
+		if err == nil && info.Mode().IsRegular() && info.Size() == size {
+			err = os.Link(filepath.Join(kept, name), filepath.Join(dir, name))
+		} else if err == nil {
+			err = errors.New("not as the archive has it")
+		}
+		if err != nil {
+			for _, m := range made {
+				os.Remove(m)
+			}
+			return false
+		}
+		made = append(made, filepath.Join(dir, name))
+	}
+	return true
+}
+
+// takenPath is where the images of `token` are kept ("" for no token).
+func takenPath(token string) string {
+	if !tokenPattern.MatchString(token) {
+		return ""
+	}
+	return filepath.Join(env("MCPFORGE_RESTORE_DIR", "/var/lib/mcp-forge/restore"), takenDir, token)
+}
+
+// tokenOf reads a member's token (takenFile), "" if it is none.
+func tokenOf(h *tar.Header, r io.Reader) string {
+	if h.Name != "checkpoint/"+takenFile || h.Typeflag != tar.TypeReg || h.Size > 64 {
+		return ""
+	}
+	b, _ := io.ReadAll(io.LimitReader(r, 64))
+	return strings.TrimSpace(string(b))
+}
+
+// sweepTaken removes kept images no archive of the node names any more, once takenGrace
+// old (an unfinished keep's too). Called with the restores' lock held.
+func sweepTaken(base string) {
+	entries, err := os.ReadDir(filepath.Join(base, takenDir))
+	if err != nil {
+		return
+	}
+	var old []string
+	for _, e := range entries {
+		info, err := e.Info()
+		if err == nil && time.Since(info.ModTime()) > takenGrace {
+			old = append(old, e.Name())
+		}
+	}
+	if len(old) == 0 {
+		return
+	}
+	held := map[string]bool{}
+	dir := env("MCPFORGE_CHECKPOINTS", "/var/lib/kubelet/checkpoints")
+	archives, err := os.ReadDir(dir)
+	if err != nil {
+		return // nothing is known to be unheld
+	}
+	for _, a := range archives {
+		if !archiveName.MatchString(a.Name()) || !a.Type().IsRegular() {
+			continue
+		}
+		if f, err := openArchive(a.Name()); err == nil {
+			members(f, func(h *tar.Header, r io.Reader) error {
+				if token := tokenOf(h, r); token != "" {
+					held[token] = true
+				}
+				return nil
+			})
+			f.Close()
+		}
+	}
+	for _, name := range old {
+		if !held[name] {
+			os.RemoveAll(filepath.Join(base, takenDir, name))
+		}
+	}
+}
+
+// lockRestores takes the node's lock of restores (room's), for the caller to release.
+func lockRestores(base string) (func(), error) {
+	lock, err := os.OpenFile(filepath.Join(base, ".lock"), os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		lock.Close()
+		return nil, err
+	}
+	return func() { lock.Close() }, nil
+}

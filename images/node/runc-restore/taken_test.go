@@ -1,0 +1,133 @@
+package main
+
+import (
+	"archive/tar"
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// taken.go: a checkpoint's images kept unpacked, linked into a wake's directory, and swept
+// once no archive of the node names them.
+
+func keptSetup(t *testing.T) (images, base, checkpoints string) {
+	t.Helper()
+	dir := t.TempDir()
+	images, base, checkpoints = filepath.Join(dir, "images"), filepath.Join(dir, "restore"), filepath.Join(dir, "checkpoints")
+	for _, d := range []string{images, base, checkpoints} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Setenv("MCPFORGE_RESTORE_DIR", base)
+	t.Setenv("MCPFORGE_CHECKPOINTS", checkpoints)
+	os.WriteFile(filepath.Join(images, "inventory.img"), []byte("inventory"), 0o600)
+	os.WriteFile(filepath.Join(images, "pages-1.img"), bytes.Repeat([]byte{1}, 1<<20), 0o600)
+	return images, base, checkpoints
+}
+
+func tokenIn(t *testing.T, images string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(images, takenFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+func TestKeptImagesAreLinkedIntoAWakeOnlyIfEachIsAsTheArchiveHasIt(t *testing.T) {
+	images, base, _ := keptSetup(t)
+	if err := keep(images); err != nil {
+		t.Fatal(err)
+	}
+	token := tokenIn(t, images)
+	if !tokenPattern.MatchString(token) {
+		t.Fatalf("token %q", token)
+	}
+	// As scan finds them in the archive: the token is among them.
+	want := map[string]int64{"inventory.img": 9, "pages-1.img": 1 << 20, takenFile: 33}
+	room := t.TempDir()
+	wrong := map[string]int64{"inventory.img": 9, "pages-1.img": 5}
+	if fromTaken(token, wrong, room) {
+		t.Fatal("taken at another size")
+	}
+	if entries, _ := os.ReadDir(room); len(entries) != 0 {
+		t.Fatalf("left %v", entries)
+	}
+	for _, bad := range []string{"", "../restore", strings.Repeat("g", 32)} {
+		if fromTaken(bad, want, room) {
+			t.Fatalf("token %q taken", bad)
+		}
+	}
+	if !fromTaken(token, want, room) {
+		t.Fatal("not taken")
+	}
+	if got, _ := os.ReadFile(filepath.Join(room, "inventory.img")); string(got) != "inventory" {
+		t.Fatalf("inventory %q", got)
+	}
+	if takenPath(token) != filepath.Join(base, takenDir, token) || takenPath("../x") != "" {
+		t.Fatal("kept where?")
+	}
+}
+
+func TestKeptImagesNoArchiveNamesAreSweptOnceOld(t *testing.T) {
+	images, base, checkpoints := keptSetup(t)
+	if err := keep(images); err != nil {
+		t.Fatal(err)
+	}
+	held := tokenIn(t, images)
+	if err := keep(images); err != nil {
+		t.Fatal(err)
+	}
+	orphan := tokenIn(t, images)
+	// The kubelet's archive of the first checkpoint names its token.
+	var b bytes.Buffer
+	w := tar.NewWriter(&b)
+	w.WriteHeader(&tar.Header{Name: "checkpoint/" + takenFile, Mode: 0o600, Size: int64(len(held) + 1), Typeflag: tar.TypeReg})
+	w.Write([]byte(held + "\n"))
+	w.Close()
+	os.WriteFile(filepath.Join(checkpoints, "checkpoint-ks-a_team-kernel-2026-12-06T10:00:00Z.tar"), b.Bytes(), 0o600)
+	sweepTaken(base) // both are new: kept
+	for _, token := range []string{held, orphan} {
+		if _, err := os.Lstat(filepath.Join(base, takenDir, token)); err != nil {
+			t.Fatalf("%s swept while new", token)
+		}
+		old := time.Now().Add(-2 * takenGrace)
+		os.Chtimes(filepath.Join(base, takenDir, token), old, old)
+	}
+	sweepTaken(base)
+	if _, err := os.Lstat(filepath.Join(base, takenDir, held)); err != nil {
+		t.Fatal("the held one was swept")
+	}
+	if _, err := os.Lstat(filepath.Join(base, takenDir, orphan)); err == nil {
+		t.Fatal("the orphan was kept")
+	}
+}
+
+func TestASpentRestoreDirectoryIsSetAsideAtOnceAndRemovedLater(t *testing.T) {
+	base := t.TempDir()
+	dir := filepath.Join(base, "abc123")
+	os.Mkdir(dir, 0o700)
+	os.WriteFile(filepath.Join(dir, "pages-1.img"), []byte("x"), 0o600)
+	spent = nil
+	setAside(dir)
+	aside := filepath.Join(base, spentPrefix+"abc123")
+	if _, err := os.Lstat(dir); err == nil || len(spent) != 1 || spent[0] != aside {
+		t.Fatalf("not set aside: %v", spent)
+	}
+	victim := filepath.Join(t.TempDir(), "victim")
+	os.WriteFile(victim, []byte("kept"), 0o600)
+	link := filepath.Join(base, "link")
+	os.Symlink(victim, link)
+	removeNow([]string{aside, link, "relative", "/"})
+	if _, err := os.Lstat(aside); err == nil {
+		t.Fatal("not removed")
+	}
+	if got, _ := os.ReadFile(victim); string(got) != "kept" {
+		t.Fatal("removed through a link")
+	}
+	spent = nil
+}
