@@ -116,7 +116,7 @@ func room(id string) (string, func(), error) {
 	if err := os.MkdirAll(base, 0o711); err != nil {
 		return "", nil, err
 	}
-	unlock, err := lockRestores(base)
+	unlock, err := lockRestores(base, true)
 	if err != nil {
 		return "", nil, err
 	}

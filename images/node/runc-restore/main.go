@@ -13,8 +13,9 @@
 //     must have a user namespace of its own. Its CRIU images are extracted to disk,
 //     given to the pod's user namespace's root (who opens some of them), and
 //     `runc restore --detach` brings the process back in the new container (restore.go).
-//     The archive is then removed, whether the restore worked or not: a checkpoint wakes
-//     one pod, once. A value of `shared:<archive>` (forks made together, which wake from
+//     The archive is then spent, whether the restore worked or not: a checkpoint wakes
+//     one pod, once (taken out of use at once, removed by a process of its own after the
+//     wake: spent.go). A value of `shared:<archive>` (forks made together, which wake from
 //     one checkpoint) leaves it for the node's sweeper, which removes what no session holds.
 //     With no archive of that name on the node, the copy in the session's claim (mounted
 //     at /.mcpforge-snapshot) is woken from if its HMAC is the nodes' (store.go); a value

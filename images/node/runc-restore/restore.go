@@ -148,14 +148,16 @@ func wake(images, claim, name string, shared bool, new *spec) error {
 		return err
 	}
 	if !shared {
-		spend(archive.Name())
-		spend(takenPath(found.token))
+		// Out of use at once, under the lock; the images linked first if kept (taken.go).
+		kept := fromTaken(found.token, found.images, images)
+		setAside(archive.Name())
+		setAside(takenPath(found.token))
 		if claim != "" {
 			spendClaim(claim)
 		}
-	}
-	if fromTaken(found.token, found.images, images) {
-		return nil // kept unpacked since its checkpoint (taken.go)
+		if kept {
+			return nil
+		}
 	}
 	if err := fits(filepath.Dir(images), found.size+headroom); err != nil {
 		return fmt.Errorf("checkpoint %s's images: %w", name, err)

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"crypto/rand"
+	"encoding/hex"
 	"fmt"
 	"os"
 	"os/exec"
@@ -10,12 +12,13 @@ import (
 	"time"
 )
 
-// What a wake spends (its archive, its kept images, its restore directory) is removed by a
-// process of its own, once the wake is done: freeing a 500 MB file's blocks takes a tenth
-// of a second, which the woken container need not wait for. This program, run with
-// removeFlag first, is that process; it is not waited for (containerd's shim, a
-// subreaper, reaps it). One that did not run leaves what the next sweep removes
-// (sweepTaken: spent directories, kept images; the node's sweeper: archives).
+// What a wake spends (its archive, its kept images, its restore directory, a claim's copy)
+// is taken out of use at once, under the node's lock (renamed out of its name), and
+// removed by a process of its own once the wake is done: freeing a 500 MB file's blocks
+// takes a tenth of a second, which the woken container need not wait for. This program,
+// run with removeFlag first, is that process; it is not waited for (containerd's shim,
+// a subreaper, reaps it). What one that did not run left is removed at the next wake on
+// the node (sweepSpent).
 
 const (
 	removeFlag  = "--mcpforge-remove"
@@ -39,6 +42,7 @@ func flushSpent() {
 	if self, err := os.Executable(); err == nil {
 		cmd := exec.Command(self, append([]string{removeFlag}, spent...)...)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		cmd.Dir = "/"
 		if cmd.Start() == nil {
 			return
 		}
@@ -46,42 +50,65 @@ func flushSpent() {
 	removeNow(spent)
 }
 
-// removeNow removes each absolute path given (a directory with what it holds; a link
-// itself, never its target).
+// removeNow removes each absolute path given that setAside named: a directory of the
+// restore directory's with what it holds, anything else itself (a link, never its
+// target; a directory a pod made in its claim, not at all).
 func removeNow(paths []string) {
 	for _, p := range paths {
-		if filepath.IsAbs(p) && filepath.Clean(p) != "/" {
-			if err := os.RemoveAll(p); err != nil {
-				fmt.Fprintf(os.Stderr, "mcpforge-runc: %v\n", err)
-			}
+		if !filepath.IsAbs(p) || !strings.HasPrefix(filepath.Base(p), spentPrefix) {
+			continue
+		}
+		base := env("MCPFORGE_RESTORE_DIR", "/var/lib/mcp-forge/restore")
+		parent := filepath.Dir(p)
+		ours := parent == base || parent == filepath.Join(base, takenDir)
+		var err error
+		if info, lerr := os.Lstat(p); lerr == nil && info.IsDir() && ours {
+			err = os.RemoveAll(p)
+		} else {
+			err = os.Remove(p) // a claim's copy: a file, never what a pod made of it
+		}
+		if err != nil && !os.IsNotExist(err) {
+			fmt.Fprintf(os.Stderr, "mcpforge-runc: %v\n", err)
 		}
 	}
 }
 
-// setAside renames a restore directory out of its container's name (at once), to be
-// removed later; removed here if it cannot be renamed.
-func setAside(dir string) {
-	aside := filepath.Join(filepath.Dir(dir), spentPrefix+filepath.Base(dir))
-	if err := os.Rename(dir, aside); err != nil {
-		os.RemoveAll(dir)
+// setAside renames path out of its name at once (so nothing takes it again: another wake
+// of the same archive, say) to be removed later (flushSpent); a file of a pod's (a
+// claim's copy) is unlinked, a directory of ours removed, if it cannot be renamed.
+func setAside(path string) {
+	if _, err := os.Lstat(path); err != nil {
+		return
+	}
+	raw := make([]byte, 4)
+	rand.Read(raw)
+	aside := filepath.Join(filepath.Dir(path), spentPrefix+hex.EncodeToString(raw)+"-"+filepath.Base(path))
+	if err := os.Rename(path, aside); err != nil {
+		if os.Remove(path) != nil && strings.HasPrefix(filepath.Base(filepath.Dir(path)), "+") {
+			os.RemoveAll(path) // ours, under +taken
+		}
 		return
 	}
 	spend(aside)
 }
 
-// sweepSpent removes spent restore directories a remover left (it was killed), once a
-// minute old. Called with the restores' lock held.
+// sweepSpent has what a remover left (it was killed) removed, once a minute old: set
+// aside in the restore directory, its +taken, or the kubelet's checkpoint directory.
+// Called with the restores' lock held.
 func sweepSpent(base string) {
-	entries, err := os.ReadDir(base)
-	if err != nil {
-		return
-	}
-	for _, e := range entries {
-		if !strings.HasPrefix(e.Name(), spentPrefix) {
+	dirs := []string{base, filepath.Join(base, takenDir), env("MCPFORGE_CHECKPOINTS", "/var/lib/kubelet/checkpoints")}
+	for _, dir := range dirs {
+		entries, err := os.ReadDir(dir)
+		if err != nil {
 			continue
 		}
-		if info, err := e.Info(); err == nil && time.Since(info.ModTime()) > time.Minute {
-			os.RemoveAll(filepath.Join(base, e.Name()))
+		for _, e := range entries {
+			if !strings.HasPrefix(e.Name(), spentPrefix) {
+				continue
+			}
+			if info, err := e.Info(); err == nil && time.Since(info.ModTime()) > time.Minute {
+				spend(filepath.Join(dir, e.Name()))
+			}
 		}
 	}
 }

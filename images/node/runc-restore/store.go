@@ -182,8 +182,8 @@ func fromClaim(dir, namespace, name, images string) (*spec, error) {
 
 // spendClaim removes the claim's copy: a checkpoint wakes one pod, once, from either copy.
 func spendClaim(dir string) {
-	spend(filepath.Join(dir, claimTar))
-	spend(filepath.Join(dir, claimMAC))
+	setAside(filepath.Join(dir, claimTar))
+	setAside(filepath.Join(dir, claimMAC))
 }
 
 func readMAC(path string) ([]byte, error) {

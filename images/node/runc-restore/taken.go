@@ -27,14 +27,21 @@ import (
 //     its own directory instead of unpacking them, if each is there at the archive's
 //     size; else it unpacks as before. A wake that spends the archive removes them too.
 //
-// Kept images whose token no archive of the node holds any more (its session deleted, its
-// snapshot dropped, a checkpoint containerd did not finish) are removed by the next
-// checkpoint or wake on the node, once TAKEN_GRACE old. All is root's, 0700.
+// Only links are kept, never copies: where containerd's temporary directory is on another
+// filesystem (a tmpfs /tmp), nothing is kept and wakes unpack. A checkpoint never waits
+// for the node's restores: with their lock taken, nothing is kept either. Kept images
+// are a second copy of the archive's on the node's disk: they go once an hour old
+// (keepFor), or once no archive of the node names them (its session deleted, its
+// snapshot dropped, a checkpoint containerd did not finish) and they are takenGrace old,
+// at a wake on the node. A wake from a shared archive (forks) unpacks it: the kept images
+// are linked into no restore directory whose files are given to a pod's user namespace.
+// All is root's, 0700.
 
 const (
 	takenFile  = "mcpforge-taken" // in the images, so in the archive's checkpoint/
 	takenDir   = "+taken"         // under the restore directory: no container id takes '+'
 	takenGrace = 10 * time.Minute // a checkpoint's archive is written within seconds of it
+	keepFor    = time.Hour        // then a wake unpacks the archive: the disk is not doubled
 )
 
 var tokenPattern = regexp.MustCompile(`^[0-9a-f]{32}$`)
@@ -66,15 +73,18 @@ func checkpoint(runc string, args []string, rest []string) int {
 // the restore directory, then names it in the images (takenFile).
 func keep(images string) error {
 	base := env("MCPFORGE_RESTORE_DIR", "/var/lib/mcp-forge/restore")
+	// Searchable by the pods' namespaces' roots, as room makes it (the first of the two).
+	if err := os.MkdirAll(base, 0o711); err != nil {
+		return err
+	}
 	if err := os.MkdirAll(filepath.Join(base, takenDir), 0o700); err != nil {
 		return err
 	}
-	unlock, err := lockRestores(base)
-	if err != nil {
-		return err
+	unlock, err := lockRestores(base, false)
+	if err != nil || unlock == nil {
+		return err // a restore holds the lock: nothing kept (its wake will unpack)
 	}
 	defer unlock()
-	sweepTaken(base)
 	raw := make([]byte, 16)
 	if _, err := rand.Read(raw); err != nil {
 		return err
@@ -89,7 +99,7 @@ func keep(images string) error {
 	if err == nil {
 		for _, e := range entries {
 			if e.Type().IsRegular() {
-				if err = linkOrCopy(filepath.Join(images, e.Name()), filepath.Join(tmp, e.Name())); err != nil {
+				if err = os.Link(filepath.Join(images, e.Name()), filepath.Join(tmp, e.Name())); err != nil {
 					break
 				}
 			}
@@ -106,18 +116,6 @@ func keep(images string) error {
 		os.RemoveAll(final)
 	}
 	return err
-}
-
-func linkOrCopy(from, to string) error {
-	if err := os.Link(from, to); err == nil {
-		return nil
-	}
-	in, err := os.OpenFile(from, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	return writeImage(to, in) // *os.File to *os.File: copy_file_range
 }
 
 // fromTaken links the kept images of `token` into dir if each of `want` (name: size) is
@@ -166,8 +164,9 @@ func tokenOf(h *tar.Header, r io.Reader) string {
 	return strings.TrimSpace(string(b))
 }
 
-// sweepTaken removes kept images no archive of the node names any more, once takenGrace
-// old (an unfinished keep's too). Called with the restores' lock held.
+// sweepTaken has kept images removed (spent.go) that no archive of the node names any
+// more, once takenGrace old (an unfinished keep's too), and any keepFor old. Called with
+// the restores' lock held.
 func sweepTaken(base string) {
 	entries, err := os.ReadDir(filepath.Join(base, takenDir))
 	if err != nil {
@@ -176,7 +175,9 @@ func sweepTaken(base string) {
 	var old []string
 	for _, e := range entries {
 		info, err := e.Info()
-		if err == nil && time.Since(info.ModTime()) > takenGrace {
+		if err == nil && time.Since(info.ModTime()) > keepFor {
+			setAside(filepath.Join(base, takenDir, e.Name()))
+		} else if err == nil && time.Since(info.ModTime()) > takenGrace {
 			old = append(old, e.Name())
 		}
 	}
@@ -205,19 +206,27 @@ func sweepTaken(base string) {
 	}
 	for _, name := range old {
 		if !held[name] {
-			os.RemoveAll(filepath.Join(base, takenDir, name))
+			setAside(filepath.Join(base, takenDir, name))
 		}
 	}
 }
 
-// lockRestores takes the node's lock of restores (room's), for the caller to release.
-func lockRestores(base string) (func(), error) {
+// lockRestores takes the node's lock of restores (room's), for the caller to release;
+// without `wait`, a nil release and no error if another holds it.
+func lockRestores(base string, wait bool) (func(), error) {
 	lock, err := os.OpenFile(filepath.Join(base, ".lock"), os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return nil, err
 	}
-	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+	how := syscall.LOCK_EX
+	if !wait {
+		how |= syscall.LOCK_NB
+	}
+	if err := syscall.Flock(int(lock.Fd()), how); err != nil {
 		lock.Close()
+		if errors.Is(err, syscall.EWOULDBLOCK) {
+			return nil, nil
+		}
 		return nil, err
 	}
 	return func() { lock.Close() }, nil

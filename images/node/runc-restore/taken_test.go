@@ -109,18 +109,32 @@ func TestKeptImagesNoArchiveNamesAreSweptOnceOld(t *testing.T) {
 
 func TestASpentRestoreDirectoryIsSetAsideAtOnceAndRemovedLater(t *testing.T) {
 	base := t.TempDir()
+	t.Setenv("MCPFORGE_RESTORE_DIR", base)
 	dir := filepath.Join(base, "abc123")
 	os.Mkdir(dir, 0o700)
 	os.WriteFile(filepath.Join(dir, "pages-1.img"), []byte("x"), 0o600)
 	spent = nil
 	setAside(dir)
-	aside := filepath.Join(base, spentPrefix+"abc123")
-	if _, err := os.Lstat(dir); err == nil || len(spent) != 1 || spent[0] != aside {
+	if _, err := os.Lstat(dir); err == nil || len(spent) != 1 {
 		t.Fatalf("not set aside: %v", spent)
+	}
+	aside := spent[0]
+	if filepath.Dir(aside) != base || !strings.HasPrefix(filepath.Base(aside), spentPrefix) ||
+		!strings.HasSuffix(aside, "-abc123") {
+		t.Fatalf("set aside as %s", aside)
+	}
+	// A directory a pod made where a claim's copy was is not removed with what it holds.
+	claim := t.TempDir()
+	theirs := filepath.Join(claim, spentPrefix+"00-snapshot.tar")
+	os.Mkdir(theirs, 0o700)
+	os.WriteFile(filepath.Join(theirs, "file"), []byte("x"), 0o600)
+	removeNow([]string{theirs})
+	if _, err := os.Lstat(filepath.Join(theirs, "file")); err != nil {
+		t.Fatal("a pod's directory was removed")
 	}
 	victim := filepath.Join(t.TempDir(), "victim")
 	os.WriteFile(victim, []byte("kept"), 0o600)
-	link := filepath.Join(base, "link")
+	link := filepath.Join(base, spentPrefix+"link")
 	os.Symlink(victim, link)
 	removeNow([]string{aside, link, "relative", "/"})
 	if _, err := os.Lstat(aside); err == nil {
@@ -130,4 +144,29 @@ func TestASpentRestoreDirectoryIsSetAsideAtOnceAndRemovedLater(t *testing.T) {
 		t.Fatal("removed through a link")
 	}
 	spent = nil
+}
+
+func TestACheckpointNeverWaitsForTheNodesRestoresItKeepsNothingThen(t *testing.T) {
+	images, base, _ := keptSetup(t)
+	unlock, err := lockRestores(base, true)
+	if err != nil || unlock == nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- keep(images) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the checkpoint waited for the lock")
+	}
+	unlock()
+	if _, err := os.Lstat(filepath.Join(images, takenFile)); err == nil {
+		t.Fatal("a token without kept images")
+	}
+	if info, err := os.Stat(base); err != nil || info.Mode().Perm() != 0o700 && info.Mode().Perm() != 0o711 {
+		t.Fatalf("base %v %v", info, err)
+	}
 }
