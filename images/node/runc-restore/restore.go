@@ -140,11 +140,8 @@ func wake(images, claim, name string, shared bool, new *spec) error {
 		return err
 	}
 	defer archive.Close()
-	found, err := scan(archive)
+	found, err := scanFor(archive, new, name)
 	if err != nil {
-		return fmt.Errorf("checkpoint %s: %w", name, err)
-	}
-	if err := sameOrigin(found.spec, new, name); err != nil {
 		return err
 	}
 	if !shared {
@@ -183,14 +180,20 @@ func storeFor(bundle string, new *spec, name string) error {
 		return err
 	}
 	defer archive.Close()
-	found, err := scan(archive)
-	if err != nil {
-		return fmt.Errorf("checkpoint %s: %w", name, err)
-	}
-	if err := sameOrigin(found.spec, new, name); err != nil {
+	if _, err := scanFor(archive, new, name); err != nil {
 		return err
 	}
 	return store(archive, dir, new.Annotations[namespaceKey], name)
+}
+
+// scanFor scans the archive `name` (writing nothing) and says whether it is of the new
+// container's namespace, container name and image.
+func scanFor(archive *os.File, new *spec, name string) (*scanned, error) {
+	found, err := scan(archive)
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint %s: %w", name, err)
+	}
+	return found, sameOrigin(found.spec, new, name)
 }
 
 // sameOrigin says whether the archive's spec is of the new container's namespace,
