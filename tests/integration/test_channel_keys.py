@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -34,7 +35,7 @@ from mcp_forge.gateway import introspection
 from mcp_forge.gateway.codemode.bridge import Bridge
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.jupyter.execution import Collector
-from mcp_forge.kernelside import probe
+from mcp_forge.kernelside import compiled, probe, run_silently
 from mcp_forge.sandbox import KERNEL_CMD
 from support import read_to_end
 
@@ -42,11 +43,15 @@ READY = 30.0
 SILENCE = 2.0  # how long a refused client listens for a reply that must not come
 
 
-@pytest.fixture
-async def kernel(tmp_path: Path) -> AsyncIterator[tuple[ConnectionInfo, Path]]:
-    """An ipykernel with a Curve pair and a bridge certificate: (its connection, its file)."""
+@contextlib.asynccontextmanager
+async def a_kernel(
+    tmp_path: Path, curve: bool = True
+) -> AsyncIterator[tuple[ConnectionInfo, Path, str]]:
+    """An ipykernel with a Curve pair (unless not `curve`) and a bridge certificate: (its
+    connection, its file, what the file held)."""
     ip = f"127.{secrets.randbelow(250) + 2}.{secrets.randbelow(256)}.{secrets.randbelow(250) + 2}"
-    info = ConnectionInfo("tcp", ip, new_key(), new_curve_keys(), new_bridge_cert("t/keys"))
+    pair = new_curve_keys() if curve else None
+    info = ConnectionInfo("tcp", ip, new_key(), pair, new_bridge_cert("t/keys"))
     path = tmp_path / "connection.json"
     written = json.dumps(info.to_jupyter())
     path.write_text(written)  # as the kernel reads it, at its address
@@ -60,13 +65,19 @@ async def kernel(tmp_path: Path) -> AsyncIterator[tuple[ConnectionInfo, Path]]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        yield info, path
-        # A pod's connection file is a read-only mount: the kernel must never write it
-        # (ipykernel_launcher rewrites a file with Curve keys, and then dies in a pod).
-        assert path.read_text() == written, "the kernel rewrote its connection file"
+        yield info, path, written
     finally:
         process.kill()
         await process.wait()
+
+
+@pytest.fixture
+async def kernel(tmp_path: Path) -> AsyncIterator[tuple[ConnectionInfo, Path]]:
+    """`a_kernel`, which must never write its file: a pod's connection file is a read-only
+    mount (ipykernel_launcher rewrites a file with Curve keys, and then dies in a pod)."""
+    async with a_kernel(tmp_path) as (info, path, written):
+        yield info, path
+        assert path.read_text() == written, "the kernel rewrote its connection file"
 
 
 @contextlib.asynccontextmanager
@@ -135,7 +146,8 @@ async def test_a_gateway_without_the_curve_pair_cannot_reach_a_curve_kernel(
 
 
 async def _start_bridge(conn: KernelConnection, info: ConnectionInfo, path: Path) -> None:
-    address = ("tls", info.host, BRIDGE_PORT, str(path))
+    assert info.bridge is not None
+    address = ("tls", info.host, BRIDGE_PORT, info.bridge.cert, info.bridge.key)
     collector = Collector(
         conn.send_execute(introspection.bridge_program(address), silent=True, store_history=False),
         10_000,
@@ -226,3 +238,90 @@ async def test_the_startup_probe_passes_once_the_kernel_answers_and_never_on_a_w
     # Nothing listening on that address: a refusal within the probe's timeout, not a hang.
     nobody = f"127.{secrets.randbelow(250) + 2}.{secrets.randbelow(256)}.1"
     assert not await asyncio.to_thread(probe.answers, written, nobody, 500)
+
+
+def _silently(code: str) -> dict[str, Any]:
+    return {"code": code, "silent": True, "store_history": False, "allow_stdin": False}
+
+
+async def test_a_kernel_given_new_transport_keys_answers_in_them_and_no_longer_in_the_old(
+    tmp_path: Path,
+) -> None:
+    """A cluster fork's woken kernel is given its own Curve pair and bridge certificate
+    (kernelside/rebind.py, as control/forking.py sends it): every channel answers in the
+    new pair only, a connection made in the old one is cut, the bridge takes only the
+    new certificate, and the connection file holds the new keys."""
+    async with a_kernel(tmp_path) as (info, path, _):
+        theirs = info.to_jupyter()
+        async with connected(info) as conn:
+            await _start_bridge(conn, info, path)
+            old_bridge = Bridge("keys", {}, {})
+            await old_bridge.open(Address("tcp", host=info.host, port=BRIDGE_PORT, tls=info.bridge))
+            assert (
+                await run(conn, "import mcp_tools; print(mcp_tools.wait_connected(10))")
+            ).strip() == "True"
+            assert info.curve is not None
+            held = zmq.asyncio.Context.instance().socket(zmq.DEALER)  # stays connected, in the old
+            held.linger = 0
+            held.curve_serverkey = held.curve_publickey = info.curve.public.encode()
+            held.curve_secretkey = info.curve.secret.encode()
+            held.connect(f"tcp://{info.host}:{PORTS['shell']}")
+            assert not await no_reply(held, conn), "the old client is not connected"
+            await held.recv_multipart()
+            own = replace(info, curve=new_curve_keys(), bridge=new_bridge_cert("t/fork"))
+            mine = own.to_jupyter()
+            names = {"INFO": repr(mine)}
+            check = run_silently(compiled("rebind"), {**names, "CHECK": "True"})
+            said = await asyncio.to_thread(
+                probe.ask, theirs, info.host, "execute_request", _silently(check), 10_000
+            )
+            assert said is not None and said["status"] == "ok", said
+            rebind = _silently(run_silently(compiled("rebind"), names))
+            await asyncio.to_thread(probe.tell, theirs, info.host, "execute_request", rebind)
+            assert await asyncio.to_thread(probe.answers, mine, info.host, 10_000)
+            assert await no_reply(held, conn), "a connection made in the old pair was kept"
+            held.close(linger=0)
+            await old_bridge.close()
+        assert not await asyncio.to_thread(probe.answers, theirs, info.host, 1000)
+        async with connected(own) as conn:  # shell, iopub and heartbeat in the new pair
+            assert (await run(conn, "print(6 * 7)")).strip() == "42"
+            assert await conn.heartbeat(5.0)
+            bridge = Bridge("keys", {}, {})
+            stale = Address("tcp", host=info.host, port=BRIDGE_PORT, tls=info.bridge)
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                await bridge.open(stale)
+            await bridge.close()
+            assert await _bridge_state(conn) == "False"
+            bridge = Bridge("keys", {}, {})
+            try:
+                await bridge.open(Address("tcp", host=info.host, port=BRIDGE_PORT, tls=own.bridge))
+                assert (
+                    await run(conn, "import mcp_tools; print(mcp_tools.wait_connected(10))")
+                ).strip() == "True"
+            finally:
+                await bridge.close()
+        old = KernelConnection(info, max_frame=1 << 20, max_message=1 << 20)
+        try:
+            with pytest.raises(SessionNotReady, match="did not answer kernel_info"):
+                await old.wait_ready(SILENCE)
+            assert not await old.heartbeat(SILENCE)
+        finally:
+            old.close()
+
+
+async def test_a_kernel_without_curve_keys_is_refused_new_ones_and_nothing_changes(
+    tmp_path: Path,
+) -> None:
+    async with a_kernel(tmp_path, curve=False) as (info, path, written):
+        async with connected(info) as conn:
+            mine = replace(info, curve=new_curve_keys()).to_jupyter()
+            names = {"INFO": repr(mine), "CHECK": "True"}
+            check = _silently(run_silently(compiled("rebind"), names))
+            theirs = info.to_jupyter()
+            said = await asyncio.to_thread(
+                probe.ask, theirs, info.host, "execute_request", check, 10_000
+            )
+            assert said is not None and said["status"] == "error", said
+            assert "no Curve keys" in said["evalue"], said
+            assert (await run(conn, "print('still')")).strip() == "still"
+        assert path.read_text() == written

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import ssl
 import sys
 import threading
 import time
@@ -22,10 +23,13 @@ from typing import Any
 
 import kopf
 
-from mcp_forge.api.connection import ConnectionInfo, connection_from_file
+from mcp_forge.api.connection import BRIDGE_PORT, Address, ConnectionInfo, connection_from_file
+from mcp_forge.api.keys import BridgeCert
 from mcp_forge.clients.kube import Kube, connection_file_of
 from mcp_forge.control.events import RECONCILE_ERROR
 from mcp_forge.errors import ApiError
+from mcp_forge.gateway import introspection
+from mcp_forge.gateway.codemode.bridge import Bridge
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.jupyter.execution import Collector
 
@@ -298,6 +302,37 @@ async def connection_of(kube: Kube, namespace: str, name: str) -> ConnectionInfo
     info = connection_file_of(secret)
     assert info is not None, f"{name}: no connection file in {secret}"
     return connection_from_file(info, obj["status"]["podIP"], f"Secret of {name}")
+
+
+def bridge_inside(info: ConnectionInfo) -> tuple[str | int, ...]:
+    """Where a cluster kernel's bridge listens, as the gateway tells it (cluster.py's
+    bridge_address): TLS with the session's certificate."""
+    assert info.bridge is not None, "the session has no bridge certificate"
+    return ("tls", "0.0.0.0", BRIDGE_PORT, info.bridge.cert, info.bridge.key)
+
+
+async def start_bridge(conn: KernelConnection, info: ConnectionInfo) -> None:
+    """Start code mode's bridge in the kernel, as the gateway does (attach.py)."""
+    program = introspection.bridge_program(bridge_inside(info))
+    collector = Collector(conn.send_execute(program, silent=True, store_history=False), 1, 0)
+    assert await conn.pump(collector, 30.0) and collector.error is None, collector.error
+
+
+async def bridge_takes(conn: KernelConnection, info: ConnectionInfo, cert: BridgeCert) -> bool:
+    """Whether the kernel's bridge takes a gateway that presents `cert`, connected and its
+    hello applied (a refused one fails its TLS handshake)."""
+    bridge = Bridge("test", {}, {})
+    try:
+        try:
+            await bridge.open(Address("tcp", host=info.host, port=BRIDGE_PORT, tls=cert))
+        except (ssl.SSLError, ConnectionError):
+            return False
+        code = "import mcp_tools; print(mcp_tools.wait_connected(10))"
+        said = await run_in_kernel(conn, code)
+        assert said in ("True\n", "False\n"), said
+        return said == "True\n"
+    finally:
+        await bridge.close()
 
 
 @contextlib.asynccontextmanager

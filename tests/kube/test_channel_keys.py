@@ -42,7 +42,6 @@ from mcp_forge.gateway import introspection
 from mcp_forge.gateway.codemode.bridge import Bridge
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.jupyter.execution import Collector
-from mcp_forge.kernelside import launch
 from mcp_forge.runtimes.cluster import KubernetesRuntime
 from mcp_forge.settings import Settings
 from support import read_to_end
@@ -50,6 +49,7 @@ from support import read_to_end
 from .conftest import KubeAPI
 from .harness import (
     KS,
+    bridge_inside,
     connection_of,
     kernel,
     kernel_dies,
@@ -132,7 +132,7 @@ async def test_the_bridge_port_takes_only_the_peer_with_the_sessions_certificate
     info = await connection_of(kube, ns, "tls")
     assert info.bridge is not None
     async with kernel(kube, ns, "tls") as conn:
-        program = introspection.bridge_program(("tls", "0.0.0.0", BRIDGE_PORT, launch.FILE))
+        program = introspection.bridge_program(bridge_inside(info))
         collector = Collector(conn.send_execute(program, silent=True, store_history=False), 1, 0)
         assert await conn.pump(collector, 30.0) and collector.error is None, collector.error
         # A raw TCP peer saying what a gateway says first: closed, and never sent a frame.

@@ -13,8 +13,9 @@ import pytest
 
 from mcp_forge.api import forks
 from mcp_forge.api.forks import FORKED_FROM
+from mcp_forge.api.keys import BRIDGE_CERT, CURVE_PUBLIC, CURVE_SECRET
 from mcp_forge.clients.kube import Kube, connection_file_of
-from mcp_forge.control.forking import FORK_DATA, FORK_DROP, FORK_KEY, FORK_TRANSPORT
+from mcp_forge.control.forking import FORK_DATA, FORK_DROP, FORK_KEY
 from mcp_forge.errors import ForgeError
 from mcp_forge.kernelside import probe
 from mcp_forge.runtimes.cluster import KubernetesRuntime
@@ -24,12 +25,15 @@ from .conftest import ClusterUnderTest
 from .harness import (
     KS,
     SMALL,
+    bridge_takes,
+    connection_of,
     eventually,
     kernel,
     ready,
     run_in_kernel,
     running_operator,
     session_body,
+    start_bridge,
 )
 from .test_checkpoint import IMAGE
 from .test_snapshots import CHECKPOINTS, PERSISTENT, STATE, snapshot_operator
@@ -102,6 +106,8 @@ async def test_a_fork_answers_with_its_parents_variables_under_a_key_and_env_of_
     async with kernel(kube, ns, "elder") as conn:
         assert await run_in_kernel(conn, STATE) == "41\n"
         assert await run_in_kernel(conn, FILES) == "ok\n"
+        parents = await connection_of(kube, ns, "elder")
+        await start_bridge(conn, parents)
         fork = _fork_body(
             "younger", ns, "elder", env=[{"name": "WHO", "value": "fork"}], workspace=PERSISTENT
         )
@@ -137,19 +143,27 @@ async def test_a_fork_answers_with_its_parents_variables_under_a_key_and_env_of_
     theirs, _ = await _connection(kube, ns, "elder")
     mine, secret = await _connection(kube, ns, "younger")
     assert mine["key"] != theirs["key"]
-    assert not {FORK_KEY, FORK_DROP} & set(secret.get("data") or {}), "the fork's key promoted"
-    # Its woken kernel holds its parent's transport keys, and says so.
-    assert mine["curve_publickey"] == theirs["curve_publickey"]
-    assert FORK_TRANSPORT in (secret.get("data") or {})
-    # The fork's kernel no longer takes its parent's key; its own, it does.
+    assert not set(FORK_DATA) & set(secret.get("data") or {}), "the fork's keys promoted"
+    # Its woken kernel was given transport keys of its own (kernelside/rebind.py): it
+    # answers in all of its own keys, and in none of its parent's.
+    assert mine[CURVE_PUBLIC] != theirs[CURVE_PUBLIC] and mine[BRIDGE_CERT] != theirs[BRIDGE_CERT]
     pod_ip = obj["status"]["podIP"]
-    assert not await asyncio.to_thread(probe.answers, {**mine, "key": theirs["key"]}, pod_ip, 1500)
+    stale_key = {**mine, "key": theirs["key"]}
+    stale_pair = {**mine, CURVE_PUBLIC: theirs[CURVE_PUBLIC], CURVE_SECRET: theirs[CURVE_SECRET]}
+    for label, stale in (("its parent's key", stale_key), ("its parent's pair", stale_pair)):
+        assert not await asyncio.to_thread(probe.answers, stale, pod_ip, 1500), label
     assert await asyncio.to_thread(probe.answers, mine, pod_ip, 5000)
-    # Its next kernel that does not wake from a snapshot has transport keys of its own.
+    # Its bridge (its parent's, woken) takes the fork's certificate, not its parent's.
+    own = await connection_of(kube, ns, "younger")
+    async with kernel(kube, ns, "younger") as child:
+        assert parents.bridge is not None and own.bridge is not None
+        assert not await bridge_takes(child, own, parents.bridge)
+        assert await bridge_takes(child, own, own.bridge)
+    # Its next kernel, which does not wake from a snapshot, starts on the same keys.
     await asyncio.to_thread(kube.delete, "Pod", ns, obj["status"]["podName"])
     await ready(kube, ns, "younger", other_than=obj["status"]["kernelId"])
-    mine, secret = await _connection(kube, ns, "younger")
-    assert mine["curve_publickey"] != theirs["curve_publickey"] and mine["key"] != theirs["key"]
+    again, secret = await _connection(kube, ns, "younger")
+    assert again == mine
     assert not set(FORK_DATA) & set(secret.get("data") or {}), secret
     async with kernel(kube, ns, "younger") as child:
         assert await run_in_kernel(child, "print('x' in globals())") == "False\n"

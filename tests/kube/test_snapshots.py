@@ -37,7 +37,9 @@ from .conftest import ClusterUnderTest
 from .harness import (
     KS,
     SMALL,
+    bridge_takes,
     condition,
+    connection_of,
     eventually,
     kernel,
     phase,
@@ -47,6 +49,7 @@ from .harness import (
     run_in_kernel,
     running_operator,
     session_body,
+    start_bridge,
 )
 from .pooling import filled, members
 from .test_checkpoint import IMAGE, RESTORE_CLASS, _runtime_class
@@ -229,6 +232,12 @@ async def test_a_suspended_session_wakes_with_its_variables_and_threads(
                 conn, "log.write('b'); log.flush(); print(open('log.txt').read())"
             )
             assert said == "ab\n", said
+            # Code mode's bridge, first started in the woken kernel, whose pod has no
+            # connection file (its launcher wrote it in the old pod's /tmp): it takes the
+            # gateway with the session's certificate, which the gateway hands it.
+            info = await connection_of(kube, ns, "napper")
+            await start_bridge(conn, info)
+            assert info.bridge is not None and await bridge_takes(conn, info, info.bridge)
     finally:
         await asyncio.to_thread(archive.unlink, missing_ok=True)
 

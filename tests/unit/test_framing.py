@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from mcp_forge.kernelside import framing, mcp_channel, rebind
 from mcp_forge.kernelside.framing import (
     GATEWAY_FRAME_MAX,
     KERNEL_FRAME_MAX,
@@ -140,3 +141,20 @@ def test_encode_refuses_frames_over_its_limit_and_values_that_are_not_json() -> 
         encode({"v": 1, "x": "\ud800"})  # a lone surrogate is not UTF-8
     with pytest.raises(ValueError, match="holds a JSON object, not list"):
         encode([1, 2])  # type: ignore[arg-type]
+
+
+def test_the_bridge_takes_its_certificate_with_its_address_and_no_error_shows_the_key() -> None:
+    """A cluster kernel's bridge gets its certificate and key from the gateway, with its
+    address (a kernel woken in a new pod has no connection file); a malformed address is
+    refused by name, never echoing what could be a key."""
+    with pytest.raises(ValueError, match=r"\('tls', host, port, certificate, key\)"):
+        mcp_channel.listen(("tls", "127.0.0.1", 0, "/tmp/.mcp-forge/connection.json"))
+    with pytest.raises(ValueError, match="BRIDGE_ADDRESS is") as refused:
+        mcp_channel.listen(("tls", "127.0.0.1", 0, "CERT", "SECRET-KEY-TEXT", "more"))
+    assert "SECRET-KEY-TEXT" not in str(refused.value)
+    with pytest.raises(ValueError, match="over"):
+        mcp_channel.listen(("tls", "127.0.0.1", 0, "x" * mcp_channel.CERT_MAX, "k"))
+
+
+def test_rebind_reads_the_bridge_fields_framing_names() -> None:
+    assert (rebind.BRIDGE_CERT, rebind.BRIDGE_KEY) == (framing.BRIDGE_CERT, framing.BRIDGE_KEY)

@@ -19,10 +19,12 @@ between finds FORK_KEY still there and asks again, first in the new key.
 No kernel but the woken one ever starts on a Secret holding its parent's keys: a pod
 that will not wake from the snapshot is made only after the Secret got keys of its own
 (`before_pod`), and a woken kernel that was replaced before it took its key (its pod
-gone, its container started again) fails the fork. A fork's transport keys (Curve, the
-bridge's certificate) stay its parent's while its woken kernel runs (a kernel cannot
-bind its sockets anew; FORK_TRANSPORT marks them), and are its own from its next kernel
-that does not wake from a snapshot. Its persistent workspace is a copy of its parent's
+gone, its container started again) fails the fork. Its transport keys (its Curve pair
+and bridge certificate, FORK_KEYS until then) are given to the woken kernel once it
+signs with the fork's key (kernelside/rebind.py binds its channels again), and written
+into the Secret once it answers in them; a kernel that cannot take them keeps its
+parent's (FORK_TRANSPORT marks them) until its next kernel that does not wake from a
+snapshot. Its persistent workspace is a copy of its parent's
 (control/forkfiles.py). A parent that cannot be checkpointed (not Ready, snapshots off,
 a pool's kernel, egress rules, whose grant its memory would carry), a restore that
 fails, or a kernel that will not take its key gives a fork that starts afresh with keys
@@ -45,6 +47,7 @@ from mcp_forge.api import status as st
 from mcp_forge.api.connection import new_key
 from mcp_forge.api.kernelsession import KIND, KernelSession, load
 from mcp_forge.api.kernelsessionpool import CLAIM_MARK
+from mcp_forge.api.keys import BRIDGE_CERT, BRIDGE_KEY, CURVE_PUBLIC, CURVE_SECRET
 from mcp_forge.api.status import stamp
 from mcp_forge.clients.kube import connection_file_of, secret_env
 from mcp_forge.control import snapshots
@@ -52,7 +55,7 @@ from mcp_forge.control.pods import Observation, kernel_status
 from mcp_forge.control.render import CONTAINER, child_name, secret_name
 from mcp_forge.control.sweeper import SHARED_REUSE
 from mcp_forge.errors import ApiError, ForgeError, SecretError
-from mcp_forge.kernelside import probe, run_silently
+from mcp_forge.kernelside import compiled, probe, run_silently
 from mcp_forge.sandbox import SESSION_VARIABLE
 
 if TYPE_CHECKING:
@@ -63,8 +66,11 @@ log = logging.getLogger(__name__)
 
 FORK_KEY = "fork-key"  # Secret data: the fork's own HMAC key, until its kernel signs with it
 FORK_DROP = "fork-drop"  # Secret data: its parent's session variables, a JSON list
+FORK_KEYS = "fork-keys"  # Secret data: its own Curve pair and certificate, until its kernel's
 FORK_TRANSPORT = "fork-transport"  # Secret data: its Curve pair and certificate are its parent's
-FORK_DATA = (FORK_KEY, FORK_DROP, FORK_TRANSPORT)
+FORK_DATA = (FORK_KEY, FORK_DROP, FORK_KEYS, FORK_TRANSPORT)
+# The connection file's fields that make its transport keys (api/keys.py).
+TRANSPORT_FIELDS = (CURVE_PUBLIC, CURVE_SECRET, BRIDGE_CERT, BRIDGE_KEY)
 RESTORING, FORKED, FAILED = "Restoring", "Forked", "Failed"
 ASK_MS = 10_000  # the woken kernel's wait for the request that makes it the fork's
 WOKEN_CHECK = (
@@ -165,7 +171,11 @@ def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, 
     snap = _checkpoint(r, p, parent, pod)
     want = r._render(session, theirs)[0]
     drop = sorted({v.name for v in parent.spec.env} | {CLAIM_MARK})
-    want["stringData"].update({FORK_KEY: new_key(), FORK_DROP: json.dumps(drop)})
+    own = json.loads(r._render(session, None)[0]["stringData"]["connection.json"])
+    keys = {k: own[k] for k in TRANSPORT_FIELDS if k in own}
+    want["stringData"].update(
+        {FORK_KEY: new_key(), FORK_DROP: json.dumps(drop), FORK_KEYS: json.dumps(keys)}
+    )
     # A fresh session's Secret was made with keys of its own beside its other children
     # (reconciler `_children`): its parent's replace them.
     r._ensure(want, session, likely_new=True)
@@ -301,6 +311,9 @@ def _give_up(r: Reconciler, p: Pass, why: str) -> Observation:
 
 
 def _rekey(r: Reconciler, p: Pass) -> None:
+    """The woken kernel given the fork's key and environment, then its transport keys;
+    the Secret given what it took. A pass that stopped midway is gone on from where the
+    kernel is: it answers in its parent's key, in the fork's, or in all the fork's keys."""
     ns, session = p.session.namespace, p.session
     secret = r.kube.get("Secret", ns, secret_name(session))
     info, data = connection_file_of(secret), (secret or {}).get("data") or {}
@@ -311,11 +324,25 @@ def _rekey(r: Reconciler, p: Pass) -> None:
         if probe.answers(info, host, 2000):
             return
         raise Unforkable("its Secret lost the fork's key")
-    key = base64.b64decode(data[FORK_KEY]).decode()
+    mine = {**info, "key": base64.b64decode(data[FORK_KEY]).decode()}
+    keys = json.loads(base64.b64decode(data.get(FORK_KEYS) or "e30=").decode())
+    own = {**mine, **{k: keys[k] for k in TRANSPORT_FIELDS if isinstance(keys, dict) and k in keys}}
+    if probe.answers(info, host, 2000):  # its parent's key still: the usual case
+        _become(r, p, info, host, mine["key"], data)
+    elif own != mine and probe.answers(own, host, 2000):  # an earlier pass did it all
+        return _promote(r, session, own, parents=False)
+    elif not probe.answers(mine, host, 2000):
+        raise Unforkable("it answers in none of its keys")
+    took = _rebound(mine, own, host)
+    _promote(r, session, took, parents=took is mine)
+
+
+def _become(
+    r: Reconciler, p: Pass, info: dict[str, Any], host: str, key: str, data: dict[str, Any]
+) -> None:
+    """Made the fork's in its parent's key (`info`): its key and environment."""
+    session = p.session
     drop = json.loads(base64.b64decode(data.get(FORK_DROP) or "W10=").decode())
-    mine = {**info, "key": key}
-    if probe.answers(mine, host, 2000):  # an earlier pass made it so, then stopped
-        return _promote(r, session, mine)
     env = {**secret_env(r.kube, session), SESSION_VARIABLE: session.name}
     for var in session.spec.env:
         env.setdefault(var.name, var.value)
@@ -326,7 +353,28 @@ def _rekey(r: Reconciler, p: Pass) -> None:
     check = run_silently(repr(WOKEN_CHECK), {"WAS": repr(was)})
     _run(info, host, check, info["key"])
     _run(info, host, forks.becoming(key, names, env, was=was), key)  # answered in the new
-    _promote(r, session, mine)
+
+
+def _rebound(mine: dict[str, Any], own: dict[str, Any], host: str) -> dict[str, Any]:
+    """The kernel, signing with the fork's key (`mine`), given the fork's Curve pair and
+    bridge certificate (`own`; kernelside/rebind.py): `own` once it answers in them, or
+    `mine` for a kernel that says it cannot take them (an image whose ipykernel lacks
+    what is changed), which keeps its parent's. Its channels are bound again, which
+    closes the connection the request came on: its reply is not waited for."""
+    if own == mine:  # a Secret made by an operator from before rebind.py
+        return mine
+    names = {"INFO": repr(own)}
+    try:
+        _run(mine, host, run_silently(compiled("rebind"), {**names, "CHECK": "True"}), mine["key"])
+    except Unforkable as exc:
+        log.warning("a fork's kernel keeps its parent's transport keys: %s", exc)
+        return mine
+    request = {"code": run_silently(compiled("rebind"), names), "silent": True,
+               "store_history": False, "allow_stdin": False}  # fmt: skip
+    probe.tell(mine, host, "execute_request", request, ASK_MS)
+    if probe.answers(own, host, ASK_MS):
+        return own
+    raise Unforkable("it did not answer in its new transport keys")
 
 
 def _run(info: dict[str, Any], host: str, code: str, reply_key: str) -> None:
@@ -339,11 +387,17 @@ def _run(info: dict[str, Any], host: str, code: str, reply_key: str) -> None:
         raise Unforkable(str(why)[:500])
 
 
-def _promote(r: Reconciler, session: KernelSession, info: dict[str, Any]) -> None:
-    """The fork's key the Secret's: what gateways and the next kernels read. Its
-    transport keys stay its parent's, as its kernel holds them (FORK_TRANSPORT)."""
-    patch = {"stringData": {"connection.json": json.dumps(info), FORK_TRANSPORT: "parent"},
-             "data": {FORK_KEY: None, FORK_DROP: None}}  # fmt: skip
+def _promote(r: Reconciler, session: KernelSession, info: dict[str, Any], *, parents: bool) -> None:
+    """The fork's keys the Secret's: what gateways and the next kernels read. With
+    `parents`, its transport keys are its parent's still, as its kernel holds them
+    (FORK_TRANSPORT: its next kernel that does not wake gets its own)."""
+    string = {"connection.json": json.dumps(info)}
+    gone: dict[str, None] = {FORK_KEY: None, FORK_DROP: None, FORK_KEYS: None}
+    if parents:
+        string[FORK_TRANSPORT] = "parent"
+    else:
+        gone[FORK_TRANSPORT] = None
+    patch = {"stringData": string, "data": gone}
     r.kube.patch("Secret", session.namespace, secret_name(session), patch)
 
 

@@ -12,8 +12,8 @@ its own and hands it to the bridge's modules made after it (mcp_channel.py, mcp_
 Standard library only.
 
 BRIDGE_CERT and BRIDGE_KEY name the fields of the connection file that hold the
-bridge's TLS certificate and key (mcp_forge.api.keys writes them; the kernel's listener
-reads them).
+bridge's TLS certificate and key (mcp_forge.api.keys writes them; the gateway hands
+them to the kernel's listener with its address).
 """
 
 from __future__ import annotations

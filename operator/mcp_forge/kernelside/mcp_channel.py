@@ -9,14 +9,13 @@ result. What a frame means is the bridge's business (mcp_tools.Bridge, the `Owne
 these threads run for); this module only moves bytes and wakes callers.
 
 The gateway sends this module's source with mcp_tools'; in the kernel, which has no
-mcp_forge package, kernelside/bridge_boot.py runs it as a module of its own that holds
-framing, and hands it to mcp_tools. Standard library only.
+mcp_forge package, kernelside/bridge_boot.py runs it as a module of its own and hands
+it to mcp_tools. Standard library only.
 """
 
 import asyncio
 import contextlib
 import errno
-import json
 import os
 import queue
 import socket
@@ -26,15 +25,8 @@ import threading
 import time
 from typing import Any, Protocol
 
-# Imported (unit tests, mypy) it finds framing beside it; in a kernel, kernelside/bridge_boot.py
-# runs framing's source and gives it to this module.
-if __package__:
-    from . import framing
-
 HANDSHAKES_MAX = 8  # TLS handshakes at once; a connection over that is closed at once
-CONNECTION_FILE_MAX = 1 << 20
-BRIDGE_CERT = framing.BRIDGE_CERT
-BRIDGE_KEY = framing.BRIDGE_KEY
+CERT_MAX = 64 << 10  # bytes of a bridge certificate and its key (ours are under 2 KiB)
 WAIT_SLICE = 0.25  # the main thread wakes this often, so a KeyboardInterrupt is never missed
 CLOSED = "the MCP bridge connection was closed"
 
@@ -94,20 +86,23 @@ class AsyncWaiter:
 
 
 class Tls:
-    """Mutual TLS 1.3 with the session's certificate, read from the connection file: the
-    listener presents it, and takes a connection only from a peer that presents that very
-    certificate (the gateway). Nothing is read from a peer before that."""
+    """Mutual TLS 1.3 with the session's certificate (PEM, as its connection file holds
+    it): the listener presents it, and takes a connection only from a peer that presents
+    that very certificate (the gateway). Nothing is read from a peer before that. The
+    gateway hands it over with the address, not through the file: a kernel woken from a
+    snapshot in a new pod has no file (its launcher wrote it in the old pod's /tmp).
+    `load` takes a new certificate (kernelside/rebind.py) for the connections accepted
+    after it."""
 
-    def __init__(self, path: str) -> None:
-        with open(path, "rb") as f:
-            data = f.read(CONNECTION_FILE_MAX + 1)
-        if len(data) > CONNECTION_FILE_MAX:
-            raise ValueError(f"{path} is over {CONNECTION_FILE_MAX} bytes")
-        info = json.loads(data)
-        cert = info.get(BRIDGE_CERT) if isinstance(info, dict) else None
-        key = info.get(BRIDGE_KEY) if isinstance(info, dict) else None
+    def __init__(self, cert: str, key: str) -> None:
+        self.slots = threading.BoundedSemaphore(HANDSHAKES_MAX)
+        self.load(cert, key)
+
+    def load(self, cert: str, key: str) -> None:
         if not isinstance(cert, str) or not isinstance(key, str):
-            raise ValueError(f"{path} has no bridge certificate ({BRIDGE_CERT}, {BRIDGE_KEY})")
+            raise ValueError("BRIDGE_ADDRESS: the certificate and key are PEM text")
+        if len(cert) + len(key) > CERT_MAX:
+            raise ValueError(f"BRIDGE_ADDRESS: a certificate and key over {CERT_MAX} bytes")
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_3
         context.verify_mode = ssl.CERT_REQUIRED
@@ -120,9 +115,7 @@ class Tls:
             context.load_cert_chain(f"/proc/self/fd/{fd}")
         finally:
             os.close(fd)
-        self.context = context
-        self.der = ssl.PEM_cert_to_DER_cert(cert)
-        self.slots = threading.BoundedSemaphore(HANDSHAKES_MAX)
+        self.context, self.der = context, ssl.PEM_cert_to_DER_cert(cert)
 
 
 class TlsStream:
@@ -203,19 +196,17 @@ class TlsStream:
 
 def listen(address: Any) -> tuple[socket.socket, Tls | None]:
     """A listening socket, and the TLS it requires (None: none), at ("tcp", host, port),
-    ("tls", host, port, connection_file) or ("unix", path)."""
+    ("tls", host, port, certificate, key) or ("unix", path)."""
     is_sequence = isinstance(address, (tuple, list))
-    if is_sequence and len(address) in (3, 4) and address[0] in ("tcp", "tls"):
+    if is_sequence and len(address) in (3, 5) and address[0] in ("tcp", "tls"):
         host, port = address[1], address[2]
         if not isinstance(host, str) or type(port) is not int or not 0 <= port < 65536:
-            raise ValueError(f"BRIDGE_ADDRESS: bad host or port in {address!r}")
+            raise ValueError(f"BRIDGE_ADDRESS: bad host or port in {address[:3]!r}")
         tls = None
         if address[0] == "tls":
-            if len(address) != 4 or not isinstance(address[3], str):
-                raise ValueError(
-                    f"BRIDGE_ADDRESS: ('tls', host, port, connection_file), not {address!r}"
-                )
-            tls = Tls(address[3])
+            if len(address) != 5:
+                raise ValueError("BRIDGE_ADDRESS: ('tls', host, port, certificate, key)")
+            tls = Tls(address[3], address[4])
         elif len(address) != 3:
             raise ValueError(f"BRIDGE_ADDRESS: ('tcp', host, port), not {address!r}")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -235,9 +226,10 @@ def listen(address: Any) -> tuple[socket.socket, Tls | None]:
         if not isinstance(path, str) or not path:
             raise ValueError(f"BRIDGE_ADDRESS: bad path in {address!r}")
         return listen_unix(path), None
+    shown = address[:3] if is_sequence else address  # never a key in an error
     raise ValueError(
-        "BRIDGE_ADDRESS is ('tcp', host, port), ('tls', host, port, file) or ('unix', path),"
-        f" not {address!r}"
+        "BRIDGE_ADDRESS is ('tcp', host, port), ('tls', host, port, certificate, key) or"
+        f" ('unix', path), not {shown!r}"
     )
 
 
@@ -319,3 +311,4 @@ class Listener(threading.Thread):
             target=bridge.accept, args=(lsock, tls), name="mcp-forge-bridge", daemon=True
         )
         self.mcp_forge_bridge = bridge  # how the bootstrap finds it if sys.modules lost it
+        self.tls = tls  # what a new certificate is given to (kernelside/rebind.py)

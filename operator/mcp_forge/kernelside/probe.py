@@ -59,30 +59,10 @@ def ask(
     kernel to take a key of its own this way: the reply is signed with the new one.)"""
     key = str(info["key"]).encode()
     answer_key = key if reply_key is None else reply_key.encode()
-    msg_id = uuid.uuid4().hex
-    header = {
-        "msg_id": msg_id,
-        "msg_type": msg_type,
-        "session": uuid.uuid4().hex,
-        "username": "probe",
-        "version": "5.3",
-        "date": "1970-01-01T00:00:00Z",
-    }
-    parts = [json.dumps(p).encode() for p in (header, {}, {}, content)]
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX)
-        sock.setsockopt(zmq.RCVHWM, QUEUED)
-        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)  # a kernel binding its port now
-        if info.get("curve_publickey"):
-            public = str(info["curve_publickey"]).encode("ascii")
-            sock.setsockopt(zmq.CURVE_SERVERKEY, public)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, str(info["curve_secretkey"]).encode("ascii"))
-        sock.connect(f"tcp://{host}:{int(info['shell_port'])}")
-        sock.send_multipart([b"<IDS|MSG>", _sign(key, parts), *parts])
+    msg_id, frames = _request(key, msg_type, content)
+    # The socket closes unlingering (LINGER 0), then its context ends.
+    with zmq.Context() as context, _dealer(context, info, host) as sock:
+        sock.send_multipart(frames)
         deadline = time.monotonic() + timeout_ms / 1000
         want = msg_type.replace("_request", "_reply")
         while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000)):
@@ -101,9 +81,57 @@ def ask(
             if reply.get("msg_type") == want and parent.get("msg_id") == msg_id:
                 return said if isinstance(said, dict) else {}
         return None
-    finally:
+
+
+def tell(
+    info: dict[str, Any],
+    host: str,
+    msg_type: str,
+    content: dict[str, Any],
+    timeout_ms: int = TIMEOUT_MS,
+) -> None:
+    """Send one request as `ask` does, and wait only until it has left (at most
+    `timeout_ms`), not for a reply: for a request whose reply cannot come back on the
+    connection it came on (kernelside/rebind.py closes it)."""
+    _, frames = _request(str(info["key"]).encode(), msg_type, content)
+    with zmq.Context() as context, _dealer(context, info, host) as sock:
+        sock.send_multipart(frames)
+        sock.setsockopt(zmq.LINGER, timeout_ms)  # the context's end waits for it to leave
+
+
+def _request(key: bytes, msg_type: str, content: dict[str, Any]) -> tuple[str, list[bytes]]:
+    """A new request's id and its frames, signed with `key`."""
+    msg_id = uuid.uuid4().hex
+    header = {
+        "msg_id": msg_id,
+        "msg_type": msg_type,
+        "session": uuid.uuid4().hex,
+        "username": "probe",
+        "version": "5.3",
+        "date": "1970-01-01T00:00:00Z",
+    }
+    parts = [json.dumps(p).encode() for p in (header, {}, {}, content)]
+    return msg_id, [b"<IDS|MSG>", _sign(key, parts), *parts]
+
+
+def _dealer(context: zmq.Context[Any], info: dict[str, Any], host: str) -> zmq.Socket[Any]:
+    """A socket connected to the shell channel of the kernel `info` describes."""
+    sock: zmq.Socket[Any] = context.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX)
+        sock.setsockopt(zmq.RCVHWM, QUEUED)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)  # a kernel binding its port now
+        if info.get("curve_publickey"):
+            public = str(info["curve_publickey"]).encode("ascii")
+            sock.setsockopt(zmq.CURVE_SERVERKEY, public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, str(info["curve_secretkey"]).encode("ascii"))
+        sock.connect(f"tcp://{host}:{int(info['shell_port'])}")
+    except BaseException:
         sock.close(0)
-        context.term()
+        raise
+    return sock
 
 
 def main() -> int:

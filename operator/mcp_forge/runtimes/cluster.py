@@ -56,7 +56,6 @@ from mcp_forge.errors import (
     SessionNotReady,
 )
 from mcp_forge.jupyter.client import KernelConnection
-from mcp_forge.kernelside import launch
 from mcp_forge.runtimes import cluster_forks, spec_packages
 from mcp_forge.settings import Settings
 
@@ -442,12 +441,13 @@ class KubernetesRuntime:
 
     async def bridge_address(self, session: KernelSession) -> tuple[tuple[str | int, ...], Address]:
         """TCP 5560 of the kernel's pod, reached as the Jupyter channels are; TLS with the
-        session's certificate (read by the kernel from its connection file) if it has one."""
+        session's certificate if it has one, handed to the kernel over its channel (a kernel
+        woken from a snapshot has no connection file: its launcher wrote it in the old pod)."""
         info = await self.connection(session)
         address = Address("tcp", host=info.host, port=BRIDGE_PORT, tls=info.bridge)
         if info.bridge is None:
             return ("tcp", "0.0.0.0", BRIDGE_PORT), address
-        return ("tls", "0.0.0.0", BRIDGE_PORT, launch.FILE), address
+        return ("tls", "0.0.0.0", BRIDGE_PORT, info.bridge.cert, info.bridge.key), address
 
     async def kernel_setup(self, session: KernelSession) -> str | None:
         """A kernel claimed from a pool runs as the pool started it: the operator moved
