@@ -120,8 +120,8 @@ func room(id string) (string, func(), error) {
 	if err != nil {
 		return "", nil, err
 	}
+	sweepSpent(base) // first: what sweepTaken sets aside now is not found again
 	sweepTaken(base)
-	sweepSpent(base)
 	dir := filepath.Join(base, id)
 	release := func() {
 		setAside(dir) // removed once the wake is done (spent.go)

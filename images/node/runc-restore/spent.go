@@ -17,8 +17,8 @@ import (
 // removed by a process of its own once the wake is done: freeing a 500 MB file's blocks
 // takes a tenth of a second, which the woken container need not wait for. This program,
 // run with removeFlag first, is that process; it is not waited for (containerd's shim,
-// a subreaper, reaps it). What one that did not run left is removed at the next wake on
-// the node (sweepSpent).
+// a subreaper, reaps it). What one that did not run left is removed at the next wake or
+// checkpoint on the node (sweepSpent).
 
 const (
 	removeFlag  = "--mcpforge-remove"

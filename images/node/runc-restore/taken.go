@@ -65,12 +65,16 @@ func checkpoint(runc string, args []string, rest []string) int {
 		if err := keep(images); err != nil {
 			fmt.Fprintf(os.Stderr, "mcpforge-runc: the checkpoint's images are not kept: %v\n", err)
 		}
+		flushSpent() // what keep's sweeps found
 	}
 	return 0
 }
 
-// keep links or copies the regular files of `images` into a directory of their own under
-// the restore directory, then names it in the images (takenFile).
+// keep links the regular files of `images` into a directory of their own under the
+// restore directory, then names it in the images (takenFile). Under the restores' lock,
+// it first sweeps what a handler killed on the node left (kept images no archive names,
+// spent files), as a wake does: a node whose sessions are suspended and never woken
+// would otherwise keep them.
 func keep(images string) error {
 	base := env("MCPFORGE_RESTORE_DIR", "/var/lib/mcp-forge/restore")
 	// Searchable by the pods' namespaces' roots, as room makes it (the first of the two).
@@ -85,6 +89,8 @@ func keep(images string) error {
 		return err // a restore holds the lock: nothing kept (its wake will unpack)
 	}
 	defer unlock()
+	sweepSpent(base) // first: what sweepTaken sets aside now is not found again
+	sweepTaken(base)
 	raw := make([]byte, 16)
 	if _, err := rand.Read(raw); err != nil {
 		return err

@@ -107,6 +107,37 @@ func TestKeptImagesNoArchiveNamesAreSweptOnceOld(t *testing.T) {
 	}
 }
 
+func TestACheckpointSweepsWhatAKilledHandlerLeft(t *testing.T) {
+	images, base, _ := keptSetup(t)
+	spent = nil
+	if err := keep(images); err != nil {
+		t.Fatal(err)
+	}
+	orphan := filepath.Join(base, takenDir, tokenIn(t, images)) // no archive names it
+	left := filepath.Join(base, spentPrefix+"0badf00d-abc123")  // a remover was killed
+	os.Mkdir(left, 0o700)
+	old := time.Now().Add(-2 * takenGrace)
+	for _, p := range []string{orphan, left} {
+		os.Chtimes(p, old, old)
+	}
+	if err := keep(images); err != nil { // the next checkpoint on the node
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(orphan); err == nil {
+		t.Fatal("the orphan's kept images are still there")
+	}
+	if len(spent) != 2 || spent[0] != left || !strings.HasPrefix(filepath.Base(spent[1]), spentPrefix) {
+		t.Fatalf("spent: %v", spent)
+	}
+	removeNow(spent)
+	for _, p := range spent {
+		if _, err := os.Lstat(p); err == nil {
+			t.Fatalf("%s not removed", p)
+		}
+	}
+	spent = nil
+}
+
 func TestASpentRestoreDirectoryIsSetAsideAtOnceAndRemovedLater(t *testing.T) {
 	base := t.TempDir()
 	t.Setenv("MCPFORGE_RESTORE_DIR", base)
