@@ -3,10 +3,11 @@ made before its first kernel wakes (control/forking.py).
 
 Once the parent's kernel is checkpointed, a pod of the fork's own (`<pod>-fork-files`,
 owned by the fork) mounts the parent's PersistentVolumeClaim read-only and the fork's
-own, and copies the one into the other with `find` and `cp` of the fork's image, as the
-kernel's user, with the kernel pod's confinement (its user namespace, seccomp profile,
-runtime class; no capability, no service account token, a read-only root; the
-namespace's baseline NetworkPolicy selects it). It runs on the node the fork wakes on (a
+own, and copies the one into the other with the Python of the fork's image
+(kernelside/treecopy.py: no other tool of the image is needed), as the kernel's user,
+with the kernel pod's confinement (its user namespace, seccomp profile, runtime class;
+no capability, no service account token, a read-only root; the namespace's baseline
+NetworkPolicy selects it). It runs on the node the fork wakes on (a
 ReadWriteOnce claim is mounted on one node at a time). Links are copied as links, never
 followed; FIFOs and sockets are made anew, never opened; a file's contents are never
 read but to be copied; what a copy made again finds is replaced, never written through.
@@ -38,6 +39,7 @@ from mcp_forge.control.render import (
     child_name,
     workspace_claim_name,
 )
+from mcp_forge.kernelside import source
 
 if TYPE_CHECKING:
     from mcp_forge.control.realize import Pass
@@ -52,13 +54,10 @@ RECHECK = 1.0  # its pod's events do not reach the fork's reconcile: looked at t
 MESSAGE_MAX = 500
 LIMITS = {"cpu": "250m", "memory": "128Mi"}
 # Each entry of the parent's workspace (not its root: the fork's is its own, made by the
-# kubelet; nor ext4's lost+found, root's), in one `cp` (as many as fit in one command
-# line: hard links across two are copied apart): contents, modes, times and hard links;
-# links as links (-d; find follows none either); special files made anew as what they
-# are (-R), never opened. The owner is the copier's, the kernel's user.
-COMMAND = ["find", "/from", "-mindepth", "1", "-maxdepth", "1", "!", "-name", "lost+found",
-           "-exec", "cp", "-dR", "--preserve=mode,timestamps,links", "--remove-destination",
-           "-t", "/to", "{}", "+"]  # fmt: skip
+# kubelet; nor ext4's lost+found, root's) copied by the image's Python (kernelside/
+# treecopy.py: contents, modes, times and hard links; links as links, special files made
+# anew, nothing followed or written through). The owner is the copier's, the kernel's user.
+COMMAND = ["python", "-I", "-S", "-c", source("treecopy"), "/from", "/to"]
 
 
 def pod_name(session: KernelSession) -> str:
