@@ -325,3 +325,25 @@ async def test_a_kernel_without_curve_keys_is_refused_new_ones_and_nothing_chang
             assert "no Curve keys" in said["evalue"], said
             assert (await run(conn, "print('still')")).strip() == "still"
         assert path.read_text() == written
+
+
+async def test_a_bridge_that_cannot_take_a_new_certificate_is_refused_before_anything_changes(
+    tmp_path: Path,
+) -> None:
+    """A bridge started by an older gateway (its listener does not keep its TLS where
+    rebind.py finds it) may well have TLS: the check refuses, so the operator keeps the
+    fork's parent's keys, and nothing changed."""
+    async with a_kernel(tmp_path) as (info, path, _), connected(info) as conn:
+        await _start_bridge(conn, info, path)
+        forget = (
+            "import threading\nfor t in threading.enumerate():\n    t.__dict__.pop('tls', None)"
+        )
+        await run(conn, forget)
+        mine = replace(info, curve=new_curve_keys()).to_jupyter()
+        check = _silently(run_silently(compiled("rebind"), {"INFO": repr(mine), "CHECK": "True"}))
+        said = await asyncio.to_thread(
+            probe.ask, info.to_jupyter(), info.host, "execute_request", check, 10_000
+        )
+        assert said is not None and said["status"] == "error", said
+        assert "cannot take a new certificate" in said["evalue"], said
+        assert (await run(conn, "print('still')")).strip() == "still"

@@ -14,7 +14,7 @@ seen it start, the operator tells it, over its shell channel and in its parent's
 take the fork's key and environment (kernelside/fork.py; the reply comes signed with the
 new key), and only then writes that key into the Secret and shows the session Ready: no
 gateway reaches the fork before it signs with a key of its own. An operator stopped in
-between finds FORK_KEY still there and asks again, first in the new key.
+between finds FORK_KEY still there and goes on from where the kernel is (`_rekey`).
 
 No kernel but the woken one ever starts on a Secret holding its parent's keys: a pod
 that will not wake from the snapshot is made only after the Secret got keys of its own
@@ -327,7 +327,7 @@ def _rekey(r: Reconciler, p: Pass) -> None:
     mine = {**info, "key": base64.b64decode(data[FORK_KEY]).decode()}
     keys = json.loads(base64.b64decode(data.get(FORK_KEYS) or "e30=").decode())
     own = {**mine, **{k: keys[k] for k in TRANSPORT_FIELDS if isinstance(keys, dict) and k in keys}}
-    if probe.answers(info, host, 2000):  # its parent's key still: the usual case
+    if probe.answers(info, host, ASK_MS):  # its parent's key still: the usual case
         _become(r, p, info, host, mine["key"], data)
     elif own != mine and probe.answers(own, host, 2000):  # an earlier pass did it all
         return _promote(r, session, own, parents=False)
@@ -364,10 +364,14 @@ def _rebound(mine: dict[str, Any], own: dict[str, Any], host: str) -> dict[str, 
     if own == mine:  # a Secret made by an operator from before rebind.py
         return mine
     names = {"INFO": repr(own)}
-    try:
-        _run(mine, host, run_silently(compiled("rebind"), {**names, "CHECK": "True"}), mine["key"])
-    except Unforkable as exc:
-        log.warning("a fork's kernel keeps its parent's transport keys: %s", exc)
+    check = run_silently(compiled("rebind"), {**names, "CHECK": "True"})
+    request = {"code": check, "silent": True, "store_history": False, "allow_stdin": False}
+    said = probe.ask(mine, host, "execute_request", request, ASK_MS)
+    if said is None:
+        raise Unforkable("it did not say whether it can take transport keys of its own")
+    if said.get("status") != "ok":  # its words, the kernel's: at debug only
+        log.warning("a fork's kernel keeps its parent's transport keys: it cannot take others")
+        log.debug("it said %s: %s", str(said.get("ename"))[:100], str(said.get("evalue"))[:300])
         return mine
     request = {"code": run_silently(compiled("rebind"), names), "silent": True,
                "store_history": False, "allow_stdin": False}  # fmt: skip

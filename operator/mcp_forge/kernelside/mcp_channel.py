@@ -208,7 +208,7 @@ def listen(address: Any) -> tuple[socket.socket, Tls | None]:
                 raise ValueError("BRIDGE_ADDRESS: ('tls', host, port, certificate, key)")
             tls = Tls(address[3], address[4])
         elif len(address) != 3:
-            raise ValueError(f"BRIDGE_ADDRESS: ('tcp', host, port), not {address!r}")
+            raise ValueError(f"BRIDGE_ADDRESS: ('tcp', host, port), not {address[:3]!r}...")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:

@@ -44,6 +44,7 @@ import socket
 import threading
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 # The bridge's other modules: framing (shared with the gateway), mcp_stubs (the tools as
@@ -162,13 +163,20 @@ class Bridge:
             if peer != tls.der:
                 sock.close()
                 return
-            self.adopt(sock, stream)
+            self.adopt(sock, stream, lambda: peer == tls.der)
         finally:
             tls.slots.release()
 
-    def adopt(self, sock: socket.socket, stream: TlsStream | None = None) -> None:
+    def adopt(
+        self,
+        sock: socket.socket,
+        stream: TlsStream | None = None,
+        still: Callable[[], bool] | None = None,
+    ) -> None:
         """sock (or the TLS stream over it) is the connection now; the one before it
-        closes, failing its calls."""
+        closes, failing its calls. With `still`, only if it still holds under the lock
+        (the peer's certificate is still the session's: kernelside/rebind.py gives the
+        TLS a new one under this lock, then closes the connection it finds)."""
         sock.settimeout(SEND_TIMEOUT)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -179,6 +187,9 @@ class Bridge:
                     sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
         conn = Connection(self, sock if stream is None else stream)
         with self.lock:
+            if still is not None and not still():
+                sock.close()
+                return
             old, self.conn = self.conn, conn
             self.last_reason = None
             self.changed.notify_all()

@@ -68,7 +68,9 @@ def bridge_tls() -> tuple[Any, Any]:
         bridge = getattr(thread, "mcp_forge_bridge", None)
         if bridge is None:
             continue
-        tls = getattr(thread, "tls", None)
+        # A listener from before `tls` was kept on it may well have TLS: refused, not
+        # taken for one without.
+        tls = getattr(thread, "tls", "unknown")
         if tls is not None and not hasattr(tls, "load"):
             raise RuntimeError("this kernel's bridge cannot take a new certificate")
         return bridge, tls
@@ -127,12 +129,17 @@ def on(loop: Any, work: Any, *args: Any) -> Any:
 
 def new_heartbeat(kernel_app: Any, public: bytes, secret: bytes) -> None:
     """The heartbeat ended (its context terminated: its loop closes its socket and
-    returns) and started again on its port with the new pair."""
+    returns) and started again on its port with the new pair; RuntimeError unless it
+    answers a ping in that pair."""
     import zmq
     from ipykernel import heartbeat
 
     beating: Any = heartbeat.Heartbeat  # untyped
     old = kernel_app.heartbeat
+    if not old.is_alive():  # its socket may be open still: term would wait for it
+        socket = getattr(old, "socket", None)
+        if socket is not None:
+            socket.close(linger=0)
     old.context.term()
     old.join(STEP_WAIT)
     beat = beating(
@@ -143,6 +150,23 @@ def new_heartbeat(kernel_app: Any, public: bytes, secret: bytes) -> None:
     )
     beat.start()
     kernel_app.heartbeat = beat
+    here = "127.0.0.1" if kernel_app.ip in ("0.0.0.0", "*", "") else kernel_app.ip
+    if not pinged(here, kernel_app.hb_port, public, secret):
+        raise RuntimeError("the heartbeat did not answer in the new keys")
+
+
+def pinged(host: str, port: int, public: bytes, secret: bytes) -> bool:
+    """Whether the heartbeat at host:port echoes a ping in the pair."""
+    import zmq
+
+    with zmq.Context() as context, context.socket(zmq.REQ) as sock:
+        sock.linger = 0
+        sock.curve_serverkey = public
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        sock.connect(f"tcp://{host}:{port}")
+        sock.send(b"mcp-forge")
+        return bool(sock.poll(int(STEP_WAIT * 1000))) and sock.recv() == b"mcp-forge"
 
 
 def rotate(info: dict[str, Any]) -> None:
@@ -156,8 +180,9 @@ def rotate(info: dict[str, Any]) -> None:
     if zmq.curve_public(secret) != public:
         raise ValueError("curve_publickey is not the public key of curve_secretkey")
     if tls is not None:
-        tls.load(info[BRIDGE_CERT], info[BRIDGE_KEY])
-        conn = bridge.conn
+        with bridge.lock:  # a handshake that ends now is adopted before, or refused (adopt)
+            tls.load(info[BRIDGE_CERT], info[BRIDGE_KEY])
+            conn = bridge.conn
         if conn is not None:
             bridge.close(conn, "the MCP bridge connection was closed: the kernel has a new key")
     kernel_app.curve_publickey, kernel_app.curve_secretkey = public, secret
