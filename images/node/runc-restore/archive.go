@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"syscall"
 )
 
@@ -108,31 +109,36 @@ func members(archive *os.File, each func(*tar.Header, io.Reader) error) error {
 }
 
 // room is a directory of its own for the container's images, on the restore directory's
-// disk, and the function that removes it. One restore at a time on the node: the lock is
-// held until release.
-func room(id string) (string, func(), error) {
+// disk, with the node's lock of restores held, and the functions that release the lock
+// (unlock: at most once; the images are then in place, so the next wake's room counts
+// them) and that remove the directory (done: the lock released first if it is still
+// held). One wake's images are put in place at a time on the node (their room checked
+// and taken under the lock); CRIU's restores then run side by side.
+func room(id string) (dir string, unlock func(), done func(), err error) {
 	base := env("MCPFORGE_RESTORE_DIR", "/var/lib/mcp-forge/restore")
 	// Searchable by the pods' namespaces' roots, who open some images: readable by none.
 	if err := os.MkdirAll(base, 0o711); err != nil {
-		return "", nil, err
+		return "", nil, nil, err
 	}
-	unlock, err := lockRestores(base, true)
+	release, err := lockRestores(base, true)
 	if err != nil {
-		return "", nil, err
+		return "", nil, nil, err
 	}
 	sweepSpent(base) // first: what sweepTaken sets aside now is not found again
 	sweepTaken(base)
-	dir := filepath.Join(base, id)
-	release := func() {
-		setAside(dir) // removed once the wake is done (spent.go)
+	dir = filepath.Join(base, id)
+	var once sync.Once
+	unlock = func() { once.Do(release) }
+	done = func() {
 		unlock()
+		setAside(dir) // removed once the wake is done (spent.go); no other wake names it
 	}
 	os.RemoveAll(dir) // a restore of this container that was killed
 	if err := os.Mkdir(dir, 0o700); err != nil {
-		release()
-		return "", nil, err
+		done()
+		return "", nil, nil, err
 	}
-	return dir, release, nil
+	return dir, unlock, done, nil
 }
 
 // extract writes the archive's CRIU images into dir (scan checked them), root's alone

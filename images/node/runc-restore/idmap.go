@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"unsafe"
 )
@@ -42,10 +43,15 @@ type mountAttr struct {
 // one already, mounted under dir (outside the bundle, which containerd removes whole:
 // a mount left in it would have the volume's files removed with it); undo unmounts them
 // (the restored container holds mounts of its own), and is to be called whatever the
-// restore did. Called under the node's lock (room), which restores hold one at a time:
-// what an earlier, killed handler left in dir's parent is unmounted first.
+// restore did. While they are mounted, dir's lock file (dir + ".lock") is held: restores
+// run side by side (room), and what a killed handler left in dir's parent, whose lock
+// nobody holds, is unmounted first.
 func idmapped(bundle, dir string) (undo func(), err error) {
 	unmountStale(filepath.Dir(dir))
+	held, err := holdMounts(dir)
+	if err != nil {
+		return func() {}, err
+	}
 	var made []string
 	undo = func() {
 		for _, target := range made {
@@ -53,6 +59,8 @@ func idmapped(bundle, dir string) (undo func(), err error) {
 			_ = os.Remove(target)
 		}
 		_ = os.Remove(dir)
+		_ = os.Remove(dir + ".lock")
+		held.Close()
 	}
 	err = editSpec(bundle, func(whole map[string]any) error {
 		userns := usernsPath(whole)
@@ -106,12 +114,42 @@ func optionsOf(m map[string]any) map[string]bool {
 	return set
 }
 
+// holdMounts takes the lock of the mounts a restore makes in dir (dir + ".lock"), for as
+// long as the returned file is open.
+func holdMounts(dir string) (*os.File, error) {
+	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
+		return nil, err
+	}
+	f, err := os.OpenFile(dir+".lock", os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("the idmapped mounts of %s are another restore's: %w", dir, err)
+	}
+	return f, nil
+}
+
 // unmountStale unmounts and removes what killed handlers left under root (one directory
-// per container, one mount point per mount); never removes a tree.
+// per container, one mount point per mount; its lock file beside it), skipping what a
+// running restore holds (its lock); never removes a tree.
 func unmountStale(root string) {
 	dirs, _ := os.ReadDir(root)
 	for _, d := range dirs {
-		dir := filepath.Join(root, d.Name())
+		name, isLock := strings.CutSuffix(d.Name(), ".lock")
+		if !d.IsDir() && !isLock {
+			continue
+		}
+		dir := filepath.Join(root, name)
+		lock, err := os.OpenFile(dir+".lock", os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
+		if err != nil {
+			continue
+		}
+		if syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) != nil {
+			lock.Close() // a restore runs with them
+			continue
+		}
 		points, _ := os.ReadDir(dir)
 		for _, p := range points {
 			point := filepath.Join(dir, p.Name())
@@ -119,6 +157,10 @@ func unmountStale(root string) {
 			_ = os.Remove(point) // an empty directory or file once unmounted; else kept
 		}
 		_ = os.Remove(dir)
+		if _, err := os.Lstat(dir); os.IsNotExist(err) {
+			_ = os.Remove(dir + ".lock")
+		}
+		lock.Close()
 	}
 }
 

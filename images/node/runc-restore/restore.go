@@ -95,11 +95,11 @@ func create(runc string, global, rest []string) (bool, error) {
 		return false, err
 	}
 	defer flushSpent() // last: after the restore and the room's release
-	images, release, err := room(id)
+	images, unlock, done, err := room(id)
 	if err != nil {
 		return false, err
 	}
-	defer release() // the images go once restored (the pages live in the process), or not
+	defer done() // the images go once restored (the pages live in the process), or not
 	if err := wake(images, claim, name, shared, &new); err != nil {
 		return false, err
 	}
@@ -112,6 +112,7 @@ func create(runc string, global, rest []string) (bool, error) {
 		return false, err
 	}
 	defer undo() // the restored container holds mounts of its own
+	unlock()     // the images are in place: the node's next wake may put its own beside them
 	if err := restore(runc, global, rest, bundle, images, name); err != nil {
 		return false, err
 	}

@@ -201,3 +201,72 @@ func TestACheckpointNeverWaitsForTheNodesRestoresItKeepsNothingThen(t *testing.T
 		t.Fatalf("base %v %v", info, err)
 	}
 }
+
+func TestAWakesRoomIsTakenUnderTheLockWhichItsRestoreNeedNotHold(t *testing.T) {
+	base := t.TempDir()
+	t.Setenv("MCPFORGE_RESTORE_DIR", base)
+	t.Setenv("MCPFORGE_CHECKPOINTS", t.TempDir())
+	spent = nil
+	first, unlock, done, err := room("first")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if free, _ := lockRestores(base, false); free != nil {
+		free()
+		t.Fatal("the lock is free while the first wake puts its images in place")
+	}
+	unlock() // its images are in place: its restore runs unlocked
+	unlock() // and again, as its done does: a no-op
+	second := make(chan error, 1)
+	go func() {
+		_, _, done2, err := room("second")
+		if err == nil {
+			done2()
+		}
+		second <- err
+	}()
+	select {
+	case err := <-second:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the next wake waited for the first's restore")
+	}
+	done()
+	if _, err := os.Lstat(first); err == nil {
+		t.Fatal("the first room is still there once done")
+	}
+	removeNow(spent)
+	if entries, _ := os.ReadDir(base); len(entries) != 1 || entries[0].Name() != ".lock" {
+		t.Fatalf("left: %v", entries)
+	}
+	spent = nil
+}
+
+func TestStaleIdmappedMountsAreClearedButNotThoseARunningRestoreHolds(t *testing.T) {
+	root := t.TempDir()
+	live, stale := filepath.Join(root, "live"), filepath.Join(root, "stale")
+	held, err := holdMounts(live)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	for _, dir := range []string{live, stale} {
+		os.Mkdir(dir, 0o700)
+		os.WriteFile(filepath.Join(dir, "0"), nil, 0o600) // a mount point of a file
+	}
+	os.WriteFile(stale+".lock", nil, 0o600) // its handler was killed: nobody holds it
+	if _, err := holdMounts(live); err == nil {
+		t.Fatal("a second restore took the live one's mounts")
+	}
+	unmountStale(root)
+	if _, err := os.Lstat(filepath.Join(live, "0")); err != nil {
+		t.Fatal("a running restore's mounts were cleared")
+	}
+	for _, p := range []string{stale, stale + ".lock"} {
+		if _, err := os.Lstat(p); err == nil {
+			t.Fatalf("%s is left", p)
+		}
+	}
+}
