@@ -8,6 +8,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,46 @@ def test_what_cannot_be_copied_is_named_and_the_rest_is_copied(
         assert "null: [Errno 1] a device file is not copied" in done.stderr, done.stderr
         assert not (dst / "null").exists()
     assert (dst / "fine").read_text() == "fine"
+
+
+def test_modes_survive_any_umask_and_a_copy_made_again_replaces_a_read_only_one() -> None:
+    """As the copier's user (not root, who ignores modes): a 0666 FIFO stays 0666 under a
+    umask of 022, a 0500 directory's files are copied into it before its mode is set, and
+    a second copy over the first (its 0500 directory) replaces it."""
+    with tempfile.TemporaryDirectory() as scratch:  # pytest's own is root's, 0700
+        os.chmod(scratch, 0o711)
+        _modes_survive(Path(scratch))
+
+
+def _modes_survive(tmp_path: Path) -> None:
+    src, dst = tmp_path / "from", tmp_path / "to"
+    src.mkdir()
+    dst.mkdir()
+    os.mkfifo(src / "pipe", 0o666)
+    os.chmod(src / "pipe", 0o666)
+    (src / "ro").mkdir()
+    (src / "ro" / "f").write_text("inside")
+    os.chmod(src / "ro", 0o500)
+    argv = [sys.executable, "-I", "-S", "-c", source("treecopy"), str(src), str(dst)]
+    if os.geteuid() == 0:  # as nobody, owning both trees
+        for path in (src, dst, src / "pipe", src / "ro", src / "ro" / "f"):
+            os.chown(path, 65534, 65534)
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+    for attempt in ("first", "again"):
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, check=False,
+            preexec_fn=lambda: os.umask(0o022),
+        )  # fmt: skip
+        assert done.returncode == 0, (attempt, done.stderr)
+        assert stat.S_IMODE(os.lstat(dst / "pipe").st_mode) == 0o666, attempt
+        assert stat.S_IMODE(os.stat(dst / "ro").st_mode) == 0o500, attempt
+        assert (dst / "ro" / "f").read_text() == "inside", attempt
+
+
+def test_a_file_that_shrinks_while_it_is_copied_ends_where_it_ends(tmp_path: Path) -> None:
+    source_file, target = tmp_path / "shrinking", tmp_path / "copy"
+    source_file.write_bytes(b"y" * 10_000)
+    with open(source_file, "rb") as f, open(target, "wb") as out:
+        os.truncate(source_file, 100)  # after its size was read (10,000), before the copy
+        treecopy.contents(f.fileno(), out.fileno(), 10_000)
+    assert target.read_bytes() == b"y" * 100

@@ -133,6 +133,10 @@ func room(id string) (dir string, unlock func(), done func(), err error) {
 		unlock()
 		setAside(dir) // removed once the wake is done (spent.go); no other wake names it
 	}
+	if mountsHeld(filepath.Join(base, idmappedDir, id)) { // not killed: running
+		unlock() // its room is its own: left as it is
+		return "", nil, nil, fmt.Errorf("a restore of container %s is running", id)
+	}
 	os.RemoveAll(dir) // a restore of this container that was killed
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		done()

@@ -18,6 +18,8 @@ import (
 // each such source an idmapped mount first, in the user namespace the new container
 // joins (its sandbox's), and has runc mount that instead.
 
+const idmappedDir = "+idmapped" // under the restore directory: no container id takes '+'
+
 // Linux's mount API (the same numbers on every architecture since 5.2 and 5.12).
 const (
 	sysOpenTree     = 428
@@ -115,7 +117,7 @@ func optionsOf(m map[string]any) map[string]bool {
 }
 
 // holdMounts takes the lock of the mounts a restore makes in dir (dir + ".lock"), for as
-// long as the returned file is open.
+// long as the returned file is open (mountsHeld says whether one holds it).
 func holdMounts(dir string) (*os.File, error) {
 	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
 		return nil, err
@@ -131,15 +133,28 @@ func holdMounts(dir string) (*os.File, error) {
 	return f, nil
 }
 
+// mountsHeld says whether a running restore holds the lock of the mounts in dir.
+func mountsHeld(dir string) bool {
+	f, err := os.OpenFile(dir+".lock", os.O_RDWR|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	return syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) != nil
+}
+
 // unmountStale unmounts and removes what killed handlers left under root (one directory
 // per container, one mount point per mount; its lock file beside it), skipping what a
 // running restore holds (its lock); never removes a tree.
 func unmountStale(root string) {
 	dirs, _ := os.ReadDir(root)
 	for _, d := range dirs {
-		name, isLock := strings.CutSuffix(d.Name(), ".lock")
-		if !d.IsDir() && !isLock {
-			continue
+		name, isLock := d.Name(), false
+		if !d.IsDir() {
+			name, isLock = strings.CutSuffix(name, ".lock")
+			if !isLock {
+				continue
+			}
 		}
 		dir := filepath.Join(root, name)
 		lock, err := os.OpenFile(dir+".lock", os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)

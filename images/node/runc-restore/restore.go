@@ -107,7 +107,7 @@ func create(runc string, global, rest []string) (bool, error) {
 		return false, err
 	}
 	// Beside the images' directories, under a name no container id takes ('+').
-	undo, err := idmapped(bundle, filepath.Join(filepath.Dir(images), "+idmapped", id))
+	undo, err := idmapped(bundle, filepath.Join(filepath.Dir(images), idmappedDir, id))
 	if err != nil {
 		return false, err
 	}

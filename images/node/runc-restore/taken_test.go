@@ -242,6 +242,27 @@ func TestAWakesRoomIsTakenUnderTheLockWhichItsRestoreNeedNotHold(t *testing.T) {
 		t.Fatalf("left: %v", entries)
 	}
 	spent = nil
+	// A container whose restore runs (its mounts held) is not given a room again: its
+	// images are not removed under it.
+	running, unlockRunning, doneRunning, err := room("running")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(running, "pages-1.img"), []byte("x"), 0o600)
+	held, err := holdMounts(filepath.Join(base, idmappedDir, "running"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlockRunning() // its restore runs
+	if _, _, _, err := room("running"); err == nil || !strings.Contains(err.Error(), "is running") {
+		t.Fatalf("a second room for a running restore: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(running, "pages-1.img")); err != nil {
+		t.Fatal("the running restore's images were removed")
+	}
+	held.Close()
+	doneRunning()
+	spent = nil
 }
 
 func TestStaleIdmappedMountsAreClearedButNotThoseARunningRestoreHolds(t *testing.T) {

@@ -36,7 +36,8 @@ OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 class Copier:
     def __init__(self) -> None:
         self.errors = 0
-        self.linked: dict[tuple[int, int], tuple[int, str]] = {}  # (dev, ino) -> its copy
+        # (dev, ino) -> its copy, and how many of its other names are still to be seen
+        self.linked: dict[tuple[int, int], tuple[int, str, int]] = {}
         self.kept: dict[tuple[int, int], int] = {}  # copies' directories held open, by id
 
     def failed(self, where: str, exc: BaseException) -> None:
@@ -51,7 +52,7 @@ class Copier:
             return
         try:
             names = sorted(os.listdir(src))
-        except OSError as exc:
+        except (OSError, MemoryError) as exc:
             self.failed(where, exc)
             return
         for name in names:
@@ -59,7 +60,7 @@ class Copier:
                 continue
             try:
                 self.entry(src, dst, name, f"{where}/{name}", depth)
-            except OSError as exc:
+            except (OSError, RecursionError, MemoryError) as exc:
                 self.failed(f"{where}/{name}", exc)
 
     def entry(self, src: int, dst: int, name: str, where: str, depth: int) -> None:
@@ -70,7 +71,7 @@ class Copier:
             return
         clear(dst, name)
         if stat.S_ISREG(mode) and info.st_nlink > 1 and self.link(info, dst, name):
-            return
+            return  # hard links of other kinds (a FIFO's, a link's) are made apart
         if stat.S_ISLNK(mode):
             os.symlink(os.readlink(name, dir_fd=src), name, dir_fd=dst)
         elif stat.S_ISREG(mode):
@@ -87,11 +88,21 @@ class Copier:
             times(dst, name, info)
 
     def link(self, info: os.stat_result, dst: int, name: str) -> bool:
-        """A hard link to the copy of a file the tree holds under another name already."""
-        first = self.linked.get((info.st_dev, info.st_ino))
+        """A hard link to the copy of a file the tree holds under another name already
+        (False: none, or it cannot be linked to, EMLINK say: then it is copied apart)."""
+        key = (info.st_dev, info.st_ino)
+        first = self.linked.get(key)
         if first is None:
             return False
-        os.link(first[1], name, src_dir_fd=first[0], dst_dir_fd=dst, follow_symlinks=False)
+        kept, copied, left = first
+        if left <= 1:
+            del self.linked[key]  # its last name: nothing is to be linked to it again
+        else:
+            self.linked[key] = (kept, copied, left - 1)
+        try:
+            os.link(copied, name, src_dir_fd=kept, dst_dir_fd=dst, follow_symlinks=False)
+        except OSError:
+            return False
         return True
 
     def remember(self, info: os.stat_result, dst: int, name: str) -> None:
@@ -102,7 +113,7 @@ class Copier:
             if len(self.kept) >= LINKED_DIRS_MAX:
                 return
             kept = self.kept[(here.st_dev, here.st_ino)] = os.dup(dst)
-        self.linked[(info.st_dev, info.st_ino)] = (kept, name)
+        self.linked[(info.st_dev, info.st_ino)] = (kept, name, info.st_nlink - 1)
 
     def directory(
         self, src: int, dst: int, name: str, info: os.stat_result, at: tuple[str, int]
@@ -120,6 +131,7 @@ class Copier:
         try:
             into = os.open(name, OPEN_DIR, dir_fd=dst)
             try:
+                os.chmod(into, 0o700)  # an earlier copy's may be 0500: its mode comes last
                 self.tree(inner, into, *at)
                 os.chmod(into, stat.S_IMODE(info.st_mode))
                 os.utime(into, ns=(info.st_atime_ns, info.st_mtime_ns))
@@ -130,7 +142,8 @@ class Copier:
 
     def file(self, src: int, dst: int, name: str, info: os.stat_result) -> None:
         """A regular file's contents, holes kept, then its mode and times."""
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        fd = os.open(name, flags, dir_fd=src)
         try:
             now = os.fstat(fd)
             if not stat.S_ISREG(now.st_mode):  # replaced since it was looked at
@@ -153,16 +166,19 @@ class Copier:
 
 
 def contents(fd: int, out: int, size: int) -> None:
-    """fd's data copied into out at the same offsets; its holes left holes."""
+    """fd's data copied into out at the same offsets; its holes left holes. A file that
+    shrank meanwhile ends where it ends now."""
     offset = 0
     while offset < size:
         try:
             start = os.lseek(fd, offset, os.SEEK_DATA)
+            end = os.lseek(fd, start, os.SEEK_HOLE)
         except OSError as exc:
             if exc.errno == errno.ENXIO:  # nothing but a hole to its end
                 break
-            raise
-        end = os.lseek(fd, start, os.SEEK_HOLE)
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            start, end = offset, size  # a filesystem that cannot say: all of it
         os.lseek(out, start, os.SEEK_SET)
         at = start
         while at < end:
@@ -170,11 +186,11 @@ def contents(fd: int, out: int, size: int) -> None:
             if sent == 0:  # it shrank while it was copied
                 break
             at += sent
-        offset = end
-    os.ftruncate(out, size)
+        offset = max(end, offset + 1)
+    os.ftruncate(out, min(size, os.fstat(fd).st_size))
 
 
-def clear(dst: int, name: str) -> None:
+def clear(dst: int, name: str, depth: int = 0) -> None:
     """What dst holds at name, gone (a directory with what it holds); nothing followed."""
     try:
         have = os.stat(name, dir_fd=dst, follow_symlinks=False)
@@ -183,10 +199,13 @@ def clear(dst: int, name: str) -> None:
     if not stat.S_ISDIR(have.st_mode):
         os.unlink(name, dir_fd=dst)
         return
+    if depth > DEPTH_MAX:
+        raise OSError(errno.ELOOP, f"what is there is over {DEPTH_MAX} directories deep")
     inner = os.open(name, OPEN_DIR, dir_fd=dst)
     try:
+        os.chmod(inner, 0o700)  # an earlier copy's may be 0500
         for entry in os.listdir(inner):
-            clear(inner, entry)
+            clear(inner, entry, depth + 1)
     finally:
         os.close(inner)
     os.rmdir(name, dir_fd=dst)
@@ -200,9 +219,14 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("treecopy: FROM TO", file=sys.stderr)
         return 2
+    os.umask(0)  # every file is made with its own mode
     copier = Copier()
-    src = os.open(argv[0], OPEN_DIR)
-    dst = os.open(argv[1], OPEN_DIR)
+    try:
+        src = os.open(argv[0], OPEN_DIR)
+        dst = os.open(argv[1], OPEN_DIR)
+    except OSError as exc:
+        print(f"treecopy: {exc}", file=sys.stderr)
+        return 2
     try:
         copier.tree(src, dst, argv[0])
     finally:
