@@ -36,6 +36,7 @@ import podman
 import podman.errors
 import requests
 
+from mcp_forge.clients import podman_locks
 from mcp_forge.clients.podman_service import Service, runtime_dir, start_service
 from mcp_forge.clients.podman_stream import (
     EVENT_LINE_MAX,
@@ -56,6 +57,7 @@ PING_TIMEOUT = 2.0  # a systemd socket that does not answer this fast is not use
 RECONNECT_FIRST = 0.1  # event stream: the first reconnect waits this long, doubling up to
 RECONNECT_MAX = 5.0
 DEATH_GRACE = 0.5  # seconds a service whose socket refused us has to be seen exited
+WATCH_EVERY = 1.0  # s: a call running this long has our service watched, this often
 
 T = TypeVar("T")
 
@@ -115,11 +117,41 @@ class PodmanApi:
         loop = asyncio.get_running_loop()
         used = self.service
         try:
-            return await loop.run_in_executor(self._pool, run)
+            return await self._watched(loop.run_in_executor(self._pool, run), what, used)
         except PodmanError as exc:
             if exc.returncode != -1 or not await self.revive(used):
                 raise
-        return await loop.run_in_executor(self._pool, run)  # once, on the new service
+        used = self.service  # once, on the new service
+        return await self._watched(loop.run_in_executor(self._pool, run), what, used)
+
+    async def _watched(self, call: asyncio.Future[T], what: str, used: Service | None) -> T:
+        """`call`'s result. While it runs past a second, our own service is watched for
+        Podman 4.3.1's lock inversion (podman_locks.Stall) and killed if stuck in it: the
+        process it blocked goes on at once, and the call, cut off, is tried again on a new
+        service (_call). A service someone else runs is only waited for."""
+        if used is None:
+            return await call
+        stall: podman_locks.Stall | None = None
+        try:
+            while not (await asyncio.wait({call}, timeout=WATCH_EVERY))[0]:
+                if used.proc.poll() is not None:
+                    break
+                stall = stall or podman_locks.Stall(used.proc.pid)
+                why = await asyncio.to_thread(stall.check)
+                if why is not None and used.proc.poll() is None:
+                    log.warning(
+                        "podman API service (pid %d) is stuck in Podman's store answering "
+                        "%s: %s; killing it",
+                        used.proc.pid,
+                        what,
+                        why,
+                    )
+                    used.proc.kill()
+                    break
+        except BaseException:
+            call.cancel()  # its thread finishes on its own
+            raise
+        return await call
 
     async def revive(self, used: Service | None) -> bool:
         """Start our service again if `used`, the one a call could not reach, has died;
