@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import urllib.parse
@@ -36,7 +37,7 @@ import podman
 import podman.errors
 import requests
 
-from mcp_forge.clients import podman_locks
+from mcp_forge.clients import podman_stall
 from mcp_forge.clients.podman_service import Service, runtime_dir, start_service
 from mcp_forge.clients.podman_stream import (
     EVENT_LINE_MAX,
@@ -83,6 +84,7 @@ class PodmanApi:
         self._local = threading.local()
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="podman-api")
         self._reviving: asyncio.Lock | None = None
+        self._watches: set[asyncio.Future[None]] = set()  # podman_stall's, of calls running
         self._closed = False
 
     # ---- plumbing --------------------------------------------------------------------------
@@ -114,44 +116,51 @@ class PodmanApi:
                     raise PodmanError(["API", what], status, str(exc)) from None
                 raise PodmanError(["API", what], -1, f"{self.socket_path}: {exc}") from None
 
-        loop = asyncio.get_running_loop()
         used = self.service
         try:
-            return await self._watched(loop.run_in_executor(self._pool, run), what, used)
+            return await self._watched(self._pool.submit(run), what, used)
         except PodmanError as exc:
             if exc.returncode != -1 or not await self.revive(used):
                 raise
         used = self.service  # once, on the new service
-        return await self._watched(loop.run_in_executor(self._pool, run), what, used)
+        return await self._watched(self._pool.submit(run), what, used)
 
-    async def _watched(self, call: asyncio.Future[T], what: str, used: Service | None) -> T:
-        """`call`'s result. While it runs past a second, our own service is watched for
-        Podman 4.3.1's lock inversion (podman_locks.Stall) and killed if stuck in it: the
+    async def _watched(
+        self, call: concurrent.futures.Future[T], what: str, used: Service | None
+    ) -> T:
+        """`call`'s result. While it runs (past a second), our own service is watched for
+        Podman 4.3.1's lock inversion (podman_stall.py) and killed if stuck in it: the
         process it blocked goes on at once, and the call, cut off, is tried again on a new
-        service (_call). A service someone else runs is only waited for."""
-        if used is None:
-            return await call
-        stall: podman_locks.Stall | None = None
-        try:
-            while not (await asyncio.wait({call}, timeout=WATCH_EVERY))[0]:
-                if used.proc.poll() is not None:
-                    break
-                stall = stall or podman_locks.Stall(used.proc.pid)
-                why = await asyncio.to_thread(stall.check)
-                if why is not None and used.proc.poll() is None:
-                    log.warning(
-                        "podman API service (pid %d) is stuck in Podman's store answering "
-                        "%s: %s; killing it",
-                        used.proc.pid,
-                        what,
-                        why,
-                    )
-                    used.proc.kill()
-                    break
-        except BaseException:
-            call.cancel()  # its thread finishes on its own
-            raise
-        return await call
+        service (_call). The watch outlives a caller that gave up: the request is still
+        stuck in the service. A service someone else runs is only waited for."""
+        if used is not None:
+            watch = asyncio.ensure_future(self._watch(call, what, used))
+            self._watches.add(watch)
+            watch.add_done_callback(self._watches.discard)
+        return await asyncio.wrap_future(call)
+
+    async def _watch(self, call: concurrent.futures.Future[Any], what: str, used: Service) -> None:
+        stall: podman_stall.Stall | None = None
+        ended = asyncio.wrap_future(call)
+        while not (await asyncio.wait({ended}, timeout=WATCH_EVERY))[0]:
+            if self._closed or used.proc.poll() is not None:
+                return
+            stall = stall or podman_stall.Stall(used.proc.pid)
+            stuck = await asyncio.to_thread(stall.check)
+            if stuck is None or call.done() or used.proc.poll() is not None:
+                continue
+            log.warning(
+                "podman API service (pid %d) is stuck in Podman's store answering %s: %s; "
+                "killing it",
+                used.proc.pid,
+                what,
+                stuck.why,
+            )
+            if stuck.ours != used.proc.pid:  # its child (rootless): the one holding the locks
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stuck.ours, signal.SIGKILL)
+            used.proc.kill()
+            return
 
     async def revive(self, used: Service | None) -> bool:
         """Start our service again if `used`, the one a call could not reach, has died;
@@ -424,11 +433,17 @@ def release(holding: frozenset[int]) -> bool:
     and killed; a service someone else runs is never touched."""
     api = _shared
     service = api.service if api is not None else None
-    if service is None or service.proc.pid not in holding or service.proc.poll() is not None:
+    if service is None or service.proc.poll() is not None:
+        return False
+    held = podman_stall.family(service.proc.pid) & holding  # rootless: its child's locks
+    if not held:
         return False
     log.warning(
         "podman API service (pid %d) held Podman's store while a command stalled; killing it",
         service.proc.pid,
     )
+    for pid in held - {service.proc.pid}:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     service.proc.kill()
     return True

@@ -12,8 +12,7 @@ just after another process changed the store, holds storage.lock and waits for
 layers.lock; a `kube play` holds layers.lock and asks for storage.lock. The kernel finds
 the cycle and answers the play EDEADLK, and containers/storage (its lockfile_unix.go)
 asks again every 10 ms, for ever: the play never shows as a waiter, and both stay stuck
-until the play's timeout. `Stall` sees it from our side within seconds (podman_api
-watches each call with it and kills our service: the play then goes on at once).
+until the play's timeout. podman_stall.py sees it from our side within seconds.
 
 A lock file is told by its device and inode, as /proc/locks gives them. On a btrfs
 subvolume the device stat() gives is not the one /proc/locks prints, and nothing is
@@ -23,7 +22,6 @@ found there: the log then says no one holds the store's locks (Debian's ext4 is 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,13 +36,6 @@ STORE_LOCKS = (
 )
 PROC_LOCKS_MAX = 1 << 20  # bytes of /proc/locks read: a host's locks, not ours to bound
 COMMAND_MAX = 160  # characters of a holder's command line in a log line
-STALL_AFTER = 5.0  # s a lock wait behind a holder doing nothing is taken for a stall
-# What a holder may do, per second of the wait, and still be taken for doing nothing: a
-# spin of fcntl and a 10 ms sleep uses ~1% of a core and no read or write; copying an
-# image's layers for a new user namespace, the one long hold seen, far more of both.
-IDLE_CPU = 0.2  # of a core
-IDLE_IO = 256 * 1024  # bytes read and written
-
 Key = tuple[int, int, int]  # a locked file: device major, minor, inode (as /proc/locks)
 
 
@@ -114,75 +105,10 @@ def holders(root: Path | None = None, names: Iterable[str] = STORE_LOCKS) -> lis
     `root`: by default the store's, under its graph root)."""
     files = store_files(root, names)
     return [
-        Holder(files[lock.key], lock.pid, lock.waiting, _command(lock.pid))
+        Holder(files[lock.key], lock.pid, lock.waiting, command(lock.pid))
         for lock in locks()
         if lock.key in files
     ]
-
-
-class Stall:
-    """Whether process `pid` is stuck in a lock wait: it has waited `after` seconds for a
-    lock held by a process that, all that time, neither ran nor read or wrote (IDLE_CPU,
-    IDLE_IO) - the other half of the inversion above, spinning on EDEADLK. A holder at
-    work (copying layers) is waited for as long as it takes. Any lock file counts, so a
-    service on a store of its own is watched too.
-
-    Call `check` every second or so; it is cheap (a read of /proc/locks, and two small
-    /proc files of each holder waited for).
-    """
-
-    def __init__(self, pid: int, *, after: float | None = None) -> None:
-        self.pid = pid
-        self.after = STALL_AFTER if after is None else after
-        self._since: dict[tuple[Key, int], tuple[float, tuple[float, int]]] = {}
-
-    def check(self) -> str | None:
-        """None, or what `pid` is stuck behind, for a log line."""
-        now = time.monotonic()
-        found = locks()
-        awaited = {lock.key for lock in found if lock.pid == self.pid and lock.waiting}
-        edges = {
-            (lock.key, lock.pid)
-            for lock in found
-            if lock.key in awaited and not lock.waiting and lock.pid != self.pid
-        }
-        since: dict[tuple[Key, int], tuple[float, tuple[float, int]]] = {}
-        for key, holder in edges:
-            done = _work(holder)
-            if done is None:  # gone meanwhile
-                continue
-            first = self._since.get((key, holder))
-            if first is None or _busy(first[1], done, now - first[0]):
-                first = (now, done)
-            since[(key, holder)] = first
-            if now - first[0] >= self.after:
-                name = store_files().get(key) or "{}:{}:{}".format(*key)
-                return (
-                    f"it waited {now - first[0]:.0f}s for {name}, held by {holder} "
-                    f"({_command(holder)}), which did nothing meanwhile"
-                )
-        self._since = since
-        return None
-
-
-def _work(pid: int) -> tuple[float, int] | None:
-    """What `pid` has done so far: CPU seconds (user and system), bytes read and written."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        io = Path(f"/proc/{pid}/io").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-    moved = sum(
-        int(line.split()[1]) for line in io.splitlines() if line.startswith(("rchar", "wchar"))
-    )
-    return cpu, moved
-
-
-def _busy(before: tuple[float, int], after: tuple[float, int], seconds: float) -> bool:
-    seconds = max(seconds, 1.0)
-    return after[0] - before[0] > IDLE_CPU * seconds or after[1] - before[1] > IDLE_IO * seconds
 
 
 def describe(found: list[Holder]) -> str:
@@ -194,7 +120,7 @@ def describe(found: list[Holder]) -> str:
     )
 
 
-def _command(pid: int) -> str:
+def command(pid: int) -> str:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()[: COMMAND_MAX * 4]
     except OSError:

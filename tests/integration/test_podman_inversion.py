@@ -25,13 +25,13 @@ from pathlib import Path
 
 import pytest
 
-from mcp_forge.clients import podman, podman_locks, podman_service
+from mcp_forge.clients import podman, podman_locks, podman_service, podman_stall
 from mcp_forge.clients.podman_api import PodmanApi
 
 pytestmark = pytest.mark.podman
 
 IMAGE = "localhost/stall-test:1"
-STALL_AFTER = 2.0  # s, for these tests (the service's default is podman_locks.STALL_AFTER)
+STALL_AFTER = 2.0  # s, for these tests (the service's default is podman_stall.STALL_AFTER)
 DEADLINE = 60.0  # s for anything here; the stalled play in CI waited 120 s
 
 # Changes the store as a writer does (a new last-writer id in storage.lock, so a reader
@@ -142,7 +142,7 @@ def stuck(caplog: pytest.LogCaptureFixture) -> list[str]:
 async def test_a_service_stuck_in_the_inversion_is_killed_and_the_other_side_goes_on(
     store: Store, api: PodmanApi, caplog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(podman_locks, "STALL_AFTER", STALL_AFTER)
+    monkeypatch.setattr(podman_stall, "STALL_AFTER", STALL_AFTER)
     caplog.set_level(logging.WARNING, logger="mcp_forge.clients.podman_api")
     first = api.service
     assert first is not None
@@ -168,6 +168,7 @@ async def test_a_service_stuck_in_the_inversion_is_killed_and_the_other_side_goe
         words = stuck(caplog)
         assert len(words) == 1, words
         assert f"(pid {first.proc.pid})" in words[0] and "answering image exists" in words[0]
+        assert f"{first.proc.pid} waited 2s for " in words[0]
         assert f"held by {inverted.pid} (" in words[0] and "did nothing meanwhile" in words[0]
     finally:
         if inverted.returncode is None:
@@ -180,7 +181,7 @@ async def test_a_service_waiting_behind_a_holder_at_work_is_left_to_wait(
 ) -> None:
     """A holder that works while it holds the lock (as a play copying an image's layers
     for a new user namespace does, for minutes) is waited for, however long."""
-    monkeypatch.setattr(podman_locks, "STALL_AFTER", STALL_AFTER)
+    monkeypatch.setattr(podman_stall, "STALL_AFTER", STALL_AFTER)
     caplog.set_level(logging.WARNING, logger="mcp_forge.clients.podman_api")
     first = api.service
     assert first is not None
