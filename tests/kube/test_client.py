@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.parse
 from typing import Any
 
 import pytest
@@ -12,7 +14,10 @@ from mcp_forge.errors import SessionNotFound
 from mcp_forge.runtimes.cluster import KubernetesRuntime
 from mcp_forge.settings import Settings
 
+from .cluster_common import ROOT
 from .harness import KS, eventually, session_body
+
+AUDIT = ROOT / "logs" / "audit.log"  # the test cluster API server's (cluster_config.py)
 
 
 def _idle_sockets(kube: Kube) -> list[Any]:
@@ -66,3 +71,49 @@ async def test_the_gateways_wait_for_ready_ends_when_the_session_is_deleted(
             await asyncio.wait_for(creating, 15)
     finally:
         runtime.close()
+
+
+def gateway_requests(since: int, ns: str) -> list[tuple[str, str]]:
+    """The gateway's requests of sessions in `ns` in the audit log after byte `since`, as
+    (verb, path), each once (a watch is logged when it starts and when it ends)."""
+    with AUDIT.open("rb") as f:
+        f.seek(since)
+        data = f.read()
+    seen: dict[str, tuple[str, str]] = {}
+    for line in data[: data.rfind(b"\n") + 1].splitlines():
+        event = json.loads(line)
+        uri = urllib.parse.unquote(event["requestURI"])
+        if str(event.get("userAgent", "")).startswith("mcp-forge-gateway/") and uri.startswith(
+            f"/apis/mcpforge.dev/v1alpha1/namespaces/{ns}/kernelsessions"
+        ):
+            seen[event["auditID"]] = (event["verb"], uri.split("?")[0])
+    return list(seen.values())
+
+
+async def test_the_gateways_wait_for_ready_reads_one_stream_from_the_create(
+    kube: Kube, ns: str
+) -> None:
+    """The operator writes a session's status more than once before Ready (a claim, then
+    Ready): the gateway's create follows them all on one watch, started where its create
+    left off (no list first, no new watch per change: each cost a round trip, and a new
+    TLS connection, right when the API server is busiest). No operator runs here: the
+    test writes the statuses."""
+    runtime = KubernetesRuntime(
+        Settings(session_namespace=ns), Kube(kube.client.configuration, manager="mcp-forge-gateway")
+    )
+    body = session_body("steps", ns, image="localhost/mcp-forge-kernel:0.1.0-minimal")
+    since = AUDIT.stat().st_size
+    try:
+        creating = asyncio.create_task(runtime.create(body))
+        made = await eventually(kube, KS, ns, "steps", lambda o: o is not None)
+        assert made is not None
+        generation = made["metadata"]["generation"]
+        for phase in ("Pending", "Starting", "Ready"):
+            status = {"phase": phase, "observedGeneration": generation, "podName": f"ks-{phase}"}
+            await asyncio.to_thread(kube.patch, KS, ns, "steps", {"status": status}, status=True)
+        session = await asyncio.wait_for(creating, 30)
+        assert session.status["phase"] == "Ready" and session.status["podName"] == "ks-Ready"
+    finally:
+        runtime.close()
+    path = f"/apis/mcpforge.dev/v1alpha1/namespaces/{ns}/kernelsessions"
+    assert gateway_requests(since, ns) == [("create", path), ("watch", path)]

@@ -56,7 +56,7 @@ from mcp_forge.errors import (
     SessionNotReady,
 )
 from mcp_forge.jupyter.client import KernelConnection
-from mcp_forge.runtimes import cluster_forks, spec_packages
+from mcp_forge.runtimes import cluster_forks, cluster_watch, spec_packages
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,9 @@ class KubernetesRuntime:
         made = await self.make(body)
         meta = made["metadata"]
         try:
-            return await self.wait_ready(meta["namespace"], meta["name"], uid=meta["uid"])
+            return await self.wait_ready(
+                meta["namespace"], meta["name"], uid=meta["uid"], made=made
+            )
         except BaseException:
             # The caller gets the error and no session: do not leave a half-made one
             # counting against its quota.
@@ -196,10 +198,13 @@ class KubernetesRuntime:
         made["metadata"].setdefault("uid", "")
         return made
 
-    async def wait_ready(self, namespace: str, name: str, *, uid: str) -> KernelSession:
+    async def wait_ready(
+        self, namespace: str, name: str, *, uid: str, made: dict[str, Any] | None = None
+    ) -> KernelSession:
         """The session once the operator has made it Ready (SessionNotReady if it failed
-        or took too long; SessionNotFound if it went, or another of its name is there)."""
-        return await self._wait_ready(namespace, name, lambda s: True, uid=uid)
+        or took too long; SessionNotFound if it went, or another of its name is there).
+        `made`: the object its create answered with, watched from (not listed first)."""
+        return await self._wait_ready(namespace, name, lambda s: True, uid=uid, made=made)
 
     async def fork(
         self, name: str, namespace: str, bodies: builtins.list[dict[str, Any]]
@@ -506,75 +511,57 @@ class KubernetesRuntime:
             log.info("no Lease for %s yet: the operator makes it", session.name)
 
     async def _wait_ready(
-        self, namespace: str, name: str, also: Callable[[KernelSession], bool], *, uid: str
+        self,
+        namespace: str,
+        name: str,
+        also: Callable[[KernelSession], bool],
+        *,
+        uid: str,
+        made: dict[str, Any] | None = None,
     ) -> KernelSession:
         """Wait until the session is Ready (and `also` holds); raise if it fails or goes.
 
-        Each state is looked at as the watch brings it: the status that says Ready is
-        acted on at once, not read again (a round trip, with the API server at its
-        busiest then, on what the operator does after a claim)."""
+        Each state is looked at as the watch brings it (cluster_watch.py: one stream for
+        the whole wait, from `made`, the object a create answered with, when given): the
+        status that says Ready is acted on at once, not read again (a round trip, with the
+        API server at its busiest then, on what the operator does after a claim)."""
         deadline = time.monotonic() + self.settings.kernel_ready_timeout
         loop = asyncio.get_running_loop()
-        rv: str | None
-        body, rv = await loop.run_in_executor(self._watchers, self._listed, namespace, name)
-        while True:
-            if body is None or (uid and body["metadata"].get("uid") != uid):
-                raise SessionNotFound(f"session {name!r} was deleted")
-            session = self._load(body, namespace)
-            status = session.status
-            generation = body["metadata"].get("generation")
-            current = status.get("observedGeneration") == generation
-            if current and status.get("phase") == st.READY and also(session):
-                return session
-            if (current and status.get("phase") in (st.FAILED, st.EXPIRED)) or (
-                status.get("phase") == st.SUSPENDED and status.get("reason") != st.IDLE
-            ):
-                raise SessionNotReady(
-                    f"session {name!r} is {status.get('phase')}: {status.get('message', '')}"
-                )
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SessionNotReady(
-                    f"session {name!r} was not Ready within "
-                    f"{self.settings.kernel_ready_timeout:.0f}s: {status.get('phase')}, "
-                    f"{status.get('message', '')}"
-                )
+        if made is not None:
+            body: dict[str, Any] | None = made
+            rv: str | None = str(made["metadata"].get("resourceVersion") or "") or None
+        else:
             body, rv = await loop.run_in_executor(
-                self._watchers, self._next_change, namespace, name, body, rv, min(left, WATCH_CHUNK)
+                self._watchers, cluster_watch.listed, self.kube, namespace, name
             )
-
-    def _listed(self, namespace: str, name: str) -> tuple[dict[str, Any] | None, str]:
-        """The session as a list of one gives it (None if there is none), and the list's
-        resourceVersion: a watch can start there (an object's own may be too old for the
-        API server to replay from: 410 Gone)."""
-        listed = self.kube.list(KIND, namespace, fields={"metadata.name": name})
-        items = listed.get("items") or []
-        return (items[0] if items else None), str(listed["metadata"].get("resourceVersion") or "")
-
-    def _next_change(
-        self, namespace: str, name: str, seen: dict[str, Any], rv: str | None, timeout: float
-    ) -> tuple[dict[str, Any] | None, str | None]:
-        """The session once it changed from `seen` (`seen` again if `timeout` passed
-        first, None once it is gone), and where the next watch starts (None: list first).
-
-        The watch starts at `rv`, what `seen` was read at; without one (the API server
-        could not replay from there) the session is listed again, and a change between
-        the two reads is caught by comparing."""
-        if rv is None:
-            listed, rv = self._listed(namespace, name)
-            if listed is None or listed["metadata"].get("resourceVersion") != seen["metadata"].get(
-                "resourceVersion"
-            ):
-                return listed, rv
+        watch = None
         try:
-            for event in self.kube.watch(
-                KIND, namespace, resource_version=rv, name=name, timeout=timeout
-            ):
-                if event.type == "DELETED":
-                    return None, None
-                return event.object, str(event.object["metadata"].get("resourceVersion") or "")
-        except ApiError as exc:
-            if exc.status != 410:
-                raise
-            return seen, None
-        return seen, rv
+            while True:
+                if body is None or (uid and body["metadata"].get("uid") != uid):
+                    raise SessionNotFound(f"session {name!r} was deleted")
+                session = self._load(body, namespace)
+                status = session.status
+                generation = body["metadata"].get("generation")
+                current = status.get("observedGeneration") == generation
+                if current and status.get("phase") == st.READY and also(session):
+                    return session
+                if (current and status.get("phase") in (st.FAILED, st.EXPIRED)) or (
+                    status.get("phase") == st.SUSPENDED and status.get("reason") != st.IDLE
+                ):
+                    raise SessionNotReady(
+                        f"session {name!r} is {status.get('phase')}: {status.get('message', '')}"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SessionNotReady(
+                        f"session {name!r} was not Ready within "
+                        f"{self.settings.kernel_ready_timeout:.0f}s: {status.get('phase')}, "
+                        f"{status.get('message', '')}"
+                    )
+                watch = watch or cluster_watch.SessionWatch(self.kube, namespace, name, body, rv)
+                body = await loop.run_in_executor(
+                    self._watchers, watch.next_change, min(left, WATCH_CHUNK)
+                )
+        finally:
+            if watch is not None:
+                watch.close()

@@ -82,7 +82,7 @@ def unforked(session: KernelSession) -> bool:
 async def _ended(runtime: KubernetesRuntime, made: dict[str, Any]) -> KernelSession:
     meta = made["metadata"]
     try:
-        return await runtime.wait_ready(meta["namespace"], meta["name"], uid=meta["uid"])
+        return await runtime.wait_ready(meta["namespace"], meta["name"], uid=meta["uid"], made=made)
     except SessionNotReady:
         now = await runtime.get(meta["name"], meta["namespace"])
         if now.status.get("phase") == st.FAILED:
