@@ -142,6 +142,7 @@ class PodmanApi:
     async def _watch(self, call: concurrent.futures.Future[Any], what: str, used: Service) -> None:
         stall: podman_stall.Stall | None = None
         ended = asyncio.wrap_future(call)
+        ended.add_done_callback(lambda f: f.cancelled() or f.exception())  # the caller's
         while not (await asyncio.wait({ended}, timeout=WATCH_EVERY))[0]:
             if self._closed or used.proc.poll() is not None:
                 return
