@@ -268,8 +268,9 @@ class KernelPods:
         plays once more: with the lock held no other play of this pod is under way in
         any process of this store, so the container is nobody's work in progress. A play
         that stalls in Podman's store (PodmanTimeout) is played once more too. Each once:
-        a stall then a taken name (the stalled play's leftover) are both put right. The
-        failed play's half-made pod goes with --replace."""
+        a stall then a taken name (the stalled play's leftover) are both put right. So is
+        a play whose old pod another process removed while it replaced it. The failed
+        play's half-made pod goes with --replace."""
         args = (
             "kube",
             "play",
@@ -293,6 +294,15 @@ class KernelPods:
                 podman_api.release(exc.holding)
                 log.warning("%s: podman kube play stalled; playing once more", session.name)
             except PodmanError as exc:
+                if "no such pod" in exc.stderr and "gone" not in tried:
+                    # --replace removes the pod it replaces; one removed meanwhile by
+                    # another process (a person's `podman pod rm`) fails that: it is gone,
+                    # as the play wanted (seen in CI: the session was left Failed).
+                    tried.add("gone")
+                    log.warning(
+                        "%s: its old pod went while it played; playing once more", session.name
+                    )
+                    continue
                 name = self.container_name(session)
                 if (
                     "name" in tried
