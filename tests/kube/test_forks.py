@@ -36,7 +36,7 @@ from .harness import (
     start_bridge,
 )
 from .test_checkpoint import IMAGE
-from .test_snapshots import CHECKPOINTS, PERSISTENT, STATE, snapshot_operator
+from .test_snapshots import CHECKPOINTS, OPEN_FILE, PERSISTENT, STATE, snapshot_operator
 
 
 @pytest.fixture
@@ -217,7 +217,9 @@ async def test_a_gateway_forks_a_session_into_copies_each_answering_under_its_ow
         await asyncio.to_thread(kube.create, body)
         await ready(kube, ns, "source")
         async with kernel(kube, ns, "source") as conn:
-            assert await run_in_kernel(conn, STATE) == "41\n"
+            # Its workspace is its writable layer (no volume): each copy gets it back,
+            # a file held open too, as its own (images/node/runc-restore/rootfs.go).
+            assert await run_in_kernel(conn, STATE + OPEN_FILE) == "41\n"
             parent = await runtime.get("source", ns)
             bodies = [forks.body(parent, n, annotations={}) for n in ("copy-a", "copy-b")]
             made = await runtime.fork("source", ns, bodies)
@@ -226,7 +228,13 @@ async def test_a_gateway_forks_a_session_into_copies_each_answering_under_its_ow
         for copy in made:
             assert (copy.status.get("fork") or {}).get("outcome") == "Forked", copy.status
             async with kernel(kube, ns, copy.name) as child:
-                assert await run_in_kernel(child, "print(x, t.is_alive())") == "41 True\n"
+                mine = copy.name[-1]
+                said = await run_in_kernel(
+                    child,
+                    f"log.write({mine!r}); log.flush()\n"
+                    "print(x, t.is_alive(), open('log.txt').read())",
+                )
+                assert said == f"41 True a{mine}\n", said
             keys.add((await _connection(kube, ns, copy.name))[0]["key"])
         assert len(keys) == 3, "each copy signs with a key of its own"
         # One checkpoint for both, which the handler left for the node's sweeper.

@@ -242,6 +242,52 @@ async def test_a_suspended_session_wakes_with_its_variables_and_threads(
         await asyncio.to_thread(archive.unlink, missing_ok=True)
 
 
+async def test_an_ephemeral_sessions_files_come_back_with_its_memory(
+    kube: Kube, ns: str, snapshotting: Any, tmp_path: Path
+) -> None:
+    """A session without a persistent workspace (or a sharedGroup) has no volume: its
+    /workspace and /tmp are its container's writable layer, which the kubelet's archive
+    holds and the node's handler puts back before CRIU restores the process
+    (images/node/runc-restore/rootfs.go). Its files come back, one held open, with their
+    owner; a link the kernel planted to a file of the node's comes back as a link, the
+    node's file untouched (the handler, root, follows no link of the kernel's)."""
+    node_file = tmp_path / "node-file"
+    node_file.write_text("node")
+    node_file.chmod(0o600)
+    before = os.lstat(node_file)
+    files = (
+        "import os\n"
+        "open('/tmp/scratch', 'w').write('t')\n"
+        f"os.symlink({str(node_file)!r}, 'to-node')\n"
+        "os.makedirs('d/e')\n"
+        "open('d/e/f', 'w').write('deep')\n"
+    )
+    obj = await _suspended(kube, ns, "ephemeral", OPEN_FILE + files)
+    archive = CHECKPOINTS / str((obj["status"].get("snapshot") or {}).get("archive"))
+    try:
+        assert archive.is_file(), obj["status"]
+        obj = await _resumed(kube, ns, "ephemeral", before="")
+        assert (obj["status"].get("lastRestore") or {}).get("outcome") == "Restored", obj
+        async with kernel(kube, ns, "ephemeral") as conn:
+            said = await run_in_kernel(
+                conn,
+                "log.write('b'); log.flush()\n"
+                "print(x, open('log.txt').read(), open('/tmp/scratch').read(),"
+                " open('d/e/f').read(), os.readlink('to-node'),"
+                " os.stat('log.txt').st_uid == os.getuid() == os.stat('d/e').st_uid)",
+            )
+        assert said == f"41 ab t deep {node_file} True\n", said
+        after = os.lstat(node_file)
+        assert (after.st_uid, after.st_gid, after.st_mode) == (
+            before.st_uid,
+            before.st_gid,
+            before.st_mode,
+        )
+        assert node_file.read_text() == "node"
+    finally:
+        await asyncio.to_thread(archive.unlink, missing_ok=True)
+
+
 async def test_a_snapshot_that_cannot_be_restored_gives_a_fresh_kernel_that_says_so(
     kube: Kube, ns: str, snapshotting: Any
 ) -> None:

@@ -1,7 +1,10 @@
 """The node's restore handler's own tests (images/node/runc-restore/*_test.go): what a pod of
 a namespace can put in its snapshot claim (links, FIFOs, changed or foreign copies, an
-archive that unpacks past its size), against store.go. Go's, run here so that CI runs
-them; as root, as the handler runs (its key must be root's)."""
+archive that unpacks past its size), against store.go; what a kernel can leave in its
+writable layer for a wake to put back (links out of its rootfs, `../` names, hard links
+to the node's files, owners outside its pod, devices, set-id bits), against rootfs.go.
+Go's, run here so that CI runs them; as root, as the handler runs (its key must be
+root's)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ def go() -> str:
         "/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").exists() else None
     )
     if found is None:
-        pytest.fail("no Go on this machine: images/node/build needs it too (1.22 or later)")
+        pytest.fail("no Go on this machine: images/node/build needs it too (1.25 or later)")
     return found
 
 

@@ -45,6 +45,7 @@ func openArchive(name string) (*os.File, error) {
 type scanned struct {
 	spec   *spec            // the spec the checkpointed container ran with (spec.dump)
 	size   int64            // of its CRIU images
+	diff   int64            // of its rootfs-diff.tar (rootfs.go)
 	images map[string]int64 // their names and sizes
 	token  string           // of its images kept unpacked on this node (taken.go), if any
 }
@@ -54,6 +55,8 @@ func scan(archive *os.File) (*scanned, error) {
 	found := &scanned{images: map[string]int64{}}
 	err := members(archive, func(h *tar.Header, r io.Reader) error {
 		switch base := image(h); {
+		case isDiff(h):
+			found.diff = h.Size
 		case h.Name == "spec.dump":
 			found.spec = &spec{}
 			if err := json.NewDecoder(io.LimitReader(r, maxSpec)).Decode(found.spec); err != nil {
@@ -149,12 +152,30 @@ func room(id string) (dir string, unlock func(), done func(), err error) {
 // until they are given (give).
 func extract(archive *os.File, dir string) error {
 	return members(archive, func(h *tar.Header, r io.Reader) error {
+		if isDiff(h) {
+			return writeImage(filepath.Join(dir, rootfsDiffFile), io.LimitReader(r, h.Size))
+		}
 		base := image(h)
 		if base == "" {
 			return nil
 		}
 		return writeImage(filepath.Join(dir, base), io.LimitReader(r, h.Size))
 	})
+}
+
+// extractDiff keeps the archive's rootfs-diff.tar in dir, as extract does.
+func extractDiff(archive *os.File, dir string) error {
+	return members(archive, func(h *tar.Header, r io.Reader) error {
+		if !isDiff(h) {
+			return nil
+		}
+		return writeImage(filepath.Join(dir, rootfsDiffFile), io.LimitReader(r, h.Size))
+	})
+}
+
+// isDiff says whether the member is the archive's rootfs-diff.tar (rootfs.go).
+func isDiff(h *tar.Header) bool {
+	return h.Name == rootfsDiff && h.Typeflag == tar.TypeReg && h.Size >= 0
 }
 
 // extractStream reads a whole archive from r once, in order (r need not seek): its CRIU
@@ -174,6 +195,13 @@ func extractStream(r io.Reader, dir string, budget int64) (*spec, error) {
 			return nil, err
 		}
 		switch base := image(h); {
+		case isDiff(h):
+			if budget -= h.Size; budget < 0 {
+				return nil, fmt.Errorf("its %s is larger than the archive", rootfsDiff)
+			}
+			if err := writeImage(filepath.Join(dir, rootfsDiffFile), io.LimitReader(tr, h.Size)); err != nil {
+				return nil, err
+			}
 		case h.Name == "spec.dump":
 			old = &spec{}
 			if err := json.NewDecoder(io.LimitReader(tr, maxSpec)).Decode(old); err != nil {
@@ -217,6 +245,9 @@ func give(dir string, uid, gid int) error {
 		return err
 	}
 	for _, e := range entries {
+		if e.Name() == rootfsDiffFile {
+			continue // the handler's to read (files), not CRIU's: root's alone
+		}
 		if err := os.Lchown(filepath.Join(dir, e.Name()), uid, gid); err != nil {
 			return err
 		}

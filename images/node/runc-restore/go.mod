@@ -1,3 +1,3 @@
 module mcpforge.dev/runc-restore
 
-go 1.22
+go 1.25

@@ -45,7 +45,13 @@ var containerID = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$`) // n
 
 type spec struct {
 	Annotations map[string]string `json:"annotations"`
-	Linux       struct {
+	Root        struct {
+		Path string `json:"path"`
+	} `json:"root"`
+	Mounts []struct {
+		Destination string `json:"destination"`
+	} `json:"mounts"`
+	Linux struct {
 		UIDMappings []idMap `json:"uidMappings"`
 		GIDMappings []idMap `json:"gidMappings"`
 	} `json:"linux"`
@@ -100,7 +106,8 @@ func create(runc string, global, rest []string) (bool, error) {
 		return false, err
 	}
 	defer done() // the images go once restored (the pages live in the process), or not
-	if err := wake(images, claim, name, shared, &new); err != nil {
+	old, err := wake(images, claim, name, shared, &new)
+	if err != nil {
 		return false, err
 	}
 	if err := give(images, uid, gid); err != nil {
@@ -113,19 +120,23 @@ func create(runc string, global, rest []string) (bool, error) {
 	}
 	defer undo() // the restored container holds mounts of its own
 	unlock()     // the images are in place: the node's next wake may put its own beside them
+	if err := files(images, rootfsOf(bundle, &new), old, &new, name); err != nil {
+		return false, err
+	}
 	if err := restore(runc, global, rest, bundle, images, name); err != nil {
 		return false, err
 	}
 	return true, os.WriteFile(filepath.Join(bundle, marker), nil, 0o600)
 }
 
-// wake puts the CRIU images of the archive `name` in images: the node's archive if it has
+// wake puts the CRIU images of the archive `name` (and its writable layer: rootfs.go) in
+// images, and says what spec it was checkpointed with: the node's archive if it has
 // it, else the copy in the session's claim (store.go), if it is signed. Either is spent:
 // a session's snapshot is restored once, whether it wakes from it or cannot (one that
 // failed starts its kernel afresh), and the node's disk is not a store of old memories.
 // A shared one (forks) is the sweeper's. An archive not of the new container's namespace,
 // name and image is refused before anything is spent.
-func wake(images, claim, name string, shared bool, new *spec) error {
+func wake(images, claim, name string, shared bool, new *spec) (*spec, error) {
 	archive, err := openArchive(name)
 	if errors.Is(err, fs.ErrNotExist) && claim != "" {
 		old, err := fromClaim(claim, new.Annotations[namespaceKey], name, images)
@@ -135,33 +146,52 @@ func wake(images, claim, name string, shared bool, new *spec) error {
 		if err == nil && !shared {
 			spendClaim(claim)
 		}
-		return err
+		return old, err
 	}
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer archive.Close()
 	found, err := scanFor(archive, new, name)
 	if err != nil {
-		return err
+		return nil, err
 	}
+	kept := false
 	if !shared {
 		// Out of use at once, under the lock; the images linked first if kept (taken.go).
-		kept := fromTaken(found.token, found.images, images)
+		kept = fromTaken(found.token, found.images, images)
 		setAside(archive.Name())
 		setAside(takenPath(found.token))
 		if claim != "" {
 			spendClaim(claim)
 		}
-		if kept {
-			return nil
+	}
+	// The writable layer is kept beside the images, until it is put back (files).
+	if kept {
+		err = fits(filepath.Dir(images), found.diff+headroom)
+		if err == nil {
+			err = extractDiff(archive, images) // the kept images are CRIU's alone
 		}
+	} else if err = fits(filepath.Dir(images), found.size+found.diff+headroom); err == nil {
+		err = extract(archive, images)
 	}
-	if err := fits(filepath.Dir(images), found.size+headroom); err != nil {
-		return fmt.Errorf("checkpoint %s's images: %w", name, err)
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint %s: %w", name, err)
 	}
-	if err := extract(archive, images); err != nil {
-		return fmt.Errorf("checkpoint %s: %w", name, err)
+	return found.spec, nil
+}
+
+// files puts the checkpoint's writable layer, kept in images by extraction, back into
+// the new container's rootfs (rootfs.go), then removes it.
+func files(images, rootfs string, old, new *spec, name string) error {
+	kept := filepath.Join(images, rootfsDiffFile)
+	defer os.Remove(kept)
+	skipped, err := putBack(kept, rootfs, old, new)
+	if err != nil {
+		return fmt.Errorf("checkpoint %s: putting its files back: %w", name, err)
+	}
+	if skipped > 0 {
+		fmt.Fprintf(os.Stderr, "mcpforge-runc: checkpoint %s: %d of its files not put back (devices, FIFOs, owners outside the pod's ids)\n", name, skipped)
 	}
 	return nil
 }
