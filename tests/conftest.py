@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from mcp_forge.clients import podman_stall
 from mcp_forge.errors import SessionNotFound
 from mcp_forge.settings import Settings
 from support import scratch_state_dir
@@ -179,3 +180,17 @@ async def gateway(runtime: Any, settings: Settings) -> AsyncIterator[Any]:
 @pytest.fixture(scope="session")
 def cli_env(state_dir: Path) -> dict[str, str]:
     return {**os.environ, "MCPFORGE_STATE_DIR": str(state_dir)}
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts (it appends them); killed at its end, with their children
+    (tests/unit/test_podman_locks.py, test_podman_stall.py)."""
+    made: list[subprocess.Popen[str]] = []
+    yield made
+    for proc in made:
+        if proc.poll() is None:
+            for member in podman_stall.family(proc.pid) - {proc.pid}:
+                subprocess.run(["kill", "-9", str(member)], check=False)
+            proc.kill()
+        proc.wait()

@@ -6,10 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from mcp_forge.clients import podman_locks
 
@@ -21,15 +18,6 @@ fcntl.lockf(fd, fcntl.LOCK_EX)
 print("held", flush=True)
 sys.stdin.read()
 """
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    made: list[subprocess.Popen[str]] = []
-    yield made
-    for proc in made:
-        proc.kill()
-        proc.wait()
 
 
 def lock(path: Path, procs: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:

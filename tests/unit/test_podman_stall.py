@@ -10,7 +10,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,22 +44,6 @@ elif what == "parent":  # a child waits for args[0], as a rootless podman's does
 print("done", flush=True)
 sys.stdin.read()
 """
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    made: list[subprocess.Popen[str]] = []
-    yield made
-    for proc in made:
-        if proc.poll() is None:
-            kill_family(proc.pid)
-            proc.kill()
-        proc.wait()
-
-
-def kill_family(pid: int) -> None:
-    for member in podman_stall.family(pid) - {pid}:
-        subprocess.run(["kill", "-9", str(member)], check=False)
 
 
 def act(procs: list[subprocess.Popen[str]], *args: str | Path, said: str) -> subprocess.Popen[str]:
