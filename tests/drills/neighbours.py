@@ -106,6 +106,15 @@ devices' writeback) used 0.34 s of CPU over the whole run (/proc/PID/stat of kth
 children, before and after): the writeback of the flood's spill files is no longer a
 cause (the 40% above was before the guard kept floods off the gateway), so a direct-I/O
 loop device for workspaces would not help.
+
+December 7 (fresh machine, one 30 s run each): execute_code 1+1 +143.3 and +109.1 ms
+(list_sessions +23.4, +14.0). Each kernel pod's CPU (its tasks' schedstat, once a
+second) under noise: the quiet kernel 0.06-0.16 of a core, each noisy one 0.02-0.20, the
+pods together about one core: by its use of the CPU the quiet kernel is one of eleven
+alike, so no rule on usage sets it apart. The noisy pods' cgroups set to SCHED_IDLE by
+hand (cpu.idle 1, which also lets a waking task preempt them at once): +55.8 ms, median
+27.1 ms (against 40-48 ms), the noise making a third fewer calls; as the minimum weight
+did (+47 ms), not within 50 ms, and no automatic rule knows which pods to pick.
 """
 
 from __future__ import annotations
