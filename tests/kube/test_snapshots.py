@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from mcp_forge.api import kernelsessionpool as ksp
+from mcp_forge.api.forks import FORKED_FROM
 from mcp_forge.clients.kube import Kube
 from mcp_forge.clients.kubelet import Kubelet
 from mcp_forge.control import snapshots
@@ -286,6 +287,65 @@ async def test_an_ephemeral_sessions_files_come_back_with_its_memory(
         assert node_file.read_text() == "node"
     finally:
         await asyncio.to_thread(archive.unlink, missing_ok=True)
+
+
+async def test_a_shared_group_sessions_emptydir_files_come_back_with_its_memory(
+    kube: Kube, ns: str, snapshotting: Any
+) -> None:
+    """A session of a sharedGroup without a persistent workspace has volumes: its
+    /workspace an emptyDir on the node's disk, its /tmp a memory one. Both end with the
+    pod, so the node's handler packs them into the checkpoint and writes them into the
+    new pod's before CRIU restores the process (images/node/runc-restore/volumes.go):
+    its files come back, one held open, with their owner, and /shared is left as it is."""
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "mcpforge-shared-team", "namespace": ns},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "16Mi"}}},
+    }
+    await asyncio.to_thread(kube.create, claim)
+    files = (
+        "import os\n"
+        "open('/tmp/scratch', 'w').write('t')\n"
+        "os.makedirs('d/e')\n"
+        "open('d/e/f', 'w').write('deep')\n"
+        "open('/shared/mine', 'w').write('s1')\n"
+    )
+    obj = await _suspended(kube, ns, "grouped", OPEN_FILE + files, sharedGroup="team")
+    archive = CHECKPOINTS / str((obj["status"].get("snapshot") or {}).get("archive"))
+    try:
+        assert archive.is_file(), obj["status"]
+        obj = await _resumed(kube, ns, "grouped", before="")
+        assert (obj["status"].get("lastRestore") or {}).get("outcome") == "Restored", obj
+        async with kernel(kube, ns, "grouped") as conn:
+            said = await run_in_kernel(
+                conn,
+                "log.write('b'); log.flush()\n"
+                "print(x, open('log.txt').read(), open('/tmp/scratch').read(),"
+                " open('d/e/f').read(), open('/shared/mine').read(),"
+                " os.stat('log.txt').st_uid == os.getuid() == os.stat('d/e').st_uid,"
+                " os.stat('/tmp/scratch').st_uid == os.getuid())",
+            )
+        assert said == "41 ab t deep s1 True True\n", said
+        # A fork of it wakes with a copy of them, its own from then on.
+        fork = session_body("grouped-copy", ns, image=IMAGE, resources=SMALL, sharedGroup="team")
+        fork["metadata"]["annotations"] = {FORKED_FROM: "grouped"}
+        await asyncio.to_thread(kube.create, fork)
+        status = (await ready(kube, ns, "grouped-copy"))["status"]
+        assert (status.get("lastRestore") or {}).get("outcome") == "Restored", status
+        async with kernel(kube, ns, "grouped-copy") as conn:
+            said = await run_in_kernel(
+                conn,
+                "log.write('c'); log.flush()\n"
+                "print(open('log.txt').read(), open('/tmp/scratch').read())",
+            )
+        assert said == "abc t\n", said
+        async with kernel(kube, ns, "grouped") as conn:
+            assert await run_in_kernel(conn, "print(open('log.txt').read())") == "ab\n"
+    finally:
+        await asyncio.to_thread(archive.unlink, missing_ok=True)
+        for left in CHECKPOINTS.glob(f"checkpoint-ks-grouped_{ns}-*"):  # the fork's
+            await asyncio.to_thread(left.unlink, missing_ok=True)
 
 
 async def test_a_snapshot_that_cannot_be_restored_gives_a_fresh_kernel_that_says_so(

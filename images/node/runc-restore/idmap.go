@@ -18,7 +18,10 @@ import (
 // each such source an idmapped mount first, in the user namespace the new container
 // joins (its sandbox's), and has runc mount that instead.
 
-const idmappedDir = "+idmapped" // under the restore directory: no container id takes '+'
+const (
+	idmappedDir = "+idmapped"            // under the restore directory: no container id takes '+'
+	askedSpec   = "mcpforge-config.json" // in the bundle: its config.json before idmapped's edit
+)
 
 // Linux's mount API (the same numbers on every architecture since 5.2 and 5.12).
 const (
@@ -63,6 +66,11 @@ func idmapped(bundle, dir string) (undo func(), err error) {
 		_ = os.Remove(dir)
 		_ = os.Remove(dir + ".lock")
 		held.Close()
+	}
+	// The mounts as the kubelet asked for them, for the restored container's next
+	// checkpoint, which packs its emptyDirs from their sources (volumes.go).
+	if raw, err := os.ReadFile(filepath.Join(bundle, "config.json")); err == nil {
+		_ = os.WriteFile(filepath.Join(bundle, askedSpec), raw, 0o600)
 	}
 	err = editSpec(bundle, func(whole map[string]any) error {
 		userns := usernsPath(whole)

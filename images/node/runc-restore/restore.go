@@ -48,13 +48,19 @@ type spec struct {
 	Root        struct {
 		Path string `json:"path"`
 	} `json:"root"`
-	Mounts []struct {
-		Destination string `json:"destination"`
-	} `json:"mounts"`
-	Linux struct {
+	Mounts []mount `json:"mounts"`
+	Linux  struct {
 		UIDMappings []idMap `json:"uidMappings"`
 		GIDMappings []idMap `json:"gidMappings"`
 	} `json:"linux"`
+}
+
+type mount struct {
+	Destination string  `json:"destination"`
+	Source      string  `json:"source"`
+	Type        string  `json:"type"`
+	UIDMappings []idMap `json:"uidMappings"` // an idmapped mount's (volumes.go)
+	GIDMappings []idMap `json:"gidMappings"`
 }
 
 type idMap struct {
@@ -182,11 +188,18 @@ func wake(images, claim, name string, shared bool, new *spec) (*spec, error) {
 }
 
 // files puts the checkpoint's writable layer, kept in images by extraction, back into
-// the new container's rootfs (rootfs.go), then removes it.
+// the new container's rootfs (rootfs.go), and its emptyDir volumes into the new pod's
+// (volumes.go), then removes both.
 func files(images, rootfs string, old, new *spec, name string) error {
 	kept := filepath.Join(images, rootfsDiffFile)
 	defer os.Remove(kept)
+	defer os.Remove(filepath.Join(images, volumesFile))
 	skipped, err := putBack(kept, rootfs, old, new)
+	if err == nil {
+		var more int
+		more, err = volumesBack(filepath.Join(images, volumesFile), new)
+		skipped += more
+	}
 	if err != nil {
 		return fmt.Errorf("checkpoint %s: putting its files back: %w", name, err)
 	}

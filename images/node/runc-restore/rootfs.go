@@ -59,7 +59,12 @@ func putBack(diffPath, rootfs string, old, new *spec) (skipped int, err error) {
 		return 0, err
 	}
 	defer root.Close()
-	w := &writer{root: root, old: old, new: new, mounts: mountPoints(new), budget: rootfsMax}
+	w := &writer{root: root, layer: true, mounts: mountPoints(new), budget: rootfsMax,
+		owner: func(h *tar.Header) (int, int, bool) {
+			uid, okUID := moved(h.Uid, old.Linux.UIDMappings, new.Linux.UIDMappings)
+			gid, okGID := moved(h.Gid, old.Linux.GIDMappings, new.Linux.GIDMappings)
+			return uid, gid, okUID && okGID
+		}}
 	tr := tar.NewReader(gz)
 	for files := 0; ; files++ {
 		h, err := tr.Next()
@@ -96,12 +101,13 @@ const (
 	zeroRun        = 64 << 10 // a run of zeros this long is left a hole
 )
 
-// writer puts a diff's entries back under root.
+// writer puts a diff's (or a volume's: volumes.go) entries back under root.
 type writer struct {
 	root               *os.Root
-	old, new           *spec
-	mounts             []string // the new container's mount points, relative, cleaned
-	skippedDirs        []string // directories not put back: nothing under them is
+	layer              bool                                      // a writable layer: whiteouts, proc/sys/dev
+	owner              func(*tar.Header) (uid, gid int, ok bool) // on the new disk; !ok: skipped
+	mounts             []string                                  // the new container's mount points, relative, cleaned
+	skippedDirs        []string                                  // directories not put back: nothing under them is
 	budget             int64
 	written, nextCheck int64
 }
@@ -113,10 +119,10 @@ func (w *writer) put(h *tar.Header, r io.Reader) (bool, error) {
 		return false, nil
 	}
 	dir, base := path.Split(name)
-	if under(name, w.skippedDirs) || under(name, []string{"proc", "sys", "dev"}) {
+	if under(name, w.skippedDirs) || (w.layer && under(name, []string{"proc", "sys", "dev"})) {
 		return false, nil
 	}
-	if target, ok := strings.CutPrefix(base, ".wh."); ok { // a whiteout: removed
+	if target, ok := strings.CutPrefix(base, ".wh."); ok && w.layer { // a whiteout: removed
 		if target == "" || target == "." || target == ".." || strings.HasPrefix(target, ".wh.") {
 			return false, nil // containerd writes no opaque directories
 		}
@@ -129,9 +135,8 @@ func (w *writer) put(h *tar.Header, r io.Reader) (bool, error) {
 	if under(name, w.mounts) || (above(name, w.mounts) && h.Typeflag != tar.TypeDir) {
 		return false, nil // runc mounts there: a link in its way is not the kernel's to make
 	}
-	uid, okUID := moved(h.Uid, w.old.Linux.UIDMappings, w.new.Linux.UIDMappings)
-	gid, okGID := moved(h.Gid, w.old.Linux.GIDMappings, w.new.Linux.GIDMappings)
-	if !okUID || !okGID {
+	uid, gid, ok := w.owner(h)
+	if !ok {
 		if h.Typeflag == tar.TypeDir {
 			w.skippedDirs = append(w.skippedDirs, name)
 		}

@@ -205,9 +205,7 @@ func TestModesHolesAndOddNamesComeBackAsTheyShould(t *testing.T) {
 	dir, rootfs := t.TempDir(), t.TempDir()
 	zeros := string(make([]byte, 4<<20))
 	new := podSpec(newHost)
-	new.Mounts = append(new.Mounts, struct {
-		Destination string `json:"destination"`
-	}{"/etc/hosts"})
+	new.Mounts = append(new.Mounts, mount{Destination: "/etc/hosts"})
 	diff := diffOf(t, dir, []entry{
 		{name: "tmp/", kind: tar.TypeDir, mode: 0o1777, uid: oldHost},
 		{name: "tmp/sparse", kind: tar.TypeReg, mode: 0o644, uid: oldHost, body: zeros + "end"},

@@ -46,9 +46,9 @@ const (
 
 var tokenPattern = regexp.MustCompile(`^[0-9a-f]{32}$`)
 
-// checkpoint runs `runc checkpoint` with the arguments given, then keeps its images
-// (keep); a failure to keep them only costs the next wake an unpacking. runc's status is
-// this program's.
+// checkpoint runs `runc checkpoint` with the arguments given, then packs the container's
+// emptyDir volumes into its images (volumes.go) and keeps them (keep); a failure to keep
+// them only costs the next wake an unpacking. runc's status is this program's.
 func checkpoint(runc string, args []string, rest []string) int {
 	cmd := exec.Command(runc, args...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
@@ -62,6 +62,12 @@ func checkpoint(runc string, args []string, rest []string) int {
 		return 1
 	}
 	if images := option(rest, "--image-path"); images != "" {
+		global, _, _ := split(args)
+		if len(rest) > 0 {
+			if err := packVolumes(runc, global, rest[len(rest)-1], images); err != nil {
+				fmt.Fprintf(os.Stderr, "mcpforge-runc: the checkpoint's emptyDir volumes are not packed: %v\n", err)
+			}
+		}
 		if err := keep(images); err != nil {
 			fmt.Fprintf(os.Stderr, "mcpforge-runc: the checkpoint's images are not kept: %v\n", err)
 		}
