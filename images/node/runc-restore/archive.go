@@ -245,7 +245,7 @@ func give(dir string, uid, gid int) error {
 		return err
 	}
 	for _, e := range entries {
-		if e.Name() == rootfsDiffFile || e.Name() == volumesFile {
+		if e.Name() == rootfsDiffFile || e.Name() == volumesFile || e.Name() == volumesFailed {
 			continue // the handler's to read (files), not CRIU's: root's alone
 		}
 		if err := os.Lchown(filepath.Join(dir, e.Name()), uid, gid); err != nil {

@@ -133,10 +133,17 @@ func bundleOf(runc string, global, rest []string) string {
 // fail says err in runc's log, where containerd reads a failed command's reason, and on
 // stderr, and exits 1.
 func fail(global []string, err error) {
-	msg := "mcpforge-runc: " + err.Error()
+	say(global, "error", err.Error())
+	os.Exit(1)
+}
+
+// say writes a line of runc's log (and stderr): what a command that did not fail has to
+// say is kept there, where containerd does not read it.
+func say(global []string, level, text string) {
+	msg := "mcpforge-runc: " + text
 	if log := option(global, "--log"); log != "" {
 		line, _ := json.Marshal(map[string]string{
-			"level": "error", "msg": msg, "time": time.Now().UTC().Format(time.RFC3339Nano),
+			"level": level, "msg": msg, "time": time.Now().UTC().Format(time.RFC3339Nano),
 		})
 		if f, e := os.OpenFile(log, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600); e == nil {
 			f.Write(append(line, '\n'))
@@ -144,7 +151,6 @@ func fail(global []string, err error) {
 		}
 	}
 	fmt.Fprintln(os.Stderr, msg)
-	os.Exit(1)
 }
 
 func env(name, fallback string) string {

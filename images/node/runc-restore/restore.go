@@ -194,6 +194,7 @@ func files(images, rootfs string, old, new *spec, name string) error {
 	kept := filepath.Join(images, rootfsDiffFile)
 	defer os.Remove(kept)
 	defer os.Remove(filepath.Join(images, volumesFile))
+	defer os.Remove(filepath.Join(images, volumesFailed))
 	skipped, err := putBack(kept, rootfs, old, new)
 	if err == nil {
 		var more int

@@ -65,7 +65,7 @@ func checkpoint(runc string, args []string, rest []string) int {
 		global, _, _ := split(args)
 		if len(rest) > 0 {
 			if err := packVolumes(runc, global, rest[len(rest)-1], images); err != nil {
-				fmt.Fprintf(os.Stderr, "mcpforge-runc: the checkpoint's emptyDir volumes are not packed: %v\n", err)
+				say(global, "warning", fmt.Sprintf("the checkpoint's emptyDir volumes are not packed (a wake from it will fail): %v", err))
 			}
 		}
 		if err := keep(images); err != nil {

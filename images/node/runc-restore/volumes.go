@@ -3,6 +3,7 @@ package main
 import (
 	"archive/tar"
 	"bufio"
+	"compress/gzip"
 	"errors"
 	"fmt"
 	"io"
@@ -12,6 +13,7 @@ import (
 	"path/filepath"
 	"strings"
 	"syscall"
+	"time"
 )
 
 // A kernel's emptyDir volumes: a sharedGroup session without a persistent workspace has
@@ -25,19 +27,21 @@ import (
 //
 // The packing reads what the kernel wrote, as root on the node, while the kernel may
 // still run (the kubelet's checkpoint leaves it running until its pod is removed, as it
-// does for the writable layer containerd packs after it): each volume is read through an
-// os.Root at its directory, so no name, link or `..` the kernel made reaches out of it;
-// links are packed as links, never followed; what is not a directory, a regular file or a
-// link is left out, and so is an entry whose owner the pod does not map. Owners are
-// packed as the container's ids (the pod's mounts are idmapped: the disk holds those),
-// and written back as the new pod's disk needs them. Both ways are bounded as the
-// writable layer's put-back is (rootfsMax bytes, rootfsFilesMax entries, rootfsDepthMax
-// names deep, the disk's headroom); a checkpoint whose volumes are past a bound packs
-// none (its wake then has what the kernel had open missing, and CRIU fails it: a fresh
-// kernel, as before), and says so.
+// does for the writable layer containerd packs after it). Nothing is resolved by name
+// from a volume's root: each entry is looked at and opened through its directory's
+// descriptor, never following a link nor opening a FIFO, and packed only if what is open
+// is what was looked at (packer). Links are packed as links; what is not a directory, a
+// regular file or a link is left out, and so is an entry whose owner the pod does not
+// map. Owners are packed as the container's ids (the pod's mounts are idmapped: the disk
+// holds those), and written back as the new pod's disk needs them. Both ways are
+// bounded as the writable layer's put-back is (rootfsMax bytes, headers counted;
+// rootfsFilesMax entries; rootfsDepthMax names deep; the disk's headroom), the packing
+// by packFor too. Volumes that cannot be packed make the wake fail (volumesFailed): the
+// kernel starts afresh and says why, rather than wake without its files.
 const (
-	volumesFile  = "mcpforge-volumes.tar" // in the images, so in the archive's checkpoint/
-	emptyDirPath = "/volumes/kubernetes.io~empty-dir/"
+	volumesFile   = "mcpforge-volumes.tgz"    // in the images, so in the archive's checkpoint/
+	volumesFailed = "mcpforge-volumes.failed" // why they are not: a wake refuses the images
+	emptyDirPath  = "/volumes/kubernetes.io~empty-dir/"
 )
 
 // emptyDirs are the spec's mounts of the pod's emptyDir volumes.
@@ -60,7 +64,17 @@ func relative(destination string) string {
 // packVolumes packs the emptyDir volumes of the container `id` (its spec read from its
 // bundle, which `runc state` names: as the kubelet asked for it, for a container this
 // program restored, whose mounts' sources idmapped replaced) into images/volumesFile.
+// What fails is said in images/volumesFailed too, so that no wake from these images
+// goes on without the volumes (wake refuses it, and says why).
 func packVolumes(runc string, global []string, id, images string) error {
+	err := packVolumesOf(runc, global, id, images)
+	if err != nil {
+		os.WriteFile(filepath.Join(images, volumesFailed), []byte(err.Error()), 0o600)
+	}
+	return err
+}
+
+func packVolumesOf(runc string, global []string, id, images string) error {
 	bundle := bundleOf(runc, global, []string{id})
 	if bundle == "" {
 		return fmt.Errorf("no bundle for container %q", id)
@@ -68,16 +82,20 @@ func packVolumes(runc string, global []string, id, images string) error {
 	var s spec
 	err := readJSON(filepath.Join(bundle, askedSpec), maxSpec, &s)
 	if errors.Is(err, fs.ErrNotExist) {
+		if exists(filepath.Join(bundle, marker)) { // its config.json names our mounts
+			return fmt.Errorf("container %q was restored, and its kubelet's spec is not kept", id)
+		}
 		err = readJSON(filepath.Join(bundle, "config.json"), maxSpec, &s)
 	}
 	if err != nil {
 		return err
 	}
-	return pack(&s, images)
+	return pack(&s, images, time.Now().Add(packFor))
 }
 
-// pack writes the spec's emptyDir volumes into images/volumesFile (nothing if it has none).
-func pack(s *spec, images string) (err error) {
+// pack writes the spec's emptyDir volumes into images/volumesFile (nothing if it has
+// none), gzipped (a sparse file's zeros cost the disk little), by `deadline`.
+func pack(s *spec, images string, deadline time.Time) (err error) {
 	dirs := emptyDirs(s)
 	if len(dirs) == 0 {
 		return nil
@@ -94,7 +112,8 @@ func pack(s *spec, images string) (err error) {
 		}
 	}()
 	buf := bufio.NewWriterSize(out, 1<<20)
-	p := &packer{tw: tar.NewWriter(buf), images: images, budget: rootfsMax}
+	gz, _ := gzip.NewWriterLevel(buf, gzip.BestSpeed)
+	p := &packer{tw: tar.NewWriter(gz), images: images, budget: rootfsMax, deadline: deadline}
 	for _, m := range dirs {
 		if err = p.volume(s, m); err != nil {
 			out.Close()
@@ -102,7 +121,9 @@ func pack(s *spec, images string) (err error) {
 		}
 	}
 	if err = p.tw.Close(); err == nil {
-		err = buf.Flush()
+		if err = gz.Close(); err == nil {
+			err = buf.Flush()
+		}
 	}
 	if closed := out.Close(); err == nil {
 		err = closed
@@ -113,123 +134,160 @@ func pack(s *spec, images string) (err error) {
 	return err
 }
 
-// packer writes volumes' entries into one tar, within the bounds.
+const (
+	packFor     = 60 * time.Second // of the kubelet's 120 s for a checkpoint
+	headerBytes = 1536             // a PAX header's cost, beside its names
+	dirFlags    = syscall.O_RDONLY | syscall.O_DIRECTORY | syscall.O_NOFOLLOW | syscall.O_NONBLOCK | syscall.O_CLOEXEC
+	fileFlags   = syscall.O_RDONLY | syscall.O_NOFOLLOW | syscall.O_NONBLOCK | syscall.O_CLOEXEC
+)
+
+// packer writes volumes' entries into one tar, within the bounds. Each entry is looked
+// at (fstatat, no link followed) and opened (openat, O_NOFOLLOW|O_NONBLOCK) through its
+// directory's descriptor, and packed only if what is open is what was looked at: a
+// kernel that swaps a name meanwhile (for a link, a FIFO, another file) has it left out,
+// and nothing is resolved by name from the volume's root again.
 type packer struct {
 	tw                 *tar.Writer
 	images             string
 	budget             int64
+	deadline           time.Time
 	entries            int
 	written, nextCheck int64
 	s                  *spec
 	m                  mount
-	root               *os.Root
 }
 
 func (p *packer) volume(s *spec, m mount) error {
-	root, err := os.OpenRoot(m.Source)
-	if errors.Is(err, fs.ErrNotExist) {
+	fd, err := syscall.Open(m.Source, dirFlags, 0) // the kubelet's path: its own
+	if errors.Is(err, syscall.ENOENT) {
 		return nil // gone with its pod
 	}
 	if err != nil {
-		return err
+		return fmt.Errorf("volume %s: %w", m.Destination, err)
 	}
-	defer root.Close()
-	p.s, p.m, p.root = s, m, root
-	return p.dir(".", relative(m.Destination), 0)
+	p.s, p.m = s, m
+	return p.dir(fd, relative(m.Destination), 0)
 }
 
-// dir packs the entries of the volume's directory `name` (relative to its root) under
-// the tar name `as`.
-func (p *packer) dir(name, as string, depth int) error {
+// dir packs the entries of the open directory fd (closed when done) under the tar name `as`.
+func (p *packer) dir(fd int, as string, depth int) error {
+	d := os.NewFile(uintptr(fd), as)
+	defer d.Close()
 	if depth >= rootfsDepthMax {
 		return fmt.Errorf("a volume's directories are more than %d deep", rootfsDepthMax)
 	}
-	d, err := p.root.Open(name)
-	if err != nil {
-		return nil // gone meanwhile, or replaced: the kernel runs
-	}
-	defer d.Close()
 	for {
 		batch, err := d.ReadDir(256)
 		for _, e := range batch {
-			if err := p.entry(path.Join(name, e.Name()), path.Join(as, e.Name()), depth); err != nil {
+			if err := p.entry(fd, e.Name(), path.Join(as, e.Name()), depth); err != nil {
 				return err
 			}
 		}
-		if err == io.EOF || len(batch) == 0 {
-			return nil
-		}
-		if err != nil {
-			return nil // the directory went meanwhile
+		if err == io.EOF || len(batch) == 0 || err != nil {
+			return nil // the end, or the directory went meanwhile
 		}
 	}
 }
 
-func (p *packer) entry(name, as string, depth int) error {
+func (p *packer) entry(dirfd int, name, as string, depth int) error {
 	if p.entries++; p.entries > rootfsFilesMax {
 		return fmt.Errorf("the volumes have more than %d entries", rootfsFilesMax)
 	}
-	info, err := p.root.Lstat(name)
-	if err != nil {
-		return nil // gone meanwhile
+	if time.Now().After(p.deadline) {
+		return fmt.Errorf("packing the volumes took more than %s", packFor)
 	}
-	st, ok := info.Sys().(*syscall.Stat_t)
-	if !ok {
-		return nil
+	var st syscall.Stat_t
+	if !lstatAt(dirfd, name, &st) {
+		return nil // gone meanwhile
 	}
 	uid, okUID := inContainer(int(st.Uid), p.m.UIDMappings, p.s.Linux.UIDMappings)
 	gid, okGID := inContainer(int(st.Gid), p.m.GIDMappings, p.s.Linux.GIDMappings)
 	if !okUID || !okGID {
 		return nil // an owner the pod does not map: left out, with what is under it
 	}
-	h := &tar.Header{Name: as, Uid: uid, Gid: gid, ModTime: info.ModTime(),
-		Mode: int64(info.Mode().Perm()), Format: tar.FormatPAX}
-	if info.Mode()&fs.ModeSticky != 0 {
-		h.Mode |= 0o1000
-	}
-	switch {
-	case info.IsDir():
+	h := &tar.Header{Name: as, Uid: uid, Gid: gid, Mode: int64(st.Mode & 0o1777),
+		ModTime: time.Unix(st.Mtim.Unix()), Format: tar.FormatPAX}
+	switch st.Mode & syscall.S_IFMT {
+	case syscall.S_IFDIR:
+		fd, ok := openSame(dirfd, name, dirFlags, &st)
+		if !ok {
+			return nil
+		}
 		h.Typeflag, h.Name = tar.TypeDir, as+"/"
-		if err := p.tw.WriteHeader(h); err != nil {
+		if err := p.header(h); err != nil {
+			syscall.Close(fd)
 			return err
 		}
-		return p.dir(name, as, depth+1)
-	case info.Mode().Type() == fs.ModeSymlink:
-		target, err := p.root.Readlink(name)
+		return p.dir(fd, as, depth+1)
+	case syscall.S_IFLNK:
+		target, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d/%s", dirfd, name))
 		if err != nil {
 			return nil
 		}
 		h.Typeflag, h.Linkname = tar.TypeSymlink, target
-		return p.tw.WriteHeader(h)
-	case info.Mode().IsRegular():
-		return p.file(name, h)
+		return p.header(h)
+	case syscall.S_IFREG:
+		fd, ok := openSame(dirfd, name, fileFlags, &st)
+		if !ok {
+			return nil
+		}
+		f := os.NewFile(uintptr(fd), as)
+		defer f.Close()
+		return p.file(f, h)
 	}
 	return nil // devices, FIFOs, sockets: left out
 }
 
-// file packs a regular file at the size it has when opened; one that shrinks meanwhile
-// is padded with zeros (the tar stays whole), one that grows is cut.
-func (p *packer) file(name string, h *tar.Header) error {
-	f, err := p.root.OpenFile(name, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+// openSame opens name in dirfd if it is still the file `was` (its device and inode).
+func openSame(dirfd int, name string, flags int, was *syscall.Stat_t) (int, bool) {
+	fd, err := syscall.Openat(dirfd, name, flags, 0)
 	if err != nil {
-		return nil // gone or replaced meanwhile
+		return -1, false
 	}
-	defer f.Close()
-	info, err := f.Stat()
-	if err != nil || !info.Mode().IsRegular() {
-		return nil
+	var st syscall.Stat_t
+	if syscall.Fstat(fd, &st) != nil || st.Dev != was.Dev || st.Ino != was.Ino ||
+		st.Mode&syscall.S_IFMT != was.Mode&syscall.S_IFMT {
+		syscall.Close(fd)
+		return -1, false
 	}
-	h.Typeflag, h.Size = tar.TypeReg, info.Size()
-	if p.budget -= h.Size; p.budget < 0 {
+	return fd, true
+}
+
+// header writes h, its cost counted as data (names of a million empty entries add up).
+func (p *packer) header(h *tar.Header) error {
+	if err := p.count(headerBytes + int64(len(h.Name)+len(h.Linkname))); err != nil {
+		return err
+	}
+	return p.tw.WriteHeader(h)
+}
+
+// count takes n bytes from the budget, and looks at the disk's free space every
+// checkEvery bytes.
+func (p *packer) count(n int64) error {
+	if p.budget -= n; p.budget < 0 {
 		return fmt.Errorf("the volumes hold more than %d bytes", int64(rootfsMax))
 	}
-	if p.written += h.Size; p.written >= p.nextCheck {
-		if err := fits(p.images, h.Size+headroom); err != nil {
+	if p.written += n; p.written >= p.nextCheck {
+		if err := fits(p.images, n+headroom); err != nil {
 			return err
 		}
 		p.nextCheck = p.written + checkEvery
 	}
-	if err := p.tw.WriteHeader(h); err != nil {
+	return nil
+}
+
+// file packs an open regular file at the size it has now; one that shrinks meanwhile is
+// padded with zeros (the tar stays whole), one that grows is cut.
+func (p *packer) file(f *os.File, h *tar.Header) error {
+	info, err := f.Stat()
+	if err != nil {
+		return nil
+	}
+	h.Typeflag, h.Size = tar.TypeReg, info.Size()
+	if err := p.count(h.Size); err != nil {
+		return err
+	}
+	if err := p.header(h); err != nil {
 		return err
 	}
 	n, err := io.Copy(p.tw, io.LimitReader(f, h.Size))
@@ -238,6 +296,19 @@ func (p *packer) file(name string, h *tar.Header) error {
 	}
 	_, err = io.CopyN(p.tw, zeros{}, h.Size-n)
 	return err
+}
+
+const oPath = 0x200000 // O_PATH: the file itself, a link too, neither opened nor followed
+
+// lstatAt is fstatat(dirfd, name, AT_SYMLINK_NOFOLLOW), through an O_PATH descriptor
+// (Go's syscall has no fstatat on every architecture); a FIFO is not opened so.
+func lstatAt(dirfd int, name string, st *syscall.Stat_t) bool {
+	fd, err := syscall.Openat(dirfd, name, oPath|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	defer syscall.Close(fd)
+	return syscall.Fstat(fd, st) == nil
 }
 
 type zeros struct{}
@@ -290,6 +361,9 @@ func mapped(id int, maps []idMap, toHost bool) (int, bool) {
 // dropped, holes kept, bounded); an entry of a mount point the new container has no
 // emptyDir at is skipped. The count of entries skipped is returned.
 func volumesBack(packed string, new *spec) (skipped int, err error) {
+	if why, err := os.ReadFile(filepath.Join(filepath.Dir(packed), volumesFailed)); err == nil {
+		return 0, fmt.Errorf("its emptyDir volumes were not packed: %.300s", why)
+	}
 	in, err := os.OpenFile(packed, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
 	if errors.Is(err, fs.ErrNotExist) {
 		return 0, nil // none packed
@@ -304,8 +378,12 @@ func volumesBack(packed string, new *spec) (skipped int, err error) {
 			w.root.Close()
 		}
 	}()
+	gz, err := gzip.NewReader(bufio.NewReaderSize(in, 1<<20))
+	if err != nil {
+		return 0, fmt.Errorf("its %s: %w", volumesFile, err)
+	}
 	budget := int64(rootfsMax)
-	tr := tar.NewReader(bufio.NewReaderSize(in, 1<<20))
+	tr := tar.NewReader(gz)
 	for files := 0; ; files++ {
 		h, err := tr.Next()
 		if err == io.EOF {
@@ -330,8 +408,15 @@ func volumesBack(packed string, new *spec) (skipped int, err error) {
 			if err != nil {
 				return skipped, err
 			}
-			w = &writer{root: root, budget: budget, owner: owners(m, new)}
+			w = &writer{root: root, budget: budget, owner: owners(m, new), mounts: within(m, new)}
 			writers[m.Destination] = w
+		}
+		// A volume is the kernel's, bounded by its size: it had the file, and the new one
+		// (a memory /tmp of 256 MiB, say) is as large, so no headroom is kept but room.
+		if h.Typeflag == tar.TypeReg {
+			if err := fits(m.Source, h.Size); err != nil {
+				return skipped, fmt.Errorf("its %s: %w", volumesFile, err)
+			}
 		}
 		h.Name = inner
 		w.budget = budget
@@ -343,13 +428,20 @@ func volumesBack(packed string, new *spec) (skipped int, err error) {
 		if err != nil || !put {
 			skipped++
 		}
-		if w.written >= w.nextCheck {
-			if err := fits(m.Source, headroom); err != nil {
-				return skipped, fmt.Errorf("its %s: %w", volumesFile, err)
-			}
-			w.nextCheck = w.written + checkEvery
+	}
+}
+
+// within are the new container's mount points under the volume m's, relative to it: a
+// link the kernel left in their way is not put back (runc mounts there).
+func within(m mount, new *spec) []string {
+	d := relative(m.Destination)
+	var out []string
+	for _, p := range mountPoints(new) {
+		if inner, ok := strings.CutPrefix(p, d+"/"); ok {
+			out = append(out, inner)
 		}
 	}
+	return out
 }
 
 // volumeOf is the new container's emptyDir mount that holds the entry `name` (its

@@ -2,8 +2,11 @@ package main
 
 import (
 	"archive/tar"
+	"compress/gzip"
 	"os"
 	"path/filepath"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -67,7 +70,7 @@ func TestEmptyDirVolumesComeBackInTheNewPodsOwnedAsTheKernelLeftThem(t *testing.
 			t.Fatal(err)
 		}
 		os.Lchown(filepath.Join(ws, "to-node"), disk(oldHost, 1000), disk(oldHost, 1000))
-		if err := pack(old, images); err != nil {
+		if err := pack(old, images, time.Now().Add(time.Minute)); err != nil {
 			t.Fatal(err)
 		}
 		skipped, err := volumesBack(filepath.Join(images, volumesFile), new)
@@ -109,7 +112,8 @@ func TestAPackedVolumeReachesNothingOutOfTheNewOnes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tw := tar.NewWriter(f)
+	gz := gzip.NewWriter(f)
+	tw := tar.NewWriter(gz)
 	for _, e := range []entry{
 		{name: "workspace/out", kind: tar.TypeSymlink, link: outside, uid: 1000},
 		{name: "workspace/out/victim", kind: tar.TypeReg, mode: 0o644, uid: 1000, body: "kernel"},
@@ -128,6 +132,7 @@ func TestAPackedVolumeReachesNothingOutOfTheNewOnes(t *testing.T) {
 		tw.Write([]byte(e.body))
 	}
 	tw.Close()
+	gz.Close()
 	f.Close()
 	skipped, err := volumesBack(filepath.Join(images, volumesFile), new)
 	if err != nil {
@@ -161,7 +166,7 @@ func TestOwnersThePodDoesNotMapAreNotPacked(t *testing.T) {
 	write(t, filepath.Join(ws, "mine"), "m", 1000)
 	write(t, filepath.Join(ws, "theirs/x"), "x", 70000) // not in the mount's idmapping
 	os.Lchown(filepath.Join(ws, "theirs"), 70000, 70000)
-	if err := pack(old, images); err != nil {
+	if err := pack(old, images, time.Now().Add(time.Minute)); err != nil {
 		t.Fatal(err)
 	}
 	f, err := os.Open(filepath.Join(images, volumesFile))
@@ -170,7 +175,11 @@ func TestOwnersThePodDoesNotMapAreNotPacked(t *testing.T) {
 	}
 	defer f.Close()
 	var names []string
-	tr := tar.NewReader(f)
+	gz, err := gzip.NewReader(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := tar.NewReader(gz)
 	for {
 		h, err := tr.Next()
 		if err != nil {
@@ -185,7 +194,7 @@ func TestOwnersThePodDoesNotMapAreNotPacked(t *testing.T) {
 
 func TestAContainerWithoutEmptyDirsPacksNothing(t *testing.T) {
 	images := t.TempDir()
-	if err := pack(podSpec(oldHost), images); err != nil {
+	if err := pack(podSpec(oldHost), images, time.Now().Add(time.Minute)); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(filepath.Join(images, volumesFile)); !os.IsNotExist(err) {
@@ -193,5 +202,73 @@ func TestAContainerWithoutEmptyDirsPacksNothing(t *testing.T) {
 	}
 	if skipped, err := volumesBack(filepath.Join(images, volumesFile), podSpec(newHost)); err != nil || skipped != 0 {
 		t.Fatalf("%d, %v", skipped, err)
+	}
+}
+
+func TestAFIFOInAVolumeIsLeftOutAndBlocksNothing(t *testing.T) {
+	images, base := t.TempDir(), t.TempDir()
+	old := podWithVolumes(t, base, oldHost, true)
+	ws := old.Mounts[0].Source
+	if err := syscall.Mkfifo(filepath.Join(ws, "pipe"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	write(t, filepath.Join(ws, "after"), "a", 1000)
+	done := make(chan error, 1)
+	go func() { done <- pack(old, images, time.Now().Add(time.Minute)) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("packing a volume with a FIFO blocked")
+	}
+	new := podWithVolumes(t, t.TempDir(), newHost, true)
+	if _, err := volumesBack(filepath.Join(images, volumesFile), new); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(filepath.Join(new.Mounts[0].Source, "pipe")); !os.IsNotExist(err) {
+		t.Fatalf("the FIFO came back: %v", err)
+	}
+	if got, _ := os.ReadFile(filepath.Join(new.Mounts[0].Source, "after")); string(got) != "a" {
+		t.Fatalf("after: %q", got)
+	}
+}
+
+func TestVolumesNotPackedInTimeFailTheWakeAndSayWhy(t *testing.T) {
+	images, base := t.TempDir(), t.TempDir()
+	old := podWithVolumes(t, base, oldHost, true)
+	write(t, filepath.Join(old.Mounts[0].Source, "f"), "x", 1000)
+	err := pack(old, images, time.Now().Add(-time.Second))
+	if err == nil || !strings.Contains(err.Error(), "took more than") {
+		t.Fatalf("%v", err)
+	}
+	if entries, _ := os.ReadDir(images); len(entries) != 0 {
+		t.Fatalf("left %v", entries)
+	}
+	// As packVolumes says it for the wake:
+	os.WriteFile(filepath.Join(images, volumesFailed), []byte(err.Error()), 0o600)
+	_, err = volumesBack(filepath.Join(images, volumesFile), podWithVolumes(t, t.TempDir(), newHost, true))
+	if err == nil || !strings.Contains(err.Error(), "not packed: packing the volumes took more than") {
+		t.Fatalf("%v", err)
+	}
+}
+
+func TestAVolumeFileIsWrittenOnlyIfItFitsTheNewVolume(t *testing.T) {
+	images, base := t.TempDir(), t.TempDir()
+	old := podWithVolumes(t, base, oldHost, true)
+	write(t, filepath.Join(old.Mounts[1].Source, "big"), strings.Repeat("b", 3<<20), 1000)
+	if err := pack(old, images, time.Now().Add(time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	new := podWithVolumes(t, t.TempDir(), newHost, true)
+	small := new.Mounts[1].Source // a memory /tmp smaller than the file
+	if err := syscall.Mount("tmpfs", small, "tmpfs", 0, "size=1m"); err != nil {
+		t.Skipf("no tmpfs here: %v", err)
+	}
+	defer syscall.Unmount(small, syscall.MNT_DETACH)
+	_, err := volumesBack(filepath.Join(images, volumesFile), new)
+	if err == nil || !strings.Contains(err.Error(), "do not fit") {
+		t.Fatalf("%v", err)
 	}
 }
