@@ -502,13 +502,7 @@ async def test_the_nodes_sweeper_removes_the_archives_no_session_holds(
 async def sweeping(cluster: ClusterUnderTest) -> AsyncIterator[Any]:
     """The overlay's sweeper objects applied, its pod running; in the block, a call that
     waits (under a deadline) until its log says it removed the archive named."""
-    await build_control_plane(progress=lambda line: None)
-    imported = await asyncio.to_thread(
-        subprocess.run,
-        [str(Path(__file__).parent / "cluster"), "import", image_ref("operator")],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert imported.returncode == 0, imported.stderr
+    await operator_image_on_node()
     built = kubectl(cluster, "kustomize", str(ROOT_REPO / "manifests" / "overlays" / "snapshots"))
     objects = [o for o in yaml.safe_load_all(built) if o and _sweepers(o)]
     (ds,) = [o for o in objects if o["kind"] == "DaemonSet"]
@@ -554,8 +548,23 @@ async def sweeping(cluster: ClusterUnderTest) -> AsyncIterator[Any]:
                         "--ignore-not-found", "--timeout=120s")  # fmt: skip
 
 
+async def operator_image_on_node() -> None:
+    """The control plane's image (the operator's, whose CLI the node pods run), built
+    (cached by its inputs) and imported into the test node's containerd."""
+    await build_control_plane(progress=lambda line: None)
+    imported = await asyncio.to_thread(
+        subprocess.run,
+        [str(Path(__file__).parent / "cluster"), "import", image_ref("operator")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert imported.returncode == 0, imported.stderr
+
+
 def _sweepers(o: dict[str, Any]) -> bool:
+    """The sweeper's objects and its namespace's (not the key placer's: test_snapshot_key)."""
     labels = o["metadata"].get("labels") or {}
+    if labels.get("app.kubernetes.io/component") == "snapshot-key":
+        return False
     return (
         labels.get("app.kubernetes.io/component") == "snapshot-sweeper"
         or o["metadata"].get("namespace") == NODE_NS

@@ -130,20 +130,30 @@ def test_the_operator_and_gateway_pods_pass_the_restricted_pod_security_standard
         assert pss_restricted_violations(dep["spec"]["template"]["spec"]) == [], key(dep)
 
 
-def test_the_snapshot_sweeper_is_beyond_restricted_only_by_its_hostpath_and_uid_0() -> None:
-    """The one pod beyond "restricted" (docs/security.md): it may remove the kubelet's
-    checkpoints, root's, and nothing more; alone in a namespace that allows it."""
+def test_the_node_pods_are_beyond_restricted_only_by_their_hostpath_and_uid_0() -> None:
+    """The two pods beyond "restricted" (docs/security.md): the sweeper may remove the
+    kubelet's checkpoints, root's, and the key placer write the nodes' snapshot key, and
+    nothing more (no API token for the placer); alone in a namespace that allows it."""
     objs = build("overlays/snapshots")
-    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
-    node_ns = ds["metadata"]["namespace"]
-    violations = pss_restricted_violations(ds["spec"]["template"]["spec"])
-    assert violations == [
+    placer, sweeper = sorted(
+        (o for o in objs if o["kind"] == "DaemonSet"), key=lambda o: o["metadata"]["name"]
+    )
+    node_ns = sweeper["metadata"]["namespace"]
+    assert pss_restricted_violations(sweeper["spec"]["template"]["spec"]) == [
         "pod: runAsUser 0",
         "volume checkpoints: hostPath",
         "sweeper: runAsNonRoot must be true",
     ]
+    spec = placer["spec"]["template"]["spec"]
+    assert pss_restricted_violations(spec) == [
+        "pod: runAsUser 0",
+        "volume node: hostPath",
+        "snapshot-key: runAsNonRoot must be true",
+    ]
+    (host,) = [v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v]
+    assert host == "/etc/mcp-forge" and spec["automountServiceAccountToken"] is False
     pods = [o for o in objs if o["kind"] in ("Deployment", "DaemonSet", "StatefulSet", "Pod")]
-    assert [o for o in pods if o["metadata"]["namespace"] == node_ns] == [ds]
+    assert [o for o in pods if o["metadata"]["namespace"] == node_ns] == [placer, sweeper]
     (namespace,) = [
         o for o in objs if o["kind"] == "Namespace" and o["metadata"]["name"] == node_ns
     ]

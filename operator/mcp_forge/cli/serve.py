@@ -376,3 +376,34 @@ def snapshot_sweeper(
     except (ForgeError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
+
+
+@main.command("snapshot-key")
+@click.option(
+    "--source",
+    default="/key/snapshot.key",
+    show_default=True,
+    help="The key as the Secret mcp-forge-snapshot-key is mounted here.",
+)
+@click.option(
+    "--target",
+    default="/etc/mcp-forge/snapshot.key",
+    show_default=True,
+    help="Where the node's restore handler reads it, as mounted here.",
+)
+@click.option("--every", default=30.0, show_default=True, help="Seconds between two looks.")
+def snapshot_key(source: str, target: str, every: float) -> None:
+    """Place the nodes' snapshot key from a Secret on this node (run on each node).
+
+    The key that signs snapshots stored in claims (control/nodekey.py): checked as the
+    restore handler checks it, written whole (a new file of root's, 0600, renamed over
+    the old) when the node lacks it, looked at again every EVERY seconds. A Secret
+    without a key, or with one the handler would refuse, leaves the node's key as it is.
+    """
+    from pathlib import Path
+
+    from mcp_forge.control import nodekey
+
+    if every <= 0:
+        raise click.BadParameter("--every must be positive")
+    nodekey.run(Path(source), Path(target), every=every)

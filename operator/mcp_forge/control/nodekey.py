@@ -1,0 +1,123 @@
+"""The nodes' snapshot key, placed on every node from one Secret (issue 27).
+
+    mcp-forge snapshot-key --source /key/snapshot.key --target /node/snapshot.key [--every 30]
+
+Snapshots stored in claims (MCPFORGE_SNAPSHOT_STORE=claim) are signed by the node that
+stores them and checked by the node that wakes from them, with a key every node holds:
+the restore handler's `/etc/mcp-forge/snapshot.key` (images/node/runc-restore/store.go:
+a regular file of root's, mode 0600, at least 32 bytes once trimmed). A DaemonSet of
+manifests/overlays/snapshots runs this on every node: it reads the key from the Secret
+`mcp-forge-snapshot-key` (mounted, optional) and writes it where the handler reads it,
+then looks again every `every` seconds (a Secret's new value reaches its pods within the
+kubelet's sync period), so a node added later gets the key, and a key changed in the
+Secret reaches every node.
+
+What it writes is the Secret's, checked first as the handler checks it: a key shorter
+than 32 bytes, or larger than the handler reads (4096 bytes), is refused and the node's
+key left as it is, said in the log. So is a Secret without the key (none made, or
+removed): the node keeps what it has. A key the node already has is not written again.
+It is written whole or not at all: a new file of root's, 0600, beside the old one,
+synced, then renamed over it, so the handler never reads half of a key, and a link
+planted at the target is replaced, not followed. The key itself is never logged: only
+the first 12 hex digits of its SHA-256, to tell nodes' keys apart.
+
+Changing the key loses what was stored with the old one: a stored copy whose HMAC does
+not check is refused, and its session wakes afresh (docs/kubernetes.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import stat
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+KEY_MIN = 32  # bytes once trimmed, as the handler's keyMin
+KEY_MAX = 4096  # the handler reads no more
+
+
+class KeyRefused(ValueError):
+    """The Secret's key is not one the handler would take."""
+
+
+def fingerprint(key: bytes) -> str:
+    return hashlib.sha256(key.strip()).hexdigest()[:12]
+
+
+def read_source(source: Path) -> bytes | None:
+    """The Secret's key (None if there is none), checked as the handler checks it."""
+    try:
+        with source.open("rb") as f:  # the kubelet's links (..data/snapshot.key) followed
+            raw = f.read(KEY_MAX + 1)
+    except FileNotFoundError:
+        return None
+    if len(raw) > KEY_MAX:
+        raise KeyRefused(f"the key in {source} is larger than {KEY_MAX} bytes")
+    if len(raw.strip()) < KEY_MIN:
+        raise KeyRefused(f"the key in {source} holds fewer than {KEY_MIN} bytes")
+    return raw
+
+
+def current(target: Path) -> bytes | None:
+    """The node's key as the handler would take it (None if it would take none)."""
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o077:
+            return None
+        return f.read(KEY_MAX + 1)
+
+
+def place(source: Path, target: Path) -> str:
+    """Write the Secret's key at target if the node lacks it; what was done (a log line).
+    KeyRefused if the Secret's key is not one the handler would take."""
+    key = read_source(source)
+    if key is None:
+        return f"no key in {source}: the node's key is left as it is"
+    if current(target) == key:
+        return ""
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.new")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    return f"placed the snapshot key {fingerprint(key)} at {target}"
+
+
+def run(source: Path, target: Path, *, every: float, stop: threading.Event | None = None) -> None:
+    """Place the key now and every `every` seconds until stopped (SIGTERM, or `stop`).
+    A refused key or a failed write is logged and tried again the next round."""
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    said = ""
+    while not stop.is_set():
+        try:
+            line = place(source, target)
+        except (KeyRefused, OSError) as exc:
+            line = f"the node's key is left as it is: {exc}"
+        if line and line != said:  # a state, said once until it changes
+            level = logging.WARNING if "left as it is" in line else logging.INFO
+            log.log(level, "%s", line)
+        said = line or said
+        stop.wait(every)

@@ -1,0 +1,101 @@
+"""The nodes' snapshot key placed from a Secret (control/nodekey.py), on real files: what
+the restore handler would refuse is never written, the node's key is never lost, and a
+key is written whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from mcp_forge.control import nodekey
+
+KEY = b"a" * 64 + b"\n"
+
+
+def secret(tmp_path: Path, value: bytes) -> Path:
+    """A key as the kubelet mounts a Secret: a link through ..data."""
+    data = tmp_path / "secret" / "..2026_12_07"
+    data.mkdir(parents=True)
+    (data / "snapshot.key").write_bytes(value)
+    (tmp_path / "secret" / "..data").symlink_to("..2026_12_07")
+    source = tmp_path / "secret" / "snapshot.key"
+    source.symlink_to("..data/snapshot.key")
+    return source
+
+
+def test_the_key_is_placed_as_the_handler_takes_it_and_only_once(tmp_path: Path) -> None:
+    source, target = secret(tmp_path, KEY), tmp_path / "etc" / "mcp-forge" / "snapshot.key"
+    said = nodekey.place(source, target)
+    assert said.startswith("placed the snapshot key ") and KEY.decode().strip() not in said
+    st = os.stat(target)
+    assert target.read_bytes() == KEY and st.st_mode & 0o777 == 0o600 and st.st_uid == 0
+    assert os.stat(target.parent).st_mode & 0o777 == 0o700
+    assert nodekey.place(source, target) == "", "a key the node has is not written again"
+    assert os.stat(target).st_ino == st.st_ino
+    assert [p.name for p in target.parent.iterdir()] == ["snapshot.key"], "no scratch left"
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [(b"short\n", "fewer than 32 bytes"), (b" " * 40, "fewer than 32 bytes"),
+     (b"k" * 5000, "larger than 4096 bytes")],
+)  # fmt: skip
+def test_a_key_the_handler_would_refuse_leaves_the_nodes_key_as_it_is(
+    tmp_path: Path, value: bytes, why: str
+) -> None:
+    source, target = secret(tmp_path, value), tmp_path / "snapshot.key"
+    target.write_bytes(KEY)
+    target.chmod(0o600)
+    with pytest.raises(nodekey.KeyRefused, match=why):
+        nodekey.place(source, target)
+    assert target.read_bytes() == KEY
+
+
+def test_no_key_in_the_secret_leaves_the_nodes_key(tmp_path: Path) -> None:
+    target = tmp_path / "snapshot.key"
+    target.write_bytes(KEY)
+    said = nodekey.place(tmp_path / "absent" / "snapshot.key", target)
+    assert "left as it is" in said and target.read_bytes() == KEY
+
+
+def test_a_link_planted_at_the_target_is_replaced_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the node's")
+    target = tmp_path / "etc" / "snapshot.key"
+    target.parent.mkdir()
+    target.symlink_to(victim)
+    nodekey.place(secret(tmp_path, KEY), target)
+    assert victim.read_bytes() == b"the node's"
+    assert not target.is_symlink() and target.read_bytes() == KEY
+
+
+def test_a_key_of_the_wrong_mode_is_written_again(tmp_path: Path) -> None:
+    target = tmp_path / "snapshot.key"
+    target.write_bytes(KEY)
+    target.chmod(0o644)  # the handler refuses it
+    assert nodekey.place(secret(tmp_path, KEY), target).startswith("placed")
+    assert os.stat(target).st_mode & 0o777 == 0o600
+
+
+def test_the_loop_places_a_changed_key_and_stops_when_told(tmp_path: Path) -> None:
+    source, target = secret(tmp_path, KEY), tmp_path / "snapshot.key"
+    stop = threading.Event()
+    loop = threading.Thread(
+        target=nodekey.run, args=(source, target), kwargs={"every": 0.05, "stop": stop}
+    )
+    loop.start()
+    try:
+        new = b"b" * 64
+        (tmp_path / "secret" / "..2026_12_07" / "snapshot.key").write_bytes(new)
+        for _ in range(200):  # the loop's own rounds, 50 ms apart: up to 10 s
+            if target.is_file() and target.read_bytes() == new:
+                break
+            stop.wait(0.05)
+        assert target.read_bytes() == new
+    finally:
+        stop.set()
+        loop.join(timeout=5)
+    assert not loop.is_alive()
