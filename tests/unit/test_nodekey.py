@@ -41,7 +41,8 @@ def test_the_key_is_placed_as_the_handler_takes_it_and_only_once(tmp_path: Path)
 @pytest.mark.parametrize(
     ("value", "why"),
     [(b"short\n", "fewer than 32 bytes"), (b" " * 40, "fewer than 32 bytes"),
-     (b"k" * 5000, "larger than 4096 bytes")],
+     (b"k" * 5000, "larger than 4096 bytes"),
+     (b"x" * 31 + "\u00a0".encode(), "not ASCII")],
 )  # fmt: skip
 def test_a_key_the_handler_would_refuse_leaves_the_nodes_key_as_it_is(
     tmp_path: Path, value: bytes, why: str
@@ -99,3 +100,12 @@ def test_the_loop_places_a_changed_key_and_stops_when_told(tmp_path: Path) -> No
         stop.set()
         loop.join(timeout=5)
     assert not loop.is_alive()
+
+
+def test_a_scratch_file_a_killed_placer_left_stops_nothing_and_goes(tmp_path: Path) -> None:
+    target = tmp_path / "snapshot.key"
+    left = tmp_path / ".snapshot.key.1.new"
+    left.write_bytes(b"half")
+    os.utime(left, (1, 1))  # long ago
+    assert nodekey.place(secret(tmp_path, KEY), target).startswith("placed")
+    assert target.read_bytes() == KEY and not left.exists()

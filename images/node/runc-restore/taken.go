@@ -50,6 +50,7 @@ var tokenPattern = regexp.MustCompile(`^[0-9a-f]{32}$`)
 // emptyDir volumes into its images (volumes.go) and keeps them (keep); a failure to keep
 // them only costs the next wake an unpacking. runc's status is this program's.
 func checkpoint(runc string, args []string, rest []string) int {
+	deadline := time.Now().Add(packFor) // of the kubelet's time for the whole checkpoint
 	cmd := exec.Command(runc, args...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -64,8 +65,11 @@ func checkpoint(runc string, args []string, rest []string) int {
 	if images := option(rest, "--image-path"); images != "" {
 		global, _, _ := split(args)
 		if len(rest) > 0 {
-			if err := packVolumes(runc, global, rest[len(rest)-1], images); err != nil {
+			if err := packVolumes(runc, global, rest[len(rest)-1], images, deadline); err != nil {
 				say(global, "warning", fmt.Sprintf("the checkpoint's emptyDir volumes are not packed (a wake from it will fail): %v", err))
+				if !exists(filepath.Join(images, volumesFailed)) {
+					return 1 // nothing would stop a wake without them: no checkpoint
+				}
 			}
 		}
 		if err := keep(images); err != nil {

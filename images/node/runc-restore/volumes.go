@@ -66,15 +66,15 @@ func relative(destination string) string {
 // program restored, whose mounts' sources idmapped replaced) into images/volumesFile.
 // What fails is said in images/volumesFailed too, so that no wake from these images
 // goes on without the volumes (wake refuses it, and says why).
-func packVolumes(runc string, global []string, id, images string) error {
-	err := packVolumesOf(runc, global, id, images)
+func packVolumes(runc string, global []string, id, images string, deadline time.Time) error {
+	err := packVolumesOf(runc, global, id, images, deadline)
 	if err != nil {
 		os.WriteFile(filepath.Join(images, volumesFailed), []byte(err.Error()), 0o600)
 	}
 	return err
 }
 
-func packVolumesOf(runc string, global []string, id, images string) error {
+func packVolumesOf(runc string, global []string, id, images string, deadline time.Time) error {
 	bundle := bundleOf(runc, global, []string{id})
 	if bundle == "" {
 		return fmt.Errorf("no bundle for container %q", id)
@@ -90,7 +90,7 @@ func packVolumesOf(runc string, global []string, id, images string) error {
 	if err != nil {
 		return err
 	}
-	return pack(&s, images, time.Now().Add(packFor))
+	return pack(&s, images, deadline)
 }
 
 // pack writes the spec's emptyDir volumes into images/volumesFile (nothing if it has
@@ -135,7 +135,8 @@ func pack(s *spec, images string, deadline time.Time) (err error) {
 }
 
 const (
-	packFor     = 60 * time.Second // of the kubelet's 120 s for a checkpoint
+	packFor     = 60 * time.Second // from the handler's start, of the kubelet's 120 s for a checkpoint
+	tries       = 3                // of a name the kernel replaces while it is packed
 	headerBytes = 1536             // a PAX header's cost, beside its names
 	dirFlags    = syscall.O_RDONLY | syscall.O_DIRECTORY | syscall.O_NOFOLLOW | syscall.O_NONBLOCK | syscall.O_CLOEXEC
 	fileFlags   = syscall.O_RDONLY | syscall.O_NOFOLLOW | syscall.O_NONBLOCK | syscall.O_CLOEXEC
@@ -183,59 +184,82 @@ func (p *packer) dir(fd int, as string, depth int) error {
 				return err
 			}
 		}
-		if err == io.EOF || len(batch) == 0 || err != nil {
-			return nil // the end, or the directory went meanwhile
+		if err == io.EOF || (err == nil && len(batch) == 0) {
+			return nil // the end (a directory removed meanwhile reads as empty)
+		}
+		if err != nil {
+			return fmt.Errorf("reading %s: %w", as, err)
 		}
 	}
 }
 
+// entry packs the name of the open directory dirfd. A name whose file is replaced
+// between the look and the open (a save by rename) is looked at again, `tries` times,
+// then the packing fails: a file the kernel has is not left out quietly.
 func (p *packer) entry(dirfd int, name, as string, depth int) error {
 	if p.entries++; p.entries > rootfsFilesMax {
 		return fmt.Errorf("the volumes have more than %d entries", rootfsFilesMax)
 	}
+	for try := 0; try < tries; try++ {
+		if err := p.late(); err != nil {
+			return err
+		}
+		var st syscall.Stat_t
+		if !lstatAt(dirfd, name, &st) {
+			return nil // gone meanwhile
+		}
+		if packed, err := p.one(dirfd, name, as, depth, &st); packed || err != nil {
+			return err
+		}
+	}
+	return fmt.Errorf("%s kept changing while it was packed", as)
+}
+
+func (p *packer) late() error {
 	if time.Now().After(p.deadline) {
 		return fmt.Errorf("packing the volumes took more than %s", packFor)
 	}
-	var st syscall.Stat_t
-	if !lstatAt(dirfd, name, &st) {
-		return nil // gone meanwhile
-	}
+	return nil
+}
+
+// one packs the entry looked at as st; false if what opens is no longer it.
+func (p *packer) one(dirfd int, name, as string, depth int, st *syscall.Stat_t) (bool, error) {
 	uid, okUID := inContainer(int(st.Uid), p.m.UIDMappings, p.s.Linux.UIDMappings)
 	gid, okGID := inContainer(int(st.Gid), p.m.GIDMappings, p.s.Linux.GIDMappings)
 	if !okUID || !okGID {
-		return nil // an owner the pod does not map: left out, with what is under it
+		return true, nil // an owner the pod does not map: left out, with what is under it
 	}
 	h := &tar.Header{Name: as, Uid: uid, Gid: gid, Mode: int64(st.Mode & 0o1777),
 		ModTime: time.Unix(st.Mtim.Unix()), Format: tar.FormatPAX}
 	switch st.Mode & syscall.S_IFMT {
 	case syscall.S_IFDIR:
-		fd, ok := openSame(dirfd, name, dirFlags, &st)
+		fd, ok := openSame(dirfd, name, dirFlags, st)
 		if !ok {
-			return nil
+			return false, nil
 		}
 		h.Typeflag, h.Name = tar.TypeDir, as+"/"
 		if err := p.header(h); err != nil {
 			syscall.Close(fd)
-			return err
+			return true, err
 		}
-		return p.dir(fd, as, depth+1)
+		return true, p.dir(fd, as, depth+1)
 	case syscall.S_IFLNK:
 		target, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d/%s", dirfd, name))
 		if err != nil {
-			return nil
+			return false, nil
 		}
 		h.Typeflag, h.Linkname = tar.TypeSymlink, target
-		return p.header(h)
+		return true, p.header(h)
 	case syscall.S_IFREG:
-		fd, ok := openSame(dirfd, name, fileFlags, &st)
+		fd, ok := openSame(dirfd, name, fileFlags, st)
 		if !ok {
-			return nil
+			return false, nil
 		}
 		f := os.NewFile(uintptr(fd), as)
 		defer f.Close()
-		return p.file(f, h)
+		return true, p.file(f, h)
 	}
-	return nil // devices, FIFOs, sockets: left out
+	return true, nil // devices, FIFOs, sockets: left out
 }
 
 // openSame opens name in dirfd if it is still the file `was` (its device and inode).
@@ -290,12 +314,30 @@ func (p *packer) file(f *os.File, h *tar.Header) error {
 	if err := p.header(h); err != nil {
 		return err
 	}
-	n, err := io.Copy(p.tw, io.LimitReader(f, h.Size))
+	n, err := io.Copy(p.tw, &timed{r: io.LimitReader(f, h.Size), p: p})
 	if err != nil {
 		return err
 	}
-	_, err = io.CopyN(p.tw, zeros{}, h.Size-n)
+	_, err = io.CopyN(p.tw, &timed{r: zeros{}, p: p}, h.Size-n)
 	return err
+}
+
+// timed reads r while the packing is within its deadline (a sparse file of gigabytes
+// reads as long as its zeros).
+type timed struct {
+	r    io.Reader
+	p    *packer
+	read int64
+}
+
+func (t *timed) Read(b []byte) (int, error) {
+	if t.read += int64(len(b)); t.read >= 8<<20 {
+		t.read = 0
+		if err := t.p.late(); err != nil {
+			return 0, err
+		}
+	}
+	return t.r.Read(b)
 }
 
 const oPath = 0x200000 // O_PATH: the file itself, a link too, neither opened nor followed
@@ -411,10 +453,10 @@ func volumesBack(packed string, new *spec) (skipped int, err error) {
 			w = &writer{root: root, budget: budget, owner: owners(m, new), mounts: within(m, new)}
 			writers[m.Destination] = w
 		}
-		// A volume is the kernel's, bounded by its size: it had the file, and the new one
-		// (a memory /tmp of 256 MiB, say) is as large, so no headroom is kept but room.
+		// Room for each file: the node's disk keeps its headroom, a memory volume (the
+		// /tmp of 256 MiB) none, as it held the file before.
 		if h.Typeflag == tar.TypeReg {
-			if err := fits(m.Source, h.Size); err != nil {
+			if err := fits(m.Source, h.Size+margin(m.Source)); err != nil {
 				return skipped, fmt.Errorf("its %s: %w", volumesFile, err)
 			}
 		}
@@ -430,6 +472,18 @@ func volumesBack(packed string, new *spec) (skipped int, err error) {
 		}
 	}
 }
+
+// margin is what a volume's filesystem keeps free as files are written back: the
+// headroom of the node's disk, none on a tmpfs (a memory emptyDir of its own size).
+func margin(dir string) int64 {
+	var fs syscall.Statfs_t
+	if syscall.Statfs(dir, &fs) == nil && fs.Type == tmpfsMagic {
+		return 0
+	}
+	return headroom
+}
+
+const tmpfsMagic = 0x01021994
 
 // within are the new container's mount points under the volume m's, relative to it: a
 // link the kernel left in their way is not put back (runc mounts there).

@@ -272,3 +272,21 @@ func TestAVolumeFileIsWrittenOnlyIfItFitsTheNewVolume(t *testing.T) {
 		t.Fatalf("%v", err)
 	}
 }
+
+func TestTheDeadlineHoldsWithinASparseFileOfGigabytes(t *testing.T) {
+	images, base := t.TempDir(), t.TempDir()
+	old := podWithVolumes(t, base, oldHost, true)
+	big := filepath.Join(old.Mounts[0].Source, "sparse")
+	write(t, big, "", 1000)
+	if err := os.Truncate(big, 8<<30); err != nil { // costs the disk nothing
+		t.Fatal(err)
+	}
+	started := time.Now()
+	err := pack(old, images, started.Add(200*time.Millisecond))
+	if err == nil || !strings.Contains(err.Error(), "took more than") {
+		t.Fatalf("%v", err)
+	}
+	if took := time.Since(started); took > 5*time.Second {
+		t.Fatalf("the pack went on %s past its deadline", took)
+	}
+}

@@ -13,11 +13,13 @@ kubelet's sync period), so a node added later gets the key, and a key changed in
 Secret reaches every node.
 
 What it writes is the Secret's, checked first as the handler checks it: a key shorter
-than 32 bytes, or larger than the handler reads (4096 bytes), is refused and the node's
+than 32 bytes, or larger than the handler reads (4096 bytes), or not ASCII (where
+Python's and Go's trims of white space differ), is refused and the node's
 key left as it is, said in the log. So is a Secret without the key (none made, or
 removed): the node keeps what it has. A key the node already has is not written again.
-It is written whole or not at all: a new file of root's, 0600, beside the old one,
-synced, then renamed over it, so the handler never reads half of a key, and a link
+It is written whole or not at all: a new file of root's, 0600, of a random name beside
+the old one (one a killed placer left is removed once 5 minutes old), synced, then
+renamed over it, so the handler never reads half of a key, and a link
 planted at the target is replaced, not followed. The key itself is never logged: only
 the first 12 hex digits of its SHA-256, to tell nodes' keys apart.
 
@@ -27,12 +29,15 @@ not check is refused, and its session wakes afresh (docs/kubernetes.md).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import signal
 import stat
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -58,6 +63,8 @@ def read_source(source: Path) -> bytes | None:
         return None
     if len(raw) > KEY_MAX:
         raise KeyRefused(f"the key in {source} is larger than {KEY_MAX} bytes")
+    if not raw.isascii():  # Go's TrimSpace and Python's strip agree on ASCII only
+        raise KeyRefused(f"the key in {source} is not ASCII (hex or base64, say)")
     if len(raw.strip()) < KEY_MIN:
         raise KeyRefused(f"the key in {source} holds fewer than {KEY_MIN} bytes")
     return raw
@@ -85,8 +92,9 @@ def place(source: Path, target: Path) -> str:
     if current(target) == key:
         return ""
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.new")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    sweep(target)
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")  # 0600
+    tmp = Path(name)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(key)
@@ -102,6 +110,19 @@ def place(source: Path, target: Path) -> str:
     finally:
         os.close(directory)
     return f"placed the snapshot key {fingerprint(key)} at {target}"
+
+
+STALE = 300.0  # seconds: a scratch file older is one a killed placer left
+
+
+def sweep(target: Path) -> None:
+    """Remove the scratch files of placers killed between their write and its rename
+    (another's, at most seconds old, is left to it)."""
+    now = time.time()
+    for left in target.parent.glob(f".{target.name}.*"):
+        with contextlib.suppress(OSError):
+            if now - left.lstat().st_mtime > STALE:
+                left.unlink()
 
 
 def run(source: Path, target: Path, *, every: float, stop: threading.Event | None = None) -> None:
