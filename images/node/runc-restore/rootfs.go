@@ -66,29 +66,41 @@ func putBack(diffPath, rootfs string, old, new *spec) (skipped int, err error) {
 			return uid, gid, okUID && okGID
 		}}
 	tr := tar.NewReader(gz)
-	for files := 0; ; files++ {
-		h, err := tr.Next()
-		if err == io.EOF {
-			return skipped, nil
-		}
-		if err != nil {
-			return skipped, fmt.Errorf("its %s: %w", rootfsDiff, err)
-		}
-		if files >= rootfsFilesMax {
-			return skipped, fmt.Errorf("its %s has more than %d entries", rootfsDiff, rootfsFilesMax)
-		}
+	err = eachEntry(tr, rootfsDiff, func(h *tar.Header) error {
 		put, err := w.put(h, tr)
 		if errors.Is(err, errBound) {
-			return skipped, fmt.Errorf("its %s: %w", rootfsDiff, err)
+			return fmt.Errorf("its %s: %w", rootfsDiff, err)
 		}
 		if err != nil || !put {
 			skipped++ // the rest is put back: a wake keeps the kernel's memory
 		}
 		if w.written >= w.nextCheck { // the disk of the container's writable layer
 			if err := fits(rootfs, headroom); err != nil {
-				return skipped, fmt.Errorf("its %s: %w", rootfsDiff, err)
+				return fmt.Errorf("its %s: %w", rootfsDiff, err)
 			}
 			w.nextCheck = w.written + checkEvery
+		}
+		return nil
+	})
+	return skipped, err
+}
+
+// eachEntry calls each for the entries of tr, in order, at most rootfsFilesMax of them;
+// `what` names the tar in the errors.
+func eachEntry(tr *tar.Reader, what string, each func(*tar.Header) error) error {
+	for files := 0; ; files++ {
+		h, err := tr.Next()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("its %s: %w", what, err)
+		}
+		if files >= rootfsFilesMax {
+			return fmt.Errorf("its %s has more than %d entries", what, rootfsFilesMax)
+		}
+		if err := each(h); err != nil {
+			return err
 		}
 	}
 }

@@ -426,29 +426,19 @@ func volumesBack(packed string, new *spec) (skipped int, err error) {
 	}
 	budget := int64(rootfsMax)
 	tr := tar.NewReader(gz)
-	for files := 0; ; files++ {
-		h, err := tr.Next()
-		if err == io.EOF {
-			return skipped, nil
-		}
-		if err != nil {
-			return skipped, fmt.Errorf("its %s: %w", volumesFile, err)
-		}
-		if files >= rootfsFilesMax {
-			return skipped, fmt.Errorf("its %s has more than %d entries", volumesFile, rootfsFilesMax)
-		}
+	err = eachEntry(tr, volumesFile, func(h *tar.Header) error {
 		name := relative(h.Name)
 		m, ok := volumeOf(name, new)
 		inner := strings.TrimPrefix(strings.TrimPrefix(name, relative(m.Destination)), "/")
 		if !ok || inner == "" {
 			skipped++
-			continue
+			return nil
 		}
 		w := writers[m.Destination]
 		if w == nil {
 			root, err := os.OpenRoot(m.Source)
 			if err != nil {
-				return skipped, err
+				return err
 			}
 			w = &writer{root: root, budget: budget, owner: owners(m, new), mounts: within(m, new)}
 			writers[m.Destination] = w
@@ -457,7 +447,7 @@ func volumesBack(packed string, new *spec) (skipped int, err error) {
 		// /tmp of 256 MiB) none, as it held the file before.
 		if h.Typeflag == tar.TypeReg {
 			if err := fits(m.Source, h.Size+margin(m.Source)); err != nil {
-				return skipped, fmt.Errorf("its %s: %w", volumesFile, err)
+				return fmt.Errorf("its %s: %w", volumesFile, err)
 			}
 		}
 		h.Name = inner
@@ -465,12 +455,14 @@ func volumesBack(packed string, new *spec) (skipped int, err error) {
 		put, err := w.put(h, tr)
 		budget = w.budget
 		if errors.Is(err, errBound) {
-			return skipped, fmt.Errorf("its %s: %w", volumesFile, err)
+			return fmt.Errorf("its %s: %w", volumesFile, err)
 		}
 		if err != nil || !put {
 			skipped++
 		}
-	}
+		return nil
+	})
+	return skipped, err
 }
 
 // margin is what a volume's filesystem keeps free as files are written back: the
