@@ -1,8 +1,9 @@
 """The nodes' snapshot key placed from a Secret by the overlay's DaemonSet
 (manifests/overlays/snapshots/snapshot-key.yaml, control/nodekey.py), on the test node:
 a key the restore handler would refuse leaves the node's as it is; a good one is written
-as the handler takes it (root's, 0600). Its hostPath is a directory of this test's, not
-the node's /etc/mcp-forge (the test node's handler has a key of its own)."""
+as the handler takes it (root's, 0600), and so is the key a rotation replaced, beside
+it. Its hostPath is a directory of this test's, not the node's /etc/mcp-forge (the test
+node's handler has a key of its own)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ ROOT_REPO = Path(__file__).resolve().parents[2]
 PLACER = "mcp-forge-snapshot-key"
 
 
-def _secret(ns: str, key: str) -> str:
+def _secret(ns: str, key: str, previous: str | None = None) -> str:
+    data = {"snapshot.key": key} | ({"previous.key": previous} if previous else {})
     return yaml.safe_dump(
         {
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": {"name": PLACER, "namespace": ns},
-            "stringData": {"snapshot.key": key},
+            "stringData": data,
         }
     )
 
@@ -80,19 +82,22 @@ async def test_the_daemonset_places_the_secrets_key_and_refuses_a_short_one(
         kubectl(test_cluster, "apply", "-f", "-", input=yaml.safe_dump(ds))
         kubectl(test_cluster, "-n", ns, "rollout", "status", f"ds/{PLACER}", "--timeout=60s")
         said = await _logged(test_cluster, ns, "fewer than 32 bytes")
-        assert "the node's key is left as it is" in said, said
+        assert "the node's keys are left as they are" in said, said
         assert node_key.read_text() == old, "a refused key leaves the node's"
-        new = secrets.token_hex(32)
-        kubectl(test_cluster, "apply", "-f", "-", input=_secret(ns, new))
+        new = secrets.token_hex(32)  # a rotation: the old key kept as the previous
+        kubectl(test_cluster, "apply", "-f", "-", input=_secret(ns, new, previous=old))
         # A new pod mounts the Secret as it is now (a running one sees it within the
         # kubelet's sync period).
         kubectl(test_cluster, "-n", ns, "delete", "pod", "-l",
                 "app.kubernetes.io/component=snapshot-key", "--wait=false")  # fmt: skip
         said = await _logged(test_cluster, ns, "placed the snapshot key")
         assert new not in said and old not in said, "the key is never logged"
-        assert node_key.read_text() == new
-        st = os.stat(node_key)
-        assert (st.st_uid, st.st_mode & 0o777) == (0, 0o600)
+        assert "placed the previous snapshot key" in said, said
+        previous = host / "snapshot.key.previous"
+        assert node_key.read_text() == new and previous.read_text() == old
+        for placed in (node_key, previous):
+            st = os.stat(placed)
+            assert (st.st_uid, st.st_mode & 0o777) == (0, 0o600), placed
     finally:
         kubectl(test_cluster, "-n", ns, "delete", "daemonset", PLACER, "--ignore-not-found")
         await asyncio.to_thread(shutil.rmtree, host, True)

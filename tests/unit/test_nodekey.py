@@ -15,14 +15,18 @@ from mcp_forge.control import nodekey
 KEY = b"a" * 64 + b"\n"
 
 
-def secret(tmp_path: Path, value: bytes) -> Path:
-    """A key as the kubelet mounts a Secret: a link through ..data."""
+def secret(tmp_path: Path, value: bytes, previous: bytes | None = None) -> Path:
+    """A key as the kubelet mounts a Secret: a link through ..data (and the previous key
+    beside it, if given)."""
     data = tmp_path / "secret" / "..2026_12_07"
     data.mkdir(parents=True)
     (data / "snapshot.key").write_bytes(value)
     (tmp_path / "secret" / "..data").symlink_to("..2026_12_07")
     source = tmp_path / "secret" / "snapshot.key"
     source.symlink_to("..data/snapshot.key")
+    if previous is not None:
+        (data / "previous.key").write_bytes(previous)
+        (tmp_path / "secret" / "previous.key").symlink_to("..data/previous.key")
     return source
 
 
@@ -59,7 +63,7 @@ def test_no_key_in_the_secret_leaves_the_nodes_key(tmp_path: Path) -> None:
     target = tmp_path / "snapshot.key"
     target.write_bytes(KEY)
     said = nodekey.place(tmp_path / "absent" / "snapshot.key", target)
-    assert "left as it is" in said and target.read_bytes() == KEY
+    assert "left as they are" in said and target.read_bytes() == KEY
 
 
 def test_a_link_planted_at_the_target_is_replaced_not_followed(tmp_path: Path) -> None:
@@ -109,3 +113,49 @@ def test_a_scratch_file_a_killed_placer_left_stops_nothing_and_goes(tmp_path: Pa
     os.utime(left, (1, 1))  # long ago
     assert nodekey.place(secret(tmp_path, KEY), target).startswith("placed")
     assert target.read_bytes() == KEY and not left.exists()
+
+
+OLD = b"o" * 64 + b"\n"
+
+
+def test_a_rotation_places_the_previous_key_beside_and_removes_it_when_over(
+    tmp_path: Path,
+) -> None:
+    source, target = secret(tmp_path, KEY, previous=OLD), tmp_path / "etc" / "snapshot.key"
+    previous = tmp_path / "etc" / "snapshot.key.previous"
+    said = nodekey.place(source, target)
+    assert "placed the snapshot key" in said and "placed the previous snapshot key" in said
+    assert OLD.decode().strip() not in said
+    assert target.read_bytes() == KEY and previous.read_bytes() == OLD
+    assert os.stat(previous).st_mode & 0o777 == 0o600
+    assert nodekey.place(source, target) == "", "keys the node has are not written again"
+    (tmp_path / "secret" / "previous.key").unlink()  # the rotation is over
+    said = nodekey.place(source, target)
+    assert said.startswith("removed the previous snapshot key ") and not previous.exists()
+    assert target.read_bytes() == KEY
+    assert nodekey.place(source, target) == ""
+
+
+def test_a_previous_key_is_never_removed_unless_the_secret_has_a_good_key(
+    tmp_path: Path,
+) -> None:
+    target, previous = tmp_path / "snapshot.key", tmp_path / "snapshot.key.previous"
+    for path, value in ((target, KEY), (previous, OLD)):
+        path.write_bytes(value)
+        path.chmod(0o600)
+    nodekey.place(tmp_path / "absent" / "snapshot.key", target)  # no Secret
+    with pytest.raises(nodekey.KeyRefused):
+        nodekey.place(secret(tmp_path, b"short"), target)
+    assert target.read_bytes() == KEY and previous.read_bytes() == OLD
+
+
+def test_a_refused_previous_key_leaves_the_nodes_and_still_places_the_key(
+    tmp_path: Path,
+) -> None:
+    target, previous = tmp_path / "snapshot.key", tmp_path / "snapshot.key.previous"
+    previous.write_bytes(OLD)
+    previous.chmod(0o600)
+    said = nodekey.place(secret(tmp_path, KEY, previous=b"short"), target)
+    assert "placed the snapshot key" in said
+    assert "the node's previous key is left as it is" in said and "fewer than 32" in said
+    assert target.read_bytes() == KEY and previous.read_bytes() == OLD

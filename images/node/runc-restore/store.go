@@ -40,12 +40,45 @@ const (
 	copyBuffer  = 1 << 20
 )
 
-// nodeKey reads the key the nodes share: a regular file of root's, readable by root only.
+// nodeKey reads the key the nodes share, which signs what is stored.
 func nodeKey() ([]byte, error) {
-	path := env("MCPFORGE_SNAPSHOT_KEY", "/etc/mcp-forge/snapshot.key")
+	path := keyPath()
+	key, err := keyAt(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("no snapshot key at %s: snapshots stay on their node", path)
+	}
+	return key, err
+}
+
+func keyPath() string { return env("MCPFORGE_SNAPSHOT_KEY", "/etc/mcp-forge/snapshot.key") }
+
+// checkKeys are the keys a stored copy may be signed with: the nodes' key, then the one it
+// replaced while the nodes still hold it (MCPFORGE_SNAPSHOT_KEY_PREVIOUS, by default the
+// key's path with ".previous"): a rotation keeps the copies stored before it wakeable
+// until the previous key is taken away. A previous key the handler would not take as the
+// key is not taken as the previous one either; why is given to say why a copy is refused.
+func checkKeys() (keys [][]byte, why string, err error) {
+	key, err := nodeKey()
+	if err != nil {
+		return nil, "", err
+	}
+	path := env("MCPFORGE_SNAPSHOT_KEY_PREVIOUS", keyPath()+".previous")
+	previous, perr := keyAt(path)
+	switch {
+	case perr == nil:
+		return [][]byte{key, previous}, "", nil
+	case errors.Is(perr, os.ErrNotExist):
+		return [][]byte{key}, "", nil
+	}
+	return [][]byte{key}, fmt.Sprintf(" (the previous key was not taken: %v)", perr), nil
+}
+
+// keyAt reads a key of the nodes': a regular file of root's, readable by root only, of at
+// least keyMin bytes once trimmed (an error wrapping os.ErrNotExist if there is none).
+func keyAt(path string) ([]byte, error) {
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
-		return nil, fmt.Errorf("no snapshot key at %s (%v): snapshots stay on their node", path, errors.Unwrap(err))
+		return nil, fmt.Errorf("the snapshot key %s: %w", path, errors.Unwrap(err))
 	}
 	defer f.Close()
 	var st syscall.Stat_t
@@ -140,7 +173,7 @@ func store(archive *os.File, dir, namespace, name string) error {
 // what was read, which no pod can change, and nothing of an unsigned archive is used
 // (its images are removed with the restore's directory, by the caller's release).
 func fromClaim(dir, namespace, name, images string) (*spec, error) {
-	key, err := nodeKey()
+	keys, why, err := checkKeys()
 	if err != nil {
 		return nil, err
 	}
@@ -164,12 +197,16 @@ func fromClaim(dir, namespace, name, images string) (*spec, error) {
 	// file that grows meanwhile gains nothing), and so is what is written before the HMAC
 	// is known: no more than that, on a disk where it fits, root's alone, removed if the
 	// HMAC differs.
-	mac := macOf(key, namespace, name)
-	seen := io.TeeReader(bufio.NewReaderSize(io.LimitReader(in, info.Size()), copyBuffer), mac)
+	macs, sinks := make([]hash.Hash, len(keys)), make([]io.Writer, len(keys))
+	for i, key := range keys {
+		macs[i] = macOf(key, namespace, name)
+		sinks[i] = macs[i]
+	}
+	seen := io.TeeReader(bufio.NewReaderSize(io.LimitReader(in, info.Size()), copyBuffer), io.MultiWriter(sinks...))
 	old, err := extractStream(seen, images, info.Size())
 	_, rest := io.Copy(io.Discard, seen) // the HMAC is of every byte, the tar's end too
-	if !hmac.Equal(mac.Sum(nil), want) {
-		return nil, fmt.Errorf("the copy of checkpoint %s in the session's claim is not one this cluster's nodes stored (its HMAC differs)", name)
+	if !signedBy(macs, want) {
+		return nil, fmt.Errorf("the copy of checkpoint %s in the session's claim is not one this cluster's nodes stored (its HMAC differs under the nodes' key%s)", name, why)
 	}
 	if err == nil {
 		err = rest
@@ -178,6 +215,16 @@ func fromClaim(dir, namespace, name, images string) (*spec, error) {
 		return nil, fmt.Errorf("checkpoint %s in the session's claim: %w", name, err)
 	}
 	return old, nil
+}
+
+// signedBy says whether one of the HMACs is want.
+func signedBy(macs []hash.Hash, want []byte) bool {
+	for _, mac := range macs {
+		if hmac.Equal(mac.Sum(nil), want) {
+			return true
+		}
+	}
+	return false
 }
 
 // spendClaim removes the claim's copy: a checkpoint wakes one pod, once, from either copy.

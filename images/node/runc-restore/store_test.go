@@ -216,3 +216,63 @@ func TestTheKeyMustBeRootsAloneAndLongEnough(t *testing.T) {
 		t.Fatalf("missing: %v", err)
 	}
 }
+
+// writeKey writes a key file of root's, 0600 (over what was there).
+func writeKey(t *testing.T, path, text string, mode os.FileMode) {
+	t.Helper()
+	os.Remove(path)
+	if err := os.WriteFile(path, []byte(text), mode); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(path, mode); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestACopyStoredBeforeARotationWakesWhileTheNodesHoldThePreviousKey(t *testing.T) {
+	archive, claim, _ := setup(t)
+	if err := store(archive, claim, testNamespace, testArchive); err != nil { // under "k" * 64
+		t.Fatal(err)
+	}
+	key := os.Getenv("MCPFORGE_SNAPSHOT_KEY")
+	previous := key + ".previous"
+	wake := func() error {
+		_, err := fromClaim(claim, testNamespace, testArchive, t.TempDir())
+		return err
+	}
+	// Rotated: a new key, the old one kept as the previous: the copy still wakes.
+	writeKey(t, key, strings.Repeat("n", 64), 0o600)
+	writeKey(t, previous, strings.Repeat("k", 64)+"\n", 0o600)
+	if err := wake(); err != nil {
+		t.Fatalf("with the previous key: %v", err)
+	}
+	// A previous key the handler would not take as its key is not taken: refused, and why.
+	for _, c := range []struct {
+		text string
+		mode os.FileMode
+		why  string
+	}{{strings.Repeat("k", 64), 0o644, "mode 0600"}, {"k", 0o600, "fewer than"}} {
+		writeKey(t, previous, c.text, c.mode)
+		err := wake()
+		if err == nil || !strings.Contains(err.Error(), "HMAC differs") || !strings.Contains(err.Error(), c.why) {
+			t.Fatalf("%v: %v", c, err)
+		}
+	}
+	// The rotation over (the previous key gone): the old copy is refused, a new store wakes.
+	os.Remove(previous)
+	if err := wake(); err == nil || !strings.Contains(err.Error(), "HMAC differs") {
+		t.Fatalf("without the previous key: %v", err)
+	}
+	if err := store(archive, claim, testNamespace, testArchive); err != nil {
+		t.Fatal(err)
+	}
+	if err := wake(); err != nil {
+		t.Fatalf("stored under the new key: %v", err)
+	}
+	// Signing is the new key's alone: a node that holds only the old one refuses it.
+	writeKey(t, key, strings.Repeat("k", 64), 0o600)
+	writeKey(t, previous, strings.Repeat("x", 64), 0o600)
+	if err := wake(); err == nil || !strings.Contains(err.Error(), "HMAC differs") {
+		t.Fatalf("signed under the old key: %v", err)
+	}
+}

@@ -23,8 +23,12 @@ renamed over it, so the handler never reads half of a key, and a link
 planted at the target is replaced, not followed. The key itself is never logged: only
 the first 12 hex digits of its SHA-256, to tell nodes' keys apart.
 
-Changing the key loses what was stored with the old one: a stored copy whose HMAC does
-not check is refused, and its session wakes afresh (docs/kubernetes.md).
+A rotation keeps what was stored: the Secret's `previous.key` (the key being replaced)
+is placed beside the key as `<target>.previous`, which the handler checks stored copies
+against too (it signs with the key alone); once the Secret has a good key and no
+`previous.key`, the node's previous key is removed and copies signed with it are refused
+(their sessions wake afresh). A key changed without it loses what was stored
+(docs/kubernetes.md says how to rotate).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ log = logging.getLogger(__name__)
 
 KEY_MIN = 32  # bytes once trimmed, as the handler's keyMin
 KEY_MAX = 4096  # the handler reads no more
+PREVIOUS_SOURCE = "previous.key"  # the Secret's key for the key a rotation replaced
 
 
 class KeyRefused(ValueError):
@@ -84,11 +89,43 @@ def current(target: Path) -> bytes | None:
 
 
 def place(source: Path, target: Path) -> str:
-    """Write the Secret's key at target if the node lacks it; what was done (a log line).
-    KeyRefused if the Secret's key is not one the handler would take."""
+    """Write the Secret's keys at target (and its previous key beside it) where the node
+    lacks them; what was done (a log line, "" if nothing). KeyRefused if the Secret's key
+    is not one the handler would take: then nothing is changed."""
     key = read_source(source)
     if key is None:
-        return f"no key in {source}: the node's key is left as it is"
+        return f"no key in {source}: the node's keys are left as they are"
+    said = [write(target, key, "the snapshot key"), place_previous(source, target)]
+    return "; ".join(line for line in said if line)
+
+
+def previous_paths(source: Path, target: Path) -> tuple[Path, Path]:
+    """Where the Secret's previous key is mounted and where the handler reads it."""
+    return source.with_name(PREVIOUS_SOURCE), target.with_name(target.name + ".previous")
+
+
+def place_previous(source: Path, target: Path) -> str:
+    """The key a rotation replaced, while the Secret keeps it: stored copies signed with
+    it still wake. The Secret's current key is good here: a Secret without a previous key
+    says the rotation is over, and the node's previous key goes."""
+    source, target = previous_paths(source, target)
+    try:
+        key = read_source(source)
+    except KeyRefused as exc:
+        return f"the node's previous key is left as it is: {exc}"
+    if key is not None:
+        return write(target, key, "the previous snapshot key")
+    old = current(target)
+    try:
+        target.unlink()
+    except FileNotFoundError:
+        return ""
+    what = f" {fingerprint(old)}" if old is not None else ""
+    return f"removed the previous snapshot key{what} at {target}: the Secret has none"
+
+
+def write(target: Path, key: bytes, what: str) -> str:
+    """Write key at target whole, root's, 0600, unless it is there already."""
     if current(target) == key:
         return ""
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -109,7 +146,7 @@ def place(source: Path, target: Path) -> str:
         os.fsync(directory)
     finally:
         os.close(directory)
-    return f"placed the snapshot key {fingerprint(key)} at {target}"
+    return f"placed {what} {fingerprint(key)} at {target}"
 
 
 STALE = 300.0  # seconds: a scratch file older is one a killed placer left
@@ -136,9 +173,9 @@ def run(source: Path, target: Path, *, every: float, stop: threading.Event | Non
         try:
             line = place(source, target)
         except (KeyRefused, OSError) as exc:
-            line = f"the node's key is left as it is: {exc}"
+            line = f"the node's keys are left as they are: {exc}"
         if line and line != said:  # a state, said once until it changes
-            level = logging.WARNING if "left as it is" in line else logging.INFO
+            level = logging.WARNING if "left as" in line else logging.INFO
             log.log(level, "%s", line)
         said = line or said
         stop.wait(every)
