@@ -289,6 +289,13 @@ async def test_an_ephemeral_sessions_files_come_back_with_its_memory(
         await asyncio.to_thread(archive.unlink, missing_ok=True)
 
 
+# The ticking thread stopped: it ticked, and its file holds what it remembers writing.
+TICKED = (
+    "ticking[1] = False; ticker.join()\n"
+    "print(ticking[0] > 0, os.path.getsize('ticks') == 2 * ticking[0])"
+)
+
+
 async def test_a_shared_group_sessions_emptydir_files_come_back_with_its_memory(
     kube: Kube, ns: str, snapshotting: Any
 ) -> None:
@@ -296,7 +303,10 @@ async def test_a_shared_group_sessions_emptydir_files_come_back_with_its_memory(
     /workspace an emptyDir on the node's disk, its /tmp a memory one. Both end with the
     pod, so the node's handler packs them into the checkpoint and writes them into the
     new pod's before CRIU restores the process (images/node/runc-restore/volumes.go):
-    its files come back, one held open, with their owner, and /shared is left as it is."""
+    its files come back, one held open, with their owner, and /shared is left as it is.
+    A thread writes to a file all along: containerd pauses the kernel from before CRIU's
+    dump until its files are written (the handler packs the volumes meanwhile), so the
+    session and its fork wake with files that are what their memory says."""
     claim = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -310,6 +320,13 @@ async def test_a_shared_group_sessions_emptydir_files_come_back_with_its_memory(
         "os.makedirs('d/e')\n"
         "open('d/e/f', 'w').write('deep')\n"
         "open('/shared/mine', 'w').write('s1')\n"
+        # A thread appending to an open file all along: the kernel is paused until its
+        # volumes are packed, so the file is the length its memory counted.
+        "ticks = open('ticks', 'a', buffering=1); ticking = [0, True]\n"
+        "def _tick():\n"
+        "    while ticking[1]:\n"
+        "        ticks.write('.\\n'); ticking[0] += 1; time.sleep(0.0005)\n"
+        "ticker = threading.Thread(target=_tick, daemon=True); ticker.start()\n"
     )
     obj = await _suspended(kube, ns, "grouped", OPEN_FILE + files, sharedGroup="team")
     archive = CHECKPOINTS / str((obj["status"].get("snapshot") or {}).get("archive"))
@@ -339,9 +356,13 @@ async def test_a_shared_group_sessions_emptydir_files_come_back_with_its_memory(
                 "log.write('c'); log.flush()\n"
                 "print(open('log.txt').read(), open('/tmp/scratch').read())",
             )
+            ticked = await run_in_kernel(conn, TICKED)
         assert said == "abc t\n", said
+        assert ticked == "True True\n", f"the fork's ticks file is not its memory's: {ticked}"
         async with kernel(kube, ns, "grouped") as conn:
             assert await run_in_kernel(conn, "print(open('log.txt').read())") == "ab\n"
+            ticked = await run_in_kernel(conn, TICKED)
+        assert ticked == "True True\n", f"the ticks file is not its memory's: {ticked}"
     finally:
         await asyncio.to_thread(archive.unlink, missing_ok=True)
         for left in CHECKPOINTS.glob(f"checkpoint-ks-grouped_{ns}-*"):  # the fork's

@@ -149,13 +149,21 @@ def test_a_previous_key_is_never_removed_unless_the_secret_has_a_good_key(
     assert target.read_bytes() == KEY and previous.read_bytes() == OLD
 
 
-def test_a_refused_previous_key_leaves_the_nodes_and_still_places_the_key(
+def test_a_refused_previous_key_removes_the_nodes_and_still_places_the_key(
     tmp_path: Path,
 ) -> None:
+    """An older previous key (an unfinished rotation's) is not left to sign while the
+    Secret names another."""
     target, previous = tmp_path / "snapshot.key", tmp_path / "snapshot.key.previous"
     previous.write_bytes(OLD)
     previous.chmod(0o600)
     said = nodekey.place(secret(tmp_path, KEY, previous=b"short"), target)
     assert "placed the snapshot key" in said
-    assert "the node's previous key is left as it is" in said and "fewer than 32" in said
-    assert target.read_bytes() == KEY and previous.read_bytes() == OLD
+    assert "removed the previous snapshot key" in said and "fewer than 32" in said, said
+    assert target.read_bytes() == KEY and not previous.exists()
+
+
+def test_the_previous_key_is_placed_before_the_key(tmp_path: Path) -> None:
+    source, target = secret(tmp_path, KEY, previous=OLD), tmp_path / "snapshot.key"
+    said = nodekey.place(source, target)
+    assert said.index("placed the previous snapshot key") < said.index("placed the snapshot key")

@@ -23,12 +23,13 @@ renamed over it, so the handler never reads half of a key, and a link
 planted at the target is replaced, not followed. The key itself is never logged: only
 the first 12 hex digits of its SHA-256, to tell nodes' keys apart.
 
-A rotation keeps what was stored: the Secret's `previous.key` (the key being replaced)
-is placed beside the key as `<target>.previous`, which the handler checks stored copies
-against too (it signs with the key alone); once the Secret has a good key and no
-`previous.key`, the node's previous key is removed and copies signed with it are refused
-(their sessions wake afresh). A key changed without it loses what was stored
-(docs/kubernetes.md says how to rotate).
+A rotation keeps what was stored: the Secret's `previous.key` is placed beside the key
+as `<target>.previous` (first, so a node never holds a new key without the old one),
+which the handler checks stored copies against too (it signs with the key alone). Once
+the Secret has a good key and no `previous.key`, or one the handler would refuse, the
+node's previous key is removed and copies signed with it are refused (their sessions
+wake afresh). A key changed without it loses what was stored (docs/kubernetes.md says
+how to rotate, in two steps, so that no node refuses a copy another signed).
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def place(source: Path, target: Path) -> str:
     key = read_source(source)
     if key is None:
         return f"no key in {source}: the node's keys are left as they are"
-    said = [write(target, key, "the snapshot key"), place_previous(source, target)]
+    # The previous key first: at a rotation's start a node then never holds the new key
+    # without the old one beside it.
+    said = [place_previous(source, target), write(target, key, "the snapshot key")]
     return "; ".join(line for line in said if line)
 
 
@@ -106,22 +109,29 @@ def previous_paths(source: Path, target: Path) -> tuple[Path, Path]:
 
 def place_previous(source: Path, target: Path) -> str:
     """The key a rotation replaced, while the Secret keeps it: stored copies signed with
-    it still wake. The Secret's current key is good here: a Secret without a previous key
-    says the rotation is over, and the node's previous key goes."""
+    it still wake. The Secret's current key is good here, so the Secret says which keys a
+    node accepts: without a previous key (the rotation over), or with one the handler
+    would refuse, the node's previous key goes, never left to sign for a key the Secret
+    no longer names."""
     source, target = previous_paths(source, target)
     try:
         key = read_source(source)
     except KeyRefused as exc:
-        return f"the node's previous key is left as it is: {exc}"
+        return remove(target, f"the Secret's previous key is refused: {exc}")
     if key is not None:
         return write(target, key, "the previous snapshot key")
+    return remove(target, "the Secret has none")
+
+
+def remove(target: Path, why: str) -> str:
+    """Remove the node's previous key (a line saying so, "" if it had none)."""
     old = current(target)
     try:
         target.unlink()
     except FileNotFoundError:
-        return ""
+        return f"{why}: the node has no previous key" if "refused" in why else ""
     what = f" {fingerprint(old)}" if old is not None else ""
-    return f"removed the previous snapshot key{what} at {target}: the Secret has none"
+    return f"removed the previous snapshot key{what} at {target}: {why}"
 
 
 def write(target: Path, key: bytes, what: str) -> str:
@@ -175,7 +185,7 @@ def run(source: Path, target: Path, *, every: float, stop: threading.Event | Non
         except (KeyRefused, OSError) as exc:
             line = f"the node's keys are left as they are: {exc}"
         if line and line != said:  # a state, said once until it changes
-            level = logging.WARNING if "left as" in line else logging.INFO
+            level = logging.WARNING if "left as" in line or "refused" in line else logging.INFO
             log.log(level, "%s", line)
         said = line or said
         stop.wait(every)
