@@ -113,7 +113,8 @@ async def remove_pod(ref: str) -> bool:
         again = "panic:" in done.stderr or "resource busy" in done.stderr
         if not again or attempt == 3:
             raise PodmanError(["pod", "rm", ref], done.returncode, done.stderr)
-        log.warning("podman failed removing pod %s (%s); trying again", ref, done.stderr[-200:])
+        said = " ".join(done.stderr.split())[-200:]  # Podman's lines, blank ones too: one line
+        log.info("podman left pod %s half removed (%s); removing it again", ref, said)
     raise AssertionError("unreachable")
 
 

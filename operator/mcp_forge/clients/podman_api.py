@@ -264,7 +264,8 @@ class PodmanApi:
                     return attempt > 1  # gone by the first delete, half done
                 if r.status_code < 400 or "resource busy" not in r.text or attempt == 3:
                     break
-                log.warning("podman failed removing pod %s (%s); again", name, r.text[-200:])
+                said = " ".join(r.text.split())[-200:]
+                log.info("podman left pod %s half removed (%s); removing it again", name, said)
             r.raise_for_status()
             return True
 
