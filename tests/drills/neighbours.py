@@ -115,6 +115,11 @@ alike, so no rule on usage sets it apart. The noisy pods' cgroups set to SCHED_I
 hand (cpu.idle 1, which also lets a waking task preempt them at once): +55.8 ms, median
 27.1 ms (against 40-48 ms), the noise making a third fewer calls; as the minimum weight
 did (+47 ms), not within 50 ms, and no automatic rule knows which pods to pick.
+
+December 7, morning (a quiet host, one 30 s run each): execute_code 1+1 +90.4 ms with
+the test cluster up beside it and +90.1 ms with it down (idle p99 14.3 and 16.0 ms,
+under noise 104.8 and 106.1 ms); list_sessions +11.4 and +18.8 ms: the cluster's
+components are not what the quiet kernel waits for.
 """
 
 from __future__ import annotations
