@@ -129,7 +129,8 @@ def test_a_rotation_places_the_previous_key_beside_and_removes_it_when_over(
     assert target.read_bytes() == KEY and previous.read_bytes() == OLD
     assert os.stat(previous).st_mode & 0o777 == 0o600
     assert nodekey.place(source, target) == "", "keys the node has are not written again"
-    (tmp_path / "secret" / "previous.key").unlink()  # the rotation is over
+    for gone in ("previous.key", "..2026_12_07/previous.key"):  # the rotation is over
+        (tmp_path / "secret" / gone).unlink()
     said = nodekey.place(source, target)
     assert said.startswith("removed the previous snapshot key ") and not previous.exists()
     assert target.read_bytes() == KEY
@@ -149,18 +150,43 @@ def test_a_previous_key_is_never_removed_unless_the_secret_has_a_good_key(
     assert target.read_bytes() == KEY and previous.read_bytes() == OLD
 
 
-def test_a_refused_previous_key_removes_the_nodes_and_still_places_the_key(
+def test_a_refused_previous_key_leaves_the_nodes_and_still_places_the_key(
     tmp_path: Path,
 ) -> None:
-    """An older previous key (an unfinished rotation's) is not left to sign while the
-    Secret names another."""
+    """A step typed wrong (an empty or short previous.key) loses no stored copy."""
     target, previous = tmp_path / "snapshot.key", tmp_path / "snapshot.key.previous"
     previous.write_bytes(OLD)
     previous.chmod(0o600)
     said = nodekey.place(secret(tmp_path, KEY, previous=b"short"), target)
     assert "placed the snapshot key" in said
-    assert "removed the previous snapshot key" in said and "fewer than 32" in said, said
-    assert target.read_bytes() == KEY and not previous.exists()
+    assert "the node's previous key is left as it is" in said and "fewer than 32" in said
+    assert target.read_bytes() == KEY and previous.read_bytes() == OLD
+
+
+def test_both_keys_are_read_from_one_version_of_the_secret(tmp_path: Path) -> None:
+    """The kubelet swaps ..data to a new version at an update: the keys placed are one
+    version's, even if the link moves between the two reads."""
+    source, target = secret(tmp_path, KEY, previous=OLD), tmp_path / "etc" / "snapshot.key"
+    pinned = nodekey.one_version(source)
+    assert pinned.parent.name == "..2026_12_07"
+    newer = tmp_path / "secret" / "..2026_12_08"
+    newer.mkdir()
+    (newer / "snapshot.key").write_bytes(b"n" * 64)  # a later step: a new key, no previous
+    (tmp_path / "secret" / "..data").unlink()
+    (tmp_path / "secret" / "..data").symlink_to("..2026_12_08")
+    assert nodekey.read_source(pinned) == KEY
+    assert nodekey.read_source(nodekey.previous_paths(pinned, target)[0]) == OLD
+    said = nodekey.place(source, target)  # now: the newer version, both files of it
+    assert target.read_bytes() == b"n" * 64 and "previous" not in said
+
+
+def test_the_placer_says_what_the_node_holds_at_its_start(tmp_path: Path) -> None:
+    source, target = secret(tmp_path, KEY, previous=OLD), tmp_path / "etc" / "snapshot.key"
+    assert nodekey.holds(target).startswith("the node holds no snapshot key")
+    nodekey.place(source, target)
+    said = nodekey.holds(target)
+    assert said.startswith(f"the node holds key {nodekey.fingerprint(KEY)}, previous ")
+    assert KEY.decode().strip() not in said and OLD.decode().strip() not in said
 
 
 def test_the_previous_key_is_placed_before_the_key(tmp_path: Path) -> None:

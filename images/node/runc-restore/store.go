@@ -206,7 +206,7 @@ func fromClaim(dir, namespace, name, images string) (*spec, error) {
 	old, err := extractStream(seen, images, info.Size())
 	_, rest := io.Copy(io.Discard, seen) // the HMAC is of every byte, the tar's end too
 	if !signedBy(macs, want) {
-		return nil, fmt.Errorf("the copy of checkpoint %s in the session's claim is not one this cluster's nodes stored (its HMAC differs under the nodes' key%s)", name, why)
+		return nil, fmt.Errorf("the copy of checkpoint %s in the session's claim is not one this cluster's nodes stored (its HMAC differs under the nodes' key%s)", name, checkedAgainst(len(keys), why))
 	}
 	if err == nil {
 		err = rest
@@ -215,6 +215,14 @@ func fromClaim(dir, namespace, name, images string) (*spec, error) {
 		return nil, fmt.Errorf("checkpoint %s in the session's claim: %w", name, err)
 	}
 	return old, nil
+}
+
+// checkedAgainst names what a refused copy was checked against, after "under the nodes' key".
+func checkedAgainst(keys int, why string) string {
+	if keys > 1 {
+		return " and its previous one"
+	}
+	return why
 }
 
 // signedBy says whether one of the HMACs is want.

@@ -23,13 +23,16 @@ renamed over it, so the handler never reads half of a key, and a link
 planted at the target is replaced, not followed. The key itself is never logged: only
 the first 12 hex digits of its SHA-256, to tell nodes' keys apart.
 
-A rotation keeps what was stored: the Secret's `previous.key` is placed beside the key
-as `<target>.previous` (first, so a node never holds a new key without the old one),
-which the handler checks stored copies against too (it signs with the key alone). Once
-the Secret has a good key and no `previous.key`, or one the handler would refuse, the
-node's previous key is removed and copies signed with it are refused (their sessions
-wake afresh). A key changed without it loses what was stored (docs/kubernetes.md says
-how to rotate, in two steps, so that no node refuses a copy another signed).
+A rotation keeps what was stored: the Secret's `previous.key`, a second key the nodes
+accept but never sign with (the new key at a rotation's first step, the old one at its
+second), is placed beside the key as `<target>.previous` (first, so that a node never
+signs with a key without the other beside it), and the handler checks stored copies
+against both. Both are read from one version of the Secret (the kubelet's `..data`
+resolved once). Once the Secret has a good key and no `previous.key`, the node's
+previous key is removed and copies signed with it are refused (their sessions wake
+afresh); a `previous.key` the handler would refuse leaves the node's as it is, said in
+the log. A key changed without it loses what was stored (docs/kubernetes.md says how to
+rotate, in three steps, so that no node refuses a copy another signed).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ def place(source: Path, target: Path) -> str:
     """Write the Secret's keys at target (and its previous key beside it) where the node
     lacks them; what was done (a log line, "" if nothing). KeyRefused if the Secret's key
     is not one the handler would take: then nothing is changed."""
+    source = one_version(source)
     key = read_source(source)
     if key is None:
         return f"no key in {source}: the node's keys are left as they are"
@@ -102,36 +106,50 @@ def place(source: Path, target: Path) -> str:
     return "; ".join(line for line in said if line)
 
 
+def one_version(source: Path) -> Path:
+    """source, read through the Secret's version as it is now: the kubelet swaps its
+    `..data` link to a new directory at an update, and two reads through the link could
+    see two versions (a rotation's step half taken)."""
+    data = source.parent / "..data"
+    try:
+        version = os.readlink(data)
+    except OSError:
+        return source  # not a kubelet's mount: the files are read as they are
+    return source.parent / version / source.name
+
+
 def previous_paths(source: Path, target: Path) -> tuple[Path, Path]:
     """Where the Secret's previous key is mounted and where the handler reads it."""
     return source.with_name(PREVIOUS_SOURCE), target.with_name(target.name + ".previous")
 
 
+def holds(target: Path) -> str:
+    """The node's keys, by fingerprint (a log line at the placer's start)."""
+    key, previous = current(target), current(previous_paths(target, target)[1])
+    keys = [f"{what} {fingerprint(k)}" for what, k in (("key", key), ("previous", previous)) if k]
+    return f"the node holds {', '.join(keys) or 'no snapshot key'} at {target.parent}"
+
+
 def place_previous(source: Path, target: Path) -> str:
-    """The key a rotation replaced, while the Secret keeps it: stored copies signed with
-    it still wake. The Secret's current key is good here, so the Secret says which keys a
-    node accepts: without a previous key (the rotation over), or with one the handler
-    would refuse, the node's previous key goes, never left to sign for a key the Secret
-    no longer names."""
+    """The second key the nodes accept, while the Secret has it: stored copies signed
+    with it wake. The Secret's key is good here, so a Secret without a previous key says
+    the rotation is over, and the node's previous key goes. One the handler would refuse
+    (a step typed wrong) leaves the node's as it is: removing it would lose the copies
+    signed with it."""
     source, target = previous_paths(source, target)
     try:
         key = read_source(source)
     except KeyRefused as exc:
-        return remove(target, f"the Secret's previous key is refused: {exc}")
+        return f"the node's previous key is left as it is: {exc}"
     if key is not None:
         return write(target, key, "the previous snapshot key")
-    return remove(target, "the Secret has none")
-
-
-def remove(target: Path, why: str) -> str:
-    """Remove the node's previous key (a line saying so, "" if it had none)."""
     old = current(target)
     try:
         target.unlink()
     except FileNotFoundError:
-        return f"{why}: the node has no previous key" if "refused" in why else ""
+        return ""
     what = f" {fingerprint(old)}" if old is not None else ""
-    return f"removed the previous snapshot key{what} at {target}: {why}"
+    return f"removed the previous snapshot key{what} at {target}: the Secret has none"
 
 
 def write(target: Path, key: bytes, what: str) -> str:
@@ -178,6 +196,7 @@ def run(source: Path, target: Path, *, every: float, stop: threading.Event | Non
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    log.info("%s", holds(target))  # what a node has, even if this start changes nothing
     said = ""
     while not stop.is_set():
         try:
@@ -185,7 +204,7 @@ def run(source: Path, target: Path, *, every: float, stop: threading.Event | Non
         except (KeyRefused, OSError) as exc:
             line = f"the node's keys are left as they are: {exc}"
         if line and line != said:  # a state, said once until it changes
-            level = logging.WARNING if "left as" in line or "refused" in line else logging.INFO
+            level = logging.WARNING if "left as" in line else logging.INFO
             log.log(level, "%s", line)
         said = line or said
         stop.wait(every)
