@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import click
 
+from mcp_forge import heap
 from mcp_forge.cli.common import main, run
 from mcp_forge.errors import ForgeError
 from mcp_forge.logsafe import guard_handlers
@@ -251,6 +252,7 @@ def operator(
     # on, it tried nine times, 55 s, before it served anything.
     settings = kopf.OperatorSettings()
     settings.scanning.disabled = bool(namespaces)
+    heap.settle()  # its handlers and libraries loaded: out of the collector's way
     try:
         kopf.run(
             settings=settings,
@@ -260,6 +262,7 @@ def operator(
             liveness_endpoint=liveness,
         )
     finally:
+        heap.thaw()
         if exporter is not None:
             exporter.close()
 

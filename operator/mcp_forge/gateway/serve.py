@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mcp_forge import cpuweight, metrics, tracing
+from mcp_forge import cpuweight, heap, metrics, tracing
 from mcp_forge.api import kernelsession
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api import status as st
@@ -115,6 +115,7 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         transport="stdio" if options.http is None else "http",
         tasks=_task_store(where, options, say),
     )
+    heap.settle()  # everything it serves with loaded: out of the collector's way
     stop = asyncio.Event()
     signalled = asyncio.Event()
     serving = _front(options, server, runtime, signalled, say)
@@ -136,6 +137,7 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         await _close(where, gw, say)
         await upstreams.close()
         await asyncio.to_thread(traces.close)
+        heap.thaw()
         if not serving.done():  # stdio, ended by a signal: its reader thread never returns
             sys.stderr.flush()
             os._exit(0)
@@ -262,6 +264,7 @@ async def _close(where: _Realizer, gw: Gateway, say: Callable[[str], None]) -> N
         _delete_pool(where.local, where.own_pool) if where.own_pool else _nothing(),
     )
     await gw.close()
+    where.local.store.close()  # its log folded into the database, its -wal and -shm gone
     say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
 
 
