@@ -50,6 +50,7 @@ from mitmproxy import certs, options
 from mitmproxy.addons import default_addons
 from mitmproxy.master import Master
 
+from mcp_forge import heap
 from mcp_forge.api import egress
 from mcp_forge.egress import protocol, sockets
 from mcp_forge.egress.addon import Policy, Session
@@ -280,6 +281,7 @@ async def serve(args: argparse.Namespace) -> None:
     control = socket.socket(fileno=args.control_fd)
     proxy = Proxy(args)
     await proxy.start()
+    heap.settle(collect=False)  # a session's first start waits for it
     protocol.send(control, {"ready": True, "port": proxy.port})
     loop = asyncio.get_running_loop()
     done = loop.create_future()
@@ -294,6 +296,7 @@ async def serve_cluster(args: argparse.Namespace) -> None:
     """Cluster mode, until SIGTERM (or SIGINT): then stop accepting, end, return."""
     proxy = Proxy(args)
     await proxy.start()
+    heap.settle()  # mitmproxy and the addon loaded: out of the collector's way
     control = sockets.ControlSocket(proxy.handle)
     await control.start(args.control_socket)
     paths = [args.control_socket]
@@ -375,11 +378,14 @@ def _address(text: str) -> tuple[str, int]:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     install_bounds()
-    if args.listen is not None:
-        asyncio.run(serve(args))
-        return
-    with contextlib.suppress(RuntimeError):  # the loop stopped: the gateway went away
-        asyncio.run(serve(args))
+    try:
+        if args.listen is not None:
+            asyncio.run(serve(args))
+            return
+        with contextlib.suppress(RuntimeError):  # the loop stopped: the gateway went away
+            asyncio.run(serve(args))
+    finally:
+        heap.thaw()  # what only the collector closes, closed as the process ends
 
 
 if __name__ == "__main__":
