@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from mcp_forge import heap
 
 
@@ -39,3 +41,19 @@ def test_settled_objects_are_out_of_the_collectors_way_until_thawed() -> None:
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert alive() is None, "a thawed cycle was not collected"
+
+
+def test_a_settled_block_thaws_when_it_raises() -> None:
+    """The gateway's and the operator's ends by an error (a port in use, a cleanup that
+    fails) give the heap back too."""
+    frozen: list[int] = []
+
+    def serve() -> None:
+        with heap.settled(collect=False):
+            frozen.append(gc.get_freeze_count())
+            raise RuntimeError("a port in use")
+
+    with pytest.raises(RuntimeError):
+        serve()
+    assert frozen[0] > 0
+    assert gc.get_freeze_count() == 0

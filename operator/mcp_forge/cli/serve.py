@@ -252,17 +252,17 @@ def operator(
     # on, it tried nine times, 55 s, before it served anything.
     settings = kopf.OperatorSettings()
     settings.scanning.disabled = bool(namespaces)
-    heap.settle()  # its handlers and libraries loaded: out of the collector's way
     try:
-        kopf.run(
-            settings=settings,
-            standalone=True,
-            namespaces=list(namespaces),
-            clusterwide=not namespaces,
-            liveness_endpoint=liveness,
-        )
+        # Its handlers and libraries loaded: out of the collector's way until it ends.
+        with heap.settled():
+            kopf.run(
+                settings=settings,
+                standalone=True,
+                namespaces=list(namespaces),
+                clusterwide=not namespaces,
+                liveness_endpoint=liveness,
+            )
     finally:
-        heap.thaw()
         if exporter is not None:
             exporter.close()
 

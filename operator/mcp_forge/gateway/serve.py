@@ -115,32 +115,34 @@ async def serve(options: GatewayOptions, say: Callable[[str], None]) -> None:
         transport="stdio" if options.http is None else "http",
         tasks=_task_store(where, options, say),
     )
-    heap.settle()  # everything it serves with loaded: out of the collector's way
-    stop = asyncio.Event()
-    signalled = asyncio.Event()
-    serving = _front(options, server, runtime, signalled, say)
-    housekeeping = _housekeeping(where, options, stop, say)
-    ended = asyncio.ensure_future(signalled.wait())
-    try:
-        await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        ended.cancel()
-        upstart.cancel()
-        gauges.cancel()
-        if exporter is not None:
-            await exporter.close()
-        stop.set()
-        await tasks.aclose()
-        housekeeping.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await housekeeping
-        await _close(where, gw, say)
-        await upstreams.close()
-        await asyncio.to_thread(traces.close)
-        heap.thaw()
-        if not serving.done():  # stdio, ended by a signal: its reader thread never returns
-            sys.stderr.flush()
-            os._exit(0)
+    # Everything it serves with loaded: out of the collector's way until it ends.
+    with heap.settled():
+        stop = asyncio.Event()
+        signalled = asyncio.Event()
+        serving = _front(options, server, runtime, signalled, say)
+        housekeeping = _housekeeping(where, options, stop, say)
+        ended = asyncio.ensure_future(signalled.wait())
+        try:
+            await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            upstart.cancel()
+            gauges.cancel()
+            if exporter is not None:
+                await exporter.close()
+            stop.set()
+            await tasks.aclose()
+            housekeeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await housekeeping
+            await _close(where, gw, say)
+            await upstreams.close()
+            await asyncio.to_thread(traces.close)
+            if not serving.done():  # stdio, ended by a signal: its reader thread never returns
+                if where.local is not None:  # again: a call cut short may have used it since
+                    where.local.store.close()
+                sys.stderr.flush()
+                os._exit(0)
 
 
 def _task_store(where: _Realizer, options: GatewayOptions, say: Callable[[str], None]) -> Store:
@@ -259,12 +261,16 @@ async def _close(where: _Realizer, gw: Gateway, say: Callable[[str], None]) -> N
         return
     assert where.local is not None
     # At once: a stdio client gives its server about 2 s after closing stdin.
-    deleted, _ = await asyncio.gather(
-        where.service.cleanup(),
-        _delete_pool(where.local, where.own_pool) if where.own_pool else _nothing(),
-    )
-    await gw.close()
-    where.local.store.close()  # its log folded into the database, its -wal and -shm gone
+    try:
+        deleted, _ = await asyncio.gather(
+            where.service.cleanup(),
+            _delete_pool(where.local, where.own_pool) if where.own_pool else _nothing(),
+        )
+        await gw.close()
+    finally:
+        # Its log folded into the database (and the -wal and -shm files gone, unless a
+        # command holds the store open too), however the cleanup went.
+        where.local.store.close()
     say(f"mcp-forge gateway stopped; deleted {deleted} session(s) it created")
 
 
