@@ -59,10 +59,6 @@ func main() {
 		removeNow(os.Args[2:]) // what a wake spent (spent.go)
 		return
 	}
-	if len(os.Args) > 1 && os.Args[1] == lazyFlag {
-		lazyServe(os.Args[2:]) // a wake's page server (lazy.go)
-		return
-	}
 	runc := env("MCPFORGE_RUNC", "/usr/sbin/runc")
 	args := os.Args[1:]
 	global, cmd, rest := split(args)

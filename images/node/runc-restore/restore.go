@@ -254,9 +254,8 @@ func sameOrigin(old, new *spec, name string) error {
 }
 
 // restore runs `runc restore --detach` with create's options, its stdio the shim's (runc
-// maps the process's old stdout and stderr to them: descriptors.json), its pages read
-// lazily where the node can (lazy.go). It dies with this program (a timeout of
-// containerd's kills it): no restored process containerd disowned.
+// maps the process's old stdout and stderr to them: descriptors.json). It dies with this
+// program (a timeout of containerd's kills it): no restored process containerd disowned.
 func restore(runc string, global, rest []string, bundle, images, name string) error {
 	work := filepath.Join(bundle, workDir)
 	if err := os.MkdirAll(work, 0o700); err != nil {
@@ -273,19 +272,10 @@ func restore(runc string, global, rest []string, bundle, images, name string) er
 	if contains(rest, "--no-pivot") {
 		argv = append(argv, "--no-pivot")
 	}
-	stop := func() {}
-	if pid := option(rest, "--pid-file"); pid != "" && lazyPages() {
-		var err error
-		if stop, err = serveLazily(images, work, pid); err != nil {
-			return fmt.Errorf("waking from %s: %w", name, err)
-		}
-		argv = append(argv, "--lazy-pages")
-	}
 	cmd := exec.Command(runc, append(argv, rest[len(rest)-1])...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Run(); err != nil {
-		stop()
 		return fmt.Errorf("runc restore from %s: %v; CRIU said: %s", name, err,
 			tail(filepath.Join(work, "restore.log"), 600))
 	}
