@@ -140,17 +140,22 @@ func fail(global []string, err error) {
 // say writes a line of runc's log (and stderr): what a command that did not fail has to
 // say is kept there, where containerd does not read it.
 func say(global []string, level, text string) {
-	msg := "mcpforge-runc: " + text
+	note(global, level, text)
+	fmt.Fprintln(os.Stderr, "mcpforge-runc: "+text)
+}
+
+// note writes a line of runc's log only: the stderr of a `create` that goes on is the
+// container's own (its log, which a kernel's readers read), not ours.
+func note(global []string, level, text string) {
 	if log := option(global, "--log"); log != "" {
 		line, _ := json.Marshal(map[string]string{
-			"level": level, "msg": msg, "time": time.Now().UTC().Format(time.RFC3339Nano),
+			"level": level, "msg": "mcpforge-runc: " + text, "time": time.Now().UTC().Format(time.RFC3339Nano),
 		})
 		if f, e := os.OpenFile(log, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600); e == nil {
 			f.Write(append(line, '\n'))
 			f.Close()
 		}
 	}
-	fmt.Fprintln(os.Stderr, msg)
 }
 
 func env(name, fallback string) string {

@@ -126,8 +126,12 @@ func create(runc string, global, rest []string) (bool, error) {
 	}
 	defer undo() // the restored container holds mounts of its own
 	unlock()     // the images are in place: the node's next wake may put its own beside them
-	if err := files(images, rootfsOf(bundle, &new), old, &new, name); err != nil {
+	skipped, err := files(images, rootfsOf(bundle, &new), old, &new, name)
+	if err != nil {
 		return false, err
+	}
+	if skipped > 0 {
+		note(global, "warning", fmt.Sprintf("checkpoint %s: %d of its files not put back (devices, FIFOs, owners outside the pod's ids)", name, skipped))
 	}
 	if err := restore(runc, global, rest, bundle, images, name); err != nil {
 		return false, err
@@ -189,8 +193,8 @@ func wake(images, claim, name string, shared bool, new *spec) (*spec, error) {
 
 // files puts the checkpoint's writable layer, kept in images by extraction, back into
 // the new container's rootfs (rootfs.go), and its emptyDir volumes into the new pod's
-// (volumes.go), then removes both.
-func files(images, rootfs string, old, new *spec, name string) error {
+// (volumes.go), then removes both; how many of their entries were skipped.
+func files(images, rootfs string, old, new *spec, name string) (int, error) {
 	kept := filepath.Join(images, rootfsDiffFile)
 	defer os.Remove(kept)
 	defer os.Remove(filepath.Join(images, volumesFile))
@@ -202,12 +206,9 @@ func files(images, rootfs string, old, new *spec, name string) error {
 		skipped += more
 	}
 	if err != nil {
-		return fmt.Errorf("checkpoint %s: putting its files back: %w", name, err)
+		return 0, fmt.Errorf("checkpoint %s: putting its files back: %w", name, err)
 	}
-	if skipped > 0 {
-		fmt.Fprintf(os.Stderr, "mcpforge-runc: checkpoint %s: %d of its files not put back (devices, FIFOs, owners outside the pod's ids)\n", name, skipped)
-	}
-	return nil
+	return skipped, nil
 }
 
 // storeFor copies the node's archive `name` into the claim the container mounts at
