@@ -18,7 +18,6 @@ import pytest
 
 from mcp_forge.clients import podman
 from mcp_forge.gateway.core import Gateway
-from mcp_forge.runtimes.local import snapshots
 from mcp_forge.runtimes.local.supervisor import supervise_once
 
 pytestmark = [pytest.mark.podman, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
@@ -171,7 +170,7 @@ async def damaged_snapshot_case(
     session = await runtime.get(name)
     archive = runtime._snapshot(session)
     if status["snapshot"]["inPod"]:
-        damage_images(await snapshots.images_of(runtime.container_name(session)))
+        damage_images(await runtime.kept_images(session))
     else:
         assert not await pod_exists(runtime, name), "no pod: its snapshot is an archive"
         held = archive.lstat()
@@ -206,7 +205,7 @@ async def test_a_snapshot_is_roots_outside_every_mount_of_the_pod_and_goes_with_
     )
     assert (await gateway.execute(name, plant)).status == "ok"
     await suspend(runtime, images, name)
-    images_at = await snapshots.images_of(runtime.container_name(session))
+    images_at = await runtime.kept_images(session)
     held = images_at.lstat()  # CRIU's, in the kernel container's Podman directory
     assert (held.st_uid, oct(held.st_mode & 0o777)) == (0, "0o600"), held  # as Podman makes it
     assert all(p.lstat().st_uid == 0 for p in images_at.iterdir())

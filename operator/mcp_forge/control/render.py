@@ -72,6 +72,12 @@ STARTUP_SECONDS = 120
 # Podman 4.3.1's kube play ignores securityContext.seccompProfile and reads a Localhost
 # profile only from this (deprecated in Kubernetes) annotation: "localhost/<file>".
 SECCOMP_ANNOTATION = f"container.seccomp.security.alpha.kubernetes.io/{CONTAINER}"
+# runc gives CRIU the options of the file a container's annotation org.criu.config names,
+# at its checkpoint and at its restore. Local pods name the package's own (profiles/
+# criu.conf, root's as the package is); Podman copies a played pod's annotations to its
+# containers. A KernelSession's own annotations never reach its pod's.
+CRIU_ANNOTATION = "org.criu.config"
+CRIU_CONFIG = str(Path(SECCOMP_PROFILE_ROOT) / "criu.conf")
 RUNTIME_DEFAULT: dict[str, str] = {"type": "RuntimeDefault"}
 # Below /etc (root's; locally the read-only connection mount), so it never exists and
 # cannot be made: IPython then works in a new temporary directory at every start, and a
@@ -340,6 +346,7 @@ def _pod(
                 # Honoured by Podman >= 4.4; local mode also writes the cgroup limit itself.
                 f"io.podman.annotations.pids-limit/{CONTAINER}": str(spec.pids),
                 SECCOMP_ANNOTATION: f"localhost/{SECCOMP_PROFILE}",
+                CRIU_ANNOTATION: CRIU_CONFIG,
             },
         }
         pod_spec["hostname"] = "kernel"

@@ -109,23 +109,38 @@ class Naps(KernelPods):
     async def _keep(self, session: KernelSession) -> snapshots.Taken:
         """In its pod: a keeper holds the pod up (a played pod stops with its last
         container; it takes a PID no thread of the live kernel holds), and the kernel
-        is checkpointed in place."""
-        pod = self.pod_name(session)
-        keeper = f"{pod}-{KEEPER}"
-        user = f"{KERNEL_UID}:{KERNEL_UID}"
-        image = session.spec.image
-        async with self._playing():  # a container in the pod's user namespace, as a play
-            await podman.run(
-                "run", "-d", "--replace", f"--pod={pod}", f"--name={keeper}", f"--user={user}",
-                "--read-only", "--cap-drop=all", "--security-opt=no-new-privileges",
-                "--memory=32m", "--pids-limit=8", image, "sleep", "infinity",
-                timeout=self.settings.podman_timeout,
-            )  # fmt: skip
+        is checkpointed in place. The keeper stays after a resume (its removal cost a
+        resume 0.1 s), and the next suspend finds it."""
+        keeper = f"{self.pod_name(session)}-{KEEPER}"
+        if not await self._running(keeper):
+            await self._start_keeper(session, keeper)
+        container, folder = self.container_name(session), await self.kept_images(session)
         try:
-            return await self._checkpoint(lambda: snapshots.keep(self.container_name(session)))
+            return await self._checkpoint(lambda: snapshots.keep(container, folder))
         except BaseException:
             await podman.run("rm", "-f", "-t", "0", keeper, check=False)
             raise
+
+    async def kept_images(self, session: KernelSession) -> Path:
+        """Where the session's kernel's images are kept in place (its Podman directory)."""
+        container = self.container_name(session)
+        return snapshots.images_of(container, await self.containers.inspect(container))
+
+    async def _running(self, container: str) -> bool:
+        found = await self.containers.inspect(container)
+        return bool(((found or {}).get("State") or {}).get("Running"))
+
+    async def _start_keeper(self, session: KernelSession, keeper: str) -> None:
+        """The keeper: the kernel's image asleep, as the kernel's user, with nothing."""
+        user = f"{KERNEL_UID}:{KERNEL_UID}"
+        async with self._playing():  # a container in the pod's user namespace, as a play
+            await podman.run(
+                "run", "-d", "--replace", f"--pod={self.pod_name(session)}", f"--name={keeper}",
+                f"--user={user}", "--read-only", "--cap-drop=all",
+                "--security-opt=no-new-privileges", "--memory=32m", "--pids-limit=8",
+                session.spec.image, "sleep", "infinity",
+                timeout=self.settings.podman_timeout,
+            )  # fmt: skip
 
     async def _export(self, session: KernelSession) -> snapshots.Taken:
         """Out of its pod: the kernel checkpointed into an archive in the session's
@@ -269,16 +284,16 @@ class Naps(KernelPods):
         await self._answering(session, info, become)
 
     async def _restore_kept(self, session: KernelSession) -> None:
-        """The kernel restored in place, in its pod (kept alive by the keeper)."""
+        """The kernel restored in place, in its pod (kept alive by the keeper, which
+        stays: see _keep)."""
         key = self.store.key(session.namespace, session.name)
         info = ConnectionInfo("ipc", self.host_paths(session).run + "/kernel", key)
         self._prepare_dirs(session, info)  # a fresh run/ for the sockets it binds
         await self._mount(session)
         self._patch(session, phase=st.STARTING, reason="Resuming", message="restoring its memory")
-        await snapshots.restore_kept(self.container_name(session))
+        container, folder = self.container_name(session), await self.kept_images(session)
+        await snapshots.restore_kept(container, folder)
         await self._answering(session, info)
-        keeper = f"{self.pod_name(session)}-{KEEPER}"
-        await podman.run("rm", "-f", "-t", "0", keeper, check=False)
 
     async def _answering(
         self, session: KernelSession, info: ConnectionInfo, become: Become | None = None
