@@ -287,13 +287,16 @@ func restore(runc string, global, rest []string, bundle, images, name string) er
 // restore: runc reads them from the file its annotation org.criu.config names. A kernel's
 // channels are TCP connections from the gateway, which CRIU refuses to dump unless told
 // what to do with them: `tcp-close` dumps them as closed and restores them closed (the
-// old peers are gone with the old pod; ZMQ's peers connect again).
+// old peers are gone with the old pod; ZMQ's peers connect again). With no connection
+// dumped open there is nothing for CRIU's network lock to hold still (iptables rules in
+// the pod's namespace, around the dump and the restore): `network-lock skip`, which took
+// 0.06 s of a wake's restore.
 func criuConfig(bundle string, annotations map[string]string) error {
 	if _, set := annotations[criuAnnotation]; set {
 		return nil // the pod's own choice, which containerd passed on
 	}
 	conf := filepath.Join(bundle, criuFile)
-	if err := os.WriteFile(conf, []byte("tcp-close\n"), 0o600); err != nil {
+	if err := os.WriteFile(conf, []byte("tcp-close\nnetwork-lock skip\n"), 0o600); err != nil {
 		return err
 	}
 	return editSpec(bundle, func(whole map[string]any) error {
