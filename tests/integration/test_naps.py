@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from mcp_forge.clients import podman
+from mcp_forge.control.render import CRIU_CONFIG
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.runtimes.local.supervisor import supervise_once
 
@@ -111,6 +112,11 @@ async def pod_exists(runtime: Any, name: str) -> bool:
     return done.returncode == 0
 
 
+async def container_id(name: str) -> str:
+    found = await podman.run("container", "inspect", "--format", "{{.Id}}", name)
+    return found.stdout.decode().strip()
+
+
 async def kernel_state(runtime: Any, name: str) -> str:
     """The kernel container's state ("exited" while suspended in its pod), or "gone"."""
     session = await runtime.get(name)
@@ -137,18 +143,25 @@ async def test_variables_of_every_kind_survive_ten_suspends_and_resumes(
 ) -> None:
     name = await make_session("default", resources={"memory": "1Gi", "cpu": "1"})
     assert (await gateway.execute(name, STATE)).status == "ok"
-    kernel = (await runtime.get(name)).status["kernelId"]
+    session = await runtime.get(name)
+    kernel, keepers = session.status["kernelId"], set()
+    userdata = (await runtime.kept_images(session)).parent  # Podman's, with CRIU's logs
     for cycle in range(10):
         status = await suspend(runtime, images, name)
         assert "its memory is kept" in status["message"], status
         assert status["snapshot"]["size"] > 200_000_000, status["snapshot"]
         assert status["snapshot"]["inPod"] is True, status["snapshot"]
         assert await kernel_state(runtime, name) == "exited", "its memory is free"
+        keepers.add(await container_id(f"{runtime.pod_name(session)}-keeper"))
         status = await resume(runtime, images, name)
         assert status["phase"] == "Ready", status
         assert status["lastRestore"]["outcome"] == "Restored", status
         assert status["kernelId"] == kernel, "the same kernel, not a new one"
         assert await seen(gateway, name) == EXPECTED, f"cycle {cycle + 1}"
+    # CRIU took our options (no network lock) at the checkpoint and at the restore.
+    for log in ("dump.log", "restore.log"):
+        assert f"Parsing config file {CRIU_CONFIG}\n" in (userdata / log).read_text(), log
+    assert len(keepers) == 1, "the keeper stays in the pod, and the next suspend finds it"
 
 
 async def test_a_damaged_snapshot_gives_a_fresh_kernel_that_says_its_variables_were_lost(

@@ -15,6 +15,8 @@ from mcp_forge.api import kernelsession, kernelsessionpool
 from mcp_forge.api.connection import PORTS, ConnectionInfo
 from mcp_forge.control.poolplan import pool_labels
 from mcp_forge.control.render import (
+    CRIU_ANNOTATION,
+    CRIU_CONFIG,
     SECCOMP_ANNOTATION,
     SECCOMP_PROFILE,
     SECCOMP_PROFILE_ROOT,
@@ -230,6 +232,23 @@ def test_local_pods_always_run_under_the_projects_profile() -> None:
     local = {"type": "Localhost", "localhostProfile": SECCOMP_PROFILE}
     assert _seccomp_profiles(pod) == [local] * 2  # the pod, the kernel
     assert (Path(SECCOMP_PROFILE_ROOT) / SECCOMP_PROFILE).is_file()
+
+
+def test_local_pods_give_criu_the_packages_options_and_no_session_can_name_its_own() -> None:
+    """runc reads CRIU's options from the file org.criu.config names, as root: a local
+    pod names the package's own, whatever the session's metadata says, and only there."""
+    body = session().body
+    body["metadata"]["annotations"] = {CRIU_ANNOTATION: "/tmp/theirs.conf"}
+    theirs = kernelsession.load(body)
+    (pod,) = render_podman(theirs, PATHS)
+    assert pod["metadata"]["annotations"][CRIU_ANNOTATION] == CRIU_CONFIG
+    assert all(
+        CRIU_ANNOTATION not in (c.get("annotations") or {}) for c in pod["spec"]["containers"]
+    )
+    options = [line.split("#")[0].strip() for line in Path(CRIU_CONFIG).read_text().splitlines()]
+    assert [o for o in options if o] == ["network-lock skip"]
+    cluster = by_kind(render_kubernetes(theirs, CONN))["Pod"]
+    assert CRIU_ANNOTATION not in cluster["metadata"].get("annotations", {})  # the node's
 
 
 def test_the_file_size_limit_is_the_workspace_size() -> None:
