@@ -127,6 +127,8 @@ class Lifecycle(Naps):
             self._patch(session, **fields)
         self._show(session, plan.seen)
         if not (restart and plan.replace):
+            if seen.termination is not None:  # no new kernel yet: its pod may stop
+                await self.drop_keeper(session)
             return
         try:
             await self._start_again(session)

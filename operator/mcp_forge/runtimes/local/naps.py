@@ -3,20 +3,19 @@ part of LocalRuntime).
 
 Suspending (idleAction Suspend, operatingMode Suspended) a Ready kernel: the gateways of
 this process let go of it (CRIU cannot take along a Unix socket whose other end is outside
-the pod, and the Jupyter channels are such sockets), its container is checkpointed into
-the session's directory (snapshots.py: root's, 0600, where no pod mounts), and its pod is
-removed: no process of the session is left. Its workspace stays, and so does its /tmp, a
-tmpfs the kernel's open files may be in (memory, bounded by its size).
-
-Resuming (used again; operatingMode Running): the session's pod is made again, its infra
-alone (`podman pod create` with the namespaces, user namespace and labels `kube play`
-gives it: a played pod would need a container of its own beside the kernel, and that
-container's PID could be one the kernel's threads need), the archive is restored into it
-(in the session's own user namespace), and the kernel must answer kernel_info. Whatever
-fails on the way, the session starts afresh and says that its variables were lost, and
-why; the snapshot is gone either way, so a broken one is never tried twice. A session
-keeps one snapshot, the newest, and loses it with itself (its directory goes on delete),
-or when its pod's spec changes.
+the pod, and the Jupyter channels are such sockets), and its container is checkpointed.
+By default in place (`_keep`): a keeper container holds the pod up, CRIU's images stay in
+the container's Podman directory (root's, where no pod mounts), and a resume restores the
+container there. With snapshot_in_pod off (`_export`), into an archive in the session's
+directory (snapshots.py: root's, 0600), and the pod is removed; a resume makes the pod
+again, its infra alone (`podman pod create` with the namespaces, user namespace and labels
+`kube play` gives it), and restores the archive into it, in the session's own user
+namespace. Either way its workspace stays, and so does its /tmp, a tmpfs the kernel's
+open files may be in (memory, bounded by its size), and the restored kernel must answer
+kernel_info. Whatever fails on the way, the session starts afresh and says that its
+variables were lost, and why; the snapshot is gone either way, so a broken one is never
+tried twice. A session keeps one snapshot, the newest, and loses it with itself, or when
+its pod's spec changes.
 """
 
 from __future__ import annotations
@@ -38,17 +37,23 @@ from mcp_forge.api.connection import BRIDGE_SOCKET, ConnectionInfo
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import stamp
 from mcp_forge.clients import podman
-from mcp_forge.control.render import podman_pod_name
+from mcp_forge.control.render import (
+    CRIU_ANNOTATION,
+    CRIU_CONFIG,
+    SECCOMP_PROFILE,
+    SECCOMP_PROFILE_ROOT,
+    podman_pod_name,
+)
 from mcp_forge.errors import ForgeError, SessionNotReady
 from mcp_forge.jupyter.client import KernelConnection
 from mcp_forge.runtimes.local import criu, orphans, snapshots, volumes
 from mcp_forge.runtimes.local.kernelpods import KernelPods, unsealed, userns_flag
-from mcp_forge.sandbox import KERNEL_UID
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT = "snapshot.tar"
 KEEPER = "keeper"  # the container that holds a suspended kernel's pod up
+KEEPER_UID = 65534  # nobody: not the kernel's user, within every session's id map
 # CRIU's words for a socket whose peer is outside the container: a gateway's connection
 # that is still closing (ZMQ closes its sockets in its own thread). Tried again meanwhile.
 EXTERNAL_SOCKET = re.compile(r"Unix socket \d+ not found|External socket")
@@ -110,8 +115,9 @@ class Naps(KernelPods):
         """In its pod: a keeper holds the pod up (a played pod stops with its last
         container; it takes a PID no thread of the live kernel holds), and the kernel
         is checkpointed in place. The keeper stays after a resume (its removal cost a
-        resume 0.1 s), and the next suspend finds it."""
-        keeper = f"{self.pod_name(session)}-{KEEPER}"
+        resume 0.1 s), and the next suspend finds it; it goes when the kernel dies and
+        no new one comes at once (drop_keeper), so that the pod stops as before."""
+        keeper = self._keeper(session)
         if not await self._running(keeper):
             await self._start_keeper(session, keeper)
         container, folder = self.container_name(session), await self.kept_images(session)
@@ -120,6 +126,15 @@ class Naps(KernelPods):
         except BaseException:
             await podman.run("rm", "-f", "-t", "0", keeper, check=False)
             raise
+
+    def _keeper(self, session: KernelSession) -> str:
+        return f"{self.pod_name(session)}-{KEEPER}"
+
+    async def drop_keeper(self, session: KernelSession) -> None:
+        """The session's keeper removed, if it has one."""
+        keeper = self._keeper(session)
+        if await self.containers.inspect(keeper) is not None:
+            await podman.run("rm", "-f", "-t", "0", keeper, check=False)
 
     async def kept_images(self, session: KernelSession) -> Path:
         """Where the session's kernel's images are kept in place (its Podman directory)."""
@@ -131,14 +146,19 @@ class Naps(KernelPods):
         return bool(((found or {}).get("State") or {}).get("Running"))
 
     async def _start_keeper(self, session: KernelSession, keeper: str) -> None:
-        """The keeper: the kernel's image asleep, as the kernel's user, with nothing."""
-        user = f"{KERNEL_UID}:{KERNEL_UID}"
+        """The keeper: the kernel's image asleep, with nothing, out of the kernel's
+        reach though it lives beside it: as nobody (the kernel, uid 1000, can neither
+        signal it nor write its memory through /proc), under the kernel's own seccomp
+        profile and CRIU options (whatever the image's annotations say), on a sliver of
+        a CPU."""
+        profile = Path(SECCOMP_PROFILE_ROOT) / SECCOMP_PROFILE
         async with self._playing():  # a container in the pod's user namespace, as a play
             await podman.run(
                 "run", "-d", "--replace", f"--pod={self.pod_name(session)}", f"--name={keeper}",
-                f"--user={user}", "--read-only", "--cap-drop=all",
-                "--security-opt=no-new-privileges", "--memory=32m", "--pids-limit=8",
-                session.spec.image, "sleep", "infinity",
+                f"--user={KEEPER_UID}:{KEEPER_UID}", "--read-only", "--cap-drop=all",
+                "--security-opt=no-new-privileges", f"--security-opt=seccomp={profile}",
+                f"--annotation={CRIU_ANNOTATION}={CRIU_CONFIG}", "--memory=32m",
+                "--pids-limit=8", "--cpus=0.05", session.spec.image, "sleep", "infinity",
                 timeout=self.settings.podman_timeout,
             )  # fmt: skip
 
