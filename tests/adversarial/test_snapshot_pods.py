@@ -69,6 +69,14 @@ async def test_a_resumed_kernel_cannot_reach_the_keeper_beside_it(
     try:
         name = await make_session()
         await nap_and_wake(runtime, name, images["minimal"])
+        # One an older gateway left, as the kernel's user: the next suspend replaces it.
+        session = await runtime.get(name)
+        await podman.run(
+            "run", "-d", "--replace", f"--pod={runtime.pod_name(session)}",
+            f"--name={runtime.pod_name(session)}-keeper", "--user=1000:1000",
+            images["minimal"], "sleep", "infinity",
+        )  # fmt: skip
+        await nap_and_wake(runtime, name, images["minimal"])
         result = await gateway.execute(name, REACH)
         assert result.status == "ok", (result.error, result.stderr)
         found = json.loads(result.stdout)

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 SNAPSHOT = "snapshot.tar"
 KEEPER = "keeper"  # the container that holds a suspended kernel's pod up
 KEEPER_UID = 65534  # nobody: not the kernel's user, within every session's id map
+KEEPER_USER = f"{KEEPER_UID}:{KEEPER_UID}"
 # CRIU's words for a socket whose peer is outside the container: a gateway's connection
 # that is still closing (ZMQ closes its sockets in its own thread). Tried again meanwhile.
 EXTERNAL_SOCKET = re.compile(r"Unix socket \d+ not found|External socket")
@@ -118,7 +119,7 @@ class Naps(KernelPods):
         resume 0.1 s), and the next suspend finds it; it goes when the kernel dies and
         no new one comes at once (drop_keeper), so that the pod stops as before."""
         keeper = self._keeper(session)
-        if not await self._running(keeper):
+        if not await self._keeper_fit(keeper):
             await self._start_keeper(session, keeper)
         container, folder = self.container_name(session), await self.kept_images(session)
         try:
@@ -141,9 +142,12 @@ class Naps(KernelPods):
         container = self.container_name(session)
         return snapshots.images_of(container, await self.containers.inspect(container))
 
-    async def _running(self, container: str) -> bool:
-        found = await self.containers.inspect(container)
-        return bool(((found or {}).get("State") or {}).get("Running"))
+    async def _keeper_fit(self, keeper: str) -> bool:
+        """Whether `keeper` runs, as nobody (one an older gateway left, as the kernel's
+        user, is replaced)."""
+        found = await self.containers.inspect(keeper) or {}
+        user = (found.get("Config") or {}).get("User")
+        return bool((found.get("State") or {}).get("Running")) and user == KEEPER_USER
 
     async def _start_keeper(self, session: KernelSession, keeper: str) -> None:
         """The keeper: the kernel's image asleep, with nothing, out of the kernel's
@@ -155,7 +159,7 @@ class Naps(KernelPods):
         async with self._playing():  # a container in the pod's user namespace, as a play
             await podman.run(
                 "run", "-d", "--replace", f"--pod={self.pod_name(session)}", f"--name={keeper}",
-                f"--user={KEEPER_UID}:{KEEPER_UID}", "--read-only", "--cap-drop=all",
+                f"--user={KEEPER_USER}", "--read-only", "--cap-drop=all",
                 "--security-opt=no-new-privileges", f"--security-opt=seccomp={profile}",
                 f"--annotation={CRIU_ANNOTATION}={CRIU_CONFIG}", "--memory=32m",
                 "--pids-limit=8", "--cpus=0.05", session.spec.image, "sleep", "infinity",
