@@ -9,6 +9,7 @@ import pytest
 from mcp_forge.errors import InvalidRequest, KernelProtocolError
 from mcp_forge.gateway import introspection
 from mcp_forge.jupyter.execution import Collector, strip_ansi
+from mcp_forge.jupyter.wire import parse
 
 
 def msg(kind: str, **content: Any) -> dict[str, Any]:
@@ -231,8 +232,8 @@ async def test_a_deeply_nested_signed_message_is_dropped_not_raised(depth: int) 
     )
     try:
         nested = b'{"data": {"application/json": ' + b"[" * depth + b"]" * depth + b"}}"
-        assert conn._parse(_frames(conn.session, nested)) is None
-        ok = conn._parse(_frames(conn.session, b'{"data": {"text/plain": "x"}}'))
+        assert parse(conn.session, _frames(conn.session, nested)) is None
+        ok = parse(conn.session, _frames(conn.session, b'{"data": {"text/plain": "x"}}'))
         assert ok is not None and ok["content"]["data"] == {"text/plain": "x"}
     finally:
         conn.close()

@@ -44,7 +44,7 @@ import os
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -57,19 +57,15 @@ from mcp_forge.errors import KernelProtocolError, SessionNotReady
 from mcp_forge.jupyter.execution import Collector
 from mcp_forge.jupyter.relay import FRAME_OVERHEAD, Relay
 from mcp_forge.jupyter.wire import (
-    CONTAINERS_MAX,
     DELIMITER,
-    DEPTH_MAX,
+    Message,
     may_answer,
-    nested_deeper_than,
     pack,
+    parse,
     read_now,
 )
-from mcp_forge.logsafe import shown
 
 log = logging.getLogger(__name__)
-
-Message = dict[str, Any]
 
 IOPUB_FIRST_WAIT = 0.01  # wait_ready: first wait for its status on IOPub (see there)
 
@@ -362,67 +358,9 @@ class KernelConnection:
                 continue
             if wanted and not may_answer(parts, wanted):
                 continue
-            msg = self._parse([part.bytes for part in parts])
+            msg = parse(self.session, [part.bytes for part in parts])
             if msg is not None:
                 return msg
-
-    def _deserialize(self, parts: list[bytes]) -> Message:
-        """jupyter-client's Session.deserialize, less what we never use. Its checks are
-        kept, with its own signing and replay memory: a signed message (HMAC over header,
-        parent, metadata and content, compared in constant time) whose signature was not
-        seen before. Dates stay ISO text: its extract_dates parses every header's and
-        parent's with dateutil, a third of what reading a message costs. ValueError for
-        a message that fails a check."""
-        if len(parts) < 5:
-            raise ValueError(f"malformed message: {len(parts)} parts, at least 5 needed")
-        signature, header, parent, metadata, content = parts[:5]
-        if not signature:
-            raise ValueError("unsigned message")
-        if signature in self.session.digest_history:
-            raise ValueError("duplicate signature (a replayed message)")
-        if not hmac.compare_digest(signature, self.session.sign(parts[1:5])):
-            raise ValueError("invalid signature")
-        self.session._add_digest(signature)  # bounded by the session's digest_history_size
-        unpack = self.session.unpack
-        return {
-            "header": unpack(header),
-            "parent_header": unpack(parent),
-            "metadata": unpack(metadata),
-            "content": unpack(content),
-        }
-
-    def _parse(self, frames: list[bytes]) -> Message | None:
-        try:
-            _, parts = self.session.feed_identities(frames, copy=True)
-            # Counted before parsing (a count is fast; brackets in strings count too).
-            raw_parts = cast(list[bytes], parts[1:5])  # copy=True: bytes
-            containers = sum(p.count(b"{") + p.count(b"[") for p in raw_parts)
-            if containers > CONTAINERS_MAX:
-                log.warning(
-                    "dropped a message of %d brackets from the kernel; the limit is %d",
-                    containers,
-                    CONTAINERS_MAX,
-                )
-                return None
-            msg = self._deserialize(parts)  # type: ignore[arg-type]  # bytes in, bytes out
-        except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
-            # Bad signature, replay, not JSON, nested past the recursion limit: the
-            # kernel's problem, never ours.
-            log.warning("dropped a malformed message from the kernel: %s", shown(exc, 200))
-            return None
-        names = ("header", "parent_header", "metadata", "content")
-        raw = dict(zip(names, cast(list[bytes], parts[1:5]), strict=True))
-        for part in ("header", "parent_header", "content", "metadata"):
-            if not isinstance(msg.get(part), dict):
-                log.warning("dropped a message whose %s is not a mapping", part)
-                return None
-            # JSON nests no deeper than it has brackets: most parts are not walked.
-            brackets = raw[part].count(b"{") + raw[part].count(b"[")
-            if brackets > DEPTH_MAX and nested_deeper_than(msg[part], DEPTH_MAX):
-                log.warning("dropped a message whose %s nests over %d levels", part, DEPTH_MAX)
-                return None
-        msg["msg_type"] = msg["header"].get("msg_type")
-        return msg
 
     async def reply(self, sock: zmq.asyncio.Socket, msg_id: str, timeout: float) -> Message | None:
         """The reply to `msg_id` on `sock` within `timeout`; other replies are dropped."""
