@@ -387,3 +387,68 @@ async def test_a_long_call_counts_as_activity_and_is_not_culled(
     await asyncio.wait_for(started.wait(), 30)
     assert name not in await supervise_once(runtime)
     assert (await task).status == "ok"
+
+
+# Code that runs after the kernel announced a cell (its execute_input) and before the
+# cell's own code: an input transformer, as IPython extensions install. A KeyboardInterrupt
+# there escapes ipykernel's handler, which then publishes idle and sends no reply.
+SLOW_START = """
+import time
+def _slow_start(lines):
+    if lines and lines[0].startswith("# slow start"):
+        print("begun", flush=True)
+        time.sleep(30)
+    return lines
+get_ipython().input_transformers_post.append(_slow_start)
+kept = 7
+"""
+
+
+async def test_an_interrupt_as_a_cell_begins_ends_the_call_at_once_with_variables_kept(
+    gateway, make_session
+) -> None:
+    """ipykernel answers such an interrupt with no execute_reply: the call is not left
+    waiting for one until its timeout, and the kernel is not restarted."""
+    name = await make_session()
+    await gateway.execute(name, SLOW_START)
+    begun = asyncio.Event()
+    running = asyncio.create_task(
+        gateway.execute(
+            name,
+            "# slow start\nafter = 1",
+            timeout=120,
+            on_stream=lambda _, text: begun.set() if "begun" in text else None,
+        )
+    )
+    await asyncio.wait_for(begun.wait(), 30)
+    assert await gateway.interrupt(name)
+    r = await asyncio.wait_for(running, 20)
+    assert r.status == "interrupted" and not r.state_lost, r
+    assert "no reply" in r.message, r
+    after = await asyncio.wait_for(gateway.execute(name, "('after' in globals(), kept)"), 30)
+    assert after.state_lost is False and after.result is not None, after
+    assert after.result["data"]["text/plain"] == "(False, 7)"
+
+
+async def test_a_call_cancelled_as_its_cell_begins_keeps_the_kernel_and_its_variables(
+    gateway, make_session
+) -> None:
+    """The cancel's interrupt lands before the cell's code: no reply comes, and the
+    cancel is settled at once rather than by a restart once its grace ran out."""
+    name = await make_session()
+    await gateway.execute(name, SLOW_START)
+    begun = asyncio.Event()
+    task = asyncio.create_task(
+        gateway.execute(
+            name,
+            "# slow start\nafter = 1",
+            on_stream=lambda _, text: begun.set() if "begun" in text else None,
+        )
+    )
+    await asyncio.wait_for(begun.wait(), 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    after = await asyncio.wait_for(gateway.execute(name, "('after' in globals(), kept)"), 30)
+    assert after.state_lost is False and after.result is not None, after
+    assert after.result["data"]["text/plain"] == "(False, 7)"

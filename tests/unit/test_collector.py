@@ -8,7 +8,7 @@ import pytest
 
 from mcp_forge.errors import InvalidRequest, KernelProtocolError
 from mcp_forge.gateway import introspection
-from mcp_forge.jupyter.execution import Collector, strip_ansi
+from mcp_forge.jupyter.execution import REPLY_LOST, Collector, strip_ansi
 from mcp_forge.jupyter.wire import parse
 
 
@@ -66,6 +66,19 @@ def test_a_keyboard_interrupt_is_reported_as_interrupted() -> None:
         msg("execute_reply", status="error"),
     )
     assert c.finish(duration=0).status == "interrupted"
+
+
+def test_a_request_that_gets_no_reply_ends_as_interrupted_and_says_so() -> None:
+    c = Collector("m1", budget=1000, spool_max=1000)
+    run(c, msg("status", execution_state="busy"), msg("execute_input", code="x"))
+    run(c, msg("stream", name="stdout", text="begun\n"), msg("status", execution_state="idle"))
+    assert c.idle and c.idle_at > 0 and not c.done
+    c.reply_lost = True  # what the connection's probe found
+    assert c.done
+    r = c.finish(duration=0.1)
+    assert (r.status, r.stdout, r.message) == ("interrupted", "begun\n", REPLY_LOST)
+    timed_out = c.finish("timeout", duration=0.1, message="ran past its timeout")
+    assert (timed_out.status, timed_out.message) == ("timeout", "ran past its timeout")
 
 
 def test_output_over_the_budget_is_cut_with_a_marker_and_spooled_whole() -> None:

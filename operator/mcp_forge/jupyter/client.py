@@ -67,6 +67,9 @@ from mcp_forge.jupyter.wire import (
 
 log = logging.getLogger(__name__)
 
+# How long a request's shell reply may trail its idle status before the kernel is asked
+# (a probe) whether one is coming at all.
+REPLY_AFTER_IDLE = 0.5
 IOPUB_FIRST_WAIT = 0.01  # wait_ready: first wait for its status on IOPub (see there)
 
 
@@ -506,13 +509,34 @@ class KernelConnection:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            sock = self.shell if collector.idle else self.iopub
-            msg = await self.recv(sock, left, parents=(collector.msg_id,))
+            if collector.idle:
+                msg = await self._reply(collector, left)
+            else:
+                msg = await self.recv(self.iopub, left, parents=(collector.msg_id,))
             if msg is None:
+                if collector.idle and not collector.probe and time.monotonic() < deadline:
+                    # Its reply did not follow its idle status: a kernel_info_request
+                    # tells, as shell requests are answered in order.
+                    collector.probe = self.send(self.shell, "kernel_info_request", {})
+                    continue
                 return False
-            if msg["parent_header"].get("msg_id") == collector.msg_id:
+            parent = msg["parent_header"].get("msg_id")
+            if parent == collector.msg_id:
                 collector.feed(msg)
+            elif parent == collector.probe and collector.probe:
+                collector.reply_lost = True  # answered after it: no reply is coming
         return True
+
+    async def _reply(self, collector: Collector, timeout: float) -> Message | None:
+        """The next shell message for an idle request: its reply, or the probe's answer.
+        Until the probe is sent, within REPLY_AFTER_IDLE of the idle status (ipykernel
+        sends the reply first: it is nearly always waiting already)."""
+        if not collector.probe:
+            wait = collector.idle_at + REPLY_AFTER_IDLE - time.monotonic()
+            return await self.recv(
+                self.shell, min(timeout, max(wait, 0.01)), parents=(collector.msg_id,)
+            )
+        return await self.recv(self.shell, timeout, parents=(collector.msg_id, collector.probe))
 
     async def interrupt(self, timeout: float) -> bool:
         """Send interrupt_request on the control channel; True if the kernel acknowledged."""

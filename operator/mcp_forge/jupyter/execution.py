@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -38,6 +39,13 @@ DISPLAYS_MAX = 1_000  # displays kept per call
 RESULT_TEXT_MIN = 2_000  # text of the execute_result kept even when streams used the budget
 OUTPUT_DIR = ".mcp-forge/outputs"  # in the workspace: one full-output file per call
 NOTEBOOK_JOURNAL = ".mcp-forge/notebook.jsonl"  # in the workspace: one line per user cell
+# ipykernel publishes idle and sends no execute_reply when an exception escapes its
+# handler: a KeyboardInterrupt that lands after the cell was announced (execute_input) and
+# before its code runs, in IPython's input transformers or pre-run hooks.
+REPLY_LOST = (
+    "the kernel ended this request with no reply, as it does when an interrupt arrives as "
+    "the code begins: the code did not run, or not to its end; variables are kept"
+)
 GUARD_KEY = "mcp-forge"  # the guard's report in an execute_reply's metadata
 
 
@@ -126,7 +134,10 @@ class Collector:
     execution_count: int | None = None
     reply_status: str | None = None
     idle: bool = False
+    idle_at: float = 0.0  # when its idle status arrived (time.monotonic)
     started: bool = False  # the kernel has begun the request (its execute_input)
+    probe: str = ""  # a shell request sent to learn whether a reply is still to come
+    reply_lost: bool = False  # idle, and the kernel will send no reply (see REPLY_LOST)
     used: int = 0  # text characters kept so far
     dropped: int = 0  # text characters cut
     spool: list[str] = field(default_factory=list)  # the whole text, in arrival order
@@ -141,8 +152,8 @@ class Collector:
 
     @property
     def done(self) -> bool:
-        """The kernel is idle for this request and has replied on shell."""
-        return self.idle and self.reply_status is not None
+        """The kernel is idle for this request and has replied on shell (or never will)."""
+        return self.idle and (self.reply_status is not None or self.reply_lost)
 
     def _keep(self, text: str, floor: int = 0) -> str:
         """Account `text` against the budget (at least `floor` is kept); return the part
@@ -233,8 +244,8 @@ class Collector:
             self.error = _error(content)
             self.spool_note("\n".join(self.error.traceback) + "\n")
         elif kind == "status":
-            if content.get("execution_state") == "idle":
-                self.idle = True
+            if content.get("execution_state") == "idle" and not self.idle:
+                self.idle, self.idle_at = True, time.monotonic()
         elif kind == "execute_reply":
             status = content.get("status")
             self.reply_status = status if isinstance(status, str) else "error"
@@ -270,6 +281,9 @@ class Collector:
     ) -> ExecutionResult:
         """The result; pure over what was fed, so it may be called again (e.g. once the
         full output is saved, to name the file in the marker)."""
+        if self.reply_lost and self.reply_status is None:
+            status = status or "interrupted"
+            message = message or REPLY_LOST
         if status is None:
             if self.reply_status == "ok":
                 status = "ok"
