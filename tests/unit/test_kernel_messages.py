@@ -12,7 +12,7 @@ from jupyter_client.session import Session
 
 from mcp_forge.api.connection import ConnectionInfo
 from mcp_forge.jupyter.client import KernelConnection
-from mcp_forge.jupyter.wire import CONTAINERS_MAX, DELIMITER, DEPTH_MAX
+from mcp_forge.jupyter.wire import CONTAINERS_MAX, DELIMITER, DEPTH_MAX, parse
 from mcp_forge.jupyter.wire import may_answer as _may_answer
 
 MINE = "0b6b7c0e-3f1a-4e39-9b43-2f0d7c1a5e11_4242_7"
@@ -65,18 +65,20 @@ async def test_a_message_nested_past_the_limit_is_dropped_and_brackets_in_text_a
         return [DELIMITER, *kernel.serialize(msg)[1:]]
 
     try:
-        deep = conn._parse(signed({"data": {"application/json": nested(DEPTH_MAX + 5)}}))
+        deep = parse(conn.session, signed({"data": {"application/json": nested(DEPTH_MAX + 5)}}))
         assert deep is None
-        near = conn._parse(signed({"data": {"application/json": nested(DEPTH_MAX - 5)}}))
+        near = parse(conn.session, signed({"data": {"application/json": nested(DEPTH_MAX - 5)}}))
         assert near is not None
         text = "[" * 5000 + "{" * 5000  # many brackets, no nesting: parsed as it is
-        kept = conn._parse(signed({"data": {"text/plain": text}}))
+        kept = parse(conn.session, signed({"data": {"text/plain": text}}))
         assert kept is not None and kept["content"]["data"]["text/plain"] == text
         # Many small values, flat: each is an object to build; past the bound, dropped
         # before it is parsed (5M of them held a gateway's loop for seconds and 780 MB).
-        many = conn._parse(signed({"data": {"application/json": [{}] * (CONTAINERS_MAX + 1)}}))
+        many = parse(
+            conn.session, signed({"data": {"application/json": [{}] * (CONTAINERS_MAX + 1)}})
+        )
         assert many is None
-        fine = conn._parse(signed({"data": {"application/json": [{}] * 100_000}}))
+        fine = parse(conn.session, signed({"data": {"application/json": [{}] * 100_000}}))
         assert fine is not None and len(fine["content"]["data"]["application/json"]) == 100_000
     finally:
         conn.close()
