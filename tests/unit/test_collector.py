@@ -8,7 +8,7 @@ import pytest
 
 from mcp_forge.errors import InvalidRequest, KernelProtocolError
 from mcp_forge.gateway import introspection
-from mcp_forge.jupyter.execution import REPLY_LOST, Collector, strip_ansi
+from mcp_forge.jupyter.execution import REPLY_LOST, REPLY_REFUSED, Collector, strip_ansi
 from mcp_forge.jupyter.wire import parse
 
 
@@ -70,15 +70,19 @@ def test_a_keyboard_interrupt_is_reported_as_interrupted() -> None:
 
 def test_a_request_that_gets_no_reply_ends_as_interrupted_and_says_so() -> None:
     c = Collector("m1", budget=1000, spool_max=1000)
-    run(c, msg("status", execution_state="busy"), msg("execute_input", code="x"))
+    run(c, msg("status", execution_state="busy"), msg("execute_input", execution_count=4))
     run(c, msg("stream", name="stdout", text="begun\n"), msg("status", execution_state="idle"))
     assert c.idle and c.idle_at > 0 and not c.done
     c.reply_lost = True  # what the connection's probe found
     assert c.done
     r = c.finish(duration=0.1)
     assert (r.status, r.stdout, r.message) == ("interrupted", "begun\n", REPLY_LOST)
+    assert r.execution_count == 4  # the kernel counted it: the next call's is 5
     timed_out = c.finish("timeout", duration=0.1, message="ran past its timeout")
     assert (timed_out.status, timed_out.message) == ("timeout", "ran past its timeout")
+    c.reply_refused = True  # the gateway dropped a shell message meanwhile: not an interrupt
+    refused = c.finish(duration=0.1)
+    assert (refused.status, refused.message) == ("error", REPLY_REFUSED)
 
 
 def test_output_over_the_budget_is_cut_with_a_marker_and_spooled_whole() -> None:

@@ -326,11 +326,13 @@ class Gateway(Connections, WorkspaceCalls):
                     # next call's cell (seen in CI: that cell failed with KeyboardInterrupt).
                     settle = min(grace / 3, max(0.0, deadline - time.monotonic()))
                     await conn.pump(collector, settle)
-                again = collector.started and not collector.done
+                # Once idle, the cell is over (its reply may be on its way, or lost): a
+                # second interrupt could only land on the next request, the probe's too.
+                again = collector.started and not collector.idle
                 if again and not await conn.interrupt(max(0.1, deadline - time.monotonic())):
                     return False
             return await conn.pump(collector, max(0.0, deadline - time.monotonic()))
-        except ChannelDropped:  # the kernel is restarted: no channel, no knowing it stopped
+        except (ChannelDropped, KernelReplaced):  # no knowing the cell stopped: restarted
             return False
 
     async def _on_timeout(

@@ -148,6 +148,7 @@ class KernelConnection:
         for channel in _KINDS:
             self._open(channel)
         self._control_lock = asyncio.Lock()
+        self.refused = 0  # shell messages dropped (too large, malformed) that may have been awaited
         self.kernel_info: dict[str, Any] = {}
         self.kernel_session: Any = None  # header.session of the kernel process we reached
 
@@ -354,16 +355,18 @@ class KernelConnection:
                 parts = await sock.recv_multipart(copy=False)
             total = sum(len(part) for part in parts)
             self._relay_of(sock).consumed(total + len(parts) * FRAME_OVERHEAD)
+            if wanted and not may_answer(parts, wanted):
+                continue
             if total > self.max_message:
                 log.warning(
                     "dropped a %d-byte message from the kernel (limit %d)", total, self.max_message
                 )
-                continue
-            if wanted and not may_answer(parts, wanted):
+                self.refused += sock is self.shell
                 continue
             msg = parse(self.session, [part.bytes for part in parts])
             if msg is not None:
                 return msg
+            self.refused += sock is self.shell
 
     async def reply(self, sock: zmq.asyncio.Socket, msg_id: str, timeout: float) -> Message | None:
         """The reply to `msg_id` on `sock` within `timeout`; other replies are dropped."""
@@ -503,8 +506,16 @@ class KernelConnection:
         sends the reply first, so it is waiting). Messages of other requests, such as the
         late output of an earlier one, are dropped. True once the request is done, or
         with `started` once the kernel has begun it.
+
+        A reply that has not followed the idle status within REPLY_AFTER_IDLE is asked
+        after: a kernel_info_request on shell (the probe), which the kernel answers after
+        any reply it sent, as it handles shell requests in order. Answered first, it
+        proves no reply is coming (Collector.reply_lost); answered by another kernel
+        process, KernelReplaced.
         """
         deadline = time.monotonic() + timeout
+        if collector.refused_before < 0:
+            collector.refused_before = self.refused
         while not (collector.done or (started and collector.started)):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -524,7 +535,11 @@ class KernelConnection:
             if parent == collector.msg_id:
                 collector.feed(msg)
             elif parent == collector.probe and collector.probe:
+                said = msg["header"].get("session")
+                if self.kernel_session is not None and said != self.kernel_session:
+                    raise KernelReplaced()
                 collector.reply_lost = True  # answered after it: no reply is coming
+                collector.reply_refused = self.refused > collector.refused_before
         return True
 
     async def _reply(self, collector: Collector, timeout: float) -> Message | None:

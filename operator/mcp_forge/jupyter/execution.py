@@ -41,10 +41,16 @@ OUTPUT_DIR = ".mcp-forge/outputs"  # in the workspace: one full-output file per 
 NOTEBOOK_JOURNAL = ".mcp-forge/notebook.jsonl"  # in the workspace: one line per user cell
 # ipykernel publishes idle and sends no execute_reply when an exception escapes its
 # handler: a KeyboardInterrupt that lands after the cell was announced (execute_input) and
-# before its code runs, in IPython's input transformers or pre-run hooks.
+# before its code runs (as IPython's input transformers run), or once it has run, as the
+# reply is made.
 REPLY_LOST = (
-    "the kernel ended this request with no reply, as it does when an interrupt arrives as "
-    "the code begins: the code did not run, or not to its end; variables are kept"
+    "the kernel ended this request with no reply, as it does when an interrupt lands as "
+    "the code begins or as its reply is made: whether the code ran is not known; "
+    "variables are kept"
+)
+REPLY_REFUSED = (
+    "the kernel's reply to this request was refused (over the size limit, or malformed): "
+    "whether the code ran without error is not known; variables are kept"
 )
 GUARD_KEY = "mcp-forge"  # the guard's report in an execute_reply's metadata
 
@@ -137,7 +143,9 @@ class Collector:
     idle_at: float = 0.0  # when its idle status arrived (time.monotonic)
     started: bool = False  # the kernel has begun the request (its execute_input)
     probe: str = ""  # a shell request sent to learn whether a reply is still to come
-    reply_lost: bool = False  # idle, and the kernel will send no reply (see REPLY_LOST)
+    reply_lost: bool = False  # idle, and no reply will come (see REPLY_LOST)
+    reply_refused: bool = False  # ... as the gateway dropped a shell message (REPLY_REFUSED)
+    refused_before: int = -1  # the connection's count of those as the request began
     used: int = 0  # text characters kept so far
     dropped: int = 0  # text characters cut
     spool: list[str] = field(default_factory=list)  # the whole text, in arrival order
@@ -238,6 +246,9 @@ class Collector:
             self._display(content, "display update")
         elif kind == "execute_input":
             self.started = True
+            count = content.get("execution_count")
+            if isinstance(count, int):  # the reply's, should none come
+                self.execution_count = count
         elif kind == "clear_output":
             pass  # outputs already returned stay in the record
         elif kind == "error":
@@ -282,8 +293,8 @@ class Collector:
         """The result; pure over what was fed, so it may be called again (e.g. once the
         full output is saved, to name the file in the marker)."""
         if self.reply_lost and self.reply_status is None:
-            status = status or "interrupted"
-            message = message or REPLY_LOST
+            status = status or ("error" if self.reply_refused else "interrupted")
+            message = message or (REPLY_REFUSED if self.reply_refused else REPLY_LOST)
         if status is None:
             if self.reply_status == "ok":
                 status = "ok"
