@@ -383,6 +383,7 @@ async def measure(
     pid: int,
     plan: tuple[int, float],
     loads: dict[str, str],
+    interval: float = SAMPLE_INTERVAL,
 ) -> tuple[tuple[list[float], ...], tuple[list[float], ...]]:
     """The quiet client's samples while idle, then under the noise child's noise for
     `plan` (samples, seconds), beside the gateway `pid`; the host's load of each into `loads`."""
@@ -390,12 +391,12 @@ async def measure(
     assert child.stdin is not None
     with beside(pid):
         load = Load.now(pid)
-        idle = await sample(quiet, sid, samples)
+        idle = await sample(quiet, sid, samples, interval=interval)
         loads["idle"] = Load.now(pid).since(load)
         child.stdin.write(b"go\n")
         await child.stdin.drain()
         load = Load.now(pid)
-        under = await sample(quiet, sid, samples, time.monotonic() + seconds)
+        under = await sample(quiet, sid, samples, time.monotonic() + seconds, interval=interval)
         loads["noisy"] = Load.now(pid).since(load)
         child.stdin.write(b"stop\n")
         await child.stdin.drain()
@@ -411,8 +412,11 @@ async def timed(call: Callable[[], Awaitable[Any]]) -> float:
     return seconds
 
 
-async def sample(c: Client, sid: str, n: int, until: float = 0.0) -> tuple[list[float], ...]:
-    """`n` samples of each call (more, until the monotonic time `until`), alternating."""
+async def sample(
+    c: Client, sid: str, n: int, until: float = 0.0, *, interval: float = SAMPLE_INTERVAL
+) -> tuple[list[float], ...]:
+    """`n` samples of each call (more, until the monotonic time `until`), alternating,
+    `interval` seconds apart."""
     listing: list[float] = []
     one_plus_one: list[float] = []
     while len(listing) < n or time.monotonic() < until:
@@ -420,7 +424,7 @@ async def sample(c: Client, sid: str, n: int, until: float = 0.0) -> tuple[list[
         one_plus_one.append(
             await timed(lambda: c.call_tool("execute_code", {"session_id": sid, "code": "1+1"}))
         )
-        await asyncio.sleep(SAMPLE_INTERVAL)  # a sample interval, not an event
+        await asyncio.sleep(interval)  # a sample interval, not an event
     return listing, one_plus_one
 
 
@@ -470,6 +474,7 @@ async def drill(
     threshold_ms: float = 50.0,
     cpu: str = "0.25",
     kinds: tuple[str, ...] = KINDS,
+    interval: float = SAMPLE_INTERVAL,
 ) -> list[Outcome]:
     """Run the drill; one Outcome per criterion: latency (both calls), noise, leftovers."""
     state_dir = Path(tempfile.mkdtemp(prefix="mfn-", dir="/tmp"))  # short: kernel sockets
@@ -496,7 +501,13 @@ async def drill(
                         noise_tokens = {n: gw.tokens[n] for n in noisy}
                         async with noise_child(gw.url, noise_tokens, cpu, kinds) as (child, said):
                             idle, under = await measure(
-                                quiet, sid, child, gw.process.pid, (samples, seconds), loads
+                                quiet,
+                                sid,
+                                child,
+                                gw.process.pid,
+                                (samples, seconds),
+                                loads,
+                                interval,
                             )
                         await quiet.call_tool("close_session", {"session_id": sid})
                     with contextlib.suppress(ValueError, IndexError):
@@ -568,6 +579,13 @@ def main() -> int:
     parser.add_argument("--threshold-ms", type=float, default=50.0, help="p99 noisy - idle")
     parser.add_argument("--cpu", default="0.25", help="CPU limit of each noisy session")
     parser.add_argument(
+        "--interval-ms",
+        type=float,
+        default=SAMPLE_INTERVAL * 1000,
+        help="between two samples of the quiet client (default 20: a call every ~30 ms; an "
+        "agent's next call waits for its model, seconds)",
+    )
+    parser.add_argument(
         "--kind",
         action="append",
         choices=[*KINDS, SPIN],
@@ -585,6 +603,7 @@ def main() -> int:
             args.threshold_ms,
             args.cpu,
             tuple(args.kind or KINDS),
+            args.interval_ms / 1000,
         )
     )
     for outcome in outcomes:

@@ -6,6 +6,7 @@ by the kubelet, and answers with its variables under a key and environment of it
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from mcp_forge.api.keys import BRIDGE_CERT, CURVE_PUBLIC, CURVE_SECRET
 from mcp_forge.clients.kube import Kube, connection_file_of
 from mcp_forge.control.forking import FORK_DATA, FORK_DROP, FORK_KEY
 from mcp_forge.errors import ForgeError
+from mcp_forge.gateway.core import Gateway
 from mcp_forge.kernelside import probe
 from mcp_forge.runtimes.cluster import KubernetesRuntime
 from mcp_forge.settings import Settings
@@ -167,6 +169,55 @@ async def test_a_fork_answers_with_its_parents_variables_under_a_key_and_env_of_
     assert not set(FORK_DATA) & set(secret.get("data") or {}), secret
     async with kernel(kube, ns, "younger") as child:
         assert await run_in_kernel(child, "print('x' in globals())") == "False\n"
+
+
+async def test_a_parents_calls_wait_while_its_forks_workspace_is_copied(
+    kube: Kube, ns: str, forking: Any
+) -> None:
+    """A fork made with kubectl (no gateway holds its parent's queue for it): the operator
+    holds the parent (status.forkHolds) from before the checkpoint until the fork's copy
+    of the workspace has ended, and a gateway's call on the parent waits for that, so the
+    fork's files are those of the memory it wakes with; then the hold is let go."""
+    # A call waits for a hold as long as for the call before it (lock_wait): long enough
+    # here for a checkpoint and a copy on a busy host. Pod IPs: Service names resolve in
+    # the cluster only.
+    settings = Settings(session_namespace=ns, lock_wait=120.0, kube_connect="pod-ip")
+    runtime = KubernetesRuntime(settings, Kube(kube.client.configuration))
+    gateway = Gateway(runtime, settings)
+    try:
+        body = session_body("held", ns, image=IMAGE, resources=SMALL, workspace=PERSISTENT)
+        await asyncio.to_thread(kube.create, body)
+        await ready(kube, ns, "held")
+        first = await gateway.execute("held", STATE + OPEN_FILE, namespace=ns)
+        assert first.stdout == "41\n", first
+        fork = _fork_body("held-copy", ns, "held", workspace=PERSISTENT)
+        await asyncio.to_thread(kube.create, fork)
+        await eventually(
+            kube, KS, ns, "held",
+            lambda o: "held-copy" in forks.live_holds((o or {}).get("status") or {}, time.time()),
+            timeout=60, what="held for its fork",
+        )  # fmt: skip
+        after = await gateway.execute(
+            "held", "log.write('b'); log.flush(); open('after.txt', 'w').close(); x", namespace=ns
+        )
+        assert after.status == "ok", after
+        copy = await asyncio.to_thread(kube.get, KS, ns, "held-copy")
+        said = ((copy or {}).get("status") or {}).get("fork") or {}
+        assert (said.get("workspace") or {}).get("outcome") == "Copied", said
+        await eventually(
+            kube, KS, ns, "held",
+            lambda o: not forks.live_holds((o or {}).get("status") or {}, time.time()),
+            what="the hold let go",
+        )  # fmt: skip
+        await ready(kube, ns, "held-copy")
+        async with kernel(kube, ns, "held-copy") as child:
+            said = await run_in_kernel(
+                child, "import os; print(x, open('log.txt').read(), os.path.exists('after.txt'))"
+            )
+            assert said == "41 a False\n", said
+    finally:
+        await gateway.close()
+        runtime.close()
 
 
 async def test_a_fork_of_a_session_that_is_not_there_starts_afresh_and_says_why(

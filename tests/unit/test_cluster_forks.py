@@ -79,3 +79,30 @@ def test_only_a_session_that_never_ran_is_made_a_fork() -> None:
     for kept in ("kernelId", "startedAt", "snapshot", "lastRestore", "lastTermination"):
         assert ran({kept: {"x": 1} if kept in ("snapshot", "lastRestore") else "x"}), kept
     assert ran({"restarts": 2})
+
+
+def test_a_parent_is_held_by_its_forks_until_their_copies_end_or_their_time_runs_out() -> None:
+    now = 1_800_000_000.0
+    first = forks.hold({}, "copy-a", "uid-a", now)
+    assert first == {"copy-a": {"uid": "uid-a", "until": "2027-01-15T08:30:00Z"}}
+    status = {forks.HOLDS: {**first, "stale": {"uid": "x", "until": "2027-01-15T07:00:00Z"}}}
+    second = forks.hold(status, "copy-b", "uid-b", now + 60)
+    assert second["stale"] is None and set(second) == {"stale", "copy-b"}  # past its time
+    assert set(forks.live_holds(status, now)) == {"copy-a"}
+    assert forks.live_holds(status, now + forks.HOLD_FOR) == {}
+    assert forks.live_holds({forks.HOLDS: ["not", "a", "mapping"]}, now) == {}
+    full = {forks.HOLDS: {f"f{i}": forks.hold({}, "", "", now + i)[""] for i in range(70)}}
+    trimmed = forks.hold(full, "new", "uid", now)
+    dropped = {k for k, v in trimmed.items() if v is None}
+    assert len(dropped) == 70 - forks.HOLDS_MAX + 1 and "f69" not in dropped  # oldest first
+
+    def fork(uid: str, **said: Any) -> dict[str, Any]:
+        return {"metadata": {"uid": uid}, "status": {"fork": said}}
+
+    assert forks.holding({"metadata": {"uid": "u"}}, "u")  # its checkpoint under way
+    assert forks.holding(fork("u", outcome="Restoring"), "u")
+    assert forks.holding(fork("u", outcome="Restoring", workspace={"stopping": True}), "u")
+    assert not forks.holding(fork("u", outcome="Restoring", workspace={"outcome": "Copied"}), "u")
+    assert not forks.holding(fork("u", outcome="Failed"), "u")
+    assert not forks.holding(fork("other", outcome="Restoring"), "u")  # a new one of that name
+    assert not forks.holding(None, "u")  # deleted

@@ -19,6 +19,7 @@ from typing import Any
 from mcp_forge.api import kernelsession
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.kernelsessionpool import CLAIM_MARK
+from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.errors import InvalidRequest
 from mcp_forge.kernelside import compiled, run_silently
 
@@ -27,6 +28,13 @@ FORKED_FROM = "mcpforge.dev/forked-from"  # annotation: the parent's name
 # on a cluster (control/forking.py).
 FORK_BATCH = "mcpforge.dev/fork-batch"
 FORK_MAX = 10  # new sessions of one fork
+# Status of a parent on a cluster: the forks whose persistent workspace is being copied
+# from its own, by name, each {uid, until}. Its calls wait until the copies end, so that
+# each fork's files are those of the memory it wakes with (control/forking.py sets them,
+# control/forkfiles.py clears them; a gateway waits on them: `held_by`).
+HOLDS = "forkHolds"
+HOLD_FOR = 1800  # seconds: a hold an operator never cleared (a fork deleted) lasts no longer
+HOLDS_MAX = 64  # holds a parent keeps: past that, the oldest are let go
 
 
 def check_count(count: Any) -> int:
@@ -97,3 +105,43 @@ def becoming(
     every str exactly."""
     given = {"KEY": repr(key), "DROP": repr(list(drop)), "ENV": repr(dict(env)), "WAS": repr(was)}
     return run_silently(compiled("fork"), {"get_ipython": "get_ipython", **given})
+
+
+def hold(status: Mapping[str, Any], fork: str, uid: str, now: float) -> dict[str, Any]:
+    """The merge patch of a parent's status that holds it for `fork` (its uid): holds past
+    their time dropped, and the oldest past HOLDS_MAX."""
+    kept = live_holds(status, now)
+    patch: dict[str, Any] = {k: None for k in _holds(status) if k not in kept}
+    oldest_first = sorted(kept, key=lambda k: str(kept[k]["until"]))
+    for name in oldest_first[: max(0, len(kept) - HOLDS_MAX + 1)]:
+        patch[name] = None
+    patch[fork] = {"uid": uid, "until": stamp(now + HOLD_FOR)}
+    return patch
+
+
+def live_holds(status: Mapping[str, Any], now: float) -> dict[str, dict[str, Any]]:
+    """The holds of a parent's status not past their time, by fork name."""
+    out = {}
+    for name, entry in _holds(status).items():
+        until = parse_time(entry.get("until")) if isinstance(entry, dict) else None
+        if isinstance(name, str) and until is not None and until > now:
+            out[name] = dict(entry)
+    return out
+
+
+def _holds(status: Mapping[str, Any]) -> dict[Any, Any]:
+    found = status.get(HOLDS)
+    return found if isinstance(found, dict) else {}
+
+
+def holding(fork: Mapping[str, Any] | None, uid: str) -> bool:
+    """Whether a fork (its body as read, or None if gone) still holds its parent: the
+    one of that uid, its memory being forked (or its checkpoint under way: the hold
+    comes first), its workspace copy not ended."""
+    if not fork or (fork.get("metadata") or {}).get("uid") != uid:
+        return False
+    said = (fork.get("status") or {}).get("fork") or {}
+    if not said:
+        return True
+    copied = said.get("workspace") or {}
+    return said.get("outcome") == "Restoring" and (not copied or bool(copied.get("stopping")))

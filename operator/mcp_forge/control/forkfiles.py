@@ -12,10 +12,12 @@ ReadWriteOnce claim is mounted on one node at a time). Links are copied as links
 followed; FIFOs and sockets are made anew, never opened; a file's contents are never
 read but to be copied; what a copy made again finds is replaced, never written through.
 
-The copy is taken after the checkpoint, while the parent runs on: a call the parent runs
-meanwhile may show in the fork's files, and a file the woken kernel holds open that has
-changed since its checkpoint makes the restore fail (CRIU checks its size and mode; the
-fork then starts afresh, its files copied). `status.fork.workspace` says how it went:
+The copy is taken after the checkpoint, while the parent runs on, held (forking.py
+`_hold`): no gateway starts a call of the parent's until the copy has ended (`_let_go`),
+so a call does not show in the fork's files. What the parent's kernel does by itself
+meanwhile (a thread writing) may, and a file the woken kernel holds open that has changed
+since its checkpoint makes the restore fail (CRIU checks its size and mode; the fork then
+starts afresh, its files copied). `status.fork.workspace` says how it went:
 Copied, Failed (the message names why: the fork wakes on what was copied), or NotCopied
 (no persistent workspace on either side, or its parent's memory not forked). A copy
 that has not started COPY_DEADLINE after its pod was made, or not ended twice that, is
@@ -29,6 +31,7 @@ import copy
 import logging
 from typing import TYPE_CHECKING, Any
 
+from mcp_forge.api import forks
 from mcp_forge.api.kernelsession import KIND, KernelSession, load
 from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.control.pods import ended_message, owned_by
@@ -39,6 +42,7 @@ from mcp_forge.control.render import (
     child_name,
     workspace_claim_name,
 )
+from mcp_forge.errors import ApiError
 from mcp_forge.kernelside import source
 
 if TYPE_CHECKING:
@@ -166,6 +170,22 @@ def _ended(r: Reconciler, p: Pass, outcome: str, message: str, *, stopping: bool
     p.status["fork"] = fork
     r.kube.patch(KIND, p.session.namespace, p.session.name, {"status": {"fork": fork}}, status=True)
     log.info("%s/%s: workspace %s (%s)", p.session.namespace, p.session.name, outcome, message)
+    if p.session.spec.persistent and not stopping:
+        _let_go(r, p.session, str(fork.get("from") or ""))
+
+
+def _let_go(r: Reconciler, session: KernelSession, parent: str) -> None:
+    """The parent's hold for this fork (forking.py `_hold`) let go: its calls run again."""
+    if not parent:
+        return
+    patch = {"status": {forks.HOLDS: {session.name: None}}}
+    try:
+        r.kube.patch(KIND, session.namespace, parent, patch, status=True)
+    except ApiError as exc:  # gone: nothing held; else its hold runs out (HOLD_FOR)
+        if exc.status != 404:
+            log.warning(
+                "%s/%s: could not let %s go: %s", session.namespace, session.name, parent, exc
+            )
 
 
 def render(

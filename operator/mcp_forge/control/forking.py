@@ -168,6 +168,8 @@ def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, 
     theirs = r.kube.get("Secret", ns, secret_name(parent))
     if theirs is None or connection_file_of(theirs) is None:
         raise Unforkable(f"{name} has no readable Secret")
+    if session.spec.persistent and parent.spec.persistent:
+        _hold(r, p, body)  # its calls wait until its workspace is copied (forkfiles.py)
     snap = _checkpoint(r, p, parent, pod)
     want = r._render(session, theirs)[0]
     drop = sorted({v.name for v in parent.spec.env} | {CLAIM_MARK})
@@ -182,6 +184,20 @@ def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, 
     patch = {"stringData": want["stringData"]}
     secret = r.kube.patch("Secret", ns, want["metadata"]["name"], patch)
     return secret, snap
+
+
+def _hold(r: Reconciler, p: Pass, parent: dict[str, Any]) -> None:
+    """The parent held for this fork (api/forks.py HOLDS) before its checkpoint: a gateway
+    starts none of its calls until the fork's workspace copy has ended, so the fork's
+    files are those of the memory it wakes with. A call already running was waited for
+    if it is marked busy (ParentBusy); code the parent runs by itself (a thread) is not
+    held. forkfiles.py lets it go; an operator that never does is outlived (HOLD_FOR)."""
+    session = p.session
+    patch = forks.hold(parent.get("status") or {}, session.name, session.uid, p.now)
+    meta = parent["metadata"]
+    r.kube.patch(
+        KIND, meta["namespace"], meta["name"], {"status": {forks.HOLDS: patch}}, status=True
+    )
 
 
 def _checkpoint(r: Reconciler, p: Pass, parent: KernelSession, pod: dict[str, Any]) -> Snap:

@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any
 
+from mcp_forge.api import forks
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time
@@ -30,6 +31,8 @@ from mcp_forge.runtimes.base import Kernels
 from mcp_forge.settings import Settings
 
 log = logging.getLogger(__name__)
+
+HOLD_RECHECK = 0.5  # seconds: a session held by its fork (`_unheld`) is read again this often
 
 
 def kernel_of(session: KernelSession) -> tuple[Any, Any]:
@@ -151,7 +154,33 @@ class Connections:
         ):
             why = session.status.get("message") or session.status.get("reason") or ""
             raise SessionNotReady(f"session {name!r} is {phase}" + (f": {why}" if why else ""))
+        if forks.live_holds(session.status, time.time()):
+            session = await self._unheld(session)
         return session
+
+    async def _unheld(self, session: KernelSession) -> KernelSession:
+        """The session once no fork holds it (api/forks.py HOLDS: a fork's copy of its
+        workspace under way, on a cluster), waited for up to the settings' lock_wait, as
+        a call waits for the one before it; SessionNotReady naming the fork past that."""
+        deadline = time.monotonic() + self.settings.lock_wait
+        while True:
+            holding = forks.live_holds(session.status, time.time())
+            for fork, entry in holding.items():
+                try:
+                    body = (await self.runtime.get(fork, session.namespace)).body
+                except SessionNotFound:
+                    body = None
+                if forks.holding(body, str(entry.get("uid"))):
+                    break
+            else:
+                return session  # none left, or only those of forks gone or done
+            if time.monotonic() >= deadline:
+                raise SessionNotReady(
+                    f"session {session.name!r} is being forked: its workspace is being copied "
+                    f"for {fork!r}; try again once that ends"
+                )
+            await asyncio.sleep(HOLD_RECHECK)
+            session = await self.runtime.get(session.name, session.namespace)
 
     def _new_connection(self, info: Any) -> KernelConnection:
         s = self.settings
