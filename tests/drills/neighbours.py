@@ -127,6 +127,15 @@ frozen (mcp_forge/heap.py) they took 4-14 ms: execute_code 1+1 +106.2 ms before,
 and +75.3 ms after; list_sessions +14.9 before, +9.6 and +11.8 ms after. A kernel's own
 collector is not in the way: a bare ipykernel 7.4 running 700 `1+1` made 132 young
 collections, 12 middle ones (at most 1.5 ms) and no full one.
+
+December 7, evening (one run each): execute_code 1+1 +70.1 ms (idle p99 17.2, under
+noise 87.3 ms; list_sessions +9.2 ms) with the quiet client's samples 20 ms apart, and
++82.7 ms (idle p99 30.6, under noise 113.3 ms, median 32.5 ms; list_sessions +5.2 ms)
+with them 500 ms apart (`--interval-ms 500 --samples 60 --seconds 60`), as an agent
+waiting for its model calls: a kernel that calls seldom waits for a core as long as one
+that calls often. This kernel's EEVDF scheduler gives a task back the lag it had when it
+slept, not credit for sleeping: a quiet kernel's wake-up waits its turn among the
+runnable pods' entities like any other's.
 """
 
 from __future__ import annotations
