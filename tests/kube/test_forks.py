@@ -197,6 +197,8 @@ async def test_a_parents_calls_wait_while_its_forks_workspace_is_copied(
             lambda o: "held-copy" in forks.live_holds((o or {}).get("status") or {}, time.time()),
             timeout=60, what="held for its fork",
         )  # fmt: skip
+        # An interrupt is not held (a fork waits for its parent's code, never the reverse).
+        await asyncio.wait_for(gateway.interrupt("held", namespace=ns), 10)
         after = await gateway.execute(
             "held", "log.write('b'); log.flush(); open('after.txt', 'w').close(); x", namespace=ns
         )

@@ -84,7 +84,8 @@ def test_only_a_session_that_never_ran_is_made_a_fork() -> None:
 def test_a_parent_is_held_by_its_forks_until_their_copies_end_or_their_time_runs_out() -> None:
     now = 1_800_000_000.0
     first = forks.hold({}, "copy-a", "uid-a", now)
-    assert first == {"copy-a": {"uid": "uid-a", "until": "2027-01-15T08:30:00Z"}}
+    when = {"since": "2027-01-15T08:00:00Z", "until": "2027-01-15T08:30:00Z"}
+    assert first == {"copy-a": {"uid": "uid-a", **when}}
     status = {forks.HOLDS: {**first, "stale": {"uid": "x", "until": "2027-01-15T07:00:00Z"}}}
     second = forks.hold(status, "copy-b", "uid-b", now + 60)
     assert second["stale"] is None and set(second) == {"stale", "copy-b"}  # past its time
@@ -104,5 +105,8 @@ def test_a_parent_is_held_by_its_forks_until_their_copies_end_or_their_time_runs
     assert forks.holding(fork("u", outcome="Restoring", workspace={"stopping": True}), "u")
     assert not forks.holding(fork("u", outcome="Restoring", workspace={"outcome": "Copied"}), "u")
     assert not forks.holding(fork("u", outcome="Failed"), "u")
+    stopped = fork("u", outcome="Restoring")
+    stopped["status"]["phase"] = "Suspended"  # its copy is not waited for meanwhile
+    assert not forks.holding(stopped, "u")
     assert not forks.holding(fork("other", outcome="Restoring"), "u")  # a new one of that name
     assert not forks.holding(None, "u")  # deleted

@@ -29,11 +29,14 @@ FORKED_FROM = "mcpforge.dev/forked-from"  # annotation: the parent's name
 FORK_BATCH = "mcpforge.dev/fork-batch"
 FORK_MAX = 10  # new sessions of one fork
 # Status of a parent on a cluster: the forks whose persistent workspace is being copied
-# from its own, by name, each {uid, until}. Its calls wait until the copies end, so that
-# each fork's files are those of the memory it wakes with (control/forking.py sets them,
-# control/forkfiles.py clears them; a gateway waits on them: `held_by`).
+# from its own, by name, each {uid, since, until}. Its calls wait until the copies end, so
+# that each fork's files are those of the memory it wakes with (control/forking.py sets
+# them, control/forkfiles.py clears them; a gateway waits while one is `holding`).
 HOLDS = "forkHolds"
-HOLD_FOR = 1800  # seconds: a hold an operator never cleared (a fork deleted) lasts no longer
+HOLD_FOR = 1800  # seconds: a hold an operator never cleared lasts no longer
+HOLD_SETTLE = 3.0  # seconds a hold stands before the checkpoint (see forking._checkpoint)
+# A fork in one of these phases copies nothing more for now: it holds no parent.
+NOT_COPYING = ("Suspended", "Failed", "Terminating", "Expired")
 HOLDS_MAX = 64  # holds a parent keeps: past that, the oldest are let go
 
 
@@ -115,7 +118,7 @@ def hold(status: Mapping[str, Any], fork: str, uid: str, now: float) -> dict[str
     oldest_first = sorted(kept, key=lambda k: str(kept[k]["until"]))
     for name in oldest_first[: max(0, len(kept) - HOLDS_MAX + 1)]:
         patch[name] = None
-    patch[fork] = {"uid": uid, "until": stamp(now + HOLD_FOR)}
+    patch[fork] = {"uid": uid, "since": stamp(now), "until": stamp(now + HOLD_FOR)}
     return patch
 
 
@@ -137,8 +140,10 @@ def _holds(status: Mapping[str, Any]) -> dict[Any, Any]:
 def holding(fork: Mapping[str, Any] | None, uid: str) -> bool:
     """Whether a fork (its body as read, or None if gone) still holds its parent: the
     one of that uid, its memory being forked (or its checkpoint under way: the hold
-    comes first), its workspace copy not ended."""
+    comes first), its workspace copy not ended, and not stopped meanwhile."""
     if not fork or (fork.get("metadata") or {}).get("uid") != uid:
+        return False
+    if (fork.get("status") or {}).get("phase") in NOT_COPYING:
         return False
     said = (fork.get("status") or {}).get("fork") or {}
     if not said:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from mcp_forge.api import forks
@@ -171,21 +172,23 @@ def _ended(r: Reconciler, p: Pass, outcome: str, message: str, *, stopping: bool
     r.kube.patch(KIND, p.session.namespace, p.session.name, {"status": {"fork": fork}}, status=True)
     log.info("%s/%s: workspace %s (%s)", p.session.namespace, p.session.name, outcome, message)
     if p.session.spec.persistent and not stopping:
-        _let_go(r, p.session, str(fork.get("from") or ""))
+        let_go(r, p.session.namespace, p.session.name, p.session.uid, str(fork.get("from") or ""))
 
 
-def _let_go(r: Reconciler, session: KernelSession, parent: str) -> None:
-    """The parent's hold for this fork (forking.py `_hold`) let go: its calls run again."""
+def let_go(r: Reconciler, namespace: str, fork: str, uid: str, parent: str) -> None:
+    """The parent's hold for this fork (forking.py `_hold`), if it has one, let go: its
+    calls run again. Also as the fork is deleted (handlers.py)."""
     if not parent:
         return
-    patch = {"status": {forks.HOLDS: {session.name: None}}}
     try:
-        r.kube.patch(KIND, session.namespace, parent, patch, status=True)
-    except ApiError as exc:  # gone: nothing held; else its hold runs out (HOLD_FOR)
-        if exc.status != 404:
-            log.warning(
-                "%s/%s: could not let %s go: %s", session.namespace, session.name, parent, exc
-            )
+        body = r.kube.get(KIND, namespace, parent)
+        mine = forks.live_holds((body or {}).get("status") or {}, time.time()).get(fork) or {}
+        if body is None or mine.get("uid") != uid:
+            return
+        patch = {"status": {forks.HOLDS: {fork: None}}}
+        r.kube.patch(KIND, namespace, parent, patch, status=True)
+    except ApiError as exc:  # its hold lapses (HOLD_FOR); gateways ignore it once done
+        log.warning("%s/%s: could not let %s go: %s", namespace, fork, parent, exc)
 
 
 def render(

@@ -48,7 +48,7 @@ from mcp_forge.api.connection import new_key
 from mcp_forge.api.kernelsession import KIND, KernelSession, load
 from mcp_forge.api.kernelsessionpool import CLAIM_MARK
 from mcp_forge.api.keys import BRIDGE_CERT, BRIDGE_KEY, CURVE_PUBLIC, CURVE_SECRET
-from mcp_forge.api.status import stamp
+from mcp_forge.api.status import parse_time, stamp
 from mcp_forge.clients.kube import connection_file_of, secret_env
 from mcp_forge.control import snapshots
 from mcp_forge.control.pods import Observation, kernel_status
@@ -92,7 +92,13 @@ class Unforkable(ForgeError):
 
 
 class ParentBusy(ForgeError):
-    """The parent runs a call: its copy would too, and not answer the fork's request."""
+    """The parent runs a call: its copy would too, and not answer the fork's request.
+    Or its hold is too new for calls begun before it to be seen; looked at again after
+    `recheck` seconds."""
+
+    def __init__(self, message: str, recheck: float = BUSY_RECHECK) -> None:
+        super().__init__(message)
+        self.recheck = recheck
 
 
 # What a fork's steps may raise: the API's answers, and what a hostile kernel or Secret
@@ -123,7 +129,7 @@ def begin(r: Reconciler, p: Pass) -> str | None:
         try:
             secret, snap = _take(r, p, parent)
         except ParentBusy as exc:
-            p.due.append(p.now + BUSY_RECHECK)
+            p.due.append(p.now + exc.recheck)
             return str(exc)
         except REFUSED as exc:
             why = (
@@ -168,9 +174,9 @@ def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, 
     theirs = r.kube.get("Secret", ns, secret_name(parent))
     if theirs is None or connection_file_of(theirs) is None:
         raise Unforkable(f"{name} has no readable Secret")
-    if session.spec.persistent and parent.spec.persistent:
-        _hold(r, p, body)  # its calls wait until its workspace is copied (forkfiles.py)
-    snap = _checkpoint(r, p, parent, pod)
+    # Its calls wait until the fork's workspace is copied (forkfiles.py).
+    held = body if session.spec.persistent and parent.spec.persistent else None
+    snap = _checkpoint(r, p, parent, pod, held)
     want = r._render(session, theirs)[0]
     drop = sorted({v.name for v in parent.spec.env} | {CLAIM_MARK})
     own = json.loads(r._render(session, None)[0]["stringData"]["connection.json"])
@@ -186,27 +192,43 @@ def _take(r: Reconciler, p: Pass, name: str) -> tuple[dict[str, Any], dict[str, 
     return secret, snap
 
 
-def _hold(r: Reconciler, p: Pass, parent: dict[str, Any]) -> None:
-    """The parent held for this fork (api/forks.py HOLDS) before its checkpoint: a gateway
-    starts none of its calls until the fork's workspace copy has ended, so the fork's
-    files are those of the memory it wakes with. A call already running was waited for
-    if it is marked busy (ParentBusy); code the parent runs by itself (a thread) is not
-    held. forkfiles.py lets it go; an operator that never does is outlived (HOLD_FOR)."""
-    session = p.session
-    patch = forks.hold(parent.get("status") or {}, session.name, session.uid, p.now)
+def _hold(r: Reconciler, p: Pass, parent: dict[str, Any]) -> float:
+    """The parent held for this fork (api/forks.py HOLDS): a gateway starts none of its
+    calls until the fork's workspace copy has ended, so the fork's files are those of
+    the memory it wakes with; how long the hold has stood (0 when written now). Code the
+    parent runs by itself (a thread) is not held. forkfiles.py lets it go; one that no
+    operator lets go lapses (HOLD_FOR)."""
+    session, status = p.session, parent.get("status") or {}
+    mine = forks.live_holds(status, p.now).get(session.name) or {}
+    since = parse_time(mine.get("since"))
+    if mine.get("uid") == session.uid and since is not None:
+        return p.now - since
+    patch = forks.hold(status, session.name, session.uid, p.now)
     meta = parent["metadata"]
     r.kube.patch(
         KIND, meta["namespace"], meta["name"], {"status": {forks.HOLDS: patch}}, status=True
     )
+    return 0.0
 
 
-def _checkpoint(r: Reconciler, p: Pass, parent: KernelSession, pod: dict[str, Any]) -> Snap:
+def _checkpoint(
+    r: Reconciler,
+    p: Pass,
+    parent: KernelSession,
+    pod: dict[str, Any],
+    held: dict[str, Any] | None = None,
+) -> Snap:
     """The snapshot the fork wakes from: the parent's kernel checkpointed now, or, for a
     fork of a batch (FORK_BATCH: made together, the gateway's copies), the checkpoint an
     earlier fork of the batch took of that kernel within SHARE_WITHIN. A batch's archive
     is shared: the node's handler leaves it for the sweeper, which removes it once no
     session holds it and it is its grace old (at least SHARE_WITHIN and a minute). A
-    parent running a call is waited for (ParentBusy) before a new checkpoint only."""
+    parent running a call is waited for (ParentBusy) before a new checkpoint only.
+
+    With `held` (the parent as read), the parent is held for the fork (`_hold`): once it
+    is not busy, and the checkpoint waits until the hold has stood HOLD_SETTLE, so that a
+    call begun before it, on any gateway, has ended or been marked busy (a gateway marks
+    a call busy once it has run a heartbeat interval)."""
     ns, meta = parent.namespace, pod["metadata"]
     batch = (p.session.body["metadata"].get("annotations") or {}).get(forks.FORK_BATCH)
     # That kernel: its pod, and its container (one started again has other memory).
@@ -216,13 +238,22 @@ def _checkpoint(r: Reconciler, p: Pass, parent: KernelSession, pod: dict[str, An
     with _batches_lock:
         for k in [k for k, (at, _) in _batches.items() if now - at >= SHARE_WITHIN]:
             del _batches[k]
-        if batch and key in _batches:
-            return dict(_batches[key][1])
+        shared = dict(_batches[key][1]) if batch and key in _batches else None
+    if shared is not None:
+        if held is not None:
+            _hold(r, p, held)
+        return shared
     from mcp_forge.control.realize import activity  # realize wires this module in
 
     lease = r.kube.get("Lease", ns, child_name(parent)) or {}
     if activity(lease, 0.0, p.now)[0].busy(p.now):  # its woken copy would run the call on
         raise ParentBusy(f"waiting for {parent.name} to end the call it is running")
+    if held is not None and (stood := _hold(r, p, held)) < forks.HOLD_SETTLE:
+        raise ParentBusy(
+            f"holding {parent.name} for the copy of its workspace: calls begun before "
+            "the hold end first",
+            recheck=forks.HOLD_SETTLE - stood + 0.1,
+        )
     started, node = time.monotonic(), pod["spec"]["nodeName"]
     taken = r.kubelet.checkpoint(node, ns, meta["name"], CONTAINER)
     snap: Snap = {

@@ -30,9 +30,11 @@ from typing import Any
 
 import kopf
 
+from mcp_forge.api import forks
 from mcp_forge.api import kernelsessionpool as ksp
 from mcp_forge.api.kernelsession import GROUP
 from mcp_forge.clients.kube import Kube
+from mcp_forge.control import forkfiles
 from mcp_forge.control.poolplan import LABEL_CLAIMED_FROM
 from mcp_forge.control.reconciler import Reconciler
 from mcp_forge.control.render import LABEL_COMPONENT, LABEL_SESSION, MANAGED_BY
@@ -181,6 +183,9 @@ async def session_event(
     else:
         current.pop((ns, name), None)
     await _release(reconciler, ns)
+    parent = ((body.get("metadata") or {}).get("annotations") or {}).get(forks.FORKED_FROM)
+    if parent:  # a fork gone mid-copy holds its parent no longer (control/forkfiles.py)
+        await asyncio.to_thread(forkfiles.let_go, reconciler, ns, name, str(uid), str(parent))
     # A session that claimed a kernel counted against its pool's maxSize until now,
     # whichever pod ran it (a replaced one carries no claimed-from label to be heard).
     pool = ((body.get("spec") or {}).get("poolRef") or {}).get("name")

@@ -136,9 +136,10 @@ class Connections:
             log.debug("session %s: %s", session.name, shown(exc, 500))
 
     async def _session(
-        self, name: str, namespace: str, *, read: KernelSession | None = None
+        self, name: str, namespace: str, *, read: KernelSession | None = None, hold: bool = True
     ) -> KernelSession:
-        """The session, ready to take work; `read` is one the caller has just read."""
+        """The session, ready to take work; `read` is one the caller has just read. With
+        `hold`, once no fork of it holds it (`_unheld`)."""
         if read is not None:
             session = read
         else:
@@ -154,14 +155,15 @@ class Connections:
         ):
             why = session.status.get("message") or session.status.get("reason") or ""
             raise SessionNotReady(f"session {name!r} is {phase}" + (f": {why}" if why else ""))
-        if forks.live_holds(session.status, time.time()):
+        if hold and forks.live_holds(session.status, time.time()):
             session = await self._unheld(session)
         return session
 
     async def _unheld(self, session: KernelSession) -> KernelSession:
         """The session once no fork holds it (api/forks.py HOLDS: a fork's copy of its
         workspace under way, on a cluster), waited for up to the settings' lock_wait, as
-        a call waits for the one before it; SessionNotReady naming the fork past that."""
+        a helper waits for a call before it; SessionNotReady naming the fork past that.
+        A fork that cannot be read now is taken to hold it still."""
         deadline = time.monotonic() + self.settings.lock_wait
         while True:
             holding = forks.live_holds(session.status, time.time())
@@ -170,6 +172,9 @@ class Connections:
                     body = (await self.runtime.get(fork, session.namespace)).body
                 except SessionNotFound:
                     body = None
+                except ForgeError as exc:  # the API, for now: looked at again
+                    log.warning("could not read %s, which holds %s: %s", fork, session.name, exc)
+                    break
                 if forks.holding(body, str(entry.get("uid"))):
                     break
             else:

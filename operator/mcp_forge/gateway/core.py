@@ -128,7 +128,10 @@ class Gateway(Connections, WorkspaceCalls):
         seconds = self.check_code(code, timeout)
         session = await self._session(name, namespace, read=read)
         handle = self._handle(session)
+        queued = handle.lock.locked()
         async with handle.lock:
+            if queued:  # a fork may have come to hold it meanwhile (`_unheld`)
+                await self._unheld(await self.runtime.get(name, namespace))
             conn = await self._connect(handle, session)
             s = self.settings
             collector = Collector(
@@ -420,8 +423,9 @@ class Gateway(Connections, WorkspaceCalls):
     # ---- interrupt / restart ---------------------------------------------------------------
 
     async def interrupt(self, name: str, *, namespace: str = "default") -> bool:
-        """Interrupt whatever the kernel runs now (outside the queue)."""
-        session = await self._session(name, namespace)
+        """Interrupt whatever the kernel runs now (outside the queue), a fork's hold on it
+        notwithstanding: it stops code, and a fork waits for its parent's code to stop."""
+        session = await self._session(name, namespace, hold=False)
         handle = self._handle(session)
         if handle.conn is not None:
             return await handle.conn.interrupt(self.settings.interrupt_grace)
@@ -434,6 +438,7 @@ class Gateway(Connections, WorkspaceCalls):
     @contextlib.asynccontextmanager
     async def _turn(self, handle: Handle, session: KernelSession) -> AsyncIterator[None]:
         """The session's queue, for calls that should not wait behind running code."""
+        queued = handle.lock.locked()
         try:
             async with asyncio.timeout(self.settings.lock_wait):
                 await handle.lock.acquire()
@@ -443,6 +448,8 @@ class Gateway(Connections, WorkspaceCalls):
                 "(interrupt_kernel) first"
             ) from None
         try:
+            if queued:  # a fork may have come to hold it meanwhile (`_unheld`)
+                await self._unheld(await self.runtime.get(session.name, session.namespace))
             yield
         finally:
             handle.lock.release()
