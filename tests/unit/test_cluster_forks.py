@@ -106,7 +106,9 @@ def test_a_parent_is_held_by_its_forks_until_their_copies_end_or_their_time_runs
     assert not forks.holding(fork("u", outcome="Restoring", workspace={"outcome": "Copied"}), "u")
     assert not forks.holding(fork("u", outcome="Failed"), "u")
     stopped = fork("u", outcome="Restoring")
-    stopped["status"]["phase"] = "Suspended"  # its copy is not waited for meanwhile
+    stopped["status"]["phase"] = "Failed"  # it copies nothing more
     assert not forks.holding(stopped, "u")
+    stopped["status"]["phase"] = "Suspended"  # its copy runs on, its end not yet recorded
+    assert forks.holding(stopped, "u")
     assert not forks.holding(fork("other", outcome="Restoring"), "u")  # a new one of that name
     assert not forks.holding(None, "u")  # deleted

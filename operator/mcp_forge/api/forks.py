@@ -35,8 +35,10 @@ FORK_MAX = 10  # new sessions of one fork
 HOLDS = "forkHolds"
 HOLD_FOR = 1800  # seconds: a hold an operator never cleared lasts no longer
 HOLD_SETTLE = 3.0  # seconds a hold stands before the checkpoint (see forking._checkpoint)
-# A fork in one of these phases copies nothing more for now: it holds no parent.
-NOT_COPYING = ("Suspended", "Failed", "Terminating", "Expired")
+# A fork in one of these phases copies nothing more: it holds no parent. Not Suspended:
+# a copy under way runs on while its fork is suspended, and its end is recorded once the
+# fork runs again (the hold lapses meanwhile, HOLD_FOR, at the latest).
+NOT_COPYING = ("Failed", "Terminating", "Expired")
 HOLDS_MAX = 64  # holds a parent keeps: past that, the oldest are let go
 
 

@@ -202,7 +202,7 @@ def _hold(r: Reconciler, p: Pass, parent: dict[str, Any]) -> float:
     mine = forks.live_holds(status, p.now).get(session.name) or {}
     since = parse_time(mine.get("since"))
     if mine.get("uid") == session.uid and since is not None:
-        return p.now - since
+        return p.now - since - 1  # `since` is stamped to the second, down
     patch = forks.hold(status, session.name, session.uid, p.now)
     meta = parent["metadata"]
     r.kube.patch(
@@ -248,12 +248,16 @@ def _checkpoint(
     lease = r.kube.get("Lease", ns, child_name(parent)) or {}
     if activity(lease, 0.0, p.now)[0].busy(p.now):  # its woken copy would run the call on
         raise ParentBusy(f"waiting for {parent.name} to end the call it is running")
-    if held is not None and (stood := _hold(r, p, held)) < forks.HOLD_SETTLE:
-        raise ParentBusy(
-            f"holding {parent.name} for the copy of its workspace: calls begun before "
-            "the hold end first",
-            recheck=forks.HOLD_SETTLE - stood + 0.1,
-        )
+    if held is not None:
+        if (stood := _hold(r, p, held)) < forks.HOLD_SETTLE:
+            raise ParentBusy(
+                f"holding {parent.name} for the copy of its workspace: calls begun before "
+                "the hold end first",
+                recheck=forks.HOLD_SETTLE - stood + 0.1,
+            )
+        # A hold that stood long (a busy parent waited for) lasts the copy out from now.
+        until = {p.session.name: {"until": stamp(p.now + forks.HOLD_FOR)}}
+        r.kube.patch(KIND, ns, parent.name, {"status": {forks.HOLDS: until}}, status=True)
     started, node = time.monotonic(), pod["spec"]["nodeName"]
     taken = r.kubelet.checkpoint(node, ns, meta["name"], CONTAINER)
     snap: Snap = {

@@ -22,7 +22,7 @@ from mcp_forge.api import forks
 from mcp_forge.api import status as st
 from mcp_forge.api.kernelsession import KernelSession
 from mcp_forge.api.status import parse_time
-from mcp_forge.errors import ForgeError, SessionNotFound, SessionNotReady
+from mcp_forge.errors import ApiError, ForgeError, SessionNotFound, SessionNotReady
 from mcp_forge.gateway.attach import Handle, KernelSetup
 from mcp_forge.gateway.codemode.upstream import UpstreamPool
 from mcp_forge.jupyter.client import KernelConnection
@@ -33,6 +33,9 @@ from mcp_forge.settings import Settings
 log = logging.getLogger(__name__)
 
 HOLD_RECHECK = 0.5  # seconds: a session held by its fork (`_unheld`) is read again this often
+# A call whose session was read longer ago than this when it starts looks at holds again
+# (a fork's checkpoint waits forks.HOLD_SETTLE after its hold, for calls begun before it).
+HOLD_STALE = 1.0
 
 
 def kernel_of(session: KernelSession) -> tuple[Any, Any]:
@@ -159,6 +162,12 @@ class Connections:
             session = await self._unheld(session)
         return session
 
+    async def _still_unheld(self, session: KernelSession, read_at: float) -> None:
+        """Before a call starts: holds looked at again if the session was read more than
+        HOLD_STALE ago (it waited its turn, or for its connection)."""
+        if time.monotonic() - read_at > HOLD_STALE:
+            await self._unheld(await self.runtime.get(session.name, session.namespace))
+
     async def _unheld(self, session: KernelSession) -> KernelSession:
         """The session once no fork holds it (api/forks.py HOLDS: a fork's copy of its
         workspace under way, on a cluster), waited for up to the settings' lock_wait, as
@@ -172,7 +181,7 @@ class Connections:
                     body = (await self.runtime.get(fork, session.namespace)).body
                 except SessionNotFound:
                     body = None
-                except ForgeError as exc:  # the API, for now: looked at again
+                except ApiError as exc:  # the API, for now: looked at again
                     log.warning("could not read %s, which holds %s: %s", fork, session.name, exc)
                     break
                 if forks.holding(body, str(entry.get("uid"))):

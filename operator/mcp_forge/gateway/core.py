@@ -127,12 +127,11 @@ class Gateway(Connections, WorkspaceCalls):
         """
         seconds = self.check_code(code, timeout)
         session = await self._session(name, namespace, read=read)
+        read_at = time.monotonic()
         handle = self._handle(session)
-        queued = handle.lock.locked()
         async with handle.lock:
-            if queued:  # a fork may have come to hold it meanwhile (`_unheld`)
-                await self._unheld(await self.runtime.get(name, namespace))
             conn = await self._connect(handle, session)
+            await self._still_unheld(session, read_at)  # a fork may hold it since
             s = self.settings
             collector = Collector(
                 "",
@@ -438,7 +437,7 @@ class Gateway(Connections, WorkspaceCalls):
     @contextlib.asynccontextmanager
     async def _turn(self, handle: Handle, session: KernelSession) -> AsyncIterator[None]:
         """The session's queue, for calls that should not wait behind running code."""
-        queued = handle.lock.locked()
+        read_at = time.monotonic()
         try:
             async with asyncio.timeout(self.settings.lock_wait):
                 await handle.lock.acquire()
@@ -448,8 +447,7 @@ class Gateway(Connections, WorkspaceCalls):
                 "(interrupt_kernel) first"
             ) from None
         try:
-            if queued:  # a fork may have come to hold it meanwhile (`_unheld`)
-                await self._unheld(await self.runtime.get(session.name, session.namespace))
+            await self._still_unheld(session, read_at)  # a fork may hold it since
             yield
         finally:
             handle.lock.release()
