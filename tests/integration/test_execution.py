@@ -404,37 +404,9 @@ kept = 7
 """
 
 
-async def test_an_interrupt_as_a_cell_begins_ends_the_call_at_once_with_variables_kept(
-    gateway, make_session
-) -> None:
-    """ipykernel answers such an interrupt with no execute_reply: the call is not left
-    waiting for one until its timeout, and the kernel is not restarted."""
-    name = await make_session()
-    await gateway.execute(name, SLOW_START)
-    begun = asyncio.Event()
-    running = asyncio.create_task(
-        gateway.execute(
-            name,
-            "# slow start\nafter = 1",
-            timeout=120,
-            on_stream=lambda _, text: begun.set() if "begun" in text else None,
-        )
-    )
-    await asyncio.wait_for(begun.wait(), 30)
-    assert await gateway.interrupt(name)
-    r = await asyncio.wait_for(running, 20)
-    assert r.status == "interrupted" and not r.state_lost, r
-    assert "no reply" in r.message, r
-    after = await asyncio.wait_for(gateway.execute(name, "('after' in globals(), kept)"), 30)
-    assert after.state_lost is False and after.result is not None, after
-    assert after.result["data"]["text/plain"] == "(False, 7)"
-
-
-async def test_a_call_cancelled_as_its_cell_begins_keeps_the_kernel_and_its_variables(
-    gateway, make_session
-) -> None:
-    """The cancel's interrupt lands before the cell's code: no reply comes, and the
-    cancel is settled at once rather than by a restart once its grace ran out."""
+async def _slow_cell_begun(gateway, make_session, **kw) -> tuple[str, asyncio.Task]:
+    """A session with SLOW_START, running a slow-start cell that has begun (its input
+    transformer printed): the window where an interrupt gets no reply."""
     name = await make_session()
     await gateway.execute(name, SLOW_START)
     begun = asyncio.Event()
@@ -443,12 +415,39 @@ async def test_a_call_cancelled_as_its_cell_begins_keeps_the_kernel_and_its_vari
             name,
             "# slow start\nafter = 1",
             on_stream=lambda _, text: begun.set() if "begun" in text else None,
+            **kw,
         )
     )
     await asyncio.wait_for(begun.wait(), 30)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    return name, task
+
+
+async def _assert_kept(gateway, name: str) -> None:
     after = await asyncio.wait_for(gateway.execute(name, "('after' in globals(), kept)"), 30)
     assert after.state_lost is False and after.result is not None, after
     assert after.result["data"]["text/plain"] == "(False, 7)"
+
+
+async def test_an_interrupt_as_a_cell_begins_ends_the_call_at_once_with_variables_kept(
+    gateway, make_session
+) -> None:
+    """ipykernel answers such an interrupt with no execute_reply: the call is not left
+    waiting for one until its timeout, and the kernel is not restarted."""
+    name, running = await _slow_cell_begun(gateway, make_session, timeout=120)
+    assert await gateway.interrupt(name)
+    r = await asyncio.wait_for(running, 20)
+    assert r.status == "interrupted" and not r.state_lost, r
+    assert "no reply" in r.message, r
+    await _assert_kept(gateway, name)
+
+
+async def test_a_call_cancelled_as_its_cell_begins_keeps_the_kernel_and_its_variables(
+    gateway, make_session
+) -> None:
+    """The cancel's interrupt lands before the cell's code: no reply comes, and the
+    cancel is settled at once rather than by a restart once its grace ran out."""
+    name, task = await _slow_cell_begun(gateway, make_session)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _assert_kept(gateway, name)
