@@ -28,6 +28,8 @@ one that does run as root and has no bwrap refuses the work (ConfinementUnavaila
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import shutil
 import site
@@ -40,6 +42,9 @@ import mcp_forge
 from mcp_forge import cpuweight
 from mcp_forge.errors import ForgeError
 
+log = logging.getLogger(__name__)
+
+KILL_WAIT = 5.0  # seconds: a killed program's exit (and its pipes' close) waited for
 UID = 65534  # "nobody": owns nothing on the host but the directories given to a run
 NICE = 10
 # What a networked program needs of /etc to resolve a name and trust a certificate.
@@ -104,6 +109,26 @@ def command(
     if not needed():
         return [*outer, *argv]
     return [*outer, *_bwrap(writable, cwd, network, readable), *_setpriv(*user), *argv]
+
+
+async def reap(proc: asyncio.subprocess.Process, what: str) -> None:
+    """Kill `proc` if it still runs and wait, at most KILL_WAIT, for it to be gone.
+
+    asyncio (3.11) wakes a wait for a process only once its pipes have closed too, and
+    a child that bwrap, killed as it started it, left behind holds them open: its stdin
+    is closed first (it reads to its end and exits), and the wait is bounded all the
+    same (seen once in CI: a test that waited 300 s on a notebook worker). Shielded, so
+    that a cancelled caller still reaps its child."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        async with asyncio.timeout(KILL_WAIT):
+            await asyncio.shield(proc.wait())
+    except TimeoutError:
+        log.warning("%s: a killed program kept its pipes open", what)
 
 
 async def probe() -> tuple[bool, str]:

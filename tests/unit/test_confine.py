@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +64,27 @@ def test_a_writable_directory_is_the_only_place_it_can_write(tmp_path: Path) -> 
         "refused /usr OSError",  # read-only
     ], done
     assert (mine / "f").stat().st_uid == confine.UID
+
+
+def test_reap_is_bounded_when_a_left_behind_child_holds_the_pipes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A killed program whose child (as bwrap's, left behind) keeps its stdout open: a
+    plain wait would last as long as that child; reap gives up after KILL_WAIT."""
+    monkeypatch.setattr(confine, "KILL_WAIT", 0.5)
+
+    async def run() -> int | None:
+        proc = await asyncio.create_subprocess_exec(
+            "sh", "-c", "sleep 60 & echo $!; exec sleep 60",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        child = int(await proc.stdout.readline())
+        try:
+            async with asyncio.timeout(10):
+                await confine.reap(proc, "a test's program")
+            return proc.returncode
+        finally:
+            os.kill(child, signal.SIGKILL)
+
+    assert asyncio.run(run()) == -signal.SIGKILL  # the program itself was killed, reaped

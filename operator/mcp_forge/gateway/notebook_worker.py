@@ -33,7 +33,6 @@ HEAD_MAX = 4_096  # the worker's JSON line
 STDERR_MAX = 4_096  # kept for the log
 OPEN_FILES = 64  # it reads stdin and writes stdout; Python opens its modules
 EXIT_MEMORY = 3  # the worker ran out of its memory cap
-KILL_WAIT = 5.0  # seconds: a killed worker's exit (and its pipes' close) waited for
 # The worker parses the kernel's bytes: it gets none of the gateway's environment (its
 # tokens, its kubeconfig), only what finds our package.
 _ENV = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH")}
@@ -82,20 +81,7 @@ async def build_in_worker(
             "in: read the journal (.mcp-forge/notebook.jsonl) with read_file in parts"
         ) from None
     finally:
-        if proc.returncode is None:
-            proc.kill()
-        # Its stdin closed first: a sandboxed child that bwrap, killed as it started it,
-        # left behind (before it asked to die with bwrap) reads to its end and exits, and
-        # the pipes it holds close. The wait is bounded all the same (asyncio's waits for
-        # the pipes): seen once in CI, a test that waited 300 s.
-        proc.stdin.close()
-        try:
-            async with asyncio.timeout(KILL_WAIT):
-                await proc.wait()
-        except TimeoutError:
-            log.warning(
-                "the notebook worker of %r kept its pipes open after it was killed", session
-            )
+        await confine.reap(proc, f"the notebook worker of {session!r}")
         for task in (out, err):
             task.cancel()
         await asyncio.gather(out, err, return_exceptions=True)

@@ -152,9 +152,7 @@ async def copy_tmp(
             said = await asyncio.gather(*(p.communicate() for p in made))
     finally:
         for proc in made:
-            if proc.returncode is None:
-                proc.kill()
-                await asyncio.shield(proc.wait())
+            await confine.reap(proc, "copying a kernel's /tmp")
     (_, read_err), (_, write_err) = said
     if made[0].returncode not in (0, 1, 2):  # 1, 2: some file changed or could not be read
         raise VolumeError(f"reading /tmp failed ({made[0].returncode}): {_said(read_err)}")

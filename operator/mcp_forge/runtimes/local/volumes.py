@@ -24,6 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
+from mcp_forge import confine
 from mcp_forge.errors import ForgeError, redact
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,7 @@ async def run_tool(*args: str, ok: tuple[int, ...] = (0,), timeout: float = MOUN
         async with asyncio.timeout(timeout):
             out, err = await proc.communicate()
     except BaseException:
-        if proc.returncode is None:
-            proc.kill()
-            await asyncio.shield(proc.wait())
+        await confine.reap(proc, args[0])
         raise
     if proc.returncode not in ok:
         said = (err or out).decode(errors="replace").strip()[-500:]
