@@ -134,6 +134,20 @@ def test_an_ephemeral_cluster_pod_has_no_volume_and_takes_its_connection_from_th
     assert connection_secret_in(objs["Pod"]) == "ksp-a-1234-conn"
 
 
+def test_the_kubelet_first_asks_a_kernel_a_second_after_its_start_and_a_local_pod_never() -> None:
+    """The operator asks as soon as the pod has an IP: the kubelet's probe (a Python of its
+    own in the container) waits a second, out of the kernel's start, and still kills a
+    kernel that never answers."""
+    s = session()
+    (c,) = by_kind(render_kubernetes(s, CONN))["Pod"]["spec"]["containers"]
+    probe = c["startupProbe"]
+    assert probe["exec"]["command"] == ["python", "-I", "-c", kernelside.source("probe")]
+    assert probe["initialDelaySeconds"] == 1
+    assert probe["periodSeconds"] * probe["failureThreshold"] == 120
+    (local,) = by_kind(render_podman(s, PATHS))["Pod"]["spec"]["containers"]
+    assert "startupProbe" not in local
+
+
 def test_a_cluster_pod_with_volumes_keeps_a_read_only_root_and_no_secret_volume() -> None:
     objs = by_kind(render_kubernetes(session(sharedGroup="team"), CONN))
     spec = objs["Pod"]["spec"]

@@ -69,6 +69,12 @@ SECCOMP_PROFILE_ROOT = str(Path(__file__).parents[1] / "profiles")
 # a kernel_info_request (kernelside/probe.py), as local mode waits for one before Ready:
 # asked every second, for up to STARTUP_SECONDS; then the kubelet kills the kernel.
 STARTUP_SECONDS = 120
+# The first time a second after the start: the operator asks the kernel as soon as the
+# pod has an IP (control/answers.py), and the kubelet's probe, a Python started in the
+# container, took a core for 0.1-0.2 s right beside the kernel's own start or wake (on 2
+# cores: a new session's Ready 0.84-0.87 s where 0.91-0.96, a 500 MB wake's 0.94-0.97 s
+# where 0.99). Only a kernel the operator cannot reach is Ready a second later for it.
+STARTUP_DELAY = 1
 # Podman 4.3.1's kube play ignores securityContext.seccompProfile and reads a Localhost
 # profile only from this (deprecated in Kubernetes) annotation: "localhost/<file>".
 SECCOMP_ANNOTATION = f"container.seccomp.security.alpha.kubernetes.io/{CONTAINER}"
@@ -230,6 +236,7 @@ def startup_probe() -> dict[str, Any]:
     """The kernel container's startupProbe on a cluster: does the kernel answer?"""
     return {
         "exec": {"command": ["python", "-I", "-c", kernelside.source("probe")]},
+        "initialDelaySeconds": STARTUP_DELAY,
         "periodSeconds": 1,
         "timeoutSeconds": 5,
         "failureThreshold": STARTUP_SECONDS,
