@@ -456,8 +456,9 @@ async def failed_tries(kube: Kube, ns: str, name: str, times: int, timeout: floa
 
 async def removed(*paths: Path, timeout: float = 10.0) -> bool:
     """True once none of `paths` is there: the node's handler removes what a wake spent
-    (its archive, its kept images, a claim's copy) in a process of its own, just after the
-    wake (images/node/runc-restore/spent.go). Polled: there is nothing to wait on."""
+    (its archive, its kept images, a claim's copy) in a process of its own, 3 s after the
+    wake (images/node/runc-restore/spent.go); each is renamed out of its path at once.
+    Polled: there is nothing to wait on."""
     deadline = time.monotonic() + timeout
     while any(p.exists() or p.is_symlink() for p in paths):
         if time.monotonic() >= deadline:

@@ -56,7 +56,7 @@ func main() {
 	// this one, which never ends before the program does (restore.go).
 	runtime.LockOSThread()
 	if len(os.Args) > 1 && os.Args[1] == removeFlag {
-		removeNow(os.Args[2:]) // what a wake spent (spent.go)
+		removeLater(os.Args[2:]) // what a wake spent (spent.go)
 		return
 	}
 	runc := env("MCPFORGE_RUNC", "/usr/sbin/runc")
