@@ -59,6 +59,7 @@ from .test_install import kubectl
 CHECKPOINTS = ROOT / "kubelet" / "checkpoints"
 ROOT_REPO = Path(__file__).resolve().parents[2]
 PERSISTENT = {"persistent": True, "size": "64Mi"}
+TASKS = ROOT / "containerd" / "state" / "io.containerd.runtime.v2.task" / "k8s.io"
 OPEN_FILE = "log = open('log.txt', 'a'); log.write('a'); log.flush()\n"  # in /workspace
 STATE = """
 x = 41
@@ -181,6 +182,32 @@ def test_the_operator_may_ask_for_the_checkpointers_tokens_and_no_other_accounts
         assert done.stdout.strip() == said, (account, done.stdout, done.stderr)
 
 
+# What a woken kernel holds of userfaultfd (its descriptors), whether userfaultfd()
+# gives it one (-1: refused), and whether it sees the node's /dev/userfaultfd.
+NO_USERFAULTFD = (
+    "import ctypes, os\n"
+    "fds = [f for f in os.listdir('/proc/self/fd')\n"
+    "       if 'userfaultfd' in os.path.realpath(f'/proc/self/fd/{f}')]\n"
+    "print(fds, ctypes.CDLL(None, use_errno=True).syscall(323, 0),"
+    " os.path.exists('/dev/userfaultfd'))"
+)
+
+
+def _lazy_pages(pod: dict[str, Any]) -> int:
+    """How many pages CRIU left to the node's page server (lazy pages: images/node/
+    runc-restore/lazy.go) when it restored the kernel of this pod, from its restore log."""
+    (status,) = pod["status"]["containerStatuses"]
+    cid = status["containerID"].removeprefix("containerd://")
+    work = TASKS / cid / "mcpforge-restore-work"
+    assert (work / "lazy-pages.log").is_file(), sorted(p.name for p in work.iterdir())
+    counts = [
+        int(line.rsplit(":", 1)[1])
+        for line in (work / "restore.log").read_text().splitlines()
+        if "nr_lazy:" in line
+    ]
+    return sum(counts)
+
+
 async def _suspended(
     kube: Kube, ns: str, name: str, state: str = "", **spec: Any
 ) -> dict[str, Any]:
@@ -227,8 +254,13 @@ async def test_a_suspended_session_wakes_with_its_variables_and_threads(
         assert await removed(archive, kept), "woken from, the archive and its kept images are spent"
         pod = await asyncio.to_thread(kube.get, "Pod", ns, obj["status"]["podName"])
         assert pod is not None and pod["spec"]["hostUsers"] is False, pod
+        assert _lazy_pages(pod) > 0, "its pages were read as the kernel touched them"
         async with kernel(kube, ns, "napper") as conn:
             assert await run_in_kernel(conn, "print(x + 1, t.is_alive())") == "42 True\n"
+            # The userfaultfd its pages came through is the node's page server's, not the
+            # kernel's, and the kernel can make none of its own.
+            said = await run_in_kernel(conn, NO_USERFAULTFD)
+            assert said == "[] -1 False\n", said
             said = await run_in_kernel(
                 conn, "log.write('b'); log.flush(); print(open('log.txt').read())"
             )
@@ -241,6 +273,39 @@ async def test_a_suspended_session_wakes_with_its_variables_and_threads(
             assert info.bridge is not None and await bridge_takes(conn, info, info.bridge)
     finally:
         await asyncio.to_thread(archive.unlink, missing_ok=True)
+
+
+MEMORY = "import hashlib, os\ndata = os.urandom(96 << 20)\nprint(hashlib.sha256(data).hexdigest())"
+
+
+async def test_a_kernel_suspended_as_soon_as_it_woke_wakes_whole_again(
+    kube: Kube, ns: str, snapshotting: Any
+) -> None:
+    """A suspend right after a wake, while the node's page server may still be writing
+    the kernel's pages in: the checkpoint waits for them (images/node/runc-restore:
+    pagesIn), so the next wake has all 96 MiB, not zeros where pages were still out."""
+    body = session_body("twice", ns, image=IMAGE, resources={"memory": "512Mi", "cpu": "500m"})
+    await asyncio.to_thread(kube.create, body)
+    obj = await ready(kube, ns, "twice")
+    async with kernel(kube, ns, "twice") as conn:
+        digest = await run_in_kernel(conn, MEMORY, timeout=120)
+    suspend = {"spec": {"operatingMode": "Suspended"}}
+    for turn in range(2):
+        pod, before = str(obj["status"]["podName"]), str(obj["status"]["kernelId"])
+        await asyncio.to_thread(kube.patch, KS, ns, "twice", suspend)  # at once after Ready
+        await eventually(
+            kube, KS, ns, "twice",
+            lambda o: phase(o) == "Suspended" and bool((o or {})["status"].get("snapshot")),
+            timeout=120, what=f"Suspended with a snapshot ({turn})",
+        )  # fmt: skip
+        await eventually(kube, "Pod", ns, pod, lambda o: o is None, timeout=120, what="gone")
+        obj = await _resumed(kube, ns, "twice", before=before)
+        assert (obj["status"].get("lastRestore") or {}).get("outcome") == "Restored", obj
+        woken = await asyncio.to_thread(kube.get, "Pod", ns, obj["status"]["podName"])
+        assert woken is not None and _lazy_pages(woken) > 0, "its pages came lazily"
+    async with kernel(kube, ns, "twice") as conn:
+        said = await run_in_kernel(conn, "print(hashlib.sha256(data).hexdigest())", timeout=60)
+    assert said == digest, "pages lost across a suspend right after a wake"
 
 
 async def test_an_ephemeral_sessions_files_come_back_with_its_memory(

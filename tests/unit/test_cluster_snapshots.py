@@ -118,6 +118,26 @@ def test_the_handlers_refusal_is_read_from_the_pods_status() -> None:
         assert snapshots.refusal(other) == ""
 
 
+def test_a_woken_kernel_that_started_again_before_it_answered_is_a_failed_wake() -> None:
+    """Its next start is a fresh one (the handler wakes a container at its first start
+    only): a page server that ended early killed it, or it died; never Restored."""
+    killed = _with_state(
+        {"running": {"startedAt": "2026-12-05T00:00:01Z"}},
+        {"terminated": {"reason": "Error", "exitCode": 137}},
+    )
+    killed["status"]["containerStatuses"][0]["restartCount"] = 1
+    said = snapshots.ended_early(killed)
+    assert "ended before it answered (Error, exit code 137)" in said, said
+    # restartPolicy Never, as kernel pods run: terminated, never started again
+    dead = _with_state({"terminated": {"reason": "Error", "exitCode": 137}})
+    assert "(Error, exit code 137)" in snapshots.ended_early(dead)
+    assert snapshots.ended_early(_with_state({"waiting": {}}, {"terminated": {}}))
+    running = _with_state({"running": {"startedAt": "2026-12-05T00:00:00Z"}})
+    running["status"]["containerStatuses"][0]["restartCount"] = 0
+    for first in (running, _with_state({"waiting": {"reason": "ContainerCreating"}}), {}):
+        assert snapshots.ended_early(first) == ""
+
+
 @pytest.mark.parametrize(
     ("addresses", "port", "url"),
     [

@@ -59,6 +59,10 @@ func main() {
 		removeLater(os.Args[2:]) // what a wake spent (spent.go)
 		return
 	}
+	if len(os.Args) > 1 && os.Args[1] == lazyFlag {
+		lazyServe(os.Args[2:]) // a wake's page server (lazy.go)
+		return
+	}
 	runc := env("MCPFORGE_RUNC", "/usr/sbin/runc")
 	args := os.Args[1:]
 	global, cmd, rest := split(args)

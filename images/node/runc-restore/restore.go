@@ -255,8 +255,9 @@ func sameOrigin(old, new *spec, name string) error {
 }
 
 // restore runs `runc restore --detach` with create's options, its stdio the shim's (runc
-// maps the process's old stdout and stderr to them: descriptors.json). It dies with this
-// program (a timeout of containerd's kills it): no restored process containerd disowned.
+// maps the process's old stdout and stderr to them: descriptors.json), its pages read
+// lazily where the node can (lazy.go). It dies with this program (a timeout of
+// containerd's kills it): no restored process containerd disowned.
 func restore(runc string, global, rest []string, bundle, images, name string) error {
 	work := filepath.Join(bundle, workDir)
 	if err := os.MkdirAll(work, 0o700); err != nil {
@@ -273,14 +274,39 @@ func restore(runc string, global, rest []string, bundle, images, name string) er
 	if contains(rest, "--no-pivot") {
 		argv = append(argv, "--no-pivot")
 	}
-	cmd := exec.Command(runc, append(argv, rest[len(rest)-1])...)
-	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Run(); err != nil {
+	stop, lazy, eager := func() {}, false, argv
+	if pid := option(rest, "--pid-file"); pid != "" && lazyPages() {
+		// A page server that cannot start costs the wake its speed, not the wake: its
+		// pages are then read before the kernel runs, as on a node without one.
+		if s, err := serveLazily(images, work, pid); err != nil {
+			note(global, "warning", fmt.Sprintf("checkpoint %s: its pages read first: %v", name, err))
+		} else {
+			stop, lazy = s, true
+			argv = append(append([]string{}, argv...), "--lazy-pages")
+		}
+	}
+	err := runRestore(runc, argv, rest)
+	if err != nil && lazy && pidIn(option(rest, "--pid-file")) == 0 {
+		// Failed for a lazy reason, maybe (the device not handed over, the server gone):
+		// the images are as they were, so once more, every page read first.
+		stop()
+		note(global, "warning", fmt.Sprintf("checkpoint %s: a lazy restore failed (%v): its pages read first", name, err))
+		err = runRestore(runc, eager, rest)
+	}
+	if err != nil {
+		stop()
 		return fmt.Errorf("runc restore from %s: %v; CRIU said: %s", name, err,
 			tail(filepath.Join(work, "restore.log"), 600))
 	}
 	return nil
+}
+
+// runRestore runs runc with `argv` and the container's id, its stdio the shim's.
+func runRestore(runc string, argv, rest []string) error {
+	cmd := exec.Command(runc, append(argv, rest[len(rest)-1])...)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	return cmd.Run()
 }
 
 // criuConfig has runc give CRIU our options for this container, at its checkpoint and its

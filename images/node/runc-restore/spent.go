@@ -56,7 +56,7 @@ func flushSpent() {
 			return
 		}
 	}
-	removeNow(spent)
+	removeNow(spent, false) // what a page server holds is left to the next sweep
 }
 
 // removeLater is the remover's work: what the wake spent, removed removeAfter later, at
@@ -65,8 +65,8 @@ func flushSpent() {
 func removeLater(paths []string) {
 	syscall.Setpriority(syscall.PRIO_PROCESS, 0, 19)
 	syscall.Syscall(syscall.SYS_IOPRIO_SET, ioprioWhoProcess, 0, ioprioBestEffort<<ioprioClassShift|7)
-	time.Sleep(removeAfter) // not a wait for an event: the wake's first seconds go first
-	removeNow(paths)
+	time.Sleep(removeAfter)                  // not a wait for an event: the wake's first seconds go first
+	removeNow(removeNow(paths, false), true) // what a page server still reads, last
 }
 
 const (
@@ -75,10 +75,11 @@ const (
 	ioprioBestEffort = 2
 )
 
-// removeNow removes each absolute path given that setAside named: a directory of the
+// removeNow removes each absolute path given that setAside named (a directory a page
+// server still reads: waited for with `wait`, else left and said, `held`): a directory of the
 // restore directory's with what it holds, anything else itself (a link, never its
 // target; a directory a pod made in its claim, not at all).
-func removeNow(paths []string) {
+func removeNow(paths []string, wait bool) (held []string) {
 	for _, p := range paths {
 		if !filepath.IsAbs(p) || !strings.HasPrefix(filepath.Base(p), spentPrefix) {
 			continue
@@ -88,7 +89,10 @@ func removeNow(paths []string) {
 		ours := parent == base || parent == filepath.Join(base, takenDir)
 		var err error
 		if info, lerr := os.Lstat(p); lerr == nil && info.IsDir() && ours {
-			err = os.RemoveAll(p)
+			var free bool
+			if free, err = removeUnheld(p, wait); err == nil && !free {
+				held = append(held, p)
+			}
 		} else {
 			err = os.Remove(p) // a claim's copy: a file, never what a pod made of it
 		}
@@ -96,6 +100,23 @@ func removeNow(paths []string) {
 			fmt.Fprintf(os.Stderr, "mcpforge-runc: %v\n", err)
 		}
 	}
+	return held
+}
+
+// removeUnheld removes a directory of ours once no page server holds it (lazy.go):
+// waiting for it with `wait`, else leaving it (false) to a later removal.
+func removeUnheld(dir string, wait bool) (bool, error) {
+	if f, err := os.Open(dir); err == nil {
+		defer f.Close() // and with it the lock
+		how := syscall.LOCK_EX
+		if !wait {
+			how |= syscall.LOCK_NB
+		}
+		if err := syscall.Flock(int(f.Fd()), how); err != nil {
+			return false, nil
+		}
+	}
+	return true, os.RemoveAll(dir)
 }
 
 // setAside renames path out of its name at once (so nothing takes it again: another wake

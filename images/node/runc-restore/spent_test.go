@@ -12,11 +12,7 @@ import (
 // The remover starts after the wake's first seconds, at the lowest CPU priority, and then
 // removes what was set aside.
 func TestTheRemoverWaitsThenRemovesAtTheLowestPriority(t *testing.T) {
-	base := t.TempDir()
-	t.Setenv("MCPFORGE_RESTORE_DIR", base)
-	room := filepath.Join(base, spentPrefix+"0-room")
-	os.Mkdir(room, 0o700)
-	os.WriteFile(filepath.Join(room, "pages-1.img"), []byte("x"), 0o600)
+	room := spentRoom(t)
 	defer func(was time.Duration) { removeAfter = was }(removeAfter)
 	removeAfter = 200 * time.Millisecond
 
@@ -38,4 +34,48 @@ func TestTheRemoverWaitsThenRemovesAtTheLowestPriority(t *testing.T) {
 	if prio != 20-19 { // the raw syscall's value: 20 - nice
 		t.Fatalf("the remover's priority read %d, not nice 19", prio)
 	}
+}
+
+// A spent directory that a page server still reads from (its shared lock) is removed
+// once the server has let go, not before.
+func TestASpentDirectoryIsRemovedOnlyOnceNoPageServerHoldsIt(t *testing.T) {
+	room := spentRoom(t)
+	held, err := hold(room)
+	if err != nil {
+		t.Fatal(err)
+	}
+	removed := make(chan struct{})
+	go func() {
+		removeNow([]string{room}, true)
+		close(removed)
+	}()
+	select {
+	case <-removed:
+		t.Fatal("removed while a page server held it")
+	case <-time.After(300 * time.Millisecond): // it may not end: nothing to wait on but time
+	}
+	if _, err := os.Lstat(filepath.Join(room, "pages-1.img")); err != nil {
+		t.Fatalf("its images went while held: %v", err)
+	}
+	closeAll(held)
+	select {
+	case <-removed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("not removed once let go")
+	}
+	if _, err := os.Lstat(room); !os.IsNotExist(err) {
+		t.Fatalf("not removed: %v", err)
+	}
+}
+
+// spentRoom is a restore's room set aside, holding an image, in a restore directory of
+// the test's own.
+func spentRoom(t *testing.T) string {
+	t.Helper()
+	base := t.TempDir()
+	t.Setenv("MCPFORGE_RESTORE_DIR", base)
+	room := filepath.Join(base, spentPrefix+"0-room")
+	os.Mkdir(room, 0o700)
+	os.WriteFile(filepath.Join(room, "pages-1.img"), []byte("x"), 0o600)
+	return room
 }

@@ -50,6 +50,13 @@ var tokenPattern = regexp.MustCompile(`^[0-9a-f]{32}$`)
 // emptyDir volumes into its images (volumes.go) and keeps them (keep); a failure to keep
 // them only costs the next wake an unpacking. runc's status is this program's.
 func checkpoint(runc string, args []string, rest []string) int {
+	global, _, _ := split(args)
+	if bundle := bundleOf(runc, global, rest); bundle != "" {
+		if err := pagesIn(bundle, pagesWait); err != nil {
+			fmt.Fprintf(os.Stderr, "mcpforge-runc: %v\n", err)
+			return 1
+		}
+	}
 	deadline := time.Now().Add(packFor) // of the kubelet's time for the whole checkpoint
 	cmd := exec.Command(runc, args...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
@@ -78,6 +85,29 @@ func checkpoint(runc string, args []string, rest []string) int {
 		flushSpent() // what keep's sweeps found
 	}
 	return 0
+}
+
+// How long a checkpoint waits for a woken kernel's pages to be in (pagesIn).
+var pagesWait = 30 * time.Second // and packFor after it: within the kubelet's 120 s
+
+// pagesIn waits, at most `within`, until no page server writes into the memory of the
+// container of `bundle` (lazy.go: it holds a shared lock on the restore's work directory
+// while it lives): CRIU dumps only the pages a task has, so a checkpoint taken before
+// every page is in would wake on zeros.
+func pagesIn(bundle string, within time.Duration) error {
+	dir, err := os.Open(filepath.Join(bundle, workDir))
+	if err != nil {
+		return nil // not woken, or not lazily: nothing to wait for
+	}
+	defer dir.Close() // and with it the lock
+	for end := time.Now().Add(within); ; time.Sleep(20 * time.Millisecond) {
+		if syscall.Flock(int(dir.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) == nil {
+			return nil
+		}
+		if time.Now().After(end) {
+			return fmt.Errorf("the kernel's memory is still being read in after its wake (%s): no checkpoint", within)
+		}
+	}
 }
 
 // keep links the regular files of `images` into a directory of their own under the

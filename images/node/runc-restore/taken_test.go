@@ -129,7 +129,7 @@ func TestACheckpointSweepsWhatAKilledHandlerLeft(t *testing.T) {
 	if len(spent) != 2 || spent[0] != left || !strings.HasPrefix(filepath.Base(spent[1]), spentPrefix) {
 		t.Fatalf("spent: %v", spent)
 	}
-	removeNow(spent)
+	removeNow(spent, true)
 	for _, p := range spent {
 		if _, err := os.Lstat(p); err == nil {
 			t.Fatalf("%s not removed", p)
@@ -159,7 +159,7 @@ func TestASpentRestoreDirectoryIsSetAsideAtOnceAndRemovedLater(t *testing.T) {
 	theirs := filepath.Join(claim, spentPrefix+"00-snapshot.tar")
 	os.Mkdir(theirs, 0o700)
 	os.WriteFile(filepath.Join(theirs, "file"), []byte("x"), 0o600)
-	removeNow([]string{theirs})
+	removeNow([]string{theirs}, true)
 	if _, err := os.Lstat(filepath.Join(theirs, "file")); err != nil {
 		t.Fatal("a pod's directory was removed")
 	}
@@ -167,7 +167,7 @@ func TestASpentRestoreDirectoryIsSetAsideAtOnceAndRemovedLater(t *testing.T) {
 	os.WriteFile(victim, []byte("kept"), 0o600)
 	link := filepath.Join(base, spentPrefix+"link")
 	os.Symlink(victim, link)
-	removeNow([]string{aside, link, "relative", "/"})
+	removeNow([]string{aside, link, "relative", "/"}, true)
 	if _, err := os.Lstat(aside); err == nil {
 		t.Fatal("not removed")
 	}
@@ -237,7 +237,7 @@ func TestAWakesRoomIsTakenUnderTheLockWhichItsRestoreNeedNotHold(t *testing.T) {
 	if _, err := os.Lstat(first); err == nil {
 		t.Fatal("the first room is still there once done")
 	}
-	removeNow(spent)
+	removeNow(spent, true)
 	if entries, _ := os.ReadDir(base); len(entries) != 1 || entries[0].Name() != ".lock" {
 		t.Fatalf("left: %v", entries)
 	}
@@ -289,5 +289,27 @@ func TestStaleIdmappedMountsAreClearedButNotThoseARunningRestoreHolds(t *testing
 		if _, err := os.Lstat(p); err == nil {
 			t.Fatalf("%s is left", p)
 		}
+	}
+}
+
+// A checkpoint waits for a page server of the container's wake to end (its shared lock
+// on the restore's work directory), and gives up, saying why, past its bound.
+func TestACheckpointWaitsForTheWokenKernelsPagesToBeIn(t *testing.T) {
+	bundle := t.TempDir()
+	if err := pagesIn(bundle, time.Second); err != nil {
+		t.Fatalf("a kernel not woken lazily: %v", err)
+	}
+	work := filepath.Join(bundle, workDir)
+	os.Mkdir(work, 0o700)
+	held, err := hold(work)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pagesIn(bundle, 100*time.Millisecond); err == nil || !strings.Contains(err.Error(), "still being read in") {
+		t.Fatalf("a checkpoint while pages are read in: %v", err)
+	}
+	go func() { time.Sleep(100 * time.Millisecond); closeAll(held) }() // the server ends
+	if err := pagesIn(bundle, 10*time.Second); err != nil {
+		t.Fatalf("once every page is in: %v", err)
 	}
 }

@@ -135,7 +135,7 @@ func pack(s *spec, images string, deadline time.Time) (err error) {
 }
 
 const (
-	packFor     = 60 * time.Second // from the handler's start, of the kubelet's 120 s for a checkpoint
+	packFor     = 60 * time.Second // from the handler's start (once a woken kernel's pages are in: pagesIn), of the kubelet's 120 s
 	tries       = 3                // of a name the kernel replaces while it is packed
 	headerBytes = 1536             // a PAX header's cost, beside its names
 	dirFlags    = syscall.O_RDONLY | syscall.O_DIRECTORY | syscall.O_NOFOLLOW | syscall.O_NONBLOCK | syscall.O_CLOEXEC

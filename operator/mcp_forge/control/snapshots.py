@@ -232,7 +232,7 @@ def follow(r: Reconciler, p: Pass, seen: Observation) -> Observation:
     meta = pod["metadata"]
     if not r.settings.snapshot_runtime_class or not woke_from(pod) or not p.old.get("snapshot"):
         return seen
-    failed = refusal(pod) or _unplaced(r, p, pod, p.old["snapshot"])
+    failed = refusal(pod) or ended_early(pod) or _unplaced(r, p, pod, p.old["snapshot"])
     if failed:
         log.warning("%s/%s: restore failed: %s", p.session.namespace, p.session.name, failed)
         if not meta.get("deletionTimestamp"):
@@ -261,6 +261,24 @@ def refusal(pod: dict[str, Any]) -> str:
                 message = str((why or {}).get("message") or "")
                 if HANDLER in message:
                     return message[message.index(HANDLER) :][:1000]
+    return ""
+
+
+def ended_early(pod: dict[str, Any]) -> str:
+    """Why a woken kernel ended before it was seen to answer ("" if it did not): it is
+    terminated (kernel pods run with restartPolicy Never), or its container has started
+    again, afresh (the node's handler wakes a container at its first start only), so it
+    holds none of the snapshot's memory. A page server that
+    ended before every page was in kills the kernel it served (images/node/runc-restore/
+    lazy.go)."""
+    for c in (pod.get("status") or {}).get("containerStatuses") or []:
+        now, last = c.get("state") or {}, c.get("lastState") or {}
+        if int(c.get("restartCount") or 0) > 0 or "terminated" in last or "terminated" in now:
+            why = now.get("terminated") or last.get("terminated") or {}
+            return (
+                f"the woken kernel ended before it answered ({why.get('reason') or 'ended'}, "
+                f"exit code {why.get('exitCode')}): a new kernel starts"
+            )
     return ""
 
 
