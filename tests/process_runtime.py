@@ -136,11 +136,24 @@ class ProcessRuntime:
         process.kill()
         process.wait(10)
 
+    def replace_pod(self, name: str, why: Termination, namespace: str = "default") -> None:
+        """Kill the session's kernel and record why, as the local supervisor does before it
+        removes the dead kernel's pod to play a new one: until the next refresh, the
+        kernel's pod is gone."""
+        key = (namespace, name)
+        self.kill(name, namespace)
+        del self.kernels[key]
+        status = self.bodies[key]["status"]
+        status["lastTermination"] = {"at": stamp(), "reason": why.reason, "message": why.message}
+
     async def connection(self, session: KernelSession) -> ConnectionInfo:
         return self._info((session.namespace, session.name))
 
     async def termination(self, session: KernelSession) -> Termination | None:
-        process = self.kernels.get((session.namespace, session.name))
+        key = (session.namespace, session.name)
+        process = self.kernels.get(key)
+        if process is None and key in self.bodies:
+            return Termination(st.POD_MISSING, None, "the kernel's pod is gone")
         if process is None or process.poll() is None:
             return None
         return termination_of(process.returncode, oom=False, memory_limit="")

@@ -110,23 +110,36 @@ async def test_an_oom_kill_after_trouble_is_named_with_its_limit(
     assert list(started_in.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("code", "cause"),
+    [
+        ("import os, time; time.sleep(0.5); os._exit(1)", "the kernel exited with code 1"),
+        ("import time; time.sleep(0.5); b = bytearray(2 * 1024**3)", "(limit 256Mi)"),
+    ],
+    ids=["exit", "oom"],
+)
 async def test_a_death_is_named_when_the_supervisor_restarts_the_kernel_first(
-    state_dir: Path,
+    state_dir: Path, code: str, cause: str
 ) -> None:
     """Housekeeping every 0.2 s: the supervisor finds the dead kernel and starts a new one
-    while the call still waits, and the new kernel answers heartbeats on the same sockets.
-    The call must still say the kernel died (the state that once made deaths late in a
-    long run read as timeouts), within seconds."""
+    while the call still waits, and the new kernel answers heartbeats on the same sockets
+    (or its pod is not up yet when the call looks). The call must still say the kernel
+    died and why (the state that once made deaths late in a long run read as timeouts,
+    and an OOM kill read as a pod gone), within seconds."""
     async with gateway(state_dir, args=("--cull-interval", "0.2")) as c:
-        await run(c, "kept = 1")
+        made = await call(c, "create_session", {"variant": "minimal", "memory": "256Mi"})
+        assert not made.is_error, text(made)
+        sid = made.structured_content["session_id"]
+        await run(c, "kept = 1", session_id=sid)
         started = time.monotonic()
-        r = await run(c, "import os, time; time.sleep(0.5); os._exit(1)", timeout=60)
+        r = await run(c, code, session_id=sid, timeout=60)
         took = time.monotonic() - started
         assert r["status"] == "died", r["_text"][:2000]
+        assert cause in r["message"], r["message"]
         assert "interrupt" not in r["message"] and "timeout" not in r["message"], r["message"]
         assert took < NAMED_WITHIN, f"the death was named after {took:.1f} s"
         assert r["state_lost"] is True
-        assert await value(c, "'kept' in dir()") is False
+        assert await value(c, "'kept' in dir()", session_id=sid) is False
 
 
 async def test_a_death_on_a_fresh_session_is_named(state_dir: Path) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from mcp_forge.api.status import termination_of
 from mcp_forge.errors import InvalidRequest, SessionNotFound
 from mcp_forge.gateway import busy
 from mcp_forge.gateway.attach import silently
@@ -127,6 +128,33 @@ async def test_a_dead_kernel_is_named_and_the_next_call_gets_a_fresh_one(
     after = await gateway.execute("s", "print('x' in dir())")
     assert after.stdout == "False\n"  # a new kernel: its variables are gone
     assert (await runtime.get("s")).status["restarts"] >= 1
+
+
+async def test_a_death_is_named_from_the_record_of_whoever_is_replacing_the_pod(
+    core: tuple[Gateway, ProcessRuntime],
+) -> None:
+    """The supervisor found the kernel OOM-killed, recorded why and removed its pod, and
+    the new pod is not up when the call looks: the call names the recorded cause, not only
+    a pod gone (once seen in CI under load)."""
+    gateway, runtime = core
+    started = asyncio.Event()
+
+    def seen(stream: str, text: str) -> None:
+        if "sleeping" in text:
+            started.set()
+
+    call = asyncio.create_task(
+        gateway.execute("s", "import time\nprint('sleeping', flush=True)\ntime.sleep(60)",
+                        on_stream=seen)
+    )  # fmt: skip
+    async with asyncio.timeout(DEADLINE):
+        await started.wait()
+        runtime.replace_pod("s", termination_of(137, oom=True, memory_limit="256Mi"))
+        died = await call
+    assert died.status == "died", died
+    assert died.message is not None and "ran out of memory (limit 256Mi)" in died.message, died
+    after = await gateway.execute("s", "print('x' in dir())")
+    assert (after.status, after.stdout) == ("ok", "False\n")
 
 
 async def test_a_kernel_that_died_unwatched_is_restarted_before_the_first_call_runs(

@@ -108,6 +108,7 @@ def parse_time(text: Any) -> float | None:
 
 OOM_KILLED = "OOMKilled"  # a Termination's reason when the kernel ran out of memory
 EVICTED = "Evicted"  # the kubelet evicted the kernel's pod (past its ephemeral storage)
+POD_MISSING = "PodMissing"  # the kernel's pod is gone (or, on a cluster, replaced)
 
 
 @dataclass(frozen=True)

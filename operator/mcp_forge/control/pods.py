@@ -83,7 +83,7 @@ def observe(
     is Ready before the kubelet's startupProbe says so, and at which address: Ready
     carries one even when the pod was read from a cache that does not show it yet."""
     if pod is None:
-        return Observation(st.PENDING, "PodMissing", "the kernel's pod does not exist yet")
+        return Observation(st.PENDING, st.POD_MISSING, "the kernel's pod does not exist yet")
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
         return Observation(st.RESTARTING, "PodTerminating", "the kernel's pod is being deleted")
     status = pod.get("status") or {}

@@ -212,7 +212,12 @@ class Gateway(Connections, WorkspaceCalls):
             if not await conn.heartbeat(s.heartbeat_timeout):
                 term = await self.runtime.termination(session)
                 if term is not None:
-                    return await self._on_death(handle, session, collector, started, term.message)
+                    why = term.message
+                    if term.reason == st.POD_MISSING:
+                        # The supervisor may be replacing it this moment (the old pod gone,
+                        # the new one not yet up): its record of the death says why.
+                        why = await self._recorded_death(session, started) or why
+                    return await self._on_death(handle, session, collector, started, why)
             elif await self._replaced(handle, session):
                 # The heartbeat of a kernel restarted since (by the supervisor) answers on
                 # the same sockets: that is a death, never a call that runs on.
@@ -226,7 +231,7 @@ class Gateway(Connections, WorkspaceCalls):
             return False  # deleted or unreadable: the next checks say so
         return kernel_of(now) != handle.kernel
 
-    async def _death_while_running(self, session: KernelSession, started: float) -> str | None:
+    async def _recorded_death(self, session: KernelSession, started: float) -> str | None:
         """Why a kernel replaced during a call died, as recorded by whoever restarted it
         (the supervisor or the operator), if it was recorded since the call began."""
         try:
@@ -238,7 +243,7 @@ class Gateway(Connections, WorkspaceCalls):
         began = time.time() - (time.monotonic() - started)
         if at is None or at < began - 1 or not last.get("message"):  # "at" is in seconds
             return None
-        return f"{last['message']}; {REPLACED}"
+        return str(last["message"])
 
     def _after_drop(
         self, collector: Collector, started: float, dropped: ChannelDropped
@@ -377,7 +382,8 @@ class Gateway(Connections, WorkspaceCalls):
     ) -> ExecutionResult:
         self._drop(handle)
         if why == REPLACED:
-            why = await self._death_while_running(session, started) or why
+            recorded = await self._recorded_death(session, started)
+            why = f"{recorded}; {REPLACED}" if recorded else why
         message = f"the kernel died: {why}."
         try:
             after = await self.runtime.refresh(session)  # restarts it per restartPolicy

@@ -407,7 +407,7 @@ class KubernetesRuntime:
                 str(last.get("message") or "the kernel stopped"),
             )
         if fresh.status.get("kernelId") != kernel:
-            return Termination("PodMissing", None, "the kernel's pod was replaced")
+            return Termination(st.POD_MISSING, None, "the kernel's pod was replaced")
         return None
 
     async def restart_kernel(

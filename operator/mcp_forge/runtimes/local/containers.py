@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mcp_forge.api.kernelsession import KernelSession
-from mcp_forge.api.status import Termination, termination_of
+from mcp_forge.api.status import POD_MISSING, Termination, termination_of
 from mcp_forge.clients import podman_api
 from mcp_forge.clients.podman_api import PodmanApi
 from mcp_forge.clients.podman_stream import Event
@@ -96,7 +96,7 @@ class Containers:
         """How the session's kernel container `name` ended; None while it runs."""
         info = await self.inspect(name)
         if info is None:
-            return Termination("PodMissing", None, "the kernel's pod is gone")
+            return Termination(POD_MISSING, None, "the kernel's pod is gone")
         state = info.get("State", {})
         if state.get("Running"):
             return None
