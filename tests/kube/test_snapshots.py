@@ -184,11 +184,13 @@ def test_the_operator_may_ask_for_the_checkpointers_tokens_and_no_other_accounts
 
 # What a woken kernel holds of userfaultfd (its descriptors), whether userfaultfd()
 # gives it one (-1: refused), and whether it sees the node's /dev/userfaultfd.
+# userfaultfd's syscall number by the kernel's machine (x86_64, aarch64).
 NO_USERFAULTFD = (
-    "import ctypes, os\n"
+    "import ctypes, os, platform\n"
     "fds = [f for f in os.listdir('/proc/self/fd')\n"
     "       if 'userfaultfd' in os.path.realpath(f'/proc/self/fd/{f}')]\n"
-    "print(fds, ctypes.CDLL(None, use_errno=True).syscall(323, 0),"
+    "nr = {'x86_64': 323, 'aarch64': 282}[platform.machine()]\n"
+    "print(fds, ctypes.CDLL(None, use_errno=True).syscall(nr, 0),"
     " os.path.exists('/dev/userfaultfd'))"
 )
 

@@ -170,6 +170,8 @@ func watchHandler(life *os.File, pidFile string, criu *os.Process, l *net.UnixLi
 	defer tick.Stop()
 	for {
 		if pid := pidIn(pidFile); pid > 0 {
+			// A pidfd (pidfd_open, Linux 5.3): Go falls back to the bare pid only where
+			// there is none, and lazy pages need /dev/userfaultfd (Linux 6.1).
 			if p, err := os.FindProcess(pid); err == nil {
 				kernel <- p
 				return

@@ -119,6 +119,23 @@ func removeUnheld(dir string, wait bool) (bool, error) {
 	return true, os.RemoveAll(dir)
 }
 
+// heldNow: is dir a directory a page server holds (lazy.go) at this moment?
+func heldNow(dir string) bool {
+	f, err := os.Open(dir)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	if info, err := f.Stat(); err != nil || !info.IsDir() {
+		return false
+	}
+	if syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) != nil {
+		return true
+	}
+	syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+	return false
+}
+
 // setAside renames path out of its name at once (so nothing takes it again: another wake
 // of the same archive, say) to be removed later (flushSpent); a file of a pod's (a
 // claim's copy) is unlinked, a directory of ours removed, if it cannot be renamed.
@@ -152,8 +169,11 @@ func sweepSpent(base string) {
 			if !strings.HasPrefix(e.Name(), spentPrefix) {
 				continue
 			}
-			if info, err := e.Info(); err == nil && time.Since(info.ModTime()) > time.Minute {
-				spend(filepath.Join(dir, e.Name()))
+			path := filepath.Join(dir, e.Name())
+			// One a page server still holds is left: a remover would wait on it for as
+			// long, and each wake would start another.
+			if info, err := e.Info(); err == nil && time.Since(info.ModTime()) > time.Minute && !heldNow(path) {
+				spend(path)
 			}
 		}
 	}

@@ -79,3 +79,29 @@ func spentRoom(t *testing.T) string {
 	os.WriteFile(filepath.Join(room, "pages-1.img"), []byte("x"), 0o600)
 	return room
 }
+
+// The sweep of what removers left passes over a directory a page server still holds (a
+// remover would wait on it, one more at each wake), and takes it once let go.
+func TestTheSweepLeavesWhatAPageServerHolds(t *testing.T) {
+	room := spentRoom(t)
+	t.Setenv("MCPFORGE_CHECKPOINTS", t.TempDir())
+	old := time.Now().Add(-2 * time.Minute)
+	if err := os.Chtimes(room, old, old); err != nil {
+		t.Fatal(err)
+	}
+	defer func(was []string) { spent = was }(spent)
+	held, err := hold(room)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spent = nil
+	sweepSpent(filepath.Dir(room))
+	if len(spent) != 0 {
+		t.Fatalf("a held directory was swept: %v", spent)
+	}
+	closeAll(held)
+	sweepSpent(filepath.Dir(room))
+	if len(spent) != 1 || spent[0] != room {
+		t.Fatalf("once let go, the sweep took %v, not %s", spent, room)
+	}
+}
