@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import subprocess
 import tarfile
 import time
@@ -61,6 +62,8 @@ ROOT_REPO = Path(__file__).resolve().parents[2]
 PERSISTENT = {"persistent": True, "size": "64Mi"}
 TASKS = ROOT / "containerd" / "state" / "io.containerd.runtime.v2.task" / "k8s.io"
 OPEN_FILE = "log = open('log.txt', 'a'); log.write('a'); log.flush()\n"  # in /workspace
+LAZY_VMA_MIN = 16 << 20  # the smallest mapping whose pages a wake reads lazily
+BIG = "big = b'x' * (32 << 20)\n"  # a mapping of its own, large enough to be read lazily
 STATE = """
 x = 41
 import threading, time
@@ -197,17 +200,24 @@ NO_USERFAULTFD = (
 
 def _lazy_pages(pod: dict[str, Any]) -> int:
     """How many pages CRIU left to the node's page server (lazy pages: images/node/
-    runc-restore/lazy.go) when it restored the kernel of this pod, from its restore log."""
+    runc-restore/lazy.go) when it restored the kernel of this pod, from its restore log;
+    each in a mapping of LAZY_VMA_MIN or more (images/criu/lazy-large-only.patch: a
+    smaller one's pages come with the process), and some restored with it."""
     (status,) = pod["status"]["containerStatuses"]
     cid = status["containerID"].removeprefix("containerd://")
     work = TASKS / cid / "mcpforge-restore-work"
     assert (work / "lazy-pages.log").is_file(), sorted(p.name for p in work.iterdir())
-    counts = [
-        int(line.rsplit(":", 1)[1])
-        for line in (work / "restore.log").read_text().splitlines()
-        if "nr_lazy:" in line
-    ]
-    return sum(counts)
+    log = (work / "restore.log").read_text()
+    vmas: dict[str, list[tuple[int, int]]] = {}
+    for pid, start, end in re.findall(r"^\(\S+\)\s+(\d+): vma 0x(\w+) 0x(\w+)$", log, re.M):
+        vmas.setdefault(pid, []).append((int(start, 16), int(end, 16)))
+    skipped = re.findall(r"^\(\S+\)\s+(\d+): Lazy restore skips (\d+) pages at (\w+)$", log, re.M)
+    for pid, _, at in skipped:
+        (mapping,) = [v for v in vmas.get(pid, []) if v[0] <= int(at, 16) < v[1]]
+        assert mapping[1] - mapping[0] >= LAZY_VMA_MIN, f"{at} of a {mapping} left lazy"
+    restored = [int(n) for n in re.findall(r"nr_restored_pages:\s*(\d+)", log)]
+    assert sum(restored) > 0, "no page came with the process"
+    return sum(int(n) for _, n, _ in skipped)
 
 
 async def _suspended(
@@ -241,7 +251,7 @@ async def test_a_suspended_session_wakes_with_its_variables_and_threads(
     persistent workspace it holds open, as its own: the node's handler mounts the
     workspace idmapped for CRIU, as runc does for a new container, and the kubelet leaves
     the files' modes as they were (CRIU checks them)."""
-    obj = await _suspended(kube, ns, "napper", OPEN_FILE, workspace=PERSISTENT)
+    obj = await _suspended(kube, ns, "napper", BIG + OPEN_FILE, workspace=PERSISTENT)
     snap = obj["status"].get("snapshot") or {}
     archive = CHECKPOINTS / str(snap.get("archive"))
     try:
@@ -258,7 +268,8 @@ async def test_a_suspended_session_wakes_with_its_variables_and_threads(
         assert pod is not None and pod["spec"]["hostUsers"] is False, pod
         assert _lazy_pages(pod) > 0, "its pages were read as the kernel touched them"
         async with kernel(kube, ns, "napper") as conn:
-            assert await run_in_kernel(conn, "print(x + 1, t.is_alive())") == "42 True\n"
+            said = await run_in_kernel(conn, "print(x + 1, t.is_alive(), big == b'x' * (32 << 20))")
+            assert said == "42 True True\n", said
             # The userfaultfd its pages came through is the node's page server's, not the
             # kernel's, and the kernel can make none of its own.
             said = await run_in_kernel(conn, NO_USERFAULTFD)
