@@ -136,15 +136,23 @@ class ProcessRuntime:
         process.kill()
         process.wait(10)
 
-    def replace_pod(self, name: str, why: Termination, namespace: str = "default") -> None:
+    def replace_pod(
+        self, name: str, why: Termination, namespace: str = "default", *, kernel: str = ""
+    ) -> None:
         """Kill the session's kernel and record why, as the local supervisor does before it
         removes the dead kernel's pod to play a new one: until the next refresh, the
-        kernel's pod is gone."""
+        kernel's pod is gone. The record names the kernel (`kernel`: another one's)."""
         key = (namespace, name)
         self.kill(name, namespace)
         del self.kernels[key]
         status = self.bodies[key]["status"]
-        status["lastTermination"] = {"at": stamp(), "reason": why.reason, "message": why.message}
+        status["phase"] = st.RESTARTING
+        status["lastTermination"] = {
+            "at": stamp(),
+            "reason": why.reason,
+            "message": why.message,
+            "kernelId": kernel or status["kernelId"],
+        }
 
     async def connection(self, session: KernelSession) -> ConnectionInfo:
         return self._info((session.namespace, session.name))

@@ -130,12 +130,14 @@ async def test_a_dead_kernel_is_named_and_the_next_call_gets_a_fresh_one(
     assert (await runtime.get("s")).status["restarts"] >= 1
 
 
+@pytest.mark.parametrize("whose", ["its own", "another kernel's"])
 async def test_a_death_is_named_from_the_record_of_whoever_is_replacing_the_pod(
-    core: tuple[Gateway, ProcessRuntime],
+    core: tuple[Gateway, ProcessRuntime], whose: str
 ) -> None:
     """The supervisor found the kernel OOM-killed, recorded why and removed its pod, and
     the new pod is not up when the call looks: the call names the recorded cause, not only
-    a pod gone (once seen in CI under load)."""
+    a pod gone (once seen in CI under load); a record of another kernel's death is not
+    taken for this one's."""
     gateway, runtime = core
     started = asyncio.Event()
 
@@ -149,10 +151,14 @@ async def test_a_death_is_named_from_the_record_of_whoever_is_replacing_the_pod(
     )  # fmt: skip
     async with asyncio.timeout(DEADLINE):
         await started.wait()
-        runtime.replace_pod("s", termination_of(137, oom=True, memory_limit="256Mi"))
+        oom = termination_of(137, oom=True, memory_limit="256Mi")
+        runtime.replace_pod("s", oom, kernel="" if whose == "its own" else "another")
         died = await call
-    assert died.status == "died", died
-    assert died.message is not None and "ran out of memory (limit 256Mi)" in died.message, died
+    assert died.status == "died" and died.message is not None, died
+    if whose == "its own":
+        assert "ran out of memory (limit 256Mi)" in died.message, died
+    else:
+        assert "out of memory" not in died.message and "pod is gone" in died.message, died
     after = await gateway.execute("s", "print('x' in dir())")
     assert (after.status, after.stdout) == ("ok", "False\n")
 

@@ -212,11 +212,10 @@ class Gateway(Connections, WorkspaceCalls):
             if not await conn.heartbeat(s.heartbeat_timeout):
                 term = await self.runtime.termination(session)
                 if term is not None:
-                    why = term.message
-                    if term.reason == st.POD_MISSING:
-                        # The supervisor may be replacing it this moment (the old pod gone,
-                        # the new one not yet up): its record of the death says why.
-                        why = await self._recorded_death(session, started) or why
+                    # Whoever replaces it (the supervisor, the operator) may have removed its
+                    # pod, or made the next one, by now: its record of this kernel's death
+                    # says why, where the pod no longer can.
+                    why = await self._recorded_death(handle, session, started) or term.message
                     return await self._on_death(handle, session, collector, started, why)
             elif await self._replaced(handle, session):
                 # The heartbeat of a kernel restarted since (by the supervisor) answers on
@@ -231,17 +230,25 @@ class Gateway(Connections, WorkspaceCalls):
             return False  # deleted or unreadable: the next checks say so
         return kernel_of(now) != handle.kernel
 
-    async def _recorded_death(self, session: KernelSession, started: float) -> str | None:
-        """Why a kernel replaced during a call died, as recorded by whoever restarted it
-        (the supervisor or the operator), if it was recorded since the call began."""
+    async def _recorded_death(
+        self, handle: Handle, session: KernelSession, started: float
+    ) -> str | None:
+        """Why the call's kernel died, as recorded by whoever restarted it (the supervisor
+        or the operator), if it was: a record names its kernel (one without a name, of an
+        older writer, counts if it was written since the call began)."""
         try:
             fresh = await self.runtime.get(session.name, session.namespace)
         except ForgeError:
             return None
         last = fresh.status.get("lastTermination") or {}
+        if not last.get("message"):
+            return None
+        named = {last.get("kernelId"), last.get("podUID")} - {None, ""}
+        if named:
+            return str(last["message"]) if handle.kernel[1] in named else None
         at = parse_time(last.get("at"))
         began = time.time() - (time.monotonic() - started)
-        if at is None or at < began - 1 or not last.get("message"):  # "at" is in seconds
+        if at is None or at < began - 1:  # "at" is in seconds
             return None
         return str(last["message"])
 
@@ -380,10 +387,10 @@ class Gateway(Connections, WorkspaceCalls):
         started: float,
         why: str,
     ) -> ExecutionResult:
-        self._drop(handle)
         if why == REPLACED:
-            recorded = await self._recorded_death(session, started)
+            recorded = await self._recorded_death(handle, session, started)
             why = f"{recorded}; {REPLACED}" if recorded else why
+        self._drop(handle)
         message = f"the kernel died: {why}."
         try:
             after = await self.runtime.refresh(session)  # restarts it per restartPolicy
