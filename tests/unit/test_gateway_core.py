@@ -20,6 +20,7 @@ from mcp_forge.gateway import busy
 from mcp_forge.gateway.attach import silently
 from mcp_forge.gateway.core import Gateway
 from mcp_forge.jupyter.client import KernelConnection
+from mcp_forge.jupyter.execution import ExecutionResult
 from mcp_forge.runtimes.guard import STATE, guard_program
 from mcp_forge.settings import Settings
 from process_runtime import ProcessRuntime, process_runtime
@@ -94,10 +95,8 @@ async def test_a_timeout_interrupts_the_cell_and_the_kernel_keeps_its_state(
     assert (await gateway.execute("s", "print(kept)")).stdout == "yes\n"
 
 
-async def test_an_interrupt_stops_the_running_cell(
-    core: tuple[Gateway, ProcessRuntime],
-) -> None:
-    gateway, _ = core
+async def sleeping_cell(gateway: Gateway) -> asyncio.Task[ExecutionResult]:
+    """A call to session "s" whose cell sleeps a minute, once the cell has begun."""
     started = asyncio.Event()
 
     def seen(stream: str, text: str) -> None:
@@ -108,8 +107,16 @@ async def test_an_interrupt_stops_the_running_cell(
         gateway.execute("s", "import time\nprint('sleeping', flush=True)\ntime.sleep(60)",
                         on_stream=seen)
     )  # fmt: skip
+    await started.wait()
+    return call
+
+
+async def test_an_interrupt_stops_the_running_cell(
+    core: tuple[Gateway, ProcessRuntime],
+) -> None:
+    gateway, _ = core
     async with asyncio.timeout(DEADLINE):
-        await started.wait()
+        call = await sleeping_cell(gateway)
         assert await gateway.interrupt("s")
         result = await call
     assert result.status in ("error", "interrupted"), result
@@ -139,18 +146,8 @@ async def test_a_death_is_named_from_the_record_of_whoever_is_replacing_the_pod(
     a pod gone (once seen in CI under load); a record of another kernel's death is not
     taken for this one's."""
     gateway, runtime = core
-    started = asyncio.Event()
-
-    def seen(stream: str, text: str) -> None:
-        if "sleeping" in text:
-            started.set()
-
-    call = asyncio.create_task(
-        gateway.execute("s", "import time\nprint('sleeping', flush=True)\ntime.sleep(60)",
-                        on_stream=seen)
-    )  # fmt: skip
     async with asyncio.timeout(DEADLINE):
-        await started.wait()
+        call = await sleeping_cell(gateway)
         oom = termination_of(137, oom=True, memory_limit="256Mi")
         runtime.replace_pod("s", oom, kernel="" if whose == "its own" else "another")
         died = await call
